@@ -1,0 +1,5 @@
+import sys
+
+from canzona.cli import main
+
+sys.exit(main())

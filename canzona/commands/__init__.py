@@ -1,0 +1,1 @@
+"""Subcommands of the ``canzona`` CLI, one module each (see :mod:`canzona.cli`)."""

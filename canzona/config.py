@@ -1,0 +1,178 @@
+"""Model configurations: the shape facts a plan is built from.
+
+A config file under ``data/models/`` is JSON with Hugging Face ``config.json`` key names, plus a
+``name`` and a ``sources`` map (key -> where the number comes from). Files are data: they are parsed
+strictly (unknown keys, wrong types and non-positive sizes are errors), never executed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ModelConfig",
+    "MoEConfig",
+    "ConfigError",
+    "DATA_DIR",
+    "MODELS_DIR",
+    "available_models",
+    "load_model_config",
+]
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+MODELS_DIR = DATA_DIR / "models"
+
+
+class ConfigError(ValueError):
+    """A model config that cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Mixture-of-experts part of a Qwen3-MoE config (every layer is an MoE layer)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"moe.{f.name} must be a positive integer, got {v!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError("moe.num_experts_per_tok cannot exceed moe.num_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A Qwen3-architecture decoder (dense or MoE). Field names follow Hugging Face ``config.json``."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    moe: MoEConfig | None = None
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        ints = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        )
+        for key in ints:
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{self.name}: {key} must be a positive integer, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"{self.name}: tie_word_embeddings must be true or false")
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"{self.name}: {key} must be a positive number, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{self.name}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("moe", "sources")}
+        if self.moe is not None:
+            out["moe"] = {f.name: getattr(self.moe, f.name) for f in fields(self.moe)}
+        out["sources"] = dict(self.sources)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, origin: str = "<dict>") -> ModelConfig:
+        """Build a config from parsed JSON, rejecting unknown keys and wrong types."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: a model config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)}")
+        required = [
+            "name",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "tie_word_embeddings",
+        ]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ConfigError(f"{origin}: missing key(s) {', '.join(missing)}")
+        if not isinstance(data["name"], str) or not data["name"]:
+            raise ConfigError(f"{origin}: name must be a non-empty string")
+        kwargs = dict(data)
+        moe = kwargs.pop("moe", None)
+        if moe is not None:
+            if not isinstance(moe, dict):
+                raise ConfigError(f"{origin}: moe must be an object")
+            moe_known = {f.name for f in fields(MoEConfig)}
+            if set(moe) != moe_known:
+                raise ConfigError(f"{origin}: moe must have exactly the keys {', '.join(sorted(moe_known))}")
+            try:
+                kwargs["moe"] = MoEConfig(**moe)
+            except ConfigError as exc:
+                raise ConfigError(f"{origin}: {exc}") from None
+        sources = kwargs.pop("sources", {})
+        if not isinstance(sources, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
+            raise ConfigError(f"{origin}: sources must map keys to strings")
+        kwargs["sources"] = tuple(sorted(sources.items()))
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
+
+
+def available_models() -> list[str]:
+    """Names of the model configs shipped under ``data/models/``."""
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    """Load a shipped model by name (``qwen3-32b``) or a config file by path.
+
+    Raises :class:`ConfigError` with one readable line for an unknown name or a malformed file.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        candidate = MODELS_DIR / f"{str(name_or_path).lower()}.json"
+        if not candidate.exists():
+            raise ConfigError(
+                f"unknown model {str(name_or_path)!r}; available: {', '.join(available_models())} (or a path to a .json config)"
+            )
+        path = candidate
+    if not path.is_file():
+        raise ConfigError(f"model config file not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    return ModelConfig.from_dict(data, origin=str(path))

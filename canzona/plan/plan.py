@@ -1,0 +1,433 @@
+"""The frozen Plan: what the offline planner decides and the runtime executes.
+
+A plan is pure data, deterministic for its inputs, validates itself on construction, round-trips
+through a versioned JSON document (``schema`` = ``canzona.plan``, ``version`` = 1) and carries a
+fingerprint that every rank compares before the first step.
+
+Geometry conventions (all sizes in elements of the TP-local shard, which is what a TP rank's
+ZeRO-1 buffer holds):
+
+- ``Bucket.start`` is the bucket's offset in the flat buffer, ``Bucket.numel`` its size.
+- ``Bucket.cuts`` has ``dp + 1`` monotone cut points relative to the bucket start
+  (``cuts[0] == 0``, ``cuts[-1] == numel``); DP rank ``r`` owns ``[cuts[r], cuts[r+1])`` and the
+  bucket's reduce-scatter / all-gather use those split sizes (Section 3.1). Strategies that
+  all-reduce whole buckets (``sc``, ``layerwise``) have no cuts (an empty tuple).
+- ``ParamPlan.offset`` is the parameter's offset inside its bucket.
+- ``ParamPlan.dp_owner`` is the DP rank that updates the whole parameter; it is None when the
+  parameter is cut (then ``dp_ranges`` lists ``(rank, start, end)`` element ranges of the flattened
+  local shard) and for ``sc`` (every rank updates every parameter; ``dp_ranges`` is empty).
+- ``ParamPlan.tp_host`` is the TP rank hosting a TP-split matrix parameter's full update and its
+  optimizer state (Section 4.1), ``micro_group`` the index of its group in
+  ``micro_groups[dp_owner]``. Both are None for parameters not handled by micro-groups
+  (replicated parameters, element-wise parameters, and TP schedule ``sync`` where every TP rank
+  recomputes every update).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from canzona.specs import ParamSpec
+
+__all__ = [
+    "SCHEMA",
+    "VERSION",
+    "STRATEGIES",
+    "PAPER_STRATEGIES",
+    "TP_SCHEDULES",
+    "COSTS",
+    "FLOPS_SHAPES",
+    "PlanError",
+    "PlanInputs",
+    "ParamPlan",
+    "Bucket",
+    "MicroGroup",
+    "Metrics",
+    "Plan",
+]
+
+SCHEMA = "canzona.plan"
+VERSION = 1
+#: DP strategy names, one name per strategy everywhere (CLI, JSON, NVTX ranges, notebooks).
+#: ``lb-asc-joint`` is canzona's planner beyond the paper (FLOPs and memory balanced together).
+STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc", "lb-asc-joint")
+PAPER_STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc")
+#: TP schedules: ``lpt`` (Algorithm 2 micro-groups), ``round-robin`` (ASC baseline hosts),
+#: ``no-fuse`` (one task per group, the fusion ablation), ``sync`` (all-gather, every TP rank
+#: recomputes: the SC baseline).
+TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync")
+COSTS: tuple[str, ...] = ("numel", "memory", "flops")
+FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
+
+
+class PlanError(ValueError):
+    """An inconsistent plan or plan document; the message says which invariant broke."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise PlanError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """Everything a plan is a function of (besides the parameter specs)."""
+
+    model: str
+    layout: str
+    dp: int
+    tp: int
+    optimizer: str
+    strategy: str
+    tp_schedule: str
+    bucket_numel: int
+    alpha: float = 1.0
+    cost: str = "numel"
+    flops_shape: str = "full"
+    cmax_bytes: int = 512 * 2**20
+    grad_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.dp, int) and self.dp >= 1, f"dp must be an integer >= 1, got {self.dp!r}")
+        _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be an integer >= 1, got {self.tp!r}")
+        _check(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        _check(self.tp_schedule in TP_SCHEDULES, f"unknown TP schedule {self.tp_schedule!r}; choose one of {', '.join(TP_SCHEDULES)}")
+        _check(self.cost in COSTS, f"unknown cost model {self.cost!r}; choose one of {', '.join(COSTS)}")
+        _check(self.flops_shape in FLOPS_SHAPES, f"flops_shape must be one of {', '.join(FLOPS_SHAPES)}")
+        _check(
+            isinstance(self.alpha, (int, float)) and 0.0 <= float(self.alpha) <= 1.0,
+            f"alpha must be in [0, 1], got {self.alpha!r}",
+        )
+        _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "bucket_numel must be a positive integer")
+        _check(isinstance(self.cmax_bytes, int) and self.cmax_bytes >= 1, "cmax_bytes must be a positive integer")
+        _check(self.grad_bytes in (2, 4, 8), "grad_bytes must be 2, 4 or 8")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPlan:
+    """Where one parameter lives in the buffer and who updates it."""
+
+    spec: ParamSpec
+    bucket: int
+    offset: int
+    dp_owner: int | None
+    dp_ranges: tuple[tuple[int, int, int], ...] = ()
+    tp_host: int | None = None
+    micro_group: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def numel(self) -> int:
+        """Elements in the buffer (the TP-local shard)."""
+        return self.spec.local_numel
+
+    def owners(self) -> tuple[int, ...]:
+        """DP ranks that update some part of this parameter (empty for ``sc``: all of them)."""
+        if self.dp_owner is not None:
+            return (self.dp_owner,)
+        return tuple(sorted({r for r, _, _ in self.dp_ranges}))
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One ZeRO-1 bucket: a contiguous slice of the flat buffer, its parameters and its DP cut points."""
+
+    index: int
+    start: int
+    numel: int
+    params: tuple[str, ...]
+    cuts: tuple[int, ...] = ()
+
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Elements each DP rank receives from this bucket's reduce-scatter (empty without cuts)."""
+        return tuple(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class MicroGroup:
+    """One TP micro-group (Algorithm 2): tasks exchanged by one fused all-to-all each way."""
+
+    index: int
+    params: tuple[str, ...]
+    hosts: tuple[int, ...]
+    loads: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _check(len(self.params) == len(self.hosts), f"micro-group {self.index}: params and hosts differ in length")
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """Balance metrics (R_LB = max/mean) and objectives of Section 3.2; ``details`` holds
+    JSON-serializable extras (per-rank loads, per-bucket communication balance, makespans)."""
+
+    dp_memory_ratio: float
+    dp_flops_ratio: float
+    tp_memory_ratio: float
+    tp_flops_ratio: float
+    j_dp: float
+    j_comm: float
+    plan_seconds: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated, deterministic partition plan for one (model, dp, tp, optimizer, strategy)."""
+
+    inputs: PlanInputs
+    params: tuple[ParamPlan, ...]
+    buckets: tuple[Bucket, ...]
+    micro_groups: tuple[tuple[MicroGroup, ...], ...]
+    metrics: Metrics
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------- lookups
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def by_name(self) -> dict[str, ParamPlan]:
+        return {p.name: p for p in self.params}
+
+    @property
+    def specs(self) -> tuple[ParamSpec, ...]:
+        return tuple(p.spec for p in self.params)
+
+    def buffer_order(self) -> Iterator[ParamPlan]:
+        """Parameters in flat-buffer order (bucket, then offset)."""
+        return iter(sorted(self.params, key=lambda p: (p.bucket, p.offset)))
+
+    @property
+    def buffer_numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    # ----------------------------------------------------------------------------- invariants
+    def validate(self) -> None:
+        """Check the invariants every runtime relies on; raise :class:`PlanError` naming the first broken one.
+
+        - buckets tile the buffer contiguously and hold exactly their parameters, back to back;
+        - cut points are monotone, span the bucket and exist exactly for reduce-scatter strategies;
+        - every element of every bucket is covered exactly once by its owners;
+        - matrix parameters are atomic (one owner) under every strategy but ``zero1`` and ``sc``;
+        - each TP-split matrix parameter of a micro-group schedule is in exactly one group of its
+          owner, hosted on a valid TP rank.
+        """
+        inp = self.inputs
+        dp, tp = inp.dp, inp.tp
+        names = [p.name for p in self.params]
+        _check(len(set(names)) == len(names), "duplicate parameter names in plan")
+        by_name = {p.name: p for p in self.params}
+        reduce_scatter = inp.strategy not in ("sc", "layerwise")
+        pos = 0
+        placed: set[str] = set()
+        for i, b in enumerate(self.buckets):
+            _check(b.index == i, f"bucket {i} has index {b.index}")
+            _check(b.start == pos, f"bucket {i} starts at {b.start}, expected {pos}")
+            _check(b.numel >= 1 and b.params, f"bucket {i} is empty")
+            off = 0
+            for n in b.params:
+                _check(n in by_name, f"bucket {i} lists unknown parameter {n!r}")
+                p = by_name[n]
+                _check(p.bucket == i and p.offset == off, f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
+                _check(n not in placed, f"{n} appears in two buckets")
+                placed.add(n)
+                off += p.numel
+            _check(off == b.numel, f"bucket {i}: parameters hold {off} elements, bucket says {b.numel}")
+            pos += b.numel
+            if reduce_scatter:
+                c = b.cuts
+                _check(len(c) == dp + 1, f"bucket {i}: {len(c)} cut points, expected dp + 1 = {dp + 1}")
+                _check(c[0] == 0 and c[-1] == b.numel, f"bucket {i}: cuts must start at 0 and end at {b.numel}")
+                _check(all(x <= y for x, y in zip(c, c[1:])), f"bucket {i}: cut points are not monotone: {c}")
+            else:
+                _check(b.cuts == (), f"bucket {i}: strategy {inp.strategy} all-reduces whole buckets and has no cuts")
+        _check(placed == set(names), "some parameters are in no bucket")
+
+        for p in self.params:
+            b = self.buckets[p.bucket]
+            if inp.strategy == "sc":
+                _check(p.dp_owner is None and not p.dp_ranges, f"{p.name}: sc plans have no owners")
+                continue
+            if p.dp_owner is not None:
+                _check(0 <= p.dp_owner < dp, f"{p.name}: owner {p.dp_owner} outside dp={dp}")
+                _check(not p.dp_ranges, f"{p.name}: has both an owner and ranges")
+                if reduce_scatter:
+                    lo, hi = b.cuts[p.dp_owner], b.cuts[p.dp_owner + 1]
+                    _check(
+                        lo <= p.offset and p.offset + p.numel <= hi,
+                        f"{p.name}: owner {p.dp_owner} holds [{lo}, {hi}) but the parameter spans [{p.offset}, {p.offset + p.numel})",
+                    )
+            else:
+                _check(reduce_scatter, f"{p.name}: {inp.strategy} needs one owner per parameter")
+                _check(bool(p.dp_ranges), f"{p.name}: no owner and no ranges")
+                _check(
+                    inp.strategy == "zero1" or p.spec.kind == "elementwise",
+                    f"{p.name}: matrix parameters must be atomic under {inp.strategy}",
+                )
+                expect = 0
+                for r, s, e in p.dp_ranges:
+                    _check(s == expect and e > s, f"{p.name}: ranges {p.dp_ranges} do not tile the parameter")
+                    _check(0 <= r < dp, f"{p.name}: range owner {r} outside dp={dp}")
+                    lo, hi = b.cuts[r], b.cuts[r + 1]
+                    _check(lo <= p.offset + s and p.offset + e <= hi, f"{p.name}: range {(r, s, e)} outside rank {r}'s cut")
+                    expect = e
+                _check(expect == p.numel, f"{p.name}: ranges cover {expect} of {p.numel} elements")
+
+        grouped = inp.tp > 1 and inp.tp_schedule != "sync" and inp.strategy != "zero1"
+        _check(
+            len(self.micro_groups) in ((dp,) if grouped else (0, dp)),
+            f"micro_groups must have one entry per DP rank ({dp})",
+        )
+        seen: set[str] = set()
+        for r, groups in enumerate(self.micro_groups):
+            for k, g in enumerate(groups):
+                _check(g.index == k, f"dp rank {r}: micro-group {k} has index {g.index}")
+                _check(len(g.loads) == tp, f"dp rank {r} group {k}: loads must have one entry per TP rank")
+                for n, h in zip(g.params, g.hosts):
+                    _check(n in by_name, f"micro-group lists unknown parameter {n!r}")
+                    p = by_name[n]
+                    _check(n not in seen, f"{n} is in two micro-groups")
+                    seen.add(n)
+                    _check(0 <= h < tp, f"{n}: host {h} outside tp={tp}")
+                    _check(p.tp_host == h and p.micro_group == k, f"{n}: tp_host/micro_group disagree with group {k}")
+                    _check(inp.strategy == "sc" or p.dp_owner == r, f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
+        for p in self.params:
+            needs_group = grouped and p.spec.kind == "matrix" and p.spec.tp_split
+            if needs_group:
+                _check(p.name in seen, f"{p.name}: TP-split matrix parameter in no micro-group")
+            else:
+                _check(p.tp_host is None and p.micro_group is None, f"{p.name}: has a TP host but needs none")
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The versioned plan document (see README, "Plan documents")."""
+        inp = self.inputs
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
+            "params": [
+                {
+                    "name": p.name,
+                    "shape": list(p.spec.shape),
+                    "local_shape": list(p.spec.local_shape),
+                    "tp_dim": p.spec.tp_dim,
+                    "kind": p.spec.kind,
+                    "bucket": p.bucket,
+                    "offset": p.offset,
+                    "numel": p.numel,
+                    "dp_owner": p.dp_owner,
+                    "dp_ranges": [list(r) for r in p.dp_ranges],
+                    "tp_host": p.tp_host,
+                    "micro_group": p.micro_group,
+                }
+                for p in self.params
+            ],
+            "buckets": [
+                {"index": b.index, "start": b.start, "numel": b.numel, "cuts": list(b.cuts), "params": list(b.params)}
+                for b in self.buckets
+            ],
+            "micro_groups": {
+                str(r): [
+                    {"index": g.index, "params": list(g.params), "hosts": list(g.hosts), "loads": list(g.loads)}
+                    for g in groups
+                ]
+                for r, groups in enumerate(self.micro_groups)
+            },
+            "metrics": {
+                **{f.name: getattr(self.metrics, f.name) for f in fields(self.metrics) if f.name != "details"},
+                "details": dict(self.metrics.details),
+            },
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the plan's decisions (inputs, geometry, owners, hosts); metrics excluded."""
+        doc = {
+            "inputs": {f.name: getattr(self.inputs, f.name) for f in fields(self.inputs)},
+            "params": [
+                [p.name, list(p.spec.shape), p.spec.tp_dim, p.spec.tp, p.spec.kind, p.bucket, p.offset, p.dp_owner,
+                 [list(r) for r in p.dp_ranges], p.tp_host, p.micro_group]
+                for p in self.params
+            ],
+            "buckets": [[b.start, b.numel, list(b.cuts), list(b.params)] for b in self.buckets],
+            "groups": [[[list(g.params), list(g.hosts)] for g in gs] for gs in self.micro_groups],
+        }
+        blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Plan:
+        """Rebuild a plan from its document, strictly: wrong schema, version or shape is a PlanError."""
+        _check(isinstance(doc, dict), "a plan document must be a JSON object")
+        _check(doc.get("schema") == SCHEMA, f"not a plan document (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
+        _check(doc.get("version") == VERSION, f"unsupported plan version {doc.get('version')!r} (this canzona reads {VERSION})")
+        try:
+            inputs = PlanInputs(**doc["inputs"])
+            tp = inputs.tp
+            params = tuple(
+                ParamPlan(
+                    spec=ParamSpec(
+                        q["name"], tuple(q["shape"]), q["kind"], q["tp_dim"], tp
+                    ),
+                    bucket=int(q["bucket"]),
+                    offset=int(q["offset"]),
+                    dp_owner=q["dp_owner"],
+                    dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
+                    tp_host=q["tp_host"],
+                    micro_group=q["micro_group"],
+                )
+                for q in doc["params"]
+            )
+            buckets = tuple(
+                Bucket(int(b["index"]), int(b["start"]), int(b["numel"]), tuple(b["params"]), tuple(int(c) for c in b["cuts"]))
+                for b in doc["buckets"]
+            )
+            mg = doc["micro_groups"]
+            groups = tuple(
+                tuple(
+                    MicroGroup(int(g["index"]), tuple(g["params"]), tuple(int(h) for h in g["hosts"]), tuple(float(x) for x in g["loads"]))
+                    for g in mg[str(r)]
+                )
+                for r in range(len(mg))
+            )
+            m = dict(doc["metrics"])
+            metrics = Metrics(**m)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan document: {type(exc).__name__}: {exc}") from None
+        plan = cls(inputs, params, buckets, groups, metrics)
+        if "fingerprint" in doc:
+            _check(doc["fingerprint"] == plan.fingerprint, "plan document fingerprint does not match its contents")
+        return plan
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Plan:
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PlanError(f"plan file not found: {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(doc)

@@ -1,0 +1,176 @@
+"""Collectives with byte accounting: the only place the runtime talks to torch.distributed.
+
+Every call files the bytes this rank sends and receives under the phase that is open when the
+call is made (:func:`canzona.runtime.phases.current_phase`, suffix stripped), so tests and
+benchmarks can check the paper's structural claims: ``lb-asc`` moves a reduce-scatter's worth of
+bytes in fwd-bwd, half of ``sc``'s all-reduce, and nothing inside its optimizer step.
+
+Byte counts are *logical point-to-point volumes* of a direct algorithm, independent of how the
+backend routes them (ring, tree, NVLink SHARP): for a buffer of N elements split into shards
+S_0..S_{R-1}, a reduce-scatter makes rank r send N - S_r elements and receive (R-1) S_r; an
+all-gather is the reverse; an all-reduce is a reduce-scatter plus an all-gather over equal shards
+(2 N (R-1)/R each way, the textbook figure). Self-copies are free.
+
+Gloo lacks uneven list-form all_gather / all_to_all, so uneven all-gathers go through
+``all_to_all_single`` with split sizes; uneven reduce-scatters use the list form, which gloo
+supports. Ranks are group-local everywhere in this API.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from canzona.runtime.phases import base_phase, current_phase
+
+__all__ = ["CommStats", "Comm", "even_sizes"]
+
+UNPHASED = "unphased"
+
+
+def even_sizes(n: int, parts: int) -> list[int]:
+    """Split n elements into ``parts`` contiguous sizes differing by at most one (first ones larger)."""
+    q, r = divmod(n, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+@dataclass
+class CommStats:
+    """Bytes sent / received and collective calls per base phase name, for one rank."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    recv: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, sent: int, recv: int) -> None:
+        key = base_phase(current_phase() or UNPHASED)
+        self.sent[key] += int(sent)
+        self.recv[key] += int(recv)
+        self.calls[key] += 1
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.recv.clear()
+        self.calls.clear()
+
+    def phases(self) -> list[str]:
+        return sorted(set(self.sent) | set(self.recv))
+
+    def total_sent(self, *phases: str) -> int:
+        return sum(v for k, v in self.sent.items() if not phases or k in phases)
+
+    def total_recv(self, *phases: str) -> int:
+        return sum(v for k, v in self.recv.items() if not phases or k in phases)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: {"sent": self.sent.get(k, 0), "recv": self.recv.get(k, 0), "calls": self.calls.get(k, 0)} for k in self.phases()}
+
+
+class Comm:
+    """Collectives over one process group (None: the default group), counted into ``stats``."""
+
+    def __init__(self, group: Any = None, stats: CommStats | None = None) -> None:
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _check_sizes(self, sizes: Sequence[int], total: int, what: str) -> list[int]:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.size or any(s < 0 for s in sizes) or sum(sizes) != total:
+            raise ValueError(f"{what}: split sizes {sizes} do not match {self.size} ranks and {total} elements")
+        return sizes
+
+    # --------------------------------------------------------------------------------- reductions
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool = False) -> Any:
+        """In-place sum over the group."""
+        n, es = t.numel(), t.element_size()
+        shards = even_sizes(n, self.size)
+        own = shards[self.rank]
+        moved = (n - own) + (self.size - 1) * own
+        self.stats.record(moved * es, moved * es)
+        if self.size == 1:
+            return None
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def reduce_scatter_v(self, flat: torch.Tensor, sizes: Sequence[int], *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
+        """Sum ``flat`` over the group; rank r receives the r-th slice of ``sizes`` (which may be uneven or 0)."""
+        sizes = self._check_sizes(sizes, flat.numel(), "reduce_scatter_v")
+        es, own = flat.element_size(), sizes[self.rank]
+        self.stats.record((flat.numel() - own) * es, (self.size - 1) * own * es)
+        pieces = list(flat.split(sizes))
+        if self.size == 1:
+            return pieces[0].clone(), None
+        out = torch.empty(own, dtype=flat.dtype, device=flat.device)
+        work = dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return out, work
+
+    # --------------------------------------------------------------------------------- gathers
+    def all_gather_v(
+        self, local: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """Concatenate every rank's 1-D ``local`` (rank r contributes ``sizes[r]`` elements) on every rank."""
+        total = sum(int(s) for s in sizes)
+        sizes = self._check_sizes(sizes, total, "all_gather_v")
+        if local.numel() != sizes[self.rank]:
+            raise ValueError(f"all_gather_v: local shard has {local.numel()} elements, sizes say {sizes[self.rank]}")
+        es = local.element_size()
+        self.stats.record((self.size - 1) * local.numel() * es, (total - local.numel()) * es)
+        if out is None:
+            out = torch.empty(total, dtype=local.dtype, device=local.device)
+        if self.size == 1:
+            out.copy_(local.reshape(-1))
+            return out, None
+        if len(set(sizes)) == 1:
+            work = dist.all_gather_into_tensor(out, local.reshape(-1).contiguous(), group=self.group, async_op=async_op)
+            return out, work
+        send = local.reshape(-1).repeat(self.size)
+        work = dist.all_to_all_single(
+            out, send, output_split_sizes=sizes, input_split_sizes=[local.numel()] * self.size, group=self.group, async_op=async_op
+        )
+        return out, work
+
+    def all_gather_equal(self, local: torch.Tensor, *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
+        """All-gather equal-size tensors; returns a flat tensor of ``size * local.numel()`` elements in rank order."""
+        return self.all_gather_v(local.reshape(-1), [local.numel()] * self.size, async_op=async_op)
+
+    def all_to_all_v(
+        self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], *, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """One fused exchange: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[j]`` come from rank j."""
+        send_sizes = self._check_sizes(send_sizes, send.numel(), "all_to_all_v (send)")
+        recv_sizes = [int(s) for s in recv_sizes]
+        recv_sizes = self._check_sizes(recv_sizes, sum(recv_sizes), "all_to_all_v (recv)")
+        es = send.element_size()
+        self.stats.record((send.numel() - send_sizes[self.rank]) * es, (sum(recv_sizes) - recv_sizes[self.rank]) * es)
+        out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        if self.size == 1:
+            out.copy_(send)
+            return out, None
+        work = dist.all_to_all_single(
+            out, send.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group, async_op=async_op
+        )
+        return out, work
+
+    def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
+        """Send ``t`` from group rank ``src`` to every rank in place (direct volume: src sends R-1 copies)."""
+        nbytes = t.numel() * t.element_size()
+        if self.rank == src:
+            self.stats.record((self.size - 1) * nbytes, 0)
+        else:
+            self.stats.record(0, nbytes)
+        if self.size == 1:
+            return None
+        return dist.broadcast(t, src=self._global(src), group=self.group, async_op=async_op)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
