@@ -162,7 +162,10 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
     Raises :class:`ConfigError` with one readable line for an unknown name or a malformed file.
     """
     path = Path(name_or_path)
-    if not path.suffix:
+    # A shipped name like "qwen3-0.6b" has a dot but is not a path: only names ending in .json or
+    # containing a directory separator are files.
+    text = str(name_or_path)
+    if not (text.endswith(".json") or "/" in text or "\\" in text or path.is_file()):
         candidate = MODELS_DIR / f"{str(name_or_path).lower()}.json"
         if not candidate.exists():
             raise ConfigError(

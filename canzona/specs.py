@@ -105,7 +105,10 @@ class ParamSpec:
 
     @property
     def local_numel(self) -> int:
-        return math.prod(self.local_shape)
+        # same value as prod(local_shape) (the split dim divides by tp, checked above) without
+        # building the shape tuple: Plan.validate asks for it several times per parameter
+        n = math.prod(self.shape)
+        return n // self.tp if self.tp_dim is not None and self.tp > 1 else n
 
     @property
     def layer(self) -> int | None:

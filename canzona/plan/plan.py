@@ -59,8 +59,9 @@ STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc", "lb-
 PAPER_STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc")
 #: TP schedules: ``lpt`` (Algorithm 2 micro-groups), ``round-robin`` (ASC baseline hosts),
 #: ``no-fuse`` (one task per group, the fusion ablation), ``sync`` (all-gather, every TP rank
-#: recomputes: the SC baseline).
-TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync")
+#: recomputes: the SC baseline), ``lpt-carry`` (canzona's variant of Algorithm 2 whose
+#: MinHeapSolver breaks ties by the load hosts carry from earlier groups).
+TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync", "lpt-carry")
 COSTS: tuple[str, ...] = ("numel", "memory", "flops")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
 

@@ -1,0 +1,53 @@
+"""The offline planner: ZeRO-1 buffer geometry, DP partitions (Section 3) and TP micro-groups
+(Section 4) as one frozen, validated, serialisable :class:`Plan`.
+
+``make_plan(specs, inputs)`` plans any list of :class:`canzona.specs.ParamSpec`;
+``plan_model("qwen3-32b", dp=32, tp=8)`` plans a shipped model config. Pure Python + numpy: no
+torch.distributed, no devices, milliseconds for a 32B model.
+"""
+
+from __future__ import annotations
+
+from canzona.plan.build import (
+    DEFAULT_CMAX_BYTES,
+    default_bucket_numel,
+    default_tp_schedule,
+    make_plan,
+    plan_model,
+    resolve_model,
+)
+from canzona.plan.plan import (
+    COSTS,
+    FLOPS_SHAPES,
+    PAPER_STRATEGIES,
+    STRATEGIES,
+    TP_SCHEDULES,
+    Bucket,
+    Metrics,
+    MicroGroup,
+    ParamPlan,
+    Plan,
+    PlanError,
+    PlanInputs,
+)
+
+__all__ = [
+    "Plan",
+    "PlanInputs",
+    "ParamPlan",
+    "Bucket",
+    "MicroGroup",
+    "Metrics",
+    "PlanError",
+    "STRATEGIES",
+    "PAPER_STRATEGIES",
+    "TP_SCHEDULES",
+    "COSTS",
+    "FLOPS_SHAPES",
+    "DEFAULT_CMAX_BYTES",
+    "make_plan",
+    "plan_model",
+    "default_bucket_numel",
+    "default_tp_schedule",
+    "resolve_model",
+]

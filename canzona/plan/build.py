@@ -1,0 +1,278 @@
+"""Planner front end: parameter specs + inputs -> a validated :class:`Plan`.
+
+Pipeline (pure, offline, milliseconds): buffer geometry (:mod:`.buckets`) -> DP partition
+(:mod:`.dp`, Section 3) -> TP micro-groups per DP rank (:mod:`.tp`, Section 4) -> metrics
+(:mod:`.metrics`). ``plan_seconds`` measures the whole pipeline up to the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from canzona.config import MODELS_DIR, ModelConfig, available_models, load_model_config
+from canzona.cost import OPTIMIZERS, cost_arrays, matrix_flops, state_bytes
+from canzona.plan import dp as dpmod
+from canzona.plan.buckets import default_bucket_numel, layout_buffer
+from canzona.plan.metrics import LoadVectors, compute_metrics
+from canzona.plan.plan import (
+    Bucket,
+    MicroGroup,
+    ParamPlan,
+    Plan,
+    PlanError,
+    PlanInputs,
+)
+from canzona.plan.tp import Group, Task, schedule_tasks
+from canzona.specs import ParamSpec, specs_from_config
+
+__all__ = [
+    "DEFAULT_CMAX_BYTES",
+    "default_bucket_numel",
+    "default_tp_schedule",
+    "resolve_model",
+    "make_plan",
+    "plan_model",
+]
+
+#: Section 4.2 / Appendix C.6: fused all-to-all performance plateaus around C_max = 512 MB
+DEFAULT_CMAX_BYTES = 512 * 2**20
+
+_DEFAULT_SCHEDULE = {
+    "lb-asc": "lpt",
+    "lb-asc-joint": "lpt",
+    "asc": "round-robin",
+    "sc": "sync",
+    "layerwise": "sync",
+    "zero1": "sync",
+}
+
+
+def default_tp_schedule(strategy: str) -> str:
+    """The TP schedule each DP strategy runs with in the paper's comparison: Canzona (lb-asc) uses
+    Algorithm 2 micro-groups, ASC round-robin hosts, SC / NV-layerwise / ZeRO-1 synchronous TP."""
+    try:
+        return _DEFAULT_SCHEDULE[strategy]
+    except KeyError:
+        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(_DEFAULT_SCHEDULE)}") from None
+
+
+def resolve_model(model: str | Path | ModelConfig) -> ModelConfig:
+    """A shipped model name (``qwen3-32b``, ``qwen3-0.6b``), a path to a config JSON, or a config."""
+    if isinstance(model, ModelConfig):
+        return model
+    text = str(model)
+    # shipped names may contain dots (qwen3-0.6b), which a path suffix test would mistake for a file
+    if text.lower() in available_models():
+        return load_model_config(MODELS_DIR / f"{text.lower()}.json")
+    return load_model_config(model)
+
+
+def _task_metric(spec: ParamSpec, optimizer: str, flops_shape: str) -> tuple[float, float, float]:
+    """(flops, state bytes, numel) of a TP task as its host runs it (full shape, or the shard
+    shape under the paper's ``local`` accounting)."""
+    shape = spec.shape if flops_shape == "full" else spec.local_shape
+    numel = spec.numel if flops_shape == "full" else spec.local_numel
+    return float(matrix_flops(optimizer, shape)), float(state_bytes(optimizer, shape)), float(numel)
+
+
+def _task_cost(spec: ParamSpec, cost: str, optimizer: str, flops_shape: str) -> float:
+    """W(p) of a TP task (Algorithm 2) in the cost model's units, on the host's shape."""
+    f, m, n = _task_metric(spec, optimizer, flops_shape)
+    return {"numel": n, "flops": f, "memory": m}[cost]
+
+
+def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
+    """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
+
+    Raises :class:`PlanError` for inconsistent inputs (unknown optimizer, specs built for another
+    tp, a TP schedule the strategy cannot run). A task whose full gradient alone exceeds C_max gets
+    a micro-group of its own and one warning per plan names it.
+    """
+    t0 = time.perf_counter()
+    inp = inputs
+    specs = list(specs)
+    if not specs:
+        raise PlanError("cannot plan a model without parameters")
+    if inp.optimizer not in OPTIMIZERS:
+        raise PlanError(f"unknown optimizer {inp.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    for s in specs:
+        if s.tp_dim is not None and s.tp != inp.tp:
+            raise PlanError(f"{s.name}: spec built for tp={s.tp} but the plan has tp={inp.tp}")
+    if inp.strategy in ("sc", "zero1") and inp.tp_schedule != "sync" and inp.tp > 1:
+        raise PlanError(
+            f"strategy {inp.strategy} recomputes or cuts every update, so its TP schedule must be 'sync', got {inp.tp_schedule!r}"
+        )
+    dp, tp = inp.dp, inp.tp
+    layout = layout_buffer(specs, inp.bucket_numel)
+    sp = [specs[i] for i in layout.order.tolist()]
+    opt, shape = inp.optimizer, inp.flops_shape
+    flops, memory = cost_arrays(sp, opt, shape)
+    numel = layout.numel.astype(np.float64)
+    if inp.cost == "numel":
+        cost = numel
+    elif inp.cost == "flops":
+        cost = flops
+    else:
+        cost = memory
+    loads = LoadVectors(cost=cost, flops=flops, memory=memory, numel=numel)
+
+    # ---- DP partition (Section 3)
+    st = inp.strategy
+    if st == "zero1":
+        a = dpmod.zero1(layout, dp)
+    elif st == "asc":
+        a = dpmod.asc(layout, dp)
+    elif st == "lb-asc":
+        a = dpmod.lb_asc(layout, dp, cost, float(inp.alpha))
+    elif st == "layerwise":
+        a = dpmod.layerwise(layout, dp, cost, [s.name for s in sp])
+    elif st == "sc":
+        a = dpmod.sc(layout, dp)
+    else:
+        a = dpmod.lb_asc_joint(layout, dp, flops, memory, np.array([s.kind == "elementwise" for s in sp]))
+    owner = a.owner
+    ranges: dict[int, tuple[tuple[int, int, int], ...]] = {}
+    if st != "sc":
+        for i in np.flatnonzero(owner < 0).tolist():
+            b = int(layout.bucket[i])
+            ranges[i] = dpmod.cut_ranges(a.cuts[b], int(layout.offset[i]), int(layout.numel[i]))
+            if sp[i].kind == "matrix" and st != "zero1":
+                raise PlanError(f"{sp[i].name}: {st} cut a matrix parameter (planner bug)")
+
+    # ---- TP micro-groups (Section 4), per DP rank
+    grouped = tp > 1 and inp.tp_schedule != "sync" and st != "zero1"
+    is_task = [s.kind == "matrix" and s.tp_split for s in sp]
+    task_avg: dict[str, tuple[float, float, float]] = {}
+    task_full: dict[str, tuple[float, float, float]] = {}
+    per_rank_tasks: list[list[Task]] = [[] for _ in range(dp)]
+    for i, s in enumerate(sp):
+        if not is_task[i]:
+            continue
+        task_avg[s.name] = (float(flops[i]), float(memory[i]), float(numel[i]))
+        task_full[s.name] = _task_metric(s, opt, shape)
+        task = Task(s.name, _task_cost(s, inp.cost, opt, shape), inp.grad_bytes * s.numel)
+        if st == "sc":
+            for r in range(dp):
+                per_rank_tasks[r].append(task)
+        elif owner[i] >= 0:
+            per_rank_tasks[int(owner[i])].append(task)
+    groups: list[list[Group]] = [[] for _ in range(dp)]
+    sync_tasks: list[list[str]] = [[] for _ in range(dp)]
+    host_of: dict[str, tuple[int, int]] = {}
+    if grouped:
+        oversize = sorted({t.name for ts in per_rank_tasks for t in ts if t.nbytes > inp.cmax_bytes})
+        if oversize:
+            warnings.warn(
+                f"{len(oversize)} task(s) exceed C_max = {inp.cmax_bytes} bytes of gathered gradient on their own "
+                f"(e.g. {oversize[0]}); each gets a micro-group of its own",
+                stacklevel=2,
+            )
+        for r in range(dp):
+            groups[r] = schedule_tasks(per_rank_tasks[r], tp, inp.tp_schedule, inp.cmax_bytes)
+            for k, g in enumerate(groups[r]):
+                for n, h in zip(g.names, g.hosts):
+                    host_of[n] = (h, k)
+    elif tp > 1:
+        for r in range(dp):
+            sync_tasks[r] = [t.name for t in per_rank_tasks[r]]
+
+    # ---- assemble
+    pos_of = np.empty(len(specs), dtype=np.int64)
+    pos_of[layout.order] = np.arange(len(specs))
+    bucket_l, offset_l, owner_l = layout.bucket.tolist(), layout.offset.tolist(), owner.tolist()
+    params = []
+    for j, s in enumerate(specs):
+        i = int(pos_of[j])
+        o = owner_l[i]
+        h, k = host_of.get(s.name, (None, None))
+        params.append(
+            ParamPlan(
+                spec=s,
+                bucket=bucket_l[i],
+                offset=offset_l[i],
+                dp_owner=o if o >= 0 else None,
+                dp_ranges=ranges.get(i, ()),
+                tp_host=h,
+                micro_group=k,
+            )
+        )
+    buckets = tuple(
+        Bucket(
+            index=b,
+            start=int(layout.bucket_start[b]),
+            numel=int(layout.bucket_numel[b]),
+            params=tuple(sp[i].name for i in range(i0, i1)),
+            cuts=a.cuts[b],
+        )
+        for b, (i0, i1) in enumerate(layout.bounds)
+    )
+    micro_groups = (
+        tuple(
+            tuple(MicroGroup(k, g.names, g.hosts, g.loads) for k, g in enumerate(groups[r])) for r in range(dp)
+        )
+        if grouped
+        else ()
+    )
+    plan_seconds = time.perf_counter() - t0
+    metrics = compute_metrics(
+        layout=layout,
+        cuts=a.cuts,
+        owner=owner,
+        ranges=ranges,
+        loads=loads,
+        dp=dp,
+        tp=tp,
+        everyone=(st == "sc"),
+        groups=groups,
+        sync_tasks=sync_tasks,
+        task_avg=task_avg,
+        task_full=task_full,
+        plan_seconds=plan_seconds,
+    )
+    return Plan(inp, tuple(params), buckets, micro_groups, metrics)
+
+
+def plan_model(
+    model: str | Path | ModelConfig,
+    *,
+    dp: int,
+    tp: int = 1,
+    layout: str = "megatron",
+    optimizer: str = "muon",
+    strategy: str = "lb-asc",
+    alpha: float = 1.0,
+    cost: str = "numel",
+    flops_shape: str = "full",
+    cmax_bytes: int = DEFAULT_CMAX_BYTES,
+    bucket_numel: int | None = None,
+    tp_schedule: str | None = None,
+    grad_bytes: int = 4,
+) -> Plan:
+    """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`."""
+    cfg = resolve_model(model)
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise PlanError(f"dp must be an integer >= 1, got {dp!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise PlanError(f"tp must be an integer >= 1, got {tp!r}")
+    specs = specs_from_config(cfg, tp=tp, layout=layout)
+    inputs = PlanInputs(
+        model=cfg.name,
+        layout=layout,
+        dp=dp,
+        tp=tp,
+        optimizer=optimizer,
+        strategy=strategy,
+        tp_schedule=tp_schedule if tp_schedule is not None else default_tp_schedule(strategy),
+        bucket_numel=bucket_numel if bucket_numel is not None else default_bucket_numel(dp),
+        alpha=float(alpha),
+        cost=cost,
+        flops_shape=flops_shape,
+        cmax_bytes=cmax_bytes,
+        grad_bytes=grad_bytes,
+    )
+    return make_plan(specs, inputs)

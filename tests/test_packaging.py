@@ -1,0 +1,69 @@
+"""The conda environment and pyproject list the same dependencies; the CLI front door works."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from canzona.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names(reqs: list[str]) -> set[str]:
+    out = set()
+    for r in reqs:
+        m = re.match(r"\s*([A-Za-z0-9_.\-]+)", r)
+        if m and m.group(1) not in ("python", "pip", "-e"):
+            out.add(m.group(1).lower().replace("_", "-"))
+    return out
+
+
+def test_environment_yml_matches_pyproject() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    declared = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        declared += extra
+    env_lines = (ROOT / "environment.yml").read_text().splitlines()
+    env_reqs = [ln.strip()[2:].strip() for ln in env_lines if ln.strip().startswith("- ")]
+    env_reqs = [r for r in env_reqs if r not in ("conda-forge", "pip:") and not r.startswith("-e")]
+    assert _names(declared) == _names(env_reqs)
+
+
+def test_torch_requirement_is_a_range_not_a_bare_name() -> None:
+    # A bare `torch` would let pip choose a multi-GB CUDA build on a fresh machine.
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_reqs = [d for d in deps if d.startswith("torch")]
+    assert torch_reqs and all(any(op in d for op in (">=", "==", "~=")) for d in torch_reqs)
+
+
+def test_every_cli_command_module_exists() -> None:
+    import importlib
+
+    for name, (module, _) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        assert callable(mod.add_arguments) and callable(mod.run), name
+
+
+def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown command" in err[0]
+
+
+def test_top_level_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_readme_names_the_two_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci
