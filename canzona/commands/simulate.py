@@ -1,0 +1,343 @@
+"""``canzona simulate``: predict one training iteration per strategy at cluster scale (issue 9).
+
+    canzona simulate --model qwen3-32b --dp 32 --tp 8 --optimizer muon --hardware h800-ib400
+
+prints fwd-bwd / optimizer / iteration per strategy with their breakdown; on the paper's
+configuration it also prints the paper's Figure 4 beside the predictions, the ratios, and which
+assumption dominates each ratio's error. ``--json PATH`` writes everything (inputs, the hardware
+profile with sources, setup with sources, per-strategy results, comparison, sweeps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from canzona.sim.model import SIM_STRATEGIES, TP_OVERLAPS, VARSIZE_MODELS
+
+    g = parser.add_argument_group("configuration")
+    g.add_argument("--model", default="qwen3-32b", help="shipped model name, config path, or qwen3-moe-1t (default: qwen3-32b)")
+    g.add_argument("--dp", type=int, default=32, help="data-parallel size (default 32)")
+    g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
+    g.add_argument("--hardware", default="h800-ib400", help="profile name in data/hardware or a profile JSON path (default h800-ib400)")
+    g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list from {', '.join(SIM_STRATEGIES)}")
+    g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
+    g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
+    g.add_argument("--cmax-mb", type=float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
+    g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
+
+    s = parser.add_argument_group("training setup (named assumptions)")
+    s.add_argument("--seq-len", type=int, default=None)
+    s.add_argument("--micro-batch", type=int, default=None)
+    s.add_argument("--grad-accum", type=int, default=None)
+    s.add_argument("--recompute", choices=("none", "full"), default=None)
+    s.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient element in DP collectives (Megatron bf16: 4)")
+    s.add_argument("--ns-dtype", choices=("bf16", "tf32", "fp32"), default=None, help="precision of the optimizer's matrix products")
+    s.add_argument("--tp-overlap", choices=TP_OVERLAPS, default=None)
+    s.add_argument("--varsize", choices=VARSIZE_MODELS, default=None, help="model of variable-size reduce-scatter / all-gather")
+
+    h = parser.add_argument_group("hardware constants")
+    h.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one profile constant (repeatable)")
+    h.add_argument("--calibration", default=None, metavar="CSV", help="fit optimizer matmul efficiency to measured timings (optimizer,m,n,dtype,seconds)")
+    h.add_argument("--fit-fwd-bwd", action="store_true", help="fit fwd_bwd_mfu to the paper's lb-asc fwd-bwd 0.811 s (paper configuration only)")
+
+    o = parser.add_argument_group("output")
+    o.add_argument("--paper", action="store_true", help="require the paper configuration and print the Figure 4 comparison")
+    o.add_argument("--no-sensitivity", action="store_true", help="skip the assumption sensitivities of the paper comparison")
+    o.add_argument("--sweep-dp", default=None, metavar="LIST", help="also simulate these DP sizes, e.g. 32,64,128,256,512,1024")
+    o.add_argument("--sweep-alpha", default=None, metavar="LIST", help="also sweep lb-asc's alpha, e.g. 0,0.25,0.5,0.75,1")
+    o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{what} must list integers >= 1, got {text!r}")
+    return vals
+
+
+def _float_list(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of numbers, got {text!r}") from None
+    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
+        raise ValueError(f"{what} must list numbers in [0, 1], got {text!r}")
+    return vals
+
+
+def _setup(args: argparse.Namespace):
+    from canzona.sim.model import Setup
+
+    changes = {
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "recompute": args.recompute,
+        "grad_bytes": args.grad_bytes,
+        "ns_dtype": args.ns_dtype,
+        "tp_overlap": args.tp_overlap,
+        "varsize_collective": args.varsize,
+    }
+    return Setup(**{k: v for k, v in changes.items() if v is not None})
+
+
+def _hardware(args: argparse.Namespace):
+    from canzona.sim.hardware import calibrate, load_hardware
+
+    hw = load_hardware(args.hardware)
+    over: dict[str, float] = {}
+    for item in args.set:
+        name, sep, val = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
+        try:
+            v = float(val)
+        except ValueError:
+            raise ValueError(f"--set {name}: {val!r} is not a number") from None
+        if not math.isfinite(v):
+            raise ValueError(f"--set {name}: value must be finite")
+        over[name.strip()] = v
+    if over:
+        hw = hw.with_values(**over)
+    if args.calibration:
+        hw = calibrate(hw, args.calibration)
+    return hw
+
+
+def _fmt(x: float) -> str:
+    return f"{x:8.3f}"
+
+
+def _print_results(cfg, args, hw, setup, results) -> None:
+    gpus = args.dp * args.tp
+    print(f"canzona simulate: {cfg.name}, DP{args.dp} x TP{args.tp} = {gpus} GPUs, {args.optimizer}, hardware {hw.name}")
+    print(
+        f"setup: seq {setup.seq_len} x micro-batch {setup.micro_batch} x grad-accum {setup.grad_accum} tokens per DP rank, "
+        f"recompute {setup.recompute}, grads {setup.grad_bytes} B, Newton-Schulz {setup.ns_dtype}, "
+        f"TP overlap {setup.tp_overlap}, variable-size collectives {setup.varsize_collective}, fwd-bwd MFU {hw.fwd_bwd_mfu.value:.3f}"
+    )
+    print()
+    head = (
+        f"{'strategy':<10} {'fwd_bwd':>8} {'optim':>8} {'iter':>8} | {'fwd':>7} {'bwd':>7} {'tp-act':>7} {'grad':>7} {'g-exp':>7} "
+        f"{'param':>7} {'p-exp':>7} | {'ew':>7} {'matrix':>7} {'tp-comm':>7} {'dp-comm':>7} {'R_max/avg':>9} {'mem GB':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for s, b in results.items():
+        mem = f"{b.memory_gb:7.1f}" + ("" if b.memory_fits else "!")
+        print(
+            f"{s:<10} {_fmt(b.fwd_bwd_s)} {_fmt(b.optimizer_s)} {_fmt(b.iteration_s)} | "
+            f"{b.fwd_compute_s:7.3f} {b.bwd_compute_s:7.3f} {b.tp_activation_comm_s:7.3f} {b.dp_grad_comm_s:7.3f} {b.dp_grad_exposed_s:7.3f} "
+            f"{b.dp_param_comm_s:7.3f} {b.dp_param_exposed_s:7.3f} | {b.opt_elementwise_s:7.3f} {b.opt_matrix_compute_s:7.3f} "
+            f"{b.opt_tp_comm_s:7.3f} {b.opt_dp_comm_s:7.3f} {b.opt_rank_imbalance:9.2f} {mem}"
+        )
+    print(
+        "seconds; grad/param = DP reduce-scatter (all-reduce) / all-gather busy time, g-exp/p-exp = the part the bucket "
+        "pipeline exposes; optimizer columns are the critical DP rank's; '!' = model state exceeds "
+        f"{hw.hbm_gb.value:g} GB HBM (activations not counted). zero1 runs AdamW (the reference)."
+    )
+
+
+def _print_paper(pc, variants) -> None:
+    from canzona.sim.analysis import PAPER_RATIOS
+
+    print()
+    print("Paper Figure 4 (Qwen3-32B, Muon, DP32 x TP8 = 256 GPUs): NV-layerwise vs Canzona lb-asc")
+    fit = "fitted to the paper's lb-asc fwd-bwd 0.811 s" if pc.fitted else "from the hardware profile (not fitted)"
+    print(f"fwd-bwd MFU {pc.hardware.fwd_bwd_mfu.value:.3f} {fit}; lb-asc TP schedule {pc.lb_schedule}")
+    hdr = f"{'phase':<12} {'paper lw':>9} {'pred lw':>9} {'paper lb':>9} {'pred lb':>9} {'paper x':>8} {'pred x':>8} {'error':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    from canzona.sim.analysis import PAPER_FIGURE4
+
+    for phase, label in (("optimizer_s", "optimizer"), ("fwd_bwd_s", "fwd-bwd"), ("iteration_s", "iteration")):
+        print(
+            f"{label:<12} {PAPER_FIGURE4['layerwise'][phase]:9.3f} {getattr(pc.predicted['layerwise'], phase):9.3f} "
+            f"{PAPER_FIGURE4['lb-asc'][phase]:9.3f} {getattr(pc.predicted['lb-asc'], phase):9.3f} "
+            f"{PAPER_RATIOS[phase]:7.2f}x {pc.ratios[phase]:7.2f}x {pc.ratio_error(phase):+7.0%}"
+        )
+    if pc.sensitivities:
+        print("which assumption dominates each ratio (the one change that moves it most; constants lowered 20%, choices switched):")
+        for phase, label in (("optimizer_s", "optimizer"), ("fwd_bwd_s", "fwd-bwd"), ("iteration_s", "iteration")):
+            d = pc.dominant(phase)
+            cont = [s for s in pc.sensitivities if s.change.startswith("-20%")]
+            dc = max(cont, key=lambda s: abs(math.log(s.ratios[phase] / pc.ratios[phase])))
+            print(
+                f"  {label:<10} {d.name} ({d.change}) -> {d.ratios[phase]:.2f}x; "
+                f"largest constant: {dc.name} ({dc.change}) -> {dc.ratios[phase]:.2f}x"
+            )
+    if variants:
+        print("variants (the two choices that move the ratios most without touching the model): ratios optimizer / fwd-bwd / iteration")
+        for label, v in variants:
+            r = v.ratios
+            print(
+                f"  {label:<64} {r['optimizer_s']:5.2f}x {r['fwd_bwd_s']:5.2f}x {r['iteration_s']:5.2f}x   "
+                f"errors {v.ratio_error('optimizer_s'):+.0%} {v.ratio_error('fwd_bwd_s'):+.0%} {v.ratio_error('iteration_s'):+.0%}"
+            )
+
+
+def _print_assumptions(hw, setup) -> None:
+    from canzona.sim.model import SETUP_SOURCES
+
+    print()
+    assumed = [(k, c) for k, c in hw.constants().items() if c.assumed]
+    print("assumptions (named; full sources in --json and data/hardware/" + hw.name + ".json):")
+    for k, c in assumed:
+        print(f"  hardware.{k} = {c.value:g}")
+    for f in fields(setup):
+        src = SETUP_SOURCES[f.name]
+        tag = "assumption" if src.startswith("assumption") else "sourced"
+        if tag == "assumption":
+            print(f"  setup.{f.name} = {getattr(setup, f.name)}")
+    fitted = [k for k, c in hw.constants().items() if c.source.startswith(("fitted", "override"))]
+    if fitted:
+        print("  fitted / overridden: " + ", ".join(f"{k} = {hw.constants()[k].value:.4g} ({hw.constants()[k].source})" for k in fitted))
+
+
+def run(args: argparse.Namespace) -> int:
+    from canzona.cost import OPTIMIZERS
+    from canzona.sim.analysis import (
+        PAPER_CONFIG,
+        alpha_report,
+        alpha_sweep,
+        dp_sweep,
+        paper_comparison,
+        resolve_sim_model,
+    )
+    from canzona.sim.model import SETUP_SOURCES, SIM_STRATEGIES, plan_for, simulate_plan
+
+    if args.dp < 1 or args.tp < 1:
+        raise ValueError("--dp and --tp must be >= 1")
+    if args.optimizer not in OPTIMIZERS or args.optimizer == "adamw":
+        raise ValueError(f"--optimizer must be a matrix optimizer: {', '.join(o for o in OPTIMIZERS if o != 'adamw')}")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in SIM_STRATEGIES]
+    if bad or not strategies:
+        raise ValueError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from {', '.join(SIM_STRATEGIES)}")
+    sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
+    sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
+    setup = _setup(args)
+    hw = _hardware(args)
+    cfg = resolve_sim_model(args.model)
+
+    plan_kw: dict[str, Any] = {}
+    if args.cmax_mb is not None:
+        if not args.cmax_mb > 0:
+            raise ValueError("--cmax-mb must be > 0")
+        plan_kw["cmax_bytes"] = int(args.cmax_mb * 2**20)
+    if args.bucket_numel is not None:
+        plan_kw["bucket_numel"] = args.bucket_numel
+    is_paper = (cfg.name == PAPER_CONFIG["model"] and args.dp == PAPER_CONFIG["dp"] and args.tp == PAPER_CONFIG["tp"]
+                and args.optimizer == PAPER_CONFIG["optimizer"] and not plan_kw and args.alpha == 1.0)
+    if (args.paper or args.fit_fwd_bwd) and not is_paper:
+        raise ValueError("--paper / --fit-fwd-bwd need the paper configuration: --model qwen3-32b --dp 32 --tp 8 --optimizer muon, default alpha, C_max and buckets")
+
+    pc = None
+    variants = []
+    hw0 = hw
+    if is_paper:
+        pc = paper_comparison(hw, setup, lb_schedule=args.lb_tp_schedule, fit_fwd_bwd=args.fit_fwd_bwd, sensitivity=not args.no_sensitivity)
+        hw = pc.hardware
+        if not args.no_sensitivity:
+            for sched in ("lpt", "lpt-carry"):
+                for fit in (False, True):
+                    label = f"lb-asc hosts {sched}, fwd-bwd MFU " + ("fitted to 0.811 s" if fit else "from profile")
+                    if sched == pc.lb_schedule and fit == pc.fitted:
+                        variants.append((label + "  <- table above", pc))
+                    else:
+                        variants.append((label, paper_comparison(hw0, setup, lb_schedule=sched, fit_fwd_bwd=fit, sensitivity=False)))
+
+    results = {}
+    for s in strategies:
+        kw = dict(plan_kw)
+        if s == "lb-asc" and args.lb_tp_schedule:
+            kw["tp_schedule"] = args.lb_tp_schedule
+        alpha = args.alpha if s == "lb-asc" else 1.0
+        results[s] = simulate_plan(plan_for(cfg, s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=alpha, **kw), cfg, hw, setup)
+
+    _print_results(cfg, args, hw, setup, results)
+    if pc is not None:
+        _print_paper(pc, variants)
+
+    doc: dict[str, Any] = {
+        "inputs": {
+            "model": cfg.name,
+            "dp": args.dp,
+            "tp": args.tp,
+            "gpus": args.dp * args.tp,
+            "optimizer": args.optimizer,
+            "alpha": args.alpha,
+            "lb_tp_schedule": args.lb_tp_schedule,
+            **plan_kw,
+        },
+        "hardware": hw.to_dict(),
+        "setup": {f.name: {"value": getattr(setup, f.name), "source": SETUP_SOURCES[f.name]} for f in fields(setup)},
+        "strategies": {s: {**b.summary(), "per_rank_optimizer_s": list(b.per_rank_optimizer_s)} for s, b in results.items()},
+    }
+    if pc is not None:
+        doc["paper_comparison"] = pc.to_dict()
+        doc["paper_variants"] = {label: v.to_dict() for label, v in variants}
+
+    if sweep_dp:
+        kw = dict(plan_kw)
+        frame = dp_sweep(cfg, sweep_dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, strategies=strategies, alpha=args.alpha, lb_tp_schedule=args.lb_tp_schedule, **kw)
+        print()
+        print(f"DP sweep (TP{args.tp}): iteration / optimizer seconds per strategy")
+        piv = frame.pivot(index="dp", columns="strategy", values="iteration_s")
+        opt = frame.pivot(index="dp", columns="strategy", values="optimizer_s")
+        print(f"{'dp':>6} " + " ".join(f"{s:>18}" for s in strategies))
+        for dp in sweep_dp:
+            print(f"{dp:>6} " + " ".join(f"{piv.loc[dp, s]:8.3f} / {opt.loc[dp, s]:7.3f}" for s in strategies))
+        doc["dp_sweep"] = frame.to_dict(orient="records")
+
+    if sweep_alpha:
+        dps = sweep_dp or [args.dp]
+        doc["alpha_sweep"] = {}
+        print()
+        print("alpha sweep (lb-asc): does alpha = 1's communication imbalance still hide under the overlap window?")
+        print(f"{'dp':>6} {'exposed DP comm: zero1':>23} {'alpha=1':>8} {'extra':>8} {'hidden':>7} {'best alpha':>10} {'iteration':>10}")
+        for dp in dps:
+            kw = dict(plan_kw)
+            if args.lb_tp_schedule:
+                kw["tp_schedule"] = args.lb_tp_schedule
+            a = sorted(set(sweep_alpha) | {1.0})
+            frame = alpha_sweep(cfg, a, dp=dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, **kw)
+            rep = alpha_report(frame)
+            print(
+                f"{dp:>6} {rep['zero1_exposed_dp_comm_s']:23.3f} {rep['alpha1_exposed_dp_comm_s']:8.3f} "
+                f"{rep['alpha1_imbalance_exposed_s']:8.3f} {str(rep['alpha1_imbalance_hidden']):>7} {rep['recommended_alpha']:10.2f} "
+                f"{rep['iteration_at_recommended_s']:10.3f}"
+            )
+            doc["alpha_sweep"][str(dp)] = {"report": rep, "rows": frame.to_dict(orient="records")}
+
+    _print_assumptions(hw, setup)
+
+    if args.json:
+        path = Path(args.json)
+        try:
+            path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+        print(f"wrote {path}")
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")

@@ -1,0 +1,589 @@
+"""Step-time model of one training iteration at cluster scale, per strategy (issue 9).
+
+What it predicts, for one (model, DP, TP, optimizer, strategy) plan on one hardware profile:
+
+* **fwd-bwd**: forward and backward compute (model FLOPs / (peak x MFU)) plus the exposed TP
+  activation collectives (Megatron sequence parallel: all-gather + reduce-scatter around attention
+  and MLP, forward and backward, on NVLink), plus whatever part of the DP gradient
+  reduce-scatter / all-reduce (backward) and parameter all-gather (next forward) the bucketed
+  overlap pipeline (:func:`canzona.sim.comm.flow_shop`) cannot hide.
+* **optimizer step**: the makespan over DP ranks of each rank's own work -- element-wise AdamW
+  (HBM-bound), matrix updates (FLOPs from :mod:`canzona.cost` / achieved throughput per shape),
+  TP exchanges (fused all-to-all per micro-group for asc / lb-asc, pipelined against host compute;
+  per-parameter all-gather with redundant compute for sc / layerwise) -- plus exposed DP
+  communication inside the step (NV-layerwise's per-parameter broadcast loop).
+* **iteration** = fwd-bwd + optimizer step (the ZeRO-1 parameter all-gather is charged to the
+  forward it overlaps, as Megatron's ``overlap_param_gather`` does and as the paper measures).
+
+Section references: DP runtime Section 3.3 (variable-size reduce-scatter / all-gather overlapped
+with backward / forward, zero-communication step), TP runtime Section 4.1 (gather -> compute ->
+scatter -> apply per micro-group), baselines Section 5.1 / Appendix D.2 (SC all-reduce and
+redundant compute; NV-layerwise all-reduce plus broadcast loop).
+
+Every number that is not derived from the plan and the model shapes is a named constant: the
+hardware profile (:mod:`canzona.sim.hardware`) or a :class:`Setup` field, each with its source in
+:data:`SETUP_SOURCES`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from canzona.config import ModelConfig
+from canzona.cost import matrix_flops, state_bytes
+from canzona.plan import Plan, plan_model
+from canzona.sim.comm import (
+    Link,
+    Op,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    broadcast_time,
+    flow_shop,
+    list_schedule,
+    reduce_scatter_time,
+)
+from canzona.sim.configs import resolve_sim_model
+from canzona.sim.hardware import FLOPS_PER_MAC, HardwareProfile, ns_efficiency, peak_flops
+
+__all__ = [
+    "SIM_STRATEGIES",
+    "TP_OVERLAPS",
+    "VARSIZE_MODELS",
+    "Setup",
+    "SETUP_SOURCES",
+    "ADAMW_BYTES_PER_ELEMENT",
+    "MATRIX_ELEMENTWISE_BYTES",
+    "APPLY_BYTES_PER_ELEMENT",
+    "StepBreakdown",
+    "fwd_flops_per_gpu",
+    "simulate_plan",
+    "plan_for",
+    "simulate",
+]
+
+#: strategies the simulator compares (zero1 is the AdamW reference, the others run the matrix optimizer)
+SIM_STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "zero1")
+TP_OVERLAPS: tuple[str, ...] = ("pipelined", "free", "serial")
+VARSIZE_MODELS: tuple[str, ...] = ("grouped", "padded")
+
+#: HBM bytes per element of one fused AdamW step with fp32 master weights: read grad, master, m, v
+#: (4 x 4), write master, m, v (3 x 4), cast the master to the bf16 model weight (read 4, write 2).
+ADAMW_BYTES_PER_ELEMENT = 34
+#: HBM bytes per element of a matrix optimizer's element-wise work around its matrix products:
+#: momentum (read grad 4, m 4, write m 4) and the update of the fp32 master + bf16 copy (4+4+4+2).
+MATRIX_ELEMENTWISE_BYTES = 26
+#: HBM bytes per element to apply a received update shard: read update 4, master 4, write master 4,
+#: write the bf16 model weight 2.
+APPLY_BYTES_PER_ELEMENT = 14
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """The training setup and runtime choices (named assumptions; sources in :data:`SETUP_SOURCES`)."""
+
+    seq_len: int = 4096
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    causal_attention_factor: float = 0.5
+    grad_bytes: int = 4
+    param_bytes: int = 2
+    act_bytes: int = 2
+    update_bytes: int = 4
+    ns_dtype: str = "bf16"
+    tp_overlap: str = "free"
+    varsize_collective: str = "grouped"
+
+    def __post_init__(self) -> None:
+        for k in ("seq_len", "micro_batch", "grad_accum"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+        if self.recompute not in ("none", "full"):
+            raise ValueError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
+        if self.tp_overlap not in TP_OVERLAPS:
+            raise ValueError(f"tp_overlap must be one of {', '.join(TP_OVERLAPS)}, got {self.tp_overlap!r}")
+        if self.varsize_collective not in VARSIZE_MODELS:
+            raise ValueError(f"varsize_collective must be one of {', '.join(VARSIZE_MODELS)}, got {self.varsize_collective!r}")
+        if self.ns_dtype not in ("bf16", "tf32", "fp32"):
+            raise ValueError(f"ns_dtype must be bf16, tf32 or fp32, got {self.ns_dtype!r}")
+        for k in ("grad_bytes", "param_bytes", "act_bytes", "update_bytes"):
+            if getattr(self, k) not in (1, 2, 4, 8):
+                raise ValueError(f"{k} must be 1, 2, 4 or 8 bytes, got {getattr(self, k)!r}")
+        if not 0 < self.causal_attention_factor <= 1:
+            raise ValueError("causal_attention_factor must be in (0, 1]")
+
+    @property
+    def tokens_per_dp_rank(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum
+
+
+SETUP_SOURCES: dict[str, str] = {
+    "seq_len": "paper Section 5.1: sequence length 4096",
+    "micro_batch": "paper Section 5.1: batch size per DP rank 1",
+    "grad_accum": "assumption: the paper's 'batch size per DP rank of 1' read as one micro-batch per iteration (no gradient accumulation); DP communication then overlaps a single backward",
+    "recompute": "assumption: no activation recomputation (the paper does not mention it)",
+    "sequence_parallel": "assumption: Megatron sequence parallelism with TP (the usual pairing); same activation bytes as all-reduce without it",
+    "causal_attention_factor": "assumption: FlashAttention skips fully masked blocks, so causal attention costs half of the full s^2 product",
+    "grad_bytes": "Megatron-LM arguments.py: bf16 training forces accumulate_allreduce_grads_in_fp32, so the DP gradient buffer and its reduce-scatter / all-reduce are fp32",
+    "param_bytes": "Megatron: bf16 model weights are what the ZeRO-1 all-gather and the layer-wise optimizer's broadcast loop move (Float16OptimizerWithFloat16Params)",
+    "act_bytes": "bf16 activations (the paper trains in bf16)",
+    "update_bytes": "assumption: hosts send updated shards back in fp32 (the gradient's precision)",
+    "ns_dtype": "assumption: Newton-Schulz in bf16, as the reference Muon (Jordan et al.) does; the paper does not say",
+    "varsize_collective": "assumption: PyTorch's NCCL backend runs uneven reduce-scatter / all-gather as grouped per-rank reduce / broadcast rings, so link load is the bucket minus one shard; 'padded' (lockstep ring at the pace of the largest shard) is the alternative, and with 40M-element buckets and 33M-element fc1 shards it would make every atomic partition several times slower than the paper's Figure 7 shows",
+    "tp_overlap": "assumption: micro-group all-to-alls are non-blocking and issued ahead, each host computing on its own stream as soon as its gradients arrive (Section 4.1: asynchronous lifecycle, compute-compute overlap), so per-host totals matter; 'pipelined' issues gathers only one group ahead, 'serial' adds per-group makespans",
+}
+
+
+# --------------------------------------------------------------------------- fwd-bwd compute
+def _layer_matmul_params(cfg: ModelConfig) -> tuple[float, float]:
+    """(attention projection parameters, MLP parameters active per token) of one layer."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = h * (q + 2 * kv) + q * h
+    if cfg.moe is None:
+        mlp = 3 * h * cfg.intermediate_size
+    else:
+        m = cfg.moe
+        mlp = h * m.num_experts + m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
+    return float(attn), float(mlp)
+
+
+def fwd_flops_per_gpu(cfg: ModelConfig, setup: Setup, tp: int) -> float:
+    """Forward FLOPs of one micro-batch on one GPU (the TP group splits it evenly).
+
+        dense   2 * tokens * (L * (attention projections + active MLP) + vocab * hidden)
+        attn    L * 2 * (2 * seq^2 * q_dim) * micro_batch * causal_factor   (QK^T and PV)
+
+    The embedding lookup is free; norms, RoPE and softmax are left out (element-wise, a few %).
+    Backward costs twice the forward.
+    """
+    s, b = setup.seq_len, setup.micro_batch
+    tokens = s * b
+    attn_p, mlp_p = _layer_matmul_params(cfg)
+    L = cfg.num_hidden_layers
+    dense = 2.0 * tokens * (L * (attn_p + mlp_p) + cfg.vocab_size * cfg.hidden_size)
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    attn = L * 2.0 * (2.0 * s * s * q_dim) * b * setup.causal_attention_factor
+    return (dense + attn) / tp
+
+
+def _param_fwd_work(plan: Plan, cfg: ModelConfig, setup: Setup) -> np.ndarray:
+    """Forward work per parameter (relative units), so a bucket's backward share is known.
+
+    A matrix's work is proportional to its active elements (experts: numel * top-k / experts);
+    a layer's attention core is spread over that layer's attention projections. Norms and the
+    embedding table have no matmul work (their gradients arrive with their layer's / at the end).
+    """
+    s = setup.seq_len * setup.micro_batch
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    attn_core = 2.0 * (2.0 * s * s * q_dim) * setup.causal_attention_factor
+    frac = 1.0 if cfg.moe is None else cfg.moe.num_experts_per_tok / cfg.moe.num_experts
+    work = np.zeros(len(plan.params))
+    attn_idx: dict[int, list[int]] = {}
+    for i, p in enumerate(plan.params):
+        sp = p.spec
+        if len(sp.shape) != 2 or "embed" in sp.name:
+            continue
+        w = 2.0 * s * sp.numel
+        if ".experts." in sp.name:
+            w *= frac
+        work[i] = w
+        if sp.layer is not None and ("attention" in sp.name or "self_attn" in sp.name):
+            attn_idx.setdefault(sp.layer, []).append(i)
+    for idx in attn_idx.values():
+        tot = work[idx].sum()
+        if tot > 0:
+            work[idx] += attn_core * work[idx] / tot
+    return work
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True, slots=True)
+class StepBreakdown:
+    """One strategy's predicted iteration (seconds) and where the time goes."""
+
+    strategy: str
+    optimizer: str
+    dp: int
+    tp: int
+    alpha: float
+    fwd_bwd_s: float
+    optimizer_s: float
+    iteration_s: float
+    fwd_compute_s: float
+    bwd_compute_s: float
+    tp_activation_comm_s: float
+    dp_grad_comm_s: float
+    dp_grad_exposed_s: float
+    dp_param_comm_s: float
+    dp_param_exposed_s: float
+    opt_elementwise_s: float
+    opt_matrix_compute_s: float
+    opt_tp_comm_s: float
+    opt_dp_comm_s: float
+    opt_critical_rank: int
+    opt_rank_mean_s: float
+    opt_rank_imbalance: float
+    memory_gb: float
+    memory_fits: bool
+    n_buckets: int
+    n_micro_groups: int
+    per_rank_optimizer_s: tuple[float, ...] = field(repr=False, default=())
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("per_rank_optimizer_s")
+        return d
+
+
+# --------------------------------------------------------------------------- simulation
+def _links(hw: HardwareProfile, dp: int, tp: int) -> tuple[Link, Link]:
+    """(DP link, TP link). A group whose ranks all sit in one node uses NVLink, else the network
+    (a ring is as fast as its slowest hop). TP groups are packed inside nodes first."""
+    launch = hw.collective_launch_us.value * 1e-6
+    nvl = Link("nvlink", hw.nvlink_bytes_per_s, hw.nvlink_alpha_us.value * 1e-6, launch)
+    net = Link("network", hw.net_bytes_per_s, hw.net_alpha_us.value * 1e-6, launch)
+    gpn = int(hw.gpus_per_node.value)
+    tp_link = nvl if tp <= gpn else net
+    dp_link = nvl if dp * tp <= gpn else net
+    return dp_link, tp_link
+
+
+def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup()) -> StepBreakdown:
+    """Predict one iteration of ``plan`` (see the module docstring for the model)."""
+    inp = plan.inputs
+    dp, tp, strategy, opt = inp.dp, inp.tp, inp.strategy, inp.optimizer
+    if strategy not in ("zero1", "sc", "layerwise", "asc", "lb-asc", "lb-asc-joint"):
+        raise ValueError(f"cannot simulate strategy {strategy!r}")
+    if strategy == "zero1" and opt != "adamw":
+        raise ValueError("zero1 equal-chunk partitioning is exact only for element-wise optimizers; simulate it with optimizer adamw")
+    dp_link, tp_link = _links(hw, dp, tp)
+    hbm = hw.hbm_bytes_per_s
+    ns_peak = peak_flops(hw, setup.ns_dtype)
+    params = plan.params
+    n = len(params)
+
+    # ---------------------------------------------------------------- fwd-bwd
+    f_fwd = fwd_flops_per_gpu(cfg, setup, tp)
+    rate = hw.peak_bf16_tflops.value * 1e12 * hw.fwd_bwd_mfu.value
+    t_fwd = f_fwd / rate
+    t_bwd = 2.0 * f_fwd / rate + (t_fwd if setup.recompute == "full" else 0.0)
+    # TP activation collectives: per layer, all-gather + reduce-scatter before/after attention and
+    # MLP = 4 collectives forward, 4 backward, each over the full [tokens, hidden] activation.
+    act_bytes = setup.seq_len * setup.micro_batch * cfg.hidden_size * setup.act_bytes
+    if setup.sequence_parallel:
+        one = all_gather_time(tp_link, tp, act_bytes)
+        per_layer = 4 * one
+    else:
+        per_layer = 2 * all_reduce_time(tp_link, tp, act_bytes)
+    t_tp_fwd = cfg.num_hidden_layers * per_layer
+    t_tp_bwd = cfg.num_hidden_layers * per_layer * (2 if setup.recompute == "full" else 1)
+    fwd_stream = t_fwd + t_tp_fwd
+    bwd_stream = t_bwd + t_tp_bwd
+
+    work = _param_fwd_work(plan, cfg, setup)
+    index = {p.name: i for i, p in enumerate(params)}
+    bucket_work = np.array([work[[index[x] for x in b.params]].sum() for b in plan.buckets])
+    share = bucket_work / bucket_work.sum() if bucket_work.sum() > 0 else np.full(len(plan.buckets), 1 / len(plan.buckets))
+
+    reduce_scatter = strategy not in ("sc", "layerwise")
+    if reduce_scatter:
+        vs = setup.varsize_collective
+        grad_comm = [reduce_scatter_time(dp_link, dp, shard_bytes=[s * setup.grad_bytes for s in b.shard_sizes()], varsize=vs) for b in plan.buckets]
+        param_comm = [all_gather_time(dp_link, dp, shard_bytes=[s * setup.param_bytes for s in b.shard_sizes()], varsize=vs) for b in plan.buckets]
+    else:
+        grad_comm = [all_reduce_time(dp_link, dp, b.numel * setup.grad_bytes) for b in plan.buckets]
+        param_comm = [0.0 for _ in plan.buckets]
+    # backward: buckets fill in buffer order (bucket 0 holds the last layers)
+    bwd_span, _ = flow_shop(list(share * bwd_stream), grad_comm)
+    grad_exposed = bwd_span - bwd_stream
+    # forward: the first layers (last buckets) are needed first
+    if reduce_scatter:
+        fwd_span, _ = flow_shop(param_comm[::-1], list((share * fwd_stream)[::-1]))
+        param_exposed = fwd_span - fwd_stream
+    else:
+        param_exposed = 0.0
+    ga = setup.grad_accum
+    fwd_bwd = ga * (fwd_stream + bwd_stream) + grad_exposed + param_exposed
+
+    # ---------------------------------------------------------------- optimizer step
+    shapes_full = [p.spec.shape for p in params]
+    local_numel = np.array([p.spec.local_numel for p in params], dtype=np.float64)
+    is_matrix = np.array([p.spec.kind == "matrix" for p in params])
+    tp_split = np.array([p.spec.tp_split for p in params])
+
+    matrix_opt = "adamw" if strategy == "zero1" else opt
+    ns_time = np.zeros(n)
+    for i, p in enumerate(params):
+        if is_matrix[i] and matrix_opt != "adamw":
+            shp = shapes_full[i]
+            fl = FLOPS_PER_MAC * matrix_flops(matrix_opt, shp)
+            ns_time[i] = fl / (ns_peak * ns_efficiency(hw, shp)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shp) / hbm
+    adamw_local = ADAMW_BYTES_PER_ELEMENT * local_numel / hbm  # element-wise update of the local shard
+    apply_local = APPLY_BYTES_PER_ELEMENT * local_numel / hbm
+
+    ew_rank = np.zeros(dp)
+    mat_rank = np.zeros(dp)
+    tpc_rank = np.zeros(dp)
+    total_rank = np.zeros(dp)
+    dp_comm_step = 0.0
+    n_groups = 0
+
+    if strategy == "zero1":
+        # every element of the rank's equal chunk gets AdamW
+        owned = np.zeros(dp)
+        for b in plan.buckets:
+            owned += np.array(b.shard_sizes(), dtype=np.float64)
+        ew_rank = ADAMW_BYTES_PER_ELEMENT * owned / hbm
+        total_rank = ew_rank.copy()
+    else:
+        sync_ag = np.zeros(n)  # per-parameter TP all-gather of the gradient (sync schedule)
+        for i, p in enumerate(params):
+            if is_matrix[i] and tp_split[i] and matrix_opt != "adamw":
+                sync_ag[i] = all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
+        if strategy == "sc":
+            # every DP rank all-reduced the gradients and updates everything, every TP rank the full matrix
+            e = float(adamw_local[~is_matrix].sum())
+            m = float(ns_time[is_matrix].sum())
+            c = float(sync_ag.sum())
+            ew_rank[:] = e
+            mat_rank[:] = m
+            tpc_rank[:] = c
+            total_rank[:] = e + m + c
+        else:
+            owner = np.full(n, -1)
+            for i, p in enumerate(params):
+                if p.dp_owner is not None:
+                    owner[i] = p.dp_owner
+            # element-wise work, including parameters cut across ranks (zero1-style ranges)
+            for i, p in enumerate(params):
+                if is_matrix[i] and matrix_opt != "adamw":
+                    continue
+                if p.dp_owner is not None:
+                    ew_rank[p.dp_owner] += adamw_local[i]
+                else:
+                    for r, s0, s1 in p.dp_ranges:
+                        ew_rank[r] += ADAMW_BYTES_PER_ELEMENT * (s1 - s0) / hbm
+            grouped = np.array([p.tp_host is not None for p in params])
+            local_mat = is_matrix & ~grouped & (matrix_opt != "adamw")
+            # matrices handled without micro-groups: replicated ones (every TP rank updates its
+            # replica) and TP-split ones under the sync schedule (all-gather, redundant compute)
+            for i in np.flatnonzero(local_mat):
+                r = owner[i]
+                mat_rank[r] += ns_time[i]
+                tpc_rank[r] += sync_ag[i]
+            for r in range(dp):
+                groups = plan.micro_groups[r] if plan.micro_groups else ()
+                n_groups += len(groups)
+                pipe, comm, comp = _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup, ew_rank[r] + mat_rank[r] + tpc_rank[r])
+                tpc_rank[r] += comm
+                mat_rank[r] += comp
+                total_rank[r] = pipe
+            if strategy == "layerwise":
+                # Megatron LayerWiseDistributedOptimizer.broadcast_params: after the step, a loop
+                # of one broadcast per parameter from its owner (bf16 model weights), serialized.
+                dp_comm_step = float(sum(broadcast_time(dp_link, dp, ln * setup.param_bytes) for ln in local_numel))
+    mem = _memory_bytes(plan, matrix_opt, setup) / 1e9
+    crit = int(np.argmax(total_rank))
+    optimizer_s = float(total_rank[crit]) + dp_comm_step
+    mean = float(total_rank.mean())
+    return StepBreakdown(
+        strategy=strategy,
+        optimizer=matrix_opt,
+        dp=dp,
+        tp=tp,
+        alpha=float(inp.alpha),
+        fwd_bwd_s=float(fwd_bwd),
+        optimizer_s=optimizer_s,
+        iteration_s=float(fwd_bwd) + optimizer_s,
+        fwd_compute_s=ga * t_fwd,
+        bwd_compute_s=ga * t_bwd,
+        tp_activation_comm_s=ga * (t_tp_fwd + t_tp_bwd),
+        dp_grad_comm_s=float(sum(grad_comm)),
+        dp_grad_exposed_s=float(grad_exposed),
+        dp_param_comm_s=float(sum(param_comm)),
+        dp_param_exposed_s=float(param_exposed),
+        opt_elementwise_s=float(ew_rank[crit]),
+        opt_matrix_compute_s=float(mat_rank[crit]),
+        opt_tp_comm_s=float(tpc_rank[crit]),
+        opt_dp_comm_s=dp_comm_step,
+        opt_critical_rank=crit,
+        opt_rank_mean_s=mean,
+        opt_rank_imbalance=float(total_rank[crit] / mean) if mean > 0 else 1.0,
+        memory_gb=mem,
+        memory_fits=bool(mem <= hw.hbm_gb.value),
+        n_buckets=len(plan.buckets),
+        n_micro_groups=n_groups,
+        per_rank_optimizer_s=tuple(float(x) for x in total_rank),
+    )
+
+
+def _memory_bytes(plan: Plan, opt: str, setup: Setup) -> float:
+    """Model-state bytes on the most loaded GPU (activations excluded): bf16 weights and the fp32
+    gradient buffer of the whole TP shard, plus fp32 master weights and optimizer state of what the
+    GPU updates -- its DP-owned element-wise shards, its replicated matrices, the full-shape state
+    of matrices it hosts (or, under the sync schedule, of every owned matrix: each TP rank keeps
+    the full state), everything for ``sc``."""
+    inp = plan.inputs
+    dp, tp = inp.dp, inp.tp
+    base = sum(p.spec.local_numel for p in plan.params) * (setup.param_bytes + setup.grad_bytes)
+    per = np.zeros((dp, tp))
+    for p in plan.params:
+        sp = p.spec
+        matrix = sp.kind == "matrix" and opt != "adamw"
+        if matrix:
+            # full-shape optimizer state where the whole update is computed; fp32 master of the shard
+            full = state_bytes(opt, sp.shape) + 4 * sp.local_numel
+            if p.tp_host is not None:
+                cell = np.zeros(tp)
+                cell[p.tp_host] = full
+            else:
+                cell = np.full(tp, float(full))
+        else:
+            cell = np.full(tp, float(state_bytes("adamw", sp.local_shape) + 4 * sp.local_numel))
+        if inp.strategy == "sc":
+            per += cell
+        elif p.dp_owner is not None:
+            per[p.dp_owner] += cell
+        else:
+            for r, s0, s1 in p.dp_ranges:
+                per[r] += cell * (s1 - s0) / sp.local_numel
+    return float(base + per.max())
+
+
+def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup, local_work):
+    """One DP rank's optimizer step with TP micro-groups (Section 4.1), on ``tp`` GPUs.
+
+    Per group k: fused all-to-all of gradient shards to the hosts (G_k), each host computes its
+    tasks (C_k,h on host h's compute stream), fused all-to-all of updated shards back (S_k, a
+    collective: it starts when every host has finished group k), apply on every rank (A_k,t).
+    Communication runs on one FIFO stream shared by the TP group (collectives synchronize it);
+    each TP rank has its own FIFO compute stream that starts with the rank's local work.
+
+    ``tp_overlap``: ``pipelined`` issues gathers one group ahead (G0, G1, S0, G2, S1, ...);
+    ``free`` issues every gather first, then every scatter (hosts run free, per-host totals
+    matter); ``serial`` runs G_k, C_k, S_k, A_k back to back (per-group makespans add up).
+    Returns (makespan, communication busy time, host compute on the slowest host).
+    """
+    if not groups:
+        return local_work, 0.0, 0.0
+    gath, scat, host_c, appl = [], [], [], []
+    for g in groups:
+        send = [0.0] * tp
+        recv = [0.0] * tp
+        host_t = [0.0] * tp
+        a = 0.0
+        for name, h in zip(g.params, g.hosts):
+            i = index[name]
+            ln = params[i].spec.local_numel
+            for t in range(tp):
+                if t != h:
+                    send[t] += ln
+            recv[h] += ln * (tp - 1)
+            host_t[h] += ns_time[i]
+            a += apply_local[i]
+        gath.append(all_to_all_time(tp_link, [x * setup.grad_bytes for x in send], [x * setup.grad_bytes for x in recv]))
+        # the scatter reverses the flows: hosts send (tp - 1) shards, everyone receives its own
+        scat.append(all_to_all_time(tp_link, [x * setup.update_bytes for x in recv], [x * setup.update_bytes for x in send]))
+        host_c.append(host_t)
+        appl.append(a)
+    k = len(groups)
+    comm_busy = sum(gath) + sum(scat)
+    host_total = max(sum(c[t] for c in host_c) for t in range(tp))
+    if setup.tp_overlap == "serial":
+        total = local_work + sum(gath[j] + max(host_c[j]) + scat[j] + appl[j] for j in range(k))
+        return total, comm_busy, host_total
+    ops: list[Op] = [Op(f"L{t}", f"gpu{t}", local_work) for t in range(tp)]
+
+    def gather(j: int) -> None:
+        ops.append(Op(f"G{j}", "comm", gath[j]))
+
+    def compute(j: int) -> None:
+        ops.extend(Op(f"C{j}.{t}", f"gpu{t}", host_c[j][t], (f"G{j}",)) for t in range(tp))
+
+    def scatter(j: int) -> None:
+        ops.append(Op(f"S{j}", "comm", scat[j], tuple(f"C{j}.{t}" for t in range(tp))))
+
+    def apply(j: int) -> None:
+        ops.extend(Op(f"A{j}.{t}", f"gpu{t}", appl[j], (f"S{j}",)) for t in range(tp))
+
+    if setup.tp_overlap == "free":
+        for j in range(k):
+            gather(j)
+            compute(j)
+        for j in range(k):
+            scatter(j)
+            apply(j)
+    else:  # pipelined, one group ahead
+        gather(0)
+        for j in range(k):
+            if j + 1 < k:
+                gather(j + 1)
+            compute(j)
+            if j >= 1:
+                apply(j - 1)
+            scatter(j)
+        apply(k - 1)
+    total, _ = list_schedule(ops)
+    return total, comm_busy, host_total
+
+
+# --------------------------------------------------------------------------- front door
+def plan_for(
+    model: str | ModelConfig,
+    strategy: str,
+    *,
+    dp: int,
+    tp: int,
+    optimizer: str = "muon",
+    alpha: float = 1.0,
+    **plan_kwargs: Any,
+) -> Plan:
+    """The plan the simulator uses for ``strategy`` (zero1 with AdamW, the reference), with the
+    planner's warnings (oversized micro-group tasks) silenced: they are expected at scale."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return plan_model(
+            model,
+            dp=dp,
+            tp=tp,
+            optimizer="adamw" if strategy == "zero1" else optimizer,
+            strategy=strategy,
+            alpha=alpha,
+            **plan_kwargs,
+        )
+
+
+def simulate(
+    model: str | ModelConfig,
+    *,
+    dp: int,
+    tp: int,
+    optimizer: str,
+    hardware: HardwareProfile,
+    strategies: Sequence[str] = SIM_STRATEGIES,
+    setup: Setup = Setup(),
+    alpha: float = 1.0,
+    plans: Mapping[str, Plan] | None = None,
+    **plan_kwargs: Any,
+) -> dict[str, StepBreakdown]:
+    """Predict one iteration per strategy. ``plans`` reuses already built plans (by strategy)."""
+    cfg = resolve_sim_model(model)
+    if optimizer == "adamw" and any(s != "zero1" for s in strategies):
+        raise ValueError("optimizer adamw needs no matrix strategies; use muon, shampoo or soap (zero1 is always AdamW)")
+    out: dict[str, StepBreakdown] = {}
+    for s in strategies:
+        if s not in SIM_STRATEGIES and s != "lb-asc-joint":
+            raise ValueError(f"unknown strategy {s!r}; choose from {', '.join(SIM_STRATEGIES)}")
+        plan = plans[s] if plans and s in plans else plan_for(cfg, s, dp=dp, tp=tp, optimizer=optimizer, alpha=alpha, **plan_kwargs)
+        out[s] = simulate_plan(plan, cfg, hardware, setup)
+    return out
