@@ -44,7 +44,7 @@ DEFAULT_CMAX_BYTES = 512 * 2**20
 
 _DEFAULT_SCHEDULE = {
     "lb-asc": "lpt",
-    "lb-asc-joint": "lpt",
+    "lb-asc-joint": "lpt-carry",  # beyond the paper: host loads carried across groups
     "asc": "round-robin",
     "sc": "sync",
     "layerwise": "sync",
@@ -54,7 +54,9 @@ _DEFAULT_SCHEDULE = {
 
 def default_tp_schedule(strategy: str) -> str:
     """The TP schedule each DP strategy runs with in the paper's comparison: Canzona (lb-asc) uses
-    Algorithm 2 micro-groups, ASC round-robin hosts, SC / NV-layerwise / ZeRO-1 synchronous TP."""
+    Algorithm 2 micro-groups, ASC round-robin hosts, SC / NV-layerwise / ZeRO-1 synchronous TP.
+    canzona's own ``lb-asc-joint`` carries host loads across groups (``lpt-carry``): with Algorithm
+    2's zero-start heap every one-task group (a matrix larger than C_max) lands on TP rank 0."""
     try:
         return _DEFAULT_SCHEDULE[strategy]
     except KeyError:
