@@ -29,6 +29,7 @@ __all__ = [
     "Layout",
     "ParamSpec",
     "LAYOUTS",
+    "MATRIX_EXCLUDE_PATTERNS",
     "is_matrix_param",
     "specs_from_config",
     "specs_from_module",
@@ -40,15 +41,26 @@ Layout = Literal["megatron", "hf"]
 LAYOUTS: tuple[str, ...] = ("megatron", "hf")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# Token embedding, output head and MoE router stay with the element-wise optimizer, as in the
-# reference implementation: they are lookup tables / classifiers, not linear maps between hidden states.
-_ELEMENTWISE_2D = re.compile(r"(embed|word_embeddings|lm_head|output_layer|router|\.mlp\.gate\.weight$)")
+#: Name fragments (case-insensitive) of 2-D weights that stay with the element-wise optimizer, as in
+#: the reference implementation: token embeddings, output heads and MoE routers are lookup tables or
+#: classifiers, not linear maps between hidden states. A weight whose module is named ``gate``
+#: (``*.gate.weight``: the router of Qwen3-MoE and Mixtral) is a router too.
+MATRIX_EXCLUDE_PATTERNS: tuple[str, ...] = ("embed", "lm_head", "output_layer", "router")
 
 
 def is_matrix_param(name: str, shape: Iterable[int]) -> bool:
-    """True when the matrix optimizer owns this parameter: 2-D weights except the token embedding,
-    the output head and MoE routers. Everything else (norms, biases, those three) is element-wise."""
-    return len(tuple(shape)) == 2 and _ELEMENTWISE_2D.search(name) is None
+    """True when the matrix optimizer owns this parameter: 2-D weights except token embeddings,
+    output heads and MoE routers. Everything else (norms, biases, those three) is element-wise.
+    Pure function of name and shape, shared by the planner and :mod:`canzona.optim`."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if len(tuple(shape)) != 2:
+        return False
+    lowered = name.lower()
+    if any(pattern in lowered for pattern in MATRIX_EXCLUDE_PATTERNS):
+        return False
+    parts = lowered.split(".")
+    return not (len(parts) >= 2 and parts[-2] == "gate" and parts[-1] == "weight")
 
 
 @dataclass(frozen=True, slots=True)

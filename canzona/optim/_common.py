@@ -1,0 +1,167 @@
+"""Shared validation and bookkeeping for the single-device matrix optimizers.
+
+The matrix optimizers in :mod:`canzona.optim` are the ground truth of the exactness suite: a
+distributed run (Canzona, arXiv 2602.06079, Sec. 3) must reproduce them bit for bit. Two rules
+follow from that and are enforced here once for all three optimizers:
+
+* Each parameter's update reads only its own gradient and state, so validation is per parameter
+  and never looks at the rest of the group.
+* A bad gradient (NaN/inf) must be rejected *before* any state is touched, so a failed ``step()``
+  leaves the optimizer exactly as it was and the caller can skip the batch and continue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MatrixOptimizerMixin",
+    "check_beta",
+    "check_grads_finite",
+    "check_lr",
+    "check_nonnegative",
+    "check_nonnegative_int",
+    "check_positive_int",
+    "param_label",
+]
+
+
+def _is_real_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_lr(lr: object) -> None:
+    """Learning rates are plain non-negative, finite Python numbers (schedulers write floats)."""
+    if not _is_real_number(lr):
+        raise TypeError(f"lr must be a Python int or float, got {type(lr).__name__}")
+    if not math.isfinite(lr) or lr < 0.0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr}")
+
+
+def check_nonnegative(name: str, value: object) -> None:
+    """For eps and weight decay: finite and >= 0."""
+    if not _is_real_number(value):
+        raise TypeError(f"{name} must be a Python int or float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def check_beta(name: str, value: object) -> None:
+    """Decay rates of exponential moving averages live in [0, 1)."""
+    if not _is_real_number(value):
+        raise TypeError(f"{name} must be a Python int or float, got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_nonnegative_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def param_label(group_index: int, param_index: int, group: Mapping[str, Any], p: Tensor) -> str:
+    """Human-readable handle for error messages: position, name when known, shape and dtype."""
+    label = f"param_groups[{group_index}]['params'][{param_index}]"
+    names = group.get("param_names")
+    if names is not None and param_index < len(names):
+        label += f" ({names[param_index]!r})"
+    return f"{label} of shape {tuple(p.shape)} and dtype {p.dtype}"
+
+
+def check_grads_finite(optimizer_name: str, param_groups: Iterable[Mapping[str, Any]]) -> None:
+    """Reject sparse, misshapen or non-finite gradients before the step mutates anything.
+
+    One fused min/max reduction per gradient is cheap next to a Newton-Schulz iteration or an
+    eigendecomposition; the detailed NaN/inf counts are computed only on the failure path.
+    """
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise TypeError(
+                    f"{optimizer_name}: {param_label(gi, pi, group, p)} has a sparse gradient; "
+                    "matrix optimizers need dense gradients"
+                )
+            if grad.shape != p.shape:
+                raise ValueError(
+                    f"{optimizer_name}: {param_label(gi, pi, group, p)} has a gradient of shape "
+                    f"{tuple(grad.shape)}, expected the parameter's shape"
+                )
+            # min and max propagate NaN and expose +-inf, so both being finite means every entry
+            # is; aminmax is one fused pass, ~20x cheaper than isfinite(grad).all() on CPU.
+            if grad.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(grad))).all()):
+                n_nan = int(torch.isnan(grad).sum())
+                n_pos = int(torch.isposinf(grad).sum())
+                n_neg = int(torch.isneginf(grad).sum())
+                raise ValueError(
+                    f"{optimizer_name}: the gradient of {param_label(gi, pi, group, p)} is not "
+                    f"finite: found {n_nan} NaN, {n_pos} +inf and {n_neg} -inf of {grad.numel()} "
+                    "entries; no parameter or optimizer state was modified"
+                )
+
+
+class MatrixOptimizerMixin:
+    """Validation hooks shared by Muon, Shampoo and SOAP.
+
+    ``add_param_group`` is the single entry point through which torch's ``Optimizer`` registers
+    groups (the constructor calls it too), so validating there also covers groups that override
+    the defaults, e.g. ``[{"params": ..., "lr": -1.0}]``.
+    Subclasses set ``_name``, ``_allowed_dtypes`` and implement ``_validate_group``.
+    """
+
+    _name: str = "MatrixOptimizer"
+    _allowed_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+    param_groups: list[dict[str, Any]]
+
+    def _validate_group(self, group: Mapping[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _validate_params(self, group_index: int, group: Mapping[str, Any]) -> None:
+        for pi, p in enumerate(group["params"]):
+            label = param_label(group_index, pi, group, p)
+            if p.is_complex():
+                raise TypeError(f"{self._name}: {label} is complex; only real parameters are supported")
+            if p.dtype not in self._allowed_dtypes:
+                allowed = ", ".join(str(d) for d in self._allowed_dtypes)
+                raise TypeError(f"{self._name}: {label} has dtype {p.dtype}; supported: {allowed}")
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{self._name}: {label} is {p.ndim}-D; this optimizer only takes 2-D matrices "
+                    "(use torch.optim.AdamW for vectors, embeddings and heads, see "
+                    "canzona.optim.split_param_groups)"
+                )
+            if p.numel() == 0:
+                raise ValueError(f"{self._name}: {label} is empty")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            self._validate_params(len(self.param_groups) - 1, group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _run_closure(closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()

@@ -1,0 +1,341 @@
+"""Muon: momentum orthogonalized by Newton-Schulz (Jordan et al. 2024; Liu et al. 2025).
+
+Reference points:
+
+* K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024),
+  https://kellerjordan.github.io/posts/muon/ -- momentum, Nesterov, the quintic Newton-Schulz
+  iteration with coefficients (3.4445, -4.7750, 2.0315) run in bfloat16, and the
+  ``sqrt(max(1, rows/cols))`` scaling ("original").
+* J. Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982 -- decoupled weight decay
+  and the ``0.2 * sqrt(max(rows, cols))`` scaling that matches AdamW's update RMS
+  ("match_rms_adamw").
+* G. Yang, J. Simon, J. Bernstein, "A Spectral Condition for Feature Learning", arXiv 2310.17813
+  -- updates with spectral norm ``sqrt(fan_out / fan_in)`` ("spectral").
+* Canzona (arXiv 2602.06079), Sec. 3.3 -- a TP host runs this optimizer on full-shape matrices;
+  micro-groups can batch same-shape Newton-Schulz calls (:func:`batched_newton_schulz`).
+
+With its defaults, :class:`Muon` is bitwise identical to ``torch.optim.Muon`` of torch 2.13 on
+float32 CPU parameters (tested). The Newton-Schulz iteration is our own code rather than a call into
+torch's private ``torch.optim._muon._zeropower_via_newtonschulz``: we need a configurable compute
+dtype and a batched variant that must match it bit for bit, and a private helper may change between
+torch releases. ``tests/test_optim_muon.py`` pins both our iteration and our lr scalings against
+torch's private helpers (skipping only if they disappear) and the whole optimizer against the public
+``torch.optim.Muon``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._common import (
+    MatrixOptimizerMixin,
+    check_beta,
+    check_grads_finite,
+    check_lr,
+    check_nonnegative,
+    check_nonnegative_int,
+)
+
+__all__ = [
+    "ADJUST_LR_FNS",
+    "DEFAULT_NS_COEFFICIENTS",
+    "DEFAULT_NS_EPS",
+    "DEFAULT_NS_STEPS",
+    "Muon",
+    "adjust_lr",
+    "batched_newton_schulz",
+    "newton_schulz",
+]
+
+# Jordan's quintic coefficients, tuned for bfloat16: they maximize the slope at zero so five steps
+# push every singular value of a unit-Frobenius-norm matrix into roughly [0.7, 1.2].
+DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+DEFAULT_NS_STEPS = 5
+DEFAULT_NS_EPS = 1e-7
+
+ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "unit_rms", "none")
+
+
+def _check_ns_args(
+    coefficients: Sequence[float], steps: int, eps: float, dtype: torch.dtype | None
+) -> tuple[float, float, float]:
+    check_nonnegative_int("ns_steps", steps)
+    check_nonnegative("eps", eps)
+    if len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must hold exactly 3 numbers (a, b, c), got {coefficients!r}")
+    for value in coefficients:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"ns_coefficients must be finite numbers, got {coefficients!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"ns_dtype must be a floating torch.dtype or None, got {dtype!r}")
+    a, b, c = coefficients
+    return float(a), float(b), float(c)
+
+
+def newton_schulz(
+    grad: Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    eps: float = DEFAULT_NS_EPS,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> Tensor:
+    """Approximate the orthogonal polar factor ``U V^T`` of ``grad = U S V^T`` (Jordan et al. 2024).
+
+    ``X_0 = G / max(||G||_F, eps)`` (so every singular value is <= 1), then ``steps`` times
+    ``A = X X^T;  X <- a X + (b A + c A^2) X``, on the wide orientation (a tall matrix is
+    transposed first, so the Gram matrix is the small side). The iteration runs in ``dtype``
+    (bfloat16 by default, like Jordan's and torch's; ``None`` keeps ``grad.dtype``) and the result
+    is returned in that dtype. With the defaults the arithmetic is op-for-op that of
+    ``torch.optim.Muon`` in torch 2.13, hence bitwise equal to it.
+
+    ``(a, b, c) = (1.5, -0.5, 0)`` is the classical cubic iteration, which converges to ``U V^T``
+    for full-rank inputs as ``steps`` grows.
+    """
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"newton_schulz expects a Tensor, got {type(grad).__name__}")
+    if grad.ndim != 2:
+        raise ValueError(f"newton_schulz expects a 2-D matrix, got shape {tuple(grad.shape)}")
+    a, b, c = _check_ns_args(coefficients, steps, eps, dtype)
+    work_dtype = grad.dtype if dtype is None else dtype
+    # copy=True: with a bf16 input, .to() would alias it and the in-place normalisation below
+    # would overwrite the caller's tensor (torch 2.13 does exactly that to the bf16 momentum buffer).
+    x = grad.to(work_dtype, copy=True)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    # The norm is taken on the (possibly transposed) view, as torch does: a reduction over a
+    # differently strided tensor may sum in another order and round differently.
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    if tall:
+        x = x.T
+    return x
+
+
+def batched_newton_schulz(
+    grads: Tensor | Sequence[Tensor],
+    steps: int = DEFAULT_NS_STEPS,
+    coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    eps: float = DEFAULT_NS_EPS,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> Tensor:
+    """:func:`newton_schulz` over a stack of same-shape matrices with ``bmm``/``baddbmm``.
+
+    Used for Canzona's micro-groups (arXiv 2602.06079, Sec. 3.3), where a host computes many
+    updates of identical shape. ``grads`` is a ``[k, m, n]`` tensor or a sequence of ``[m, n]``
+    tensors; the result is ``[k, m, n]`` in ``dtype``.
+
+    **Not bitwise equal to a loop of** :func:`newton_schulz` **in general**, which is why
+    :class:`Muon` loops by default and batching is opt-in (``batched=True``). What matches and what
+    does not (torch 2.13, x86 CPU, MKL/oneDNN):
+
+    * The per-matrix Frobenius norms are taken one slice at a time on views with the loop's
+      strides, so the normalized inputs are identical (a batched ``vector_norm`` may reduce in
+      another order).
+    * The products can differ. ATen sends a batched product whose ``contraction*rows*cols`` is
+      below 400 through its own naive kernel (a different summation order from BLAS ``gemm``), and
+      for float32/float64 the batched BLAS call may block differently from the single one. With the
+      bfloat16 default and matrices of realistic size both paths hit the same oneDNN kernel and
+      the results are bitwise equal (every model shape in ``profiling/bench_optimizers.py``); thin
+      matrices (e.g. 33 x 2 in bf16, 1 x n or 7 x 5 in float32) differ in the last bits.
+    * Bound: each product differs by at most the dot-product rounding bound ``gamma_K |A||B|``
+      (``K`` = contraction length, ``u`` = unit roundoff), and Newton-Schulz is a fixed polynomial
+      applied ``steps`` times to matrices of spectral norm <= ~1.2, so the outputs differ by a
+      modest multiple of ``u``. Measured over 192 random shape/scale cases: <= 23 u in float32 and
+      float64, <= 0.25 u in bfloat16; ``tests/test_optim_muon.py`` asserts <= 64 u.
+    """
+    if isinstance(grads, Tensor):
+        if grads.ndim != 3:
+            raise ValueError(f"batched_newton_schulz expects a [k, m, n] tensor, got {tuple(grads.shape)}")
+        stack = grads
+    else:
+        mats = list(grads)
+        if not mats:
+            raise ValueError("batched_newton_schulz needs at least one matrix")
+        shape = mats[0].shape
+        for i, m in enumerate(mats):
+            if not isinstance(m, Tensor) or m.ndim != 2:
+                raise ValueError(f"batched_newton_schulz: entry {i} is not a 2-D tensor")
+            if m.shape != shape:
+                raise ValueError(
+                    f"batched_newton_schulz: entry {i} has shape {tuple(m.shape)}, expected {tuple(shape)}"
+                )
+        stack = torch.stack(mats)
+    if stack.size(0) == 0:
+        raise ValueError("batched_newton_schulz needs at least one matrix")
+    a, b, c = _check_ns_args(coefficients, steps, eps, dtype)
+    work_dtype = stack.dtype if dtype is None else dtype
+    x = stack.to(work_dtype, copy=True)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    for i in range(x.size(0)):
+        xi = x[i]
+        xi.div_(xi.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    if tall:
+        x = x.mT
+    return x
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Per-matrix learning-rate scale for an ``[A, B]`` (rows = fan_out, cols = fan_in) matrix.
+
+    * ``None`` / ``"original"``: ``lr * sqrt(max(1, A / B))`` (Jordan et al. 2024).
+    * ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(A, B))`` (Liu et al. 2025): an orthogonal
+      ``A x B`` matrix has RMS ``1 / sqrt(max(A, B))``, so this gives update RMS 0.2, AdamW's
+      typical value.
+    * ``"spectral"``: ``lr * sqrt(A / B)`` (Yang, Simon, Bernstein 2023): the update's spectral norm
+      is ``sqrt(fan_out / fan_in)``; unlike ``"original"`` it also shrinks wide matrices.
+    * ``"unit_rms"``: ``lr * sqrt(max(A, B))``: update RMS exactly 1 for an orthogonal update.
+    * ``"none"``: ``lr``.
+
+    The float expressions of the first two are written exactly as torch 2.13 writes them, so the
+    resulting Python floats are identical.
+    """
+    rows, cols = int(shape[0]), int(shape[1])
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "spectral":
+        ratio = math.sqrt(rows / cols)
+    elif adjust_lr_fn == "unit_rms":
+        ratio = math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "none":
+        ratio = 1.0
+    else:
+        raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    return lr * ratio
+
+
+class Muon(MatrixOptimizerMixin, Optimizer):
+    r"""Muon for 2-D parameters (Jordan et al. 2024; Liu et al. 2025), per parameter:
+
+    .. math::
+        B_t = \mu B_{t-1} + (1-\mu) g_t \quad(\text{lerp}),\qquad
+        \tilde B_t = \begin{cases} g_t + \mu (B_t - g_t) & \text{nesterov} \\ B_t \end{cases}
+
+        O_t = \mathrm{NS}_k^{(a,b,c)}(\tilde B_t),\qquad
+        \theta_t = (1 - \gamma\lambda)\,\theta_{t-1} - \mathrm{adjust}(\gamma, \text{shape})\,O_t
+
+    Weight decay uses the unadjusted ``lr`` (as torch does). The defaults and argument order are
+    ``torch.optim.Muon``'s; with them the result is bitwise equal to torch 2.13 on float32.
+
+    Extra keyword-only options:
+
+    * ``adjust_lr_fn`` additionally accepts ``"spectral"``, ``"unit_rms"`` and ``"none"``
+      (see :func:`adjust_lr`).
+    * ``ns_dtype``: Newton-Schulz compute dtype (bfloat16 like torch; ``None`` = parameter dtype,
+      useful for float64 tests).
+    * ``batched``: group same-shape parameters of a param group and orthogonalize them with one
+      :func:`batched_newton_schulz` call. Faster for many small matrices, but not bitwise equal to
+      the loop in general (see :func:`batched_newton_schulz` for when it is and the bound), so
+      off by default: with it off, a parameter's update never depends on which other parameters
+      share its group, which the exactness suite relies on.
+
+    Parameters may be float32, float64 or bfloat16 (as in torch; with bfloat16 torch divides the
+    momentum buffer in place inside Newton-Schulz, we do not). ``step()`` skips parameters without
+    a gradient and raises ``ValueError`` on a non-finite gradient before touching any state.
+    """
+
+    _name = "Muon"
+    _allowed_dtypes = (torch.float32, torch.float64, torch.bfloat16)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = DEFAULT_NS_EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
+        batched: bool = False,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+            "batched": batched,
+        }
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        check_nonnegative("weight_decay", group["weight_decay"])
+        check_beta("momentum", group["momentum"])
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"nesterov must be a bool, got {group['nesterov']!r}")
+        if not isinstance(group["batched"], bool):
+            raise TypeError(f"batched must be a bool, got {group['batched']!r}")
+        fn = group["adjust_lr_fn"]
+        if fn is not None and fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {fn!r}")
+        _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+
+    def _momentum_update(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """Advance the momentum buffer of ``p`` and return the matrix to orthogonalize."""
+        grad = p.grad
+        assert grad is not None
+        state = self.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    @staticmethod
+    def _apply(group: dict[str, Any], p: Tensor, ortho: Tensor) -> None:
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon step over every parameter that has a gradient."""
+        loss = self._run_closure(closure)
+        check_grads_finite(self._name, self.param_groups)
+        for group in self.param_groups:
+            ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if not group["batched"]:
+                # One parameter at a time keeps peak memory at one update, as torch does.
+                for p in params:
+                    self._apply(group, p, newton_schulz(self._momentum_update(group, p), *ns_args))
+                continue
+            by_shape: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = {}
+            for p in params:
+                by_shape.setdefault((p.shape, p.dtype), []).append(p)
+            for same_shape in by_shape.values():
+                updates = [self._momentum_update(group, p) for p in same_shape]
+                if len(updates) == 1:
+                    ortho: Sequence[Tensor] = [newton_schulz(updates[0], *ns_args)]
+                else:
+                    ortho = batched_newton_schulz(updates, *ns_args).unbind(0)
+                for p, o in zip(same_shape, ortho):
+                    self._apply(group, p, o)
+        return loss
