@@ -18,7 +18,7 @@ The rule (names are matched case-insensitively):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch stays unimported for the planner, which only needs is_matrix_param
