@@ -1,0 +1,282 @@
+"""Profile training steps of the tiny model: torch.profiler (TensorBoard traces) and CUDA capture ranges.
+
+A profile is :func:`canzona.train.train` (the ordinary training loop, whose phases are annotated
+by :mod:`canzona.runtime.phases`) run on every rank under ``torch.profiler.profile`` with a
+wait / warmup / active schedule and the TensorBoard trace handler, so each rank leaves one
+``rank<r>.<id>.pt.trace.json`` in the output directory. The profiler is entered before ``train``
+and advanced by its per-step hook, so ``ProfilerStep#k`` is training step ``k``; with ``wait >= 1``
+step 0 (plan, fingerprint exchange, lazy optimizer state) is never recorded.
+
+For Nsight Systems, :class:`CudaCaptureRange` calls ``cudaProfilerStart`` before the first active
+step and ``cudaProfilerStop`` after the last one (only when CUDA is available: the training code
+itself never touches the CUDA profiler API), so ``nsys profile --capture-range=cudaProfilerApi``
+records exactly the active steps (:mod:`canzona.profiling.nsys`).
+
+:func:`expected_phases` lists the phases a strategy runs (the annotation contract the tests check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from canzona.runtime.phases import (
+    BACKWARD,
+    DP_ALL_GATHER,
+    DP_ALL_REDUCE,
+    DP_LOCAL_UPDATE,
+    DP_REDUCE_SCATTER,
+    FORWARD,
+    LAYERWISE_BROADCAST,
+    OPTIMIZER_STEP,
+    TP_APPLY,
+    TP_COMPUTE,
+    TP_GATHER,
+    TP_SCATTER,
+)
+
+__all__ = [
+    "CudaCaptureRange",
+    "ProfileRun",
+    "ProfileSchedule",
+    "ProfileSpec",
+    "ProfilerHook",
+    "existing_traces",
+    "expected_phases",
+    "profile_run",
+    "profile_worker",
+]
+
+_REDUCE_SCATTER = ("zero1", "asc", "lb-asc", "lb-asc-joint")
+
+
+def _nonneg(name: str, v: Any, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSchedule:
+    """torch.profiler's schedule: ``wait`` steps unrecorded, ``warmup`` steps recorded and
+    discarded, ``active`` steps recorded; one cycle. Training runs ``total`` steps."""
+
+    wait: int = 1
+    warmup: int = 1
+    active: int = 2
+
+    def __post_init__(self) -> None:
+        _nonneg("wait", self.wait, 0)
+        _nonneg("warmup", self.warmup, 0)
+        _nonneg("active", self.active, 1)
+
+    @property
+    def total(self) -> int:
+        return self.wait + self.warmup + self.active
+
+    @property
+    def first_active(self) -> int:
+        return self.wait + self.warmup
+
+    @property
+    def last_active(self) -> int:
+        return self.total - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSpec:
+    """One profiling run: the training config (its ``steps`` is overridden by the schedule), the
+    schedule, where TensorBoard traces go (None: no torch.profiler) and whether to toggle the CUDA
+    profiler API around the active steps (for nsys)."""
+
+    train: Any  # canzona.train.TrainConfig
+    schedule: ProfileSchedule = ProfileSchedule()
+    tensorboard_dir: str | None = None
+    cuda_capture: bool = False
+
+    def __post_init__(self) -> None:
+        from canzona.train import TrainConfig
+
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a canzona.train.TrainConfig, got {type(self.train).__name__}")
+        if not isinstance(self.schedule, ProfileSchedule):
+            raise TypeError(f"schedule must be a ProfileSchedule, got {type(self.schedule).__name__}")
+        if self.tensorboard_dir is None and not self.cuda_capture:
+            raise ValueError("nothing to record: give a TensorBoard directory and/or cuda_capture=True")
+        if self.cuda_capture and not torch.cuda.is_available():
+            raise ValueError("cuda_capture needs a CUDA device (torch.cuda.is_available() is False)")
+        if self.train.steps != self.schedule.total:
+            object.__setattr__(self, "train", replace(self.train, steps=self.schedule.total))
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRun:
+    """What a profiling run left: one trace per rank (rank order) and the per-rank train results."""
+
+    spec: ProfileSpec
+    traces: tuple[Path, ...]
+    results: tuple[Any, ...]
+
+
+def expected_phases(strategy: str, *, dp: int, tp: int, tp_schedule: str | None = None) -> frozenset[str]:
+    """The base phase names a run of ``strategy`` at ``dp`` x ``tp`` records (on some rank).
+
+    Every strategy: forward, backward, optimizer step, local update. Reduce-scatter strategies
+    (zero1, asc, lb-asc, lb-asc-joint): bucket reduce-scatters and parameter all-gathers; sc and
+    layerwise: bucket all-reduces, layerwise adds the owners' broadcast. With tp > 1 the TP engine
+    runs gather / compute / apply per micro-group, plus the scatter of updated shards unless the
+    schedule is ``sync`` (all TP ranks compute: sc, layerwise, zero1)."""
+    from canzona.plan import default_tp_schedule
+
+    out = {FORWARD, BACKWARD, OPTIMIZER_STEP, DP_LOCAL_UPDATE}
+    if strategy in _REDUCE_SCATTER:
+        out |= {DP_REDUCE_SCATTER, DP_ALL_GATHER}
+    else:
+        out.add(DP_ALL_REDUCE)
+    if strategy == "layerwise":
+        out.add(LAYERWISE_BROADCAST)
+    if tp > 1 and strategy != "zero1":
+        out |= {TP_GATHER, TP_COMPUTE, TP_APPLY}
+        if (tp_schedule or default_tp_schedule(strategy)) != "sync":
+            out.add(TP_SCATTER)
+    return frozenset(out)
+
+
+class CudaCaptureRange:
+    """``cudaProfilerStart`` before step ``first`` and ``cudaProfilerStop`` after step ``last``.
+
+    :meth:`before_training` handles ``first == 0``; :meth:`after_step` is called after every step.
+    Does nothing on a machine without CUDA, so it can be left in a CPU run."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.enabled = torch.cuda.is_available()
+        self.started = self.stopped = False
+
+    def _start(self, *, sync: bool = True) -> None:
+        if self.enabled and not self.started:
+            if sync:  # let earlier steps' kernels finish outside the captured range
+                torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            self.started = True
+
+    def _stop(self) -> None:
+        if self.enabled and self.started and not self.stopped:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            self.stopped = True
+
+    def before_training(self) -> None:
+        if self.first == 0:
+            self._start(sync=False)  # nothing has run yet (and the rank's device is not chosen yet)
+
+    def after_step(self, step: int) -> None:
+        if step + 1 == self.first:
+            self._start()
+        if step == self.last:
+            self._stop()
+
+    def close(self) -> None:
+        self._stop()
+
+
+class ProfilerHook:
+    """The per-step hook handed to :func:`canzona.train.train`: advances the torch profiler
+    (``prof.step()``) and the CUDA capture range after every optimizer step."""
+
+    def __init__(self, prof: Any | None, capture: CudaCaptureRange | None) -> None:
+        self.prof, self.capture = prof, capture
+        self.steps = 0
+
+    def __call__(self, step: int, *_: Any) -> None:  # train's hook also passes (loss, phase seconds)
+        if self.capture is not None:
+            self.capture.after_step(step)
+        if self.prof is not None:
+            self.prof.step()
+        self.steps += 1
+
+
+def existing_traces(directory: str | Path) -> list[Path]:
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith((".pt.trace.json", ".pt.trace.json.gz")))
+
+
+def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
+    """Worker body (:func:`canzona.runtime.launch.run_workers`): train under the profiler on this
+    rank; returns this rank's :class:`canzona.train.TrainResult`."""
+    from torch.profiler import (
+        ProfilerActivity,
+        profile,
+        schedule,
+        tensorboard_trace_handler,
+    )
+
+    from canzona.train import train
+
+    del world_size
+    sch = spec.schedule
+    capture = CudaCaptureRange(sch.first_active, sch.last_active) if spec.cuda_capture else None
+    if spec.tensorboard_dir is None:
+        hook = ProfilerHook(None, capture)
+        if capture is not None:
+            capture.before_training()
+        try:
+            return train(spec.train, on_step=hook)
+        finally:
+            if capture is not None:
+                capture.close()
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and spec.train.resolved_backend == "nccl":
+        activities.append(ProfilerActivity.CUDA)
+    handler = tensorboard_trace_handler(spec.tensorboard_dir, worker_name=f"rank{rank}", use_gzip=False)
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=sch.wait, warmup=sch.warmup, active=sch.active, repeat=1),
+        on_trace_ready=handler,
+        record_shapes=False,
+        profile_memory=False,
+        with_stack=False,
+    ) as prof:
+        hook = ProfilerHook(prof, capture)
+        if capture is not None:
+            capture.before_training()
+        try:
+            return train(spec.train, on_step=hook)
+        finally:
+            if capture is not None:
+                capture.close()
+
+
+def profile_run(spec: ProfileSpec, *, overwrite: bool = False, timeout_s: float = 600.0) -> ProfileRun:
+    """Run ``spec`` on ``dp * tp`` local processes (gloo on CPU, NCCL with CUDA when the config says
+    so) and return the traces. A TensorBoard directory that already holds traces is refused unless
+    ``overwrite`` (then only those trace files are removed): one profile per directory keeps
+    ``load_traces`` unambiguous."""
+    from canzona.runtime.launch import run_workers
+
+    cfg = spec.train
+    if spec.tensorboard_dir is not None:
+        out = Path(spec.tensorboard_dir)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{out} exists and is not a directory")
+        old = existing_traces(out)
+        if old and not overwrite:
+            raise ValueError(f"{out} already holds {len(old)} trace file(s); choose an empty directory or pass --force to replace them")
+        for p in old:
+            p.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    backend = cfg.resolved_backend
+    results = run_workers(profile_worker, cfg.world_size, spec, backend=backend, timeout_s=timeout_s)
+    traces: list[Path] = []
+    if spec.tensorboard_dir is not None:
+        found = existing_traces(spec.tensorboard_dir)
+        for r in range(cfg.world_size):
+            mine = [p for p in found if p.name.startswith(f"rank{r}.")]
+            if len(mine) != 1:
+                raise RuntimeError(f"rank {r} left {len(mine)} trace files in {spec.tensorboard_dir} (expected one)")
+            traces.append(mine[0])
+    return ProfileRun(spec, tuple(traces), tuple(results))

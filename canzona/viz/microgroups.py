@@ -1,0 +1,441 @@
+"""TP micro-groups of a plan (Section 4, Algorithm 2): Gantt charts, makespans and sweeps.
+
+Inside one DP rank every TP-split matrix parameter is a task whose host TP rank runs the full
+update. Two readings of a schedule's length (DESIGN.md, "measured weak points"):
+
+* ``sync``: micro-groups run one after the other, each ending when its busiest host finishes
+  (every group is bracketed by its fused all-to-alls): makespan = sum over groups of max host load;
+* ``free``: exchanges are issued ahead and hosts run free: makespan = busiest host's total.
+
+Durations are in work units of the chosen metric (FLOPs by default: multiply-adds, see
+:mod:`canzona.cost`), on the shape the host really processes (full, or the shard under the
+paper's ``flops_shape="local"`` accounting); communication is not drawn here (that is the
+simulator's and the profiler's job).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from canzona.cost import matrix_flops, param_flops, param_memory, state_bytes
+from canzona.paper import paper_value
+from canzona.plan.build import plan_model
+from canzona.plan.plan import Plan
+from canzona.specs import ParamSpec
+from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish
+from canzona.viz.partition import load_ratio, plan_label, rank_loads
+
+__all__ = [
+    "TASK_METRICS",
+    "task_work",
+    "task_table",
+    "tp_host_loads",
+    "microgroup_summary",
+    "cmax_sweep",
+    "tp_sweep",
+    "fig_microgroup_gantt",
+    "fig_tp_host_loads",
+    "fig_cmax_sweep",
+    "fig_tp_sweep",
+]
+
+#: what a task's bar length measures: optimizer FLOPs, optimizer-state bytes, or elements
+TASK_METRICS: dict[str, tuple[float, str]] = {
+    "flops": (GFLOP, "GFLOP (multiply-adds)"),
+    "memory": (GIB, "GiB of optimizer state"),
+    "numel": (MEGA, "million elements"),
+}
+
+
+def _num(x: float) -> str:
+    """Readable magnitude: 6,711 rather than 6.71e+03; 3 significant digits below 100."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in TASK_METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(TASK_METRICS)}")
+
+
+def task_work(spec: ParamSpec, optimizer: str, flops_shape: str, metric: str = "flops") -> float:
+    """Work of one task on its host: the optimizer on the full tensor (``flops_shape="full"``) or on
+    the shard shape (``local``, the paper's accounting)."""
+    _check_metric(metric)
+    shape = spec.shape if flops_shape == "full" else spec.local_shape
+    if metric == "flops":
+        return float(matrix_flops(optimizer, shape))
+    if metric == "memory":
+        return float(state_bytes(optimizer, shape))
+    return float(np.prod(shape))
+
+
+def _check_rank(plan: Plan, dp_rank: int) -> None:
+    if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < plan.inputs.dp:
+        raise ValueError(f"dp_rank must be in [0, {plan.inputs.dp}), got {dp_rank!r}")
+
+
+def task_table(plan: Plan, dp_rank: int = 0, *, metric: str = "flops") -> pd.DataFrame:
+    """One row per task of DP rank ``dp_rank``'s micro-groups, in group then scheduling order.
+
+    Columns: ``group``, ``host``, ``param``, ``shape``, ``work`` (in ``metric`` units, raw: FLOPs,
+    bytes or elements), ``grad_bytes`` (full gradient the host receives), ``start`` / ``end`` on
+    the ``sync`` timeline and ``start_free`` / ``end_free`` on the ``free`` one (see the module
+    docstring). Empty when the plan has no micro-groups (TP 1, schedule ``sync``, ``zero1``).
+    """
+    _check_metric(metric)
+    _check_rank(plan, dp_rank)
+    inp = plan.inputs
+    cols = ["group", "host", "param", "shape", "work", "grad_bytes", "start", "end", "start_free", "end_free"]
+    if not plan.micro_groups:
+        return pd.DataFrame(columns=cols)
+    by_name = plan.by_name()
+    rows = []
+    t0 = 0.0
+    free = np.zeros(inp.tp)
+    for g in plan.micro_groups[dp_rank]:
+        clock = np.zeros(inp.tp)
+        for n, h in zip(g.params, g.hosts):
+            spec = by_name[n].spec
+            w = task_work(spec, inp.optimizer, inp.flops_shape, metric)
+            rows.append(
+                (g.index, h, n, " x ".join(map(str, spec.shape)), w, inp.grad_bytes * spec.numel,
+                 t0 + clock[h], t0 + clock[h] + w, free[h], free[h] + w)
+            )
+            clock[h] += w
+            free[h] += w
+        t0 += float(clock.max())
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _owned_tasks(plan: Plan) -> dict[int, list]:
+    """TP-split matrix parameters each DP rank is responsible for (all of them for every rank
+    under ``sc``; a matrix cut by ``zero1`` belongs to no single rank and is no task)."""
+    inp = plan.inputs
+    tasks = [p for p in plan.params if p.spec.kind == "matrix" and p.spec.tp_split]
+    if inp.strategy == "sc":
+        return {r: list(tasks) for r in range(inp.dp)}
+    out: dict[int, list] = {r: [] for r in range(inp.dp)}
+    for p in tasks:
+        if p.dp_owner is not None:
+            out[p.dp_owner].append(p)
+    return out
+
+
+def _host_loads(plan: Plan, base: pd.Series, owned: list) -> pd.DataFrame:
+    inp = plan.inputs
+    tp = inp.tp
+    opt, shape = inp.optimizer, inp.flops_shape
+    shared_f = float(base["flops"]) - sum(param_flops(p.spec, opt, shape) for p in owned)
+    shared_m = float(base["memory_bytes"]) - sum(param_memory(p.spec, opt, shape) for p in owned)
+    flops = np.full(tp, shared_f)
+    memory = np.full(tp, shared_m)
+    tasks = np.zeros(tp, dtype=np.int64)
+    for p in owned:
+        f = task_work(p.spec, opt, shape, "flops")
+        m = task_work(p.spec, opt, shape, "memory")
+        if p.tp_host is None:  # sync: everyone recomputes it
+            flops += f
+            memory += m
+            tasks += 1
+        else:
+            flops[p.tp_host] += f
+            memory[p.tp_host] += m
+            tasks[p.tp_host] += 1
+    df = pd.DataFrame({"flops": flops, "memory_bytes": memory, "tasks": tasks})
+    df.index.name = "tp_rank"
+    return df
+
+
+def tp_host_loads(plan: Plan, dp_rank: int = 0) -> pd.DataFrame:
+    """Cumulative optimizer load of each TP rank of DP rank ``dp_rank`` over the whole step.
+
+    Every TP rank does the work that never leaves it (element-wise parameters on its shard,
+    replicated matrices); a host adds the full update of each task it hosts; under the ``sync``
+    TP schedule every TP rank recomputes every task. Columns (index ``tp_rank``): ``flops``,
+    ``memory_bytes``, ``tasks``. The planner's TP ratios are max/mean of these for its worst DP
+    rank.
+    """
+    _check_rank(plan, dp_rank)
+    return _host_loads(plan, rank_loads(plan).loc[dp_rank], _owned_tasks(plan)[dp_rank])
+
+
+def microgroup_summary(plan: Plan, *, metric: str = "flops") -> pd.DataFrame:
+    """Per DP rank: ``groups``, ``tasks``, ``makespan_sync`` and ``makespan_free`` (raw ``metric``
+    units, TP-split matrix tasks only), ``host_ratio`` (max/mean of hosted work) and the TP R_LB of
+    the rank's whole optimizer load, ``tp_flops_ratio`` / ``tp_memory_ratio`` (see
+    :func:`tp_host_loads`). Without micro-groups (TP schedule ``sync``) every TP rank runs every
+    task, so both makespans are the rank's total task work."""
+    _check_metric(metric)
+    inp = plan.inputs
+    loads = rank_loads(plan)
+    owned = _owned_tasks(plan)
+    rows = []
+    for r in range(inp.dp):
+        t = task_table(plan, r, metric=metric)
+        hosts = _host_loads(plan, loads.loc[r], owned[r])
+        per_host = np.zeros(inp.tp)
+        if len(t):
+            np.add.at(per_host, t["host"].to_numpy(dtype=np.int64), t["work"].to_numpy(dtype=np.float64))
+            span_sync, span_free = float(t["end"].max()), float(t["end_free"].max())
+        else:
+            total = sum(task_work(p.spec, inp.optimizer, inp.flops_shape, metric) for p in owned[r])
+            per_host += total
+            span_sync = span_free = float(total)
+        rows.append({
+            "dp_rank": r,
+            "groups": int(t["group"].nunique()) if len(t) else 0,
+            "tasks": len(t) if len(t) else len(owned[r]),
+            "makespan_sync": span_sync,
+            "makespan_free": span_free,
+            "host_ratio": load_ratio(per_host),
+            "tp_flops_ratio": load_ratio(hosts["flops"]),
+            "tp_memory_ratio": load_ratio(hosts["memory_bytes"]),
+        })
+    return pd.DataFrame(rows).set_index("dp_rank")
+
+
+def _quiet_plan(model: str, **kw) -> tuple[Plan, int]:
+    """A plan and the number of warnings the planner raised (tasks above C_max): sweeps report
+    the count in a column instead of printing one warning per configuration."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_model(model, **kw)
+    return plan, len(caught)
+
+
+def _sweep_row(plan: Plan, n_warn: int, metric: str) -> dict:
+    s = microgroup_summary(plan, metric=metric)
+    worst = int(s["makespan_sync"].idxmax())
+    return {
+        "groups_max": int(s["groups"].max()),
+        "groups_total": int(s["groups"].sum()),
+        "all_to_alls": 2 * int(s["groups"].max()),
+        "makespan_sync": float(s["makespan_sync"].max()),
+        "makespan_free": float(s["makespan_free"].max()),
+        "worst_dp_rank": worst,
+        "tp_flops_ratio": plan.metrics.tp_flops_ratio,
+        "tp_memory_ratio": plan.metrics.tp_memory_ratio,
+        "oversize_tasks_warned": n_warn,
+        "plan_ms": plan.metrics.plan_seconds * 1e3,
+    }
+
+
+def cmax_sweep(
+    model: str = "qwen3-32b",
+    *,
+    dp: int = 16,
+    tp: int = 8,
+    cmax_mb: Sequence[float] = (64, 128, 256, 512, 1024, 2048, 4096),
+    optimizer: str = "muon",
+    strategy: str = "lb-asc",
+    tp_schedule: str = "lpt",
+    include_no_fuse: bool = True,
+    metric: str = "flops",
+) -> pd.DataFrame:
+    """The fusion-capacity ablation (Appendix C.6, Figure 14) redone with the planner.
+
+    One row per C_max (MiB of full gradient a host may receive per micro-group) plus one for the
+    ``no-fuse`` schedule (one task per group). Columns: ``schedule``, ``cmax_mb`` (NaN for
+    no-fuse), ``groups_max`` (micro-groups of the busiest DP rank), ``groups_total``,
+    ``all_to_alls`` (2 per group: gather and scatter), ``makespan_sync`` / ``makespan_free`` (worst
+    DP rank, raw ``metric`` units), ``tp_flops_ratio``, ``tp_memory_ratio``,
+    ``oversize_tasks_warned``, ``plan_ms``. The default DP16 x TP8 is the paper's configuration.
+    """
+    if not cmax_mb:
+        raise ValueError("cmax_mb needs at least one capacity")
+    rows = []
+    for c in cmax_mb:
+        if not c > 0:
+            raise ValueError(f"C_max must be positive, got {c}")
+        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy,
+                               tp_schedule=tp_schedule, cmax_bytes=int(round(c * 2**20)))
+        rows.append({"schedule": tp_schedule, "cmax_mb": float(c), **_sweep_row(plan, nw, metric)})
+    if include_no_fuse:
+        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, tp_schedule="no-fuse")
+        rows.append({"schedule": "no-fuse", "cmax_mb": np.nan, **_sweep_row(plan, nw, metric)})
+    df = pd.DataFrame(rows)
+    df.attrs.update(model=model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, metric=metric)
+    return df
+
+
+def tp_sweep(
+    model: str = "qwen3-32b",
+    *,
+    dp: int = 32,
+    tps: Sequence[int] = (2, 4, 8),
+    schedules: Sequence[str] = ("round-robin", "lpt", "lpt-carry", "no-fuse", "sync"),
+    optimizer: str = "muon",
+    strategy: str = "lb-asc",
+    metric: str = "flops",
+) -> pd.DataFrame:
+    """TP scaling (Appendix C.3, Figure 8b) with the DP partition fixed to ``strategy`` so only the
+    TP schedule changes. One row per (tp, schedule); columns as in :func:`cmax_sweep` plus ``tp``."""
+    rows = []
+    for t in tps:
+        for sch in schedules:
+            plan, nw = _quiet_plan(model, dp=dp, tp=int(t), optimizer=optimizer, strategy=strategy, tp_schedule=sch)
+            rows.append({"tp": int(t), "schedule": sch, **_sweep_row(plan, nw, metric)})
+    df = pd.DataFrame(rows)
+    df.attrs.update(model=model, dp=dp, optimizer=optimizer, strategy=strategy, metric=metric)
+    return df
+
+
+# ------------------------------------------------------------------------------------------ figures
+def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops", timeline: str = "sync") -> go.Figure:
+    """Gantt chart of DP rank ``dp_rank``'s micro-groups: one row per TP host rank, one bar per
+    task, coloured by micro-group; dotted lines mark group boundaries on the ``sync`` timeline.
+    The title gives the makespan and the TP R_LB ratios."""
+    if timeline not in ("sync", "free"):
+        raise ValueError(f"timeline must be 'sync' or 'free', got {timeline!r}")
+    t = task_table(plan, dp_rank, metric=metric)
+    scale, unit = TASK_METRICS[metric]
+    inp = plan.inputs
+    fig = go.Figure()
+    s_col, e_col = ("start", "end") if timeline == "sync" else ("start_free", "end_free")
+    if len(t):
+        groups = sorted(int(k) for k in t["group"].unique())
+        # beyond ~24 groups distinct colours stop being readable: alternate two shades instead
+        many = len(groups) > 24
+        palette = categorical_colors(2 if many else len(groups))
+        if many:
+            parity = t["group"].to_numpy() % 2
+            series = [(f"{'even' if k == 0 else 'odd'} micro-groups", palette[k], t[parity == k]) for k in (0, 1)]
+        else:
+            series = [(f"micro-group {k}", palette[i], t[t["group"] == k]) for i, k in enumerate(groups)]
+        for name, color, g in series:
+            if not len(g):
+                continue
+            fig.add_trace(
+                go.Bar(
+                    orientation="h",
+                    y=[f"TP rank {h}" for h in g["host"]],
+                    x=(g["work"] / scale).to_numpy(),
+                    base=(g[s_col] / scale).to_numpy(),
+                    name=name,
+                    marker=dict(color=color, line=dict(color="white", width=0.6)),
+                    customdata=np.stack(
+                        [g["param"], g["shape"], g["group"], g["grad_bytes"] / 2**20, g[s_col] / scale, g[e_col] / scale], axis=-1
+                    ),
+                    hovertemplate=(
+                        "%{customdata[0]}<br>full shape %{customdata[1]}<br>micro-group %{customdata[2]}, "
+                        "%{customdata[3]:.0f} MiB gradient<br>%{customdata[4]:.4g} .. %{customdata[5]:.4g} " + unit
+                        + " (%{x:.4g})<extra>%{y}</extra>"
+                    ),
+                )
+            )
+        if timeline == "sync":
+            bounds = t.groupby("group")["end"].max().sort_index().to_numpy() / scale
+            for x in bounds[:-1]:
+                fig.add_vline(x=float(x), line_dash="dot", line_color="gray", line_width=1)
+        span = float(t[e_col].max()) / scale
+    else:
+        span = 0.0
+    host_loads = tp_host_loads(plan, dp_rank)
+    fig.update_layout(barmode="overlay", bargap=0.3)
+    fig.update_yaxes(categoryorder="array", categoryarray=[f"TP rank {h}" for h in range(inp.tp)][::-1])
+    what = "sum over micro-groups of the busiest host" if timeline == "sync" else "busiest host, hosts running free"
+    empty = "" if len(t) else " (no micro-groups: TP schedule sync or TP 1)"
+    return finish(
+        fig,
+        title=(
+            f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit} ({what})<br>"
+            f"<sup>{plan_label(plan)}, TP schedule {inp.tp_schedule}, C_max {inp.cmax_bytes / 2**20:.0f} MiB; "
+            f"this rank's TP R_LB FLOPs {load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}</sup>"
+        ),
+        x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
+        y_title="host TP rank",
+        legend_title="micro-group",
+        height=max(360, 40 * inp.tp + 180),
+    )
+
+
+def fig_tp_host_loads(plan: Plan, dp_rank: int = 0) -> go.Figure:
+    """Cumulative optimizer FLOPs and state memory per TP rank of one DP rank (bars) with the
+    mean (dashed): the TP load balance of Figure 3b."""
+    loads = tp_host_loads(plan, dp_rank)
+    rf, rm = load_ratio(loads["flops"]), load_ratio(loads["memory_bytes"])
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"FLOPs (R_LB {rf:.2f})", f"optimizer-state memory (R_LB {rm:.2f})"))
+    x = loads.index.to_numpy()
+    for c, (key, scale, label) in enumerate((("flops", GFLOP, "FLOPs per TP rank"), ("memory_bytes", GIB, "memory per TP rank")), start=1):
+        v = loads[key].to_numpy() / scale
+        fig.add_trace(go.Bar(x=x, y=v, name=label, marker_color=categorical_colors(2)[c - 1]), row=1, col=c)
+        fig.add_trace(
+            go.Scatter(x=[x.min() - 0.5, x.max() + 0.5], y=[v.mean()] * 2, mode="lines", line=dict(dash="dash", color="black"),
+                       name="mean over TP ranks", legendgroup="mean", showlegend=c == 1),
+            row=1, col=c,
+        )
+        fig.update_xaxes(title_text="TP rank", row=1, col=c)
+    fig.update_yaxes(title_text="GFLOP per step", row=1, col=1)
+    fig.update_yaxes(title_text="GiB", row=1, col=2)
+    return finish(
+        fig,
+        title=f"TP load of DP rank {dp_rank}: R_LB FLOPs {rf:.2f}, memory {rm:.2f}<br><sup>{plan_label(plan)}, TP schedule {plan.inputs.tp_schedule}</sup>",
+        legend_title="quantity",
+        height=400,
+    )
+
+
+def fig_cmax_sweep(df: pd.DataFrame) -> go.Figure:
+    """Makespan and all-to-all count against C_max (from :func:`cmax_sweep`); the no-fuse schedule
+    as dashed horizontal lines; the paper's plateau C_max (Figure 14) as a vertical marker."""
+    metric = df.attrs.get("metric", "flops")
+    scale, unit = TASK_METRICS[metric]
+    fused = df[df["schedule"] != "no-fuse"].sort_values("cmax_mb")
+    nofuse = df[df["schedule"] == "no-fuse"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("optimizer makespan of the busiest DP rank", "fused all-to-alls per step (busiest DP rank)"))
+    for key, dash, label in (("makespan_sync", "solid", "groups in sequence (sync)"), ("makespan_free", "dot", "hosts run free")):
+        fig.add_trace(go.Scatter(x=fused["cmax_mb"], y=fused[key] / scale, mode="lines+markers", line=dict(dash=dash, color="#2ca02c"),
+                                 name=f"micro-groups, {label}"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=fused["cmax_mb"], y=fused["all_to_alls"], mode="lines+markers", line=dict(color="#2ca02c"),
+                             name="micro-groups: all-to-alls"), row=1, col=2)
+    if len(nofuse):
+        r = nofuse.iloc[0]
+        xs = [fused["cmax_mb"].min(), fused["cmax_mb"].max()] if len(fused) else [1, 2]
+        fig.add_trace(go.Scatter(x=xs, y=[r["makespan_sync"] / scale] * 2, mode="lines", line=dict(dash="dash", color="#d62728"),
+                                 name="no-fuse (one task per group)"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=xs, y=[r["all_to_alls"]] * 2, mode="lines", line=dict(dash="dash", color="#d62728"),
+                                 name="no-fuse: all-to-alls"), row=1, col=2)
+    # the paper's plateau as a vertical line drawn in data coordinates (a layout shape on a log
+    # axis would need log10 coordinates)
+    plateau = paper_value("cmax_plateau_mb")
+    tops = (float(df[["makespan_sync", "makespan_free"]].to_numpy().max()) / scale, float(df["all_to_alls"].max()))
+    for c, top in enumerate(tops, start=1):
+        fig.add_trace(go.Scatter(x=[plateau.value] * 2, y=[0.0, top], mode="lines", line=dict(dash="dot", color="black"),
+                                 name=f"{plateau.label}: plateau at C_max ~{plateau.value:.0f} MB", legendgroup="paper",
+                                 showlegend=c == 1, hoverinfo="skip"), row=1, col=c)
+    fig.update_xaxes(type="log", title_text="C_max (MiB of full gradient per host per micro-group)")
+    fig.update_yaxes(title_text=f"makespan ({unit})", row=1, col=1)
+    fig.update_yaxes(title_text="all-to-all calls per step", row=1, col=2)
+    a = df.attrs
+    return finish(
+        fig,
+        title=f"Fusion capacity sweep: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')} x TP{a.get('tp')}, {a.get('strategy')}",
+        legend_title="schedule",
+        height=440,
+    )
+
+
+def fig_tp_sweep(df: pd.DataFrame) -> go.Figure:
+    """TP FLOPs R_LB and makespan against TP size, one line per TP schedule (from :func:`tp_sweep`)."""
+    metric = df.attrs.get("metric", "flops")
+    scale, unit = TASK_METRICS[metric]
+    schedules = list(dict.fromkeys(df["schedule"]))
+    colors = categorical_colors(len(schedules))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TP FLOPs R_LB (worst DP rank)", "micro-group makespan (sync timeline)"))
+    for sch, col in zip(schedules, colors):
+        d = df[df["schedule"] == sch].sort_values("tp")
+        fig.add_trace(go.Scatter(x=d["tp"], y=d["tp_flops_ratio"], mode="lines+markers", name=sch, legendgroup=sch, line_color=col), row=1, col=1)
+        fig.add_trace(go.Scatter(x=d["tp"], y=d["makespan_sync"] / scale, mode="lines+markers", name=sch, legendgroup=sch,
+                                 showlegend=False, line_color=col), row=1, col=2)
+    fig.update_xaxes(title_text="TP size (ranks per TP group)", type="log", tickvals=sorted(df["tp"].unique()))
+    fig.update_yaxes(title_text="R_LB (max / mean)", row=1, col=1)
+    fig.update_yaxes(title_text=f"makespan ({unit})", row=1, col=2)
+    a = df.attrs
+    return finish(fig, title=f"TP scaling: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')}, DP strategy {a.get('strategy')}",
+                  legend_title="TP schedule", height=420)

@@ -1,0 +1,394 @@
+"""Partition maps and per-rank loads of a DP plan (Section 3, Figure 3 of the paper).
+
+Tables first, figures from the tables: :func:`ownership_pieces` lists who owns which elements of
+every bucket, :func:`rank_loads` sums optimizer FLOPs and state memory per DP rank from the plan
+and :mod:`canzona.cost`, independently of the planner's own metrics (tests check that both agree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from canzona.cost import param_flops, param_memory
+from canzona.paper import PaperValue, paper_values
+from canzona.plan.plan import Plan
+from canzona.viz._style import GFLOP, GIB, MEGA, PAPER_MARKER, finish, rank_colors, strategy_color
+
+__all__ = [
+    "EVERY_RANK",
+    "plan_label",
+    "ownership_pieces",
+    "rank_loads",
+    "load_ratio",
+    "strategy_summary",
+    "PAPER_COLUMNS",
+    "paper_reference",
+    "MEMORY_VIEWS",
+    "fig_partition_map",
+    "fig_rank_loads",
+    "fig_strategy_comparison",
+    "fig_balance_vs_paper",
+]
+
+#: owner value of a piece every DP rank updates (strategy ``sc``)
+EVERY_RANK = -1
+
+
+def plan_label(plan: Plan) -> str:
+    """One line naming a plan's configuration, used in figure titles."""
+    i = plan.inputs
+    alpha = f", alpha={i.alpha:g}" if i.strategy == "lb-asc" else ""
+    return f"{i.model}, {i.optimizer}, DP{i.dp} x TP{i.tp}, {i.strategy}{alpha}, cost={i.cost}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return " x ".join(str(d) for d in shape)
+
+
+def ownership_pieces(plan: Plan) -> pd.DataFrame:
+    """Every (parameter, owner) piece of the flat buffer, in buffer order.
+
+    Columns: ``bucket``, ``param``, ``kind``, ``shape`` (global, as text), ``local_shape``,
+    ``start`` / ``end`` (element offsets inside the bucket, TP-local elements), ``numel``,
+    ``owner`` (DP rank, or :data:`EVERY_RANK` under ``sc``), ``param_start`` (offset of the piece
+    inside its parameter) and ``whole`` (the piece is the entire parameter).
+    A parameter cut by ZeRO-1 shows as several pieces, one per owner.
+    """
+    by_name = plan.by_name()
+    rows: list[tuple] = []
+    for b in plan.buckets:
+        for n in b.params:
+            p = by_name[n]
+            spec = p.spec
+            common = (b.index, n, spec.kind, _shape(spec.shape), _shape(spec.local_shape))
+            if p.dp_owner is not None:
+                rows.append((*common, p.offset, p.offset + p.numel, p.numel, p.dp_owner, 0, True))
+            elif p.dp_ranges:
+                for r, s, e in p.dp_ranges:
+                    rows.append((*common, p.offset + s, p.offset + e, e - s, r, s, False))
+            else:
+                rows.append((*common, p.offset, p.offset + p.numel, p.numel, EVERY_RANK, 0, True))
+    cols = ["bucket", "param", "kind", "shape", "local_shape", "start", "end", "numel", "owner", "param_start", "whole"]
+    df = pd.DataFrame(rows, columns=cols)
+    return df.astype({"bucket": "int64", "start": "int64", "end": "int64", "numel": "int64", "owner": "int64", "param_start": "int64"})
+
+
+def rank_loads(plan: Plan) -> pd.DataFrame:
+    """Per-DP-rank optimizer load, summed over the parameters (or pieces) each rank updates.
+
+    Columns (index ``dp_rank``): ``flops`` (optimizer FLOPs per step, per TP rank on average, as
+    :func:`canzona.cost.param_flops` defines it), ``memory_bytes`` (optimizer-state bytes, same
+    averaging), ``numel`` (buffer elements) and ``params`` (parameters touched). A piece of a cut
+    parameter counts in proportion to its elements; under ``sc`` every rank carries everything.
+    """
+    inp = plan.inputs
+    dp = inp.dp
+    flops = np.zeros(dp)
+    memory = np.zeros(dp)
+    numel = np.zeros(dp)
+    count = np.zeros(dp, dtype=np.int64)
+    for p in plan.params:
+        f = param_flops(p.spec, inp.optimizer, inp.flops_shape)
+        m = param_memory(p.spec, inp.optimizer, inp.flops_shape)
+        n = p.numel
+        if p.dp_owner is not None:
+            parts = [(p.dp_owner, 1.0)]
+        elif p.dp_ranges:
+            parts = [(r, (e - s) / n) for r, s, e in p.dp_ranges]
+        else:  # sc: every rank recomputes every update
+            parts = [(r, 1.0) for r in range(dp)]
+        for r, frac in parts:
+            flops[r] += f * frac
+            memory[r] += m * frac
+            numel[r] += n * frac
+            count[r] += 1
+    df = pd.DataFrame({"flops": flops, "memory_bytes": memory, "numel": numel, "params": count})
+    df.index.name = "dp_rank"
+    return df
+
+
+def load_ratio(values: Iterable[float]) -> float:
+    """R_LB = max / mean (1.0 when everything is zero)."""
+    a = np.asarray(list(values), dtype=np.float64)
+    mean = float(a.mean()) if a.size else 0.0
+    return float(a.max()) / mean if mean > 0 else 1.0
+
+
+#: which of canzona's columns each paper ratio is compared with. The paper's DP "memory" is
+#: proportional to numel (Section 5.2: "memory cost is strictly proportional to numel"), so it
+#: sits beside the numel ratio; its TP memory ratio beside the optimizer-state ratio (the same
+#: pairing as ``canzona reproduce fig3``).
+PAPER_COLUMNS: dict[str, str] = {
+    "dp_flops_ratio": "dp_flops_ratio",
+    "dp_memory_ratio": "dp_numel_ratio",
+    "tp_flops_ratio": "tp_flops_ratio",
+    "tp_memory_ratio": "tp_memory_ratio",
+}
+
+
+def paper_reference(plan: Plan, metric: str) -> PaperValue | None:
+    """The paper's value of ``metric`` (a paper metric name, see :data:`PAPER_COLUMNS`) for this
+    plan's strategy when the plan is the paper's configuration (model, DP, TP, optimizer, cost
+    model, and alpha for ``lb-asc``); otherwise None."""
+    i = plan.inputs
+    alpha = float(i.alpha) if i.strategy == "lb-asc" else None
+    for v in paper_values(metric=metric, strategy=i.strategy, ablation=""):
+        if v.matches(model=i.model, dp=i.dp, tp=i.tp, optimizer=i.optimizer, alpha=alpha, cost=i.cost):
+            return v
+    return None
+
+
+def strategy_summary(plans: Sequence[Plan]) -> pd.DataFrame:
+    """One row per plan: R_LB ratios and the paper's where it reports them.
+
+    Columns: ``strategy``, ``tp_schedule``, ``flops_shape``, ``dp_flops_ratio``,
+    ``dp_memory_ratio`` (optimizer-state bytes), ``dp_numel_ratio`` (buffer elements) -- all three
+    from :func:`rank_loads` -- then the planner's ``tp_flops_ratio``, ``tp_memory_ratio``,
+    ``tp_numel_ratio`` (worst TP group), ``j_comm_elements``, ``plan_ms``, and
+    ``paper_<column>`` for each column the paper has a value for in this configuration (NaN where
+    it has none; see :data:`PAPER_COLUMNS` for the pairing).
+    """
+    rows = []
+    for plan in plans:
+        loads = rank_loads(plan)
+        m = plan.metrics
+        row = {
+            "strategy": plan.inputs.strategy,
+            "tp_schedule": plan.inputs.tp_schedule,
+            "flops_shape": plan.inputs.flops_shape,
+            "dp_flops_ratio": load_ratio(loads["flops"]),
+            "dp_memory_ratio": load_ratio(loads["memory_bytes"]),
+            "dp_numel_ratio": load_ratio(loads["numel"]),
+            "tp_flops_ratio": m.tp_flops_ratio,
+            "tp_memory_ratio": m.tp_memory_ratio,
+            "tp_numel_ratio": float(m.details.get("tp_numel_ratio", np.nan)),
+            "j_comm_elements": m.j_comm,
+            "plan_ms": m.plan_seconds * 1e3,
+        }
+        for metric, col in PAPER_COLUMNS.items():
+            ref = paper_reference(plan, metric)
+            row[f"paper_{col}"] = ref.value if ref is not None else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------ figures
+def _owner_name(owner: int) -> str:
+    return "every rank (sc)" if owner == EVERY_RANK else f"DP rank {owner}"
+
+
+def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go.Figure:
+    """Bucket x rank ownership map: each bucket a horizontal bar over its elements, segments
+    coloured by the DP rank that updates them; hovering a segment names the parameter, its shape
+    and the element range, so parameter boundaries are visible (thin white separators).
+
+    ``buckets`` restricts the map to some bucket indices (all by default).
+    """
+    pieces = ownership_pieces(plan)
+    if buckets is not None:
+        wanted = sorted(set(int(b) for b in buckets))
+        bad = [b for b in wanted if not 0 <= b < len(plan.buckets)]
+        if bad:
+            raise ValueError(f"bucket indices {bad} out of range: the plan has {len(plan.buckets)} buckets")
+        pieces = pieces[pieces["bucket"].isin(wanted)]
+    colors = rank_colors(plan.inputs.dp)
+    # million elements for real models; plain elements / thousands for toy ones
+    biggest = max(b.numel for b in plan.buckets)
+    scale, unit = (MEGA, "million") if biggest >= MEGA else (1e3, "thousand") if biggest >= 1e4 else (1.0, "")
+    fig = go.Figure()
+    for owner, grp in pieces.groupby("owner", sort=True):
+        owner = int(owner)
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                y=[f"bucket {b}" for b in grp["bucket"]],
+                x=(grp["numel"] / scale).to_numpy(),
+                base=(grp["start"] / scale).to_numpy(),
+                name=_owner_name(owner),
+                marker=dict(color="#999999" if owner == EVERY_RANK else colors[owner], line=dict(color="white", width=0.5)),
+                customdata=np.stack(
+                    [grp["param"], grp["shape"], grp["start"], grp["end"], grp["param_start"], grp["whole"].map({True: "whole", False: "piece"})],
+                    axis=-1,
+                ),
+                hovertemplate=(
+                    "%{customdata[0]}<br>shape %{customdata[1]} (%{customdata[5]})<br>"
+                    "elements [%{customdata[2]}, %{customdata[3]}) of %{y}<br>"
+                    + _owner_name(owner)
+                    + "<extra></extra>"
+                ),
+            )
+        )
+    n_b = pieces["bucket"].nunique()
+    order = [f"bucket {b}" for b in sorted(pieces["bucket"].unique())]
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
+    loads = rank_loads(plan)
+    return finish(
+        fig,
+        title=(
+            f"Partition map: {plan_label(plan)}<br><sup>{n_b} buckets; R_LB FLOPs {load_ratio(loads['flops']):.2f}, "
+            f"state memory {load_ratio(loads['memory_bytes']):.2f}, elements {load_ratio(loads['numel']):.2f}; "
+            "hover a segment for its parameter</sup>"
+        ),
+        x_title=f"offset inside the bucket ({unit + ' ' if unit else ''}TP-local elements)",
+        y_title="ZeRO-1 bucket (buffer order)",
+        legend_title="updated by",
+        height=max(420, 16 * n_b + 160),
+    )
+
+
+#: memory views: column of rank_loads, scale, panel name, axis title
+MEMORY_VIEWS: dict[str, tuple[str, float, str, str]] = {
+    "state": ("memory_bytes", GIB, "optimizer-state memory", "state GiB (per TP rank)"),
+    "numel": ("numel", MEGA, "buffer elements (the paper's memory proxy)", "million elements"),
+}
+
+
+def _memory_view(memory: str) -> tuple[str, float, str, str]:
+    try:
+        return MEMORY_VIEWS[memory]
+    except KeyError:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY_VIEWS)}, got {memory!r}") from None
+
+
+def fig_rank_loads(plan: Plan, *, memory: str = "state") -> go.Figure:
+    """Per-DP-rank optimizer FLOPs and memory as bars, the mean as a dashed line, and R_LB =
+    max/mean of each in the title (Figure 3c of the paper). ``memory``: ``state`` (optimizer-state
+    bytes) or ``numel`` (buffer elements, what the paper calls memory)."""
+    mkey, mscale, mname, maxis = _memory_view(memory)
+    loads = rank_loads(plan)
+    rf, rm = load_ratio(loads["flops"]), load_ratio(loads[mkey])
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=(f"optimizer FLOPs (R_LB {rf:.2f})", f"{mname} (R_LB {rm:.2f})")
+    )
+    ranks = loads.index.to_numpy()
+    color = strategy_color(plan.inputs.strategy)
+    for col, (key, scale, label) in enumerate(
+        (("flops", GFLOP, "FLOPs per rank"), (mkey, mscale, "memory per rank")), start=1
+    ):
+        vals = loads[key].to_numpy() / scale
+        fig.add_trace(go.Bar(x=ranks, y=vals, name=label, marker_color=color, opacity=0.85 if col == 1 else 0.55), row=1, col=col)
+        fig.add_trace(
+            go.Scatter(
+                x=[ranks.min() - 0.5, ranks.max() + 0.5],
+                y=[vals.mean()] * 2,
+                mode="lines",
+                line=dict(dash="dash", color="black"),
+                name="mean over ranks",
+                legendgroup="mean",
+                showlegend=col == 1,
+            ),
+            row=1,
+            col=col,
+        )
+    fig.update_xaxes(title_text="DP rank", row=1, col=1)
+    fig.update_xaxes(title_text="DP rank", row=1, col=2)
+    fig.update_yaxes(title_text="GFLOP per step (per TP rank)", row=1, col=1)
+    fig.update_yaxes(title_text=maxis, row=1, col=2)
+    return finish(
+        fig,
+        title=f"Per-rank optimizer load, R_LB FLOPs {rf:.2f} / memory {rm:.2f}<br><sup>{plan_label(plan)}, FLOPs on {plan.inputs.flops_shape} shapes</sup>",
+        legend_title="quantity",
+        height=420,
+    )
+
+
+def fig_strategy_comparison(plans: Sequence[Plan], *, memory: str = "state") -> go.Figure:
+    """Per-rank FLOPs (top row) and memory (bottom row, ``memory`` as in :func:`fig_rank_loads`)
+    of several plans side by side, one column per plan, mean lines dashed, R_LB in panel titles."""
+    if not plans:
+        raise ValueError("need at least one plan to compare")
+    mkey, mscale, _, maxis = _memory_view(memory)
+    n = len(plans)
+    titles = []
+    tables = [rank_loads(p) for p in plans]
+    for p, t in zip(plans, tables):
+        titles.append(f"{p.inputs.strategy}: FLOPs R_LB {load_ratio(t['flops']):.2f}")
+    for p, t in zip(plans, tables):
+        titles.append(f"{p.inputs.strategy}: memory R_LB {load_ratio(t[mkey]):.2f}")
+    fig = make_subplots(rows=2, cols=n, subplot_titles=titles, shared_yaxes="rows", horizontal_spacing=0.03, vertical_spacing=0.16)
+    for c, (p, t) in enumerate(zip(plans, tables), start=1):
+        st = p.inputs.strategy
+        ranks = t.index.to_numpy()
+        for r, (key, scale) in enumerate((("flops", GFLOP), (mkey, mscale)), start=1):
+            vals = t[key].to_numpy() / scale
+            fig.add_trace(
+                go.Bar(x=ranks, y=vals, name=st, legendgroup=st, showlegend=r == 1, marker_color=strategy_color(st)),
+                row=r,
+                col=c,
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=[ranks.min() - 0.5, ranks.max() + 0.5], y=[vals.mean()] * 2, mode="lines",
+                    line=dict(dash="dash", color="black", width=1), name="mean over ranks", legendgroup="mean",
+                    showlegend=(r == 1 and c == 1),
+                ),
+                row=r,
+                col=c,
+            )
+            fig.update_xaxes(title_text="DP rank", row=r, col=c)
+    fig.update_yaxes(title_text="GFLOP per step", row=1, col=1)
+    fig.update_yaxes(title_text=maxis, row=2, col=1)
+    i = plans[0].inputs
+    return finish(
+        fig,
+        title=f"Strategies side by side: {i.model}, {i.optimizer}, DP{i.dp} x TP{i.tp} (dashed: mean over ranks)",
+        legend_title="strategy",
+        height=620,
+    )
+
+
+_BALANCE_BARS: tuple[tuple[str, str], ...] = (
+    ("dp_flops_ratio", "DP FLOPs"),
+    ("dp_memory_ratio", "DP state memory"),
+    ("dp_numel_ratio", "DP numel (paper's memory)"),
+    ("tp_flops_ratio", "TP FLOPs"),
+    ("tp_memory_ratio", "TP state memory"),
+)
+
+
+def fig_balance_vs_paper(summary: pd.DataFrame) -> go.Figure:
+    """Grouped bars of the DP and TP R_LB ratios per strategy (from :func:`strategy_summary`),
+    with the paper's values as open diamonds where the paper reports them."""
+    metrics = [(k, lab) for k, lab in _BALANCE_BARS if k in summary]
+    fig = go.Figure()
+    for _, row in summary.iterrows():
+        st = row["strategy"]
+        fig.add_trace(
+            go.Bar(x=[lab for _, lab in metrics], y=[row[k] for k, _ in metrics], name=f"canzona {st}",
+                   marker_color=strategy_color(st), offsetgroup=st)
+        )
+    shown = False
+    for _, row in summary.iterrows():
+        xs, ys = [], []
+        for k, lab in metrics:
+            v = row.get(f"paper_{k}", np.nan)
+            if pd.notna(v):
+                xs.append(lab)
+                ys.append(v)
+        if xs:
+            fig.add_trace(
+                go.Scatter(
+                    x=xs, y=ys, mode="markers", marker=PAPER_MARKER, name="paper, Figure 3 (Qwen3-32B DP32xTP8)",
+                    offsetgroup=row["strategy"], legendgroup="paper", showlegend=not shown,
+                    hovertemplate=f"paper, {row['strategy']}: %{{y:.2f}}<extra></extra>",
+                )
+            )
+            shown = True
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray", annotation_text="perfect balance", annotation_position="top left")
+    fig.update_layout(barmode="group", scattermode="group")
+    shapes = ", ".join(sorted(set(summary["flops_shape"]))) if "flops_shape" in summary else "?"
+    return finish(
+        fig,
+        title=f"Load-balance ratio R_LB = max / mean per strategy (lower is better; 1 = perfect)<br><sup>FLOPs on {shapes} shapes; "
+              "diamonds: the paper's reported values where it reports them</sup>",
+        x_title="quantity balanced across ranks",
+        y_title="R_LB (max / mean, dimensionless)",
+        legend_title="source",
+        height=480,
+    )

@@ -1,0 +1,225 @@
+"""Interactive explorers for the notebooks: ipywidgets controls over canzona's figure functions.
+
+An :class:`Explorer` builds its figures once, eagerly, when it is created (so a headless run
+fails loudly on a bad configuration), shows them as ordinary notebook outputs with display ids,
+and replaces them in place whenever a control changes. Changing a control to a configuration
+the planner rejects shows the error beside the controls and keeps the last good figures.
+"""
+
+from __future__ import annotations
+
+import html
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from canzona.config import available_models
+from canzona.cost import OPTIMIZERS
+from canzona.plan.plan import COSTS, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
+
+__all__ = [
+    "Explorer",
+    "model_control",
+    "partition_explorer",
+    "strategy_explorer",
+    "microgroup_explorer",
+    "timeline_explorer",
+]
+
+Figures = Sequence[go.Figure]
+
+_LAYOUT = W.Layout(width="260px")
+_STYLE = {"description_width": "90px"}
+
+
+class Explorer:
+    """Controls plus figures that follow them.
+
+    ``build(**values)`` returns one figure or a sequence of figures, ``values`` being the
+    controls' current values by name. ``figures`` always holds the latest successful build;
+    ``error`` the message of the latest failed one (None after a success).
+    """
+
+    def __init__(self, build: Callable[..., go.Figure | Figures], controls: Mapping[str, W.ValueWidget], *, columns: int = 4) -> None:
+        if not controls:
+            raise ValueError("an explorer needs at least one control")
+        self.build = build
+        self.controls = dict(controls)
+        self.status = W.HTML(value="")
+        self.error: str | None = None
+        self.figures: list[go.Figure] = self._build()
+        self._handles: list[Any] = []
+        for w in self.controls.values():
+            w.observe(self._on_change, names="value")
+        boxes = list(self.controls.values())
+        self.ui = W.VBox([W.GridBox(boxes, layout=W.Layout(grid_template_columns=f"repeat({columns}, 270px)")), self.status])
+
+    def values(self) -> dict[str, Any]:
+        return {k: w.value for k, w in self.controls.items()}
+
+    def _build(self) -> list[go.Figure]:
+        out = self.build(**self.values())
+        figs = [out] if isinstance(out, go.Figure) else list(out)
+        if not figs or not all(isinstance(f, go.Figure) for f in figs):
+            raise TypeError("an explorer's build function must return plotly figures")
+        return figs
+
+    def refresh(self) -> list[go.Figure]:
+        """Rebuild from the current control values and update the shown figures in place.
+        Raises what the build raises (the control callback catches it and shows it instead)."""
+        figs = self._build()
+        if self._handles and len(figs) != len(self._handles):
+            raise RuntimeError("the build function changed its number of figures")
+        self.figures = figs
+        self.error = None
+        self.status.value = ""
+        for h, f in zip(self._handles, figs):
+            h.update(f)
+        return figs
+
+    def _on_change(self, _change: Mapping[str, Any]) -> None:
+        try:
+            self.refresh()
+        except (ValueError, TypeError, KeyError, RuntimeError, OSError) as exc:
+            # a configuration the planner rejects: say so next to the controls, keep the old figures
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.status.value = f"<span style='color:#b00'>cannot draw this configuration: {html.escape(str(exc))}</span>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.ui)
+        self._handles = [display(f, display_id=True) for f in self.figures]
+
+
+# ------------------------------------------------------------------------------------------ controls
+def _dropdown(name: str, options: Sequence[Any], value: Any) -> W.Dropdown:
+    if value not in options:
+        raise ValueError(f"{name}: {value!r} is not one of {list(options)}")
+    return W.Dropdown(options=list(options), value=value, description=name, layout=_LAYOUT, style=_STYLE)
+
+
+def model_control(value: str = "qwen3-32b") -> W.Dropdown:
+    return _dropdown("model", available_models(), value)
+
+
+_DP_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_TP_CHOICES = (1, 2, 4, 8)
+
+
+def _alpha(value: float) -> W.FloatSlider:
+    return W.FloatSlider(value=value, min=0.0, max=1.0, step=0.05, description="alpha", continuous_update=False, layout=_LAYOUT, style=_STYLE)
+
+
+def partition_explorer(
+    *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", alpha: float = 1.0,
+    strategy: str = "lb-asc", cost: str = "numel", flops_shape: str = "full", memory: str = "state",
+) -> Explorer:
+    """Partition map and per-rank loads of one plan, with controls for every planner input."""
+    from canzona.viz.partition import MEMORY_VIEWS, fig_partition_map, fig_rank_loads
+
+    def build(model: str, dp: int, tp: int, optimizer: str, alpha: float, strategy: str, cost: str, flops_shape: str, memory: str) -> Figures:
+        plan = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, alpha=alpha, strategy=strategy, cost=cost, flops_shape=flops_shape)
+        return [fig_partition_map(plan), fig_rank_loads(plan, memory=memory)]
+
+    return Explorer(build, {
+        "model": model_control(model),
+        "dp": _dropdown("dp", _DP_CHOICES, dp),
+        "tp": _dropdown("tp", _TP_CHOICES, tp),
+        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        "alpha": _alpha(alpha),
+        "strategy": _dropdown("strategy", STRATEGIES, strategy),
+        "cost": _dropdown("cost", COSTS, cost),
+        "flops_shape": _dropdown("flops shape", FLOPS_SHAPES, flops_shape),
+        "memory": _dropdown("memory view", list(MEMORY_VIEWS), memory),
+    })
+
+
+def strategy_explorer(
+    *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", alpha: float = 1.0,
+    strategies: Sequence[str] = ("zero1", "asc", "lb-asc", "layerwise"), cost: str = "numel", flops_shape: str = "local",
+    memory: str = "numel",
+) -> Explorer:
+    """Several strategies side by side (per-rank loads) and their R_LB ratios beside the paper's."""
+    from canzona.viz.partition import MEMORY_VIEWS, fig_balance_vs_paper, fig_strategy_comparison, strategy_summary
+
+    chosen = tuple(strategies)
+
+    def build(model: str, dp: int, tp: int, optimizer: str, alpha: float, cost: str, flops_shape: str, memory: str) -> Figures:
+        plans = [_quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, alpha=alpha, strategy=s, cost=cost, flops_shape=flops_shape) for s in chosen]
+        return [fig_strategy_comparison(plans, memory=memory), fig_balance_vs_paper(strategy_summary(plans))]
+
+    return Explorer(build, {
+        "model": model_control(model),
+        "dp": _dropdown("dp", _DP_CHOICES, dp),
+        "tp": _dropdown("tp", _TP_CHOICES, tp),
+        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        "alpha": _alpha(alpha),
+        "cost": _dropdown("cost", COSTS, cost),
+        "flops_shape": _dropdown("flops shape", FLOPS_SHAPES, flops_shape),
+        "memory": _dropdown("memory view", list(MEMORY_VIEWS), memory),
+    })
+
+
+def microgroup_explorer(
+    *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", strategy: str = "lb-asc",
+    tp_schedule: str = "lpt", cmax_mb: int = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = "full",
+) -> Explorer:
+    """Gantt chart of one DP rank's micro-groups and that rank's TP host loads. ``dp_rank`` None
+    starts on the DP rank with the longest schedule."""
+    from canzona.viz.microgroups import fig_microgroup_gantt, fig_tp_host_loads, microgroup_summary
+
+    def build(model: str, dp: int, tp: int, optimizer: str, strategy: str, tp_schedule: str, cmax_mb: int, dp_rank: int,
+              timeline: str, flops_shape: str) -> Figures:
+        plan = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, tp_schedule=tp_schedule,
+                           cmax_bytes=int(cmax_mb) * 2**20, flops_shape=flops_shape)
+        r = int(microgroup_summary(plan)["makespan_sync"].idxmax()) if dp_rank < 0 else dp_rank
+        if r >= dp:
+            raise ValueError(f"dp rank {r} does not exist with dp={dp}")
+        return [fig_microgroup_gantt(plan, r, timeline=timeline), fig_tp_host_loads(plan, r)]
+
+    return Explorer(build, {
+        "model": model_control(model),
+        "dp": _dropdown("dp", _DP_CHOICES, dp),
+        "tp": _dropdown("tp", _TP_CHOICES, tp),
+        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        "strategy": _dropdown("strategy", STRATEGIES, strategy),
+        "tp_schedule": _dropdown("TP schedule", TP_SCHEDULES, tp_schedule),
+        "cmax_mb": W.BoundedIntText(value=cmax_mb, min=1, max=1 << 20, description="C_max MiB", layout=_LAYOUT, style=_STYLE),
+        "dp_rank": W.BoundedIntText(value=-1 if dp_rank is None else dp_rank, min=-1, max=1023, description="DP rank (-1: worst)",
+                                    layout=_LAYOUT, style=_STYLE),
+        "timeline": _dropdown("timeline", ("sync", "free"), timeline),
+        "flops_shape": _dropdown("flops shape", FLOPS_SHAPES, flops_shape),
+    })
+
+
+def timeline_explorer(profile: Any, *, step: int | None = None, max_depth: int = 3) -> Explorer:
+    """Per-rank timeline and critical path of one step of a loaded :class:`~canzona.viz.timeline.Profile`."""
+    from canzona.viz.timeline import fig_critical_path, fig_timeline
+
+    steps = sorted(int(s) for s in profile.phases["step"].unique())
+    if not steps:
+        raise ValueError("the profile has no phases")
+    first = steps[-1] if step is None else step
+
+    def build(step: int, max_depth: int) -> Figures:
+        return [fig_timeline(profile.phases, step=step, max_depth=max_depth, title=profile.label),
+                fig_critical_path(profile.phases, step=step)]
+
+    return Explorer(build, {
+        "step": _dropdown("step", steps, first),
+        "max_depth": W.BoundedIntText(value=max_depth, min=0, max=16, description="max depth", layout=_LAYOUT, style=_STYLE),
+    }, columns=2)
+
+
+def _quiet_plan(model: str, **kw: Any):
+    """A plan for an explorer; the planner's oversized-task warning is expected at 32B scale and
+    already reported in the micro-group tables, so it is not repeated on every redraw."""
+    from canzona.plan.build import plan_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return plan_model(model, **kw)

@@ -1,0 +1,680 @@
+"""canzona.viz: tables agree with the plans and the planner's metrics, figures draw exactly those
+tables and are readable (title, axis titles, legend), data files are parsed strictly."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from canzona import paper
+from canzona.plan import plan_model
+from canzona.plan.plan import STRATEGIES
+from canzona.viz import exactness as ve
+from canzona.viz import microgroups as vm
+from canzona.viz import partition as vp
+from canzona.viz import scaling as vs
+from canzona.viz import timeline as vt
+from canzona.viz._style import figure_problems
+
+
+def _plan(model: str = "qwen3-tiny", **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return plan_model(model, **kw)
+
+
+def _readable(fig: go.Figure) -> None:
+    assert isinstance(fig, go.Figure)
+    assert figure_problems(fig) == []
+
+
+def _bars(fig: go.Figure) -> list:
+    return [t for t in fig.data if t.type == "bar"]
+
+
+# ------------------------------------------------------------------------------------------ style
+def test_figure_problems_catches_an_unlabelled_figure() -> None:
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+    problems = figure_problems(fig)
+    assert "no title" in problems and "legend has no title" in problems
+    assert any("xaxis" in p for p in problems) and any("yaxis" in p for p in problems)
+    assert any("no name" in p for p in problems)
+
+
+# ------------------------------------------------------------------------------------------ paper
+def test_paper_values_are_the_brief_numbers() -> None:
+    v = {x.key: x.value for x in paper.PAPER_VALUES}
+    assert len(v) == len(paper.PAPER_VALUES)
+    assert (v["dp_flops_ratio_asc"], v["dp_memory_ratio_asc"], v["dp_flops_ratio_lb-asc"], v["dp_memory_ratio_lb-asc"]) == (3.24, 2.46, 1.43, 1.11)
+    assert (v["tp_flops_ratio_asc"], v["tp_flops_ratio_lb-asc"], v["tp_memory_ratio_lb-asc"]) == (3.24, 2.46, 1.16)
+    assert (v["optimizer_s_layerwise"], v["optimizer_s_lb-asc"]) == (0.383, 0.066)
+    assert (v["fwd_bwd_s_layerwise"], v["fwd_bwd_s_lb-asc"], v["iteration_s_layerwise"], v["iteration_s_lb-asc"]) == (0.998, 0.811, 1.381, 0.877)
+    assert (v["optimizer_s_no_fuse"], v["optimizer_s_fused"], v["cmax_plateau_mb"]) == (0.11, 0.073, 512.0)
+    assert (v["optimizer_s_cost_numel"], v["optimizer_s_cost_flops"]) == (0.0718, 0.0717)
+    for x in paper.PAPER_VALUES:
+        assert x.strategy in STRATEGIES and x.source and x.unit
+
+
+def test_paper_matching() -> None:
+    p = paper.paper_value("dp_flops_ratio_lb-asc")
+    assert p.matches(model="qwen3-32b", dp=32, tp=8, optimizer="muon", alpha=1.0, cost="numel")
+    assert not p.matches(model="qwen3-32b", dp=16, tp=8, optimizer="muon")
+    assert not p.matches(model="qwen3-32b", dp=32, tp=8, optimizer="muon", alpha=0.5)
+    assert not p.matches(model="qwen3-32b", dp=32, tp=8, optimizer="muon", cost="flops")
+    assert {x.key for x in paper.paper_values(metric="optimizer_s", ablation="fusion")} == {"optimizer_s_no_fuse", "optimizer_s_fused"}
+    with pytest.raises(KeyError, match="known"):
+        paper.paper_value("nope")
+    assert len(vs.paper_table()) == len(paper.PAPER_VALUES)
+
+
+# ------------------------------------------------------------------------------------------ partition
+SMALL = [dict(strategy=s, dp=4, tp=2) for s in STRATEGIES if s not in ("sc", "zero1")] + [
+    dict(strategy="sc", dp=4, tp=2),
+    dict(strategy="zero1", dp=4, tp=2),
+    dict(strategy="lb-asc", dp=3, tp=1, alpha=0.5),
+]
+
+
+@pytest.mark.parametrize("kw", SMALL, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_rank_loads_match_planner_metrics(kw) -> None:
+    plan = _plan("qwen3-tiny", bucket_numel=3000, **kw)
+    loads = vp.rank_loads(plan)
+    d = plan.metrics.details
+    np.testing.assert_allclose(loads["flops"], d["dp_flops_loads"], rtol=1e-12)
+    np.testing.assert_allclose(loads["memory_bytes"], d["dp_memory_loads"], rtol=1e-12)
+    np.testing.assert_allclose(loads["numel"], d["dp_numel_loads"], rtol=1e-12)
+    assert math.isclose(vp.load_ratio(loads["flops"]), plan.metrics.dp_flops_ratio, rel_tol=1e-12)
+    assert math.isclose(vp.load_ratio(loads["memory_bytes"]), plan.metrics.dp_memory_ratio, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ownership_pieces_tile_every_bucket(strategy: str) -> None:
+    plan = _plan("qwen3-tiny", dp=4, tp=2, strategy=strategy, bucket_numel=3000)
+    pieces = vp.ownership_pieces(plan)
+    by_name = plan.by_name()
+    for b in plan.buckets:
+        p = pieces[pieces["bucket"] == b.index].sort_values("start")
+        assert p["start"].iloc[0] == 0 and p["end"].iloc[-1] == b.numel
+        assert (p["start"].to_numpy()[1:] == p["end"].to_numpy()[:-1]).all()
+        assert (p["end"] - p["start"] == p["numel"]).all()
+        if b.cuts:
+            for _, row in p.iterrows():
+                assert b.cuts[row["owner"]] <= row["start"] and row["end"] <= b.cuts[row["owner"] + 1]
+    if strategy == "sc":
+        assert (pieces["owner"] == vp.EVERY_RANK).all()
+    else:
+        assert (pieces["owner"] >= 0).all()
+    cut = pieces[~pieces["whole"]]
+    if strategy != "zero1":
+        assert (cut["kind"] == "elementwise").all()
+    for name, grp in pieces.groupby("param"):
+        assert grp["numel"].sum() == by_name[name].numel
+
+
+def test_partition_map_draws_the_pieces() -> None:
+    plan = _plan("qwen3-tiny", dp=4, tp=2, strategy="zero1", bucket_numel=3000)
+    fig = vp.fig_partition_map(plan)
+    _readable(fig)
+    bars = _bars(fig)
+    assert {t.name for t in bars} == {f"DP rank {r}" for r in range(4)}
+    scale = 1e3 if "thousand" in fig.layout.xaxis.title.text else 1.0
+    total = sum(float(np.sum(t.x)) for t in bars) * scale
+    assert round(total) == plan.buffer_numel
+    # hover names every parameter it shows
+    shown = {c[0] for t in bars for c in t.customdata}
+    assert shown == {p.name for p in plan.params}
+    sub = vp.fig_partition_map(plan, buckets=[0])
+    assert {y for t in _bars(sub) for y in t.y} == {"bucket 0"}
+    with pytest.raises(ValueError, match="out of range"):
+        vp.fig_partition_map(plan, buckets=[99])
+    sc = vp.fig_partition_map(_plan("qwen3-tiny", dp=4, tp=2, strategy="sc", bucket_numel=3000))
+    assert [t.name for t in _bars(sc)] == ["every rank (sc)"]
+
+
+def test_rank_load_figures_show_the_loads() -> None:
+    plan = _plan("qwen3-tiny", dp=4, tp=2, strategy="lb-asc", bucket_numel=3000)
+    loads = vp.rank_loads(plan)
+    for memory, col, scale in (("state", "memory_bytes", 2**30), ("numel", "numel", 1e6)):
+        fig = vp.fig_rank_loads(plan, memory=memory)
+        _readable(fig)
+        bars = _bars(fig)
+        np.testing.assert_allclose(bars[0].y, loads["flops"] / 1e9)
+        np.testing.assert_allclose(bars[1].y, loads[col] / scale)
+        means = [t for t in fig.data if t.name == "mean over ranks"]
+        assert len(means) == 2 and math.isclose(means[0].y[0], loads["flops"].mean() / 1e9)
+        assert f"R_LB FLOPs {vp.load_ratio(loads['flops']):.2f}" in fig.layout.title.text
+    with pytest.raises(ValueError, match="memory"):
+        vp.fig_rank_loads(plan, memory="nope")
+    plans = [_plan("qwen3-tiny", dp=4, tp=2, strategy=s, bucket_numel=3000) for s in ("zero1", "asc", "lb-asc", "layerwise")]
+    fig = vp.fig_strategy_comparison(plans)
+    _readable(fig)
+    assert len(_bars(fig)) == 8 and len(fig.data) == 16
+    assert [a.text.split(":")[0] for a in fig.layout.annotations[:4]] == ["zero1", "asc", "lb-asc", "layerwise"]
+    with pytest.raises(ValueError):
+        vp.fig_strategy_comparison([])
+
+
+def test_paper_values_beside_the_paper_configuration_only() -> None:
+    plans = [_plan("qwen3-32b", dp=32, tp=8, strategy=s, flops_shape="local") for s in ("asc", "lb-asc", "layerwise")]
+    summary = vp.strategy_summary(plans)
+    row = summary.set_index("strategy")
+    assert row.at["lb-asc", "paper_dp_flops_ratio"] == 1.43 and row.at["lb-asc", "paper_dp_numel_ratio"] == 1.11
+    assert row.at["asc", "paper_dp_flops_ratio"] == 3.24 and row.at["lb-asc", "paper_tp_memory_ratio"] == 1.16
+    assert pd.isna(row.at["layerwise", "paper_dp_flops_ratio"])
+    np.testing.assert_allclose(row["dp_flops_ratio"], [p.metrics.dp_flops_ratio for p in plans], rtol=1e-12)
+    np.testing.assert_allclose(row["dp_numel_ratio"], [p.metrics.details["dp_numel_ratio"] for p in plans], rtol=1e-12)
+    fig = vp.fig_balance_vs_paper(summary)
+    _readable(fig)
+    diamonds = [t for t in fig.data if t.type == "scatter"]
+    assert sorted(v for t in diamonds for v in t.y) == sorted([3.24, 2.46, 1.43, 1.11, 3.24, 2.46, 1.16])
+    other = vp.strategy_summary([_plan("qwen3-32b", dp=16, tp=8, strategy="lb-asc")])
+    assert other.filter(like="paper_").isna().all(axis=None)
+    assert not [t for t in vp.fig_balance_vs_paper(other).data if t.type == "scatter"]
+
+
+# ------------------------------------------------------------------------------------------ micro-groups
+def test_task_table_matches_the_micro_groups() -> None:
+    plan = _plan("qwen3-1.7b", dp=4, tp=4, strategy="lb-asc", cost="flops", cmax_bytes=64 * 2**20)
+    assert all(len(g) >= 2 for g in plan.micro_groups)
+    for r in range(plan.inputs.dp):
+        t = vm.task_table(plan, r)
+        groups = plan.micro_groups[r]
+        assert sorted(t["param"]) == sorted(n for g in groups for n in g.params)
+        t0 = 0.0
+        for g in groups:
+            rows = t[t["group"] == g.index]
+            per_host = rows.groupby("host")["work"].sum().reindex(range(plan.inputs.tp), fill_value=0.0)
+            # the planner's group loads are the same full-shape FLOPs when it plans by FLOPs
+            np.testing.assert_allclose(per_host.to_numpy(), g.loads, rtol=1e-12)
+            assert math.isclose(rows["start"].min(), t0)
+            for _, h in rows.groupby("host"):
+                h = h.sort_values("start")
+                assert np.allclose(h["start"].to_numpy()[1:], h["end"].to_numpy()[:-1])
+            t0 += max(g.loads)
+        s = vm.microgroup_summary(plan).loc[r]
+        assert math.isclose(s["makespan_sync"], sum(max(g.loads) for g in groups), rel_tol=1e-12)
+        assert math.isclose(s["makespan_free"], float(np.sum([g.loads for g in groups], axis=0).max()), rel_tol=1e-12)
+    d = plan.metrics.details
+    assert math.isclose(vm.microgroup_summary(plan)["makespan_sync"].max(), d["makespan_group_sum"], rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["lpt", "round-robin", "no-fuse", "lpt-carry"])
+def test_tp_host_loads_match_planner(schedule: str) -> None:
+    plan = _plan("qwen3-1.7b", dp=4, tp=4, strategy="lb-asc", tp_schedule=schedule)
+    d = plan.metrics.details
+    w = d["tp_worst_dp_rank_flops"]
+    h = vm.tp_host_loads(plan, w)
+    np.testing.assert_allclose(h["flops"], d["tp_host_flops_loads"], rtol=1e-12)
+    np.testing.assert_allclose(vm.tp_host_loads(plan, d["tp_worst_dp_rank_memory"])["memory_bytes"], d["tp_host_memory_loads"], rtol=1e-12)
+    assert math.isclose(vp.load_ratio(h["flops"]), plan.metrics.tp_flops_ratio, rel_tol=1e-12)
+    # every TP rank's load averages back to the DP rank's per-TP-rank load
+    assert math.isclose(h["flops"].mean(), vp.rank_loads(plan).at[w, "flops"], rel_tol=1e-12)
+
+
+def test_sync_schedule_has_no_groups_but_a_makespan() -> None:
+    plan = _plan("qwen3-tiny", dp=2, tp=2, strategy="layerwise")
+    assert vm.task_table(plan, 0).empty
+    s = vm.microgroup_summary(plan)
+    assert (s["groups"] == 0).all() and (s["makespan_sync"] > 0).all()
+    assert (s["makespan_sync"] == s["makespan_free"]).all()
+    fig = vm.fig_microgroup_gantt(plan, 0)
+    _readable(fig)
+    assert not _bars(fig) and "no micro-groups" in fig.layout.title.text
+
+
+def test_gantt_draws_every_task() -> None:
+    plan = _plan("qwen3-1.7b", dp=2, tp=4, strategy="lb-asc", cmax_bytes=128 * 2**20)
+    t = vm.task_table(plan, 1)
+    for timeline in ("sync", "free"):
+        fig = vm.fig_microgroup_gantt(plan, 1, timeline=timeline)
+        _readable(fig)
+        bars = _bars(fig)
+        assert sum(len(b.x) for b in bars) == len(t)
+        assert math.isclose(sum(float(np.sum(b.x)) for b in bars), t["work"].sum() / 1e9, rel_tol=1e-9)
+    many = _plan("qwen3-1.7b", dp=2, tp=4, strategy="lb-asc", tp_schedule="no-fuse")
+    assert vm.task_table(many, 0)["group"].nunique() > 24
+    assert [b.name for b in _bars(vm.fig_microgroup_gantt(many, 0))] == ["even micro-groups", "odd micro-groups"]
+    with pytest.raises(ValueError, match="dp_rank"):
+        vm.task_table(plan, 5)
+    with pytest.raises(ValueError, match="metric"):
+        vm.task_table(plan, 0, metric="seconds")
+    with pytest.raises(ValueError, match="timeline"):
+        vm.fig_microgroup_gantt(plan, 0, timeline="later")
+    _readable(vm.fig_tp_host_loads(plan, 1))
+
+
+def test_cmax_and_tp_sweeps() -> None:
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(16, 256))
+    assert list(df["schedule"]) == ["lpt", "lpt", "no-fuse"]
+    nofuse = df.iloc[-1]
+    plan = _plan("qwen3-1.7b", dp=2, tp=4, strategy="lb-asc", tp_schedule="no-fuse")
+    tasks = max(len(g) for g in plan.micro_groups)
+    assert nofuse["groups_max"] == tasks and nofuse["all_to_alls"] == 2 * tasks
+    assert (df["all_to_alls"] == 2 * df["groups_max"]).all()
+    fig = vm.fig_cmax_sweep(df)
+    _readable(fig)
+    assert any(t.name.startswith("paper") for t in fig.data)
+    with pytest.raises(ValueError):
+        vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=())
+    tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt", "sync"))
+    assert len(tp) == 4
+    _readable(vm.fig_tp_sweep(tp))
+
+
+# ------------------------------------------------------------------------------------------ timeline
+def _phases(steps: int = 2, ranks: int = 4) -> pd.DataFrame:
+    """A small trace summary: rank r's optimizer step lasts 1000 + 500 r us, so the last rank is
+    critical; inside it gather / compute / scatter with known gaps."""
+    rows = []
+    for step in range(steps):
+        for rank in range(ranks):
+            t = step * 10_000.0 + rank * 3
+            rows += [
+                (rank, step, "canzona/forward", "", t, 2000.0, 0),
+                (rank, step, "canzona/backward", "", t + 2000, 3000.0, 0),
+                (rank, step, "canzona/dp/reduce_scatter", "bucket0", t + 3000, 1500.0 + rank, 1),
+            ]
+            ot, od = t + 5000, 1000.0 + 500 * rank
+            rows += [
+                (rank, step, "canzona/optimizer/step", "", ot, od, 0),
+                (rank, step, "canzona/tp/gather", "group0", ot + 10, 200.0, 1),
+                (rank, step, "canzona/tp/compute", "group0", ot + 250, od - 600, 1),
+                (rank, step, "canzona/tp/scatter", "group0", ot + od - 300, 200.0, 1),
+            ]
+    return pd.DataFrame(rows, columns=list(vt.PHASE_COLUMNS))
+
+
+def test_phase_table_validation() -> None:
+    df = vt.validate_phase_table(_phases())
+    assert list(df.columns) == list(vt.PHASE_COLUMNS) and df["rank"].dtype == np.int64
+    with pytest.raises(ValueError, match="missing column"):
+        vt.validate_phase_table(_phases().drop(columns="depth"))
+    bad = _phases()
+    bad.loc[3, "dur_us"] = -1.0
+    with pytest.raises(ValueError, match="negative duration"):
+        vt.validate_phase_table(bad)
+    bad = _phases()
+    bad["rank"] = bad["rank"].astype(float)
+    bad.loc[0, "rank"] = 0.5
+    with pytest.raises(ValueError, match="rank"):
+        vt.validate_phase_table(bad)
+    bad = _phases()
+    bad.loc[0, "start_us"] = np.inf
+    with pytest.raises(ValueError, match="finite"):
+        vt.validate_phase_table(bad)
+    nan_part = _phases()
+    nan_part.loc[0, "part"] = np.nan
+    assert vt.validate_phase_table(nan_part)["part"].iloc[0] == ""
+    with pytest.raises(TypeError):
+        vt.validate_phase_table([1, 2])
+
+
+def test_load_profile_csv_parquet_and_meta(tmp_path: Path) -> None:
+    df = _phases()
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    df.to_csv(run / "phases.csv", index=False)
+    (run / "meta.json").write_text(json.dumps({"strategy": "lb-asc", "optimizer": "muon", "dp": 2, "tp": 2, "steps": 2, "model": "qwen3-tiny"}))
+    prof = vt.load_profile(run)
+    pd.testing.assert_frame_equal(prof.phases, vt.validate_phase_table(df))
+    assert prof.meta["strategy"] == "lb-asc" and "DP2 x TP2" in prof.label
+    other = tmp_path / "runs" / "b"
+    other.mkdir()
+    df.to_parquet(other / "phases.parquet")
+    pd.testing.assert_frame_equal(vt.load_phase_table(other), prof.phases)
+    assert vt.load_profile(other / "phases.parquet").meta == {}
+    found = vt.discover_profiles(tmp_path / "runs")
+    assert found == {"lb-asc": run, "b": other}
+    (run / "meta.json").write_text('{"strategy": "x", "dp": NaN}')
+    with pytest.raises(ValueError, match="NaN"):
+        vt.load_profile(run)
+    (run / "meta.json").write_text('{"dp": "2"}')
+    with pytest.raises(ValueError, match="integers"):
+        vt.load_profile(run)
+    with pytest.raises(FileNotFoundError):
+        vt.load_profile(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no phases"):
+        vt.load_phase_table(tmp_path)
+    (tmp_path / "x.txt").write_text("rank\n")
+    with pytest.raises(ValueError, match="csv or .parquet"):
+        vt.load_phase_table(tmp_path / "x.txt")
+    (tmp_path / "broken.csv").write_text("rank,step\n1,2\n")
+    with pytest.raises(ValueError, match="missing column"):
+        vt.load_phase_table(tmp_path / "broken.csv")
+
+
+def test_reads_what_the_profiling_package_writes(tmp_path: Path) -> None:
+    from canzona.profiling.traces import critical_path, write_meta, write_summary
+
+    df = vt.validate_phase_table(_phases())
+    write_summary(df, tmp_path)
+    write_meta(tmp_path, strategy="lb-asc", optimizer="muon", dp=2, tp=2, steps=2, model="qwen3-tiny")
+    prof = vt.load_profile(tmp_path)
+    pd.testing.assert_frame_equal(prof.phases, df)
+    assert prof.meta["strategy"] == "lb-asc"
+    # both packages name the same critical rank and optimizer time
+    theirs = critical_path(prof.phases)
+    for step in (0, 1):
+        ours = vt.optimizer_critical_path(prof.phases, step=step)
+        row = theirs[theirs["step"] == step].iloc[0]
+        assert row["rank"] == ours.attrs["critical_rank"] and row["optimizer_us"] == pytest.approx(ours.attrs["total_us"])
+
+
+def test_breakdown_and_critical_path() -> None:
+    df = vt.validate_phase_table(_phases())
+    b = vt.phase_breakdown(df).set_index("phase")
+    assert b.at["canzona/optimizer/step", "ms"] == pytest.approx(2.5)  # slowest rank, 1000 + 500 * 3 us
+    assert b.at["canzona/forward", "ms"] == pytest.approx(2.0)
+    assert b["share"].sum() == pytest.approx(1.0)
+    mean = vt.phase_breakdown(df, reduce="mean").set_index("phase")
+    assert mean.at["canzona/optimizer/step", "ms"] == pytest.approx(1.75)
+    inner = vt.phase_breakdown(df, depth=1).set_index("phase")
+    assert inner.at["canzona/dp/reduce_scatter", "ms"] == pytest.approx(1.503)
+    with pytest.raises(ValueError):
+        vt.phase_breakdown(df, reduce="median")
+    cp = vt.optimizer_critical_path(df, step=0)
+    assert cp.attrs["critical_rank"] == 3 and cp.attrs["total_us"] == 2500.0
+    assert cp["dur_us"].sum() == pytest.approx(2500.0)
+    assert list(cp["kind"]) == ["gap", "phase", "gap", "phase", "gap", "phase", "gap"]
+    assert list(cp[cp["kind"] == "phase"]["segment"]) == ["canzona/tp/gather/group0", "canzona/tp/compute/group0", "canzona/tp/scatter/group0"]
+    assert cp.attrs["per_rank_us"] == {0: 1000.0, 1: 1500.0, 2: 2000.0, 3: 2500.0}
+    assert vt.optimizer_critical_path(df).attrs["step"] == 1
+    with pytest.raises(ValueError, match="step 7"):
+        vt.optimizer_critical_path(df, step=7)
+    with pytest.raises(ValueError, match="no 'x'"):
+        vt.optimizer_critical_path(df, phase="x")
+
+
+def test_timeline_figures() -> None:
+    df = vt.validate_phase_table(_phases())
+    fig = vt.fig_timeline(df)
+    _readable(fig)
+    bars = _bars(fig)
+    assert len(bars) == df["phase"].nunique() and sum(len(b.x) for b in bars) == len(df)
+    one = vt.fig_timeline(df, step=1, max_depth=0)
+    assert sum(len(b.x) for b in _bars(one)) == len(df[(df["step"] == 1) & (df["depth"] == 0)])
+    assert min(float(np.min(b.base)) for b in _bars(one)) == 0.0
+    widths = {w for b in _bars(fig) for w in b.width}
+    assert widths == {0.8, 0.55}
+    with pytest.raises(ValueError, match="no phases"):
+        vt.fig_timeline(df[df["depth"] > 5])
+    bd = vt.breakdown_by_strategy({"lb-asc": df, "layerwise": df})
+    fig = vt.fig_phase_breakdown(bd)
+    _readable(fig)
+    assert len(fig.data) == df[df["depth"] == 0]["phase"].nunique()
+    fig = vt.fig_phase_breakdown(bd, paper={"lb-asc": {"optimizer step": 0.066}})
+    assert fig.data[-1].y[0] == pytest.approx(66.0)
+    fig = vt.fig_critical_path(df)
+    _readable(fig)
+    assert list(fig.data[0].marker.color).count("#d62728") == 1
+
+
+# ------------------------------------------------------------------------------------------ exactness
+def _report(losses: dict[str, list[float]] | None = None, failed: int = 1) -> dict:
+    cells = []
+    for opt in ("muon", "shampoo"):
+        for st in ("asc", "lb-asc"):
+            cells.append({"optimizer": opt, "strategy": st, "mesh": {"dp": 2, "tp": 2}, "dtype": "float32", "check": "params",
+                          "passed": True, "max_abs_diff": 0.0, "first_mismatch": None, "seconds": 1.5})
+    for i in range(failed):
+        cells[i] = {**cells[i], "passed": False, "max_abs_diff": 2.5e-7, "first_mismatch": {"param": "w", "index": [0, 1]}}
+    losses = losses if losses is not None else {"sc": [5.0, 4.5, 4.25], "lb-asc": [5.0, 4.5, 4.25], "asc": [5.0, 4.5, 4.2500001]}
+    return {"summary": {"cells": len(cells), "passed": len(cells) - failed, "failed": failed}, "cells": cells, "losses": losses}
+
+
+def test_report_validation(tmp_path: Path) -> None:
+    rep = _report()
+    assert ve.validate_report(rep) is rep
+    bad = _report()
+    bad["summary"]["passed"] += 1
+    with pytest.raises(ValueError, match="summary says"):
+        ve.validate_report(bad)
+    bad = _report()
+    del bad["cells"][0]["seconds"]
+    with pytest.raises(ValueError, match="lacks seconds"):
+        ve.validate_report(bad)
+    bad = _report()
+    bad["cells"][0]["passed"] = "yes"
+    with pytest.raises(ValueError, match="passed"):
+        ve.validate_report(bad)
+    bad = _report()
+    bad["losses"]["sc"] = [1.0, "x"]
+    with pytest.raises(ValueError, match="losses"):
+        ve.validate_report(bad)
+    with pytest.raises(ValueError, match="JSON object"):
+        ve.validate_report([])
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(_report()))
+    assert ve.load_validation_report(p)["summary"]["failed"] == 1
+    p.write_text(json.dumps(_report()).replace("2.5e-07", "NaN"))
+    with pytest.raises(ValueError, match="NaN"):
+        ve.load_validation_report(p)
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ve.load_validation_report(p)
+    with pytest.raises(FileNotFoundError):
+        ve.load_validation_report(tmp_path / "missing.json")
+
+
+def test_report_tables_and_figures() -> None:
+    rep = _report()
+    t = ve.validation_table(rep)
+    assert not t["passed"].iloc[0] and t["passed"].iloc[1:].all()
+    assert t["mesh"].iloc[0] == "dp2 x tp2" and "index" in t["first_mismatch"].iloc[0]
+    m = ve.validation_matrix(rep).set_index(["strategy", "optimizer"])
+    assert m.at[("asc", "muon"), "passed"] == 0 and m.at[("lb-asc", "shampoo"), "passed"] == 1
+    assert (m["bitwise"] == m["passed"]).all()
+    dev = ve.loss_deviation(rep).set_index("strategy")
+    assert dev.at["lb-asc", "identical"] and not dev.at["asc", "identical"]
+    assert dev.at["asc", "max_abs_diff"] == pytest.approx(1e-7, rel=1e-3) and dev["reference"].iloc[0] == "sc"
+    fig = ve.fig_validation_matrix(rep)
+    _readable(fig)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert np.nanmin(z) == 0.0 and np.nanmax(z) == 1.0
+    fig = ve.fig_loss_trajectories(rep)
+    _readable(fig)
+    assert len(fig.data) == 6 and "identical to sc: lb-asc" in fig.layout.title.text and "different: asc" in fig.layout.title.text
+    same = _report({"sc": [1.0, 0.5], "lb-asc": [1.0, 0.5]})
+    assert "bitwise identical" in ve.fig_loss_trajectories(same).layout.title.text
+    with pytest.raises(ValueError, match="reference"):
+        ve.loss_deviation(rep, reference="nope")
+
+
+def _suite_report() -> dict:
+    """The validation suite's own format: schema fields, per-cell losses, an error cell."""
+    def cell(strategy, opt, losses, ref, passed=True, **kw):
+        return {"cell": f"training/{opt}/{strategy}", "check": "training", "model": "qwen3-tiny", "optimizer": opt,
+                "strategy": strategy, "mesh": "dp2xtp2", "dtype": "float32", "steps": 3, "passed": passed,
+                "max_abs_diff": 0.0, "first_mismatch": None, "seconds": 0.4, "losses": losses, "reference_losses": ref, **kw}
+    sc, single = [5.0, 4.5, 4.25], [5.0, 4.5, 4.2500002]
+    cells = [
+        cell("sc", "muon", sc, single, bitwise_expected=False, reason="reassociation", max_abs_diff=2e-7),
+        cell("lb-asc", "muon", sc, sc),
+        cell("asc", "soap", [6.0, 5.0], [6.0, 5.0]),
+        {"cell": "injected/muon/layerwise", "check": "injected", "optimizer": "muon", "strategy": "layerwise", "mesh": "dp2xtp1",
+         "dtype": "bfloat16", "passed": False, "max_abs_diff": None, "first_mismatch": None, "seconds": 0.1, "error": "RuntimeError: boom"},
+    ]
+    return {"schema": "canzona.validation", "version": 1, "cells": cells,
+            "summary": {"cells": 4, "passed": 3, "failed": 1, "errors": 1, "seconds": 1.0}}
+
+
+def test_validation_suite_report_format() -> None:
+    rep = ve.validate_report(_suite_report())
+    assert ve.loss_groups(rep) == [("muon", "dp2xtp2", "float32"), ("soap", "dp2xtp2", "float32")]
+    losses = ve.report_losses(rep)
+    assert list(losses) == [ve.SINGLE_PROCESS, "sc", "lb-asc"]
+    dev = ve.loss_deviation(rep).set_index("strategy")
+    assert dev["reference"].iloc[0] == "sc" and dev.at["lb-asc", "identical"] and not dev.at[ve.SINGLE_PROCESS, "identical"]
+    assert list(ve.report_losses(rep, ("soap", "dp2xtp2", "float32"))) == ["asc"]
+    with pytest.raises(ValueError, match="no loss trajectories for"):
+        ve.report_losses(rep, ("muon", "dp4", "float32"))
+    t = ve.validation_table(rep)
+    assert t["error"].iloc[0] == "RuntimeError: boom" and {"cell", "reason", "bitwise_expected"} <= set(t.columns)
+    views = ve.loss_views(rep)
+    assert [v[0] for v in views] == ["muon / dp2xtp2 / float32", "soap / dp2xtp2 / float32"]
+    for _, _, fig in views:
+        _readable(fig)
+    fig = ve.fig_validation_matrix(rep)
+    _readable(fig)
+    assert "2 bitwise equal, 1 within a documented bound" in fig.layout.title.text
+    assert "1/1 (1 bound)" in [t for row in fig.data[0].text for t in row]
+    injected_only = {"cells": rep["cells"][3:], "summary": {"cells": 1, "passed": 0, "failed": 1}}
+    assert ve.loss_views(ve.validate_report(injected_only)) == []
+    bad = _suite_report()
+    bad["cells"][0]["losses"] = [1.0, None]
+    with pytest.raises(ValueError, match="losses"):
+        ve.validate_report(bad)
+
+
+def test_reads_what_the_validation_suite_writes(tmp_path: Path) -> None:
+    from validation.report import build_report, write_report
+
+    results = [{k: v for k, v in c.items()} for c in _suite_report()["cells"]]
+    doc = build_report(results, level="custom", command="test", seconds=1.0, settings={})
+    js, _ = write_report(doc, tmp_path / "report.json")
+    rep = ve.load_validation_report(js)
+    assert rep["summary"] == doc["summary"]
+    assert [v[0] for v in ve.loss_views(rep)] == ["muon / dp2xtp2 / float32", "soap / dp2xtp2 / float32"]
+    assert len(ve.validation_table(rep)) == len(results)
+
+
+# ------------------------------------------------------------------------------------------ scaling
+def test_plan_sweep_rows_and_paper_points() -> None:
+    df = vs.plan_sweep(models=("qwen3-32b",), dps=(16, 32), tps=(8,), strategies=("asc", "lb-asc"), alphas=(0.5, 1.0), flops_shape="local")
+    assert len(df) == 2 * (1 + 2)
+    assert df[df["strategy"] == "asc"]["alpha"].isna().all()
+    row = df[(df["dp"] == 32) & (df["strategy"] == "lb-asc") & (df["alpha"] == 1.0)].iloc[0]
+    plan = _plan("qwen3-32b", dp=32, tp=8, strategy="lb-asc", flops_shape="local")
+    assert row["dp_flops_ratio"] == plan.metrics.dp_flops_ratio and row["dp_numel_ratio"] == plan.metrics.details["dp_numel_ratio"]
+    pts = vs.paper_points(df, "dp_flops_ratio", "dp")
+    assert sorted(zip(pts["strategy"], pts["value"])) == [("asc", 3.24), ("lb-asc", 1.43)]
+    assert set(pts["dp"]) == {32}
+    fig = vs.fig_sweep(df, x="dp", metrics=("dp_flops_ratio", "dp_numel_ratio"), log_x=True, title="t")
+    _readable(fig)
+    paper_traces = [t for t in fig.data if t.name == "paper (reported)"]
+    assert len(paper_traces) == 2
+    with pytest.raises(ValueError, match="column"):
+        vs.fig_sweep(df, x="nope", title="t")
+    with pytest.raises(ValueError, match="non-empty"):
+        vs.plan_sweep(dps=())
+
+
+def test_alpha_and_cost_figures() -> None:
+    df = vs.plan_sweep(models=("qwen3-tiny",), dps=(4,), tps=(2,), strategies=("lb-asc",), alphas=(0.0, 0.5, 1.0))
+    fig = vs.fig_alpha_tradeoff(df)
+    _readable(fig)
+    np.testing.assert_allclose(fig.data[0].y, df.sort_values("alpha")["dp_flops_ratio"])
+    with pytest.raises(ValueError, match="lb-asc"):
+        vs.fig_alpha_tradeoff(df.assign(strategy="asc"))
+    costs = vs.plan_sweep(models=("qwen3-tiny",), dps=(4,), tps=(2,), strategies=("lb-asc",), costs=("numel", "flops"))
+    fig = vs.fig_cost_models(costs)
+    _readable(fig)
+    assert [t.name for t in fig.data] == ["cost = numel", "cost = flops"]
+    assert math.isclose(vs.model_params_b("qwen3-32b"), 32.8, rel_tol=0.02)
+
+
+# ------------------------------------------------------------------------------------------ simulation
+def test_simulated_breakdown_with_paper_times() -> None:
+    from canzona.sim.hardware import load_hardware
+    from canzona.sim.model import simulate
+    from canzona.viz import simulation as vsim
+
+    df = vsim.simulate_breakdown("qwen3-32b", dp=32, tp=8, strategies=("layerwise", "lb-asc"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        direct = simulate("qwen3-32b", dp=32, tp=8, optimizer="muon", hardware=load_hardware(vsim.DEFAULT_HARDWARE), strategies=("layerwise", "lb-asc"))
+    for _, row in df.iterrows():
+        assert row["optimizer_s"] == direct[row["strategy"]].optimizer_s
+    fig = vsim.fig_time_breakdown(df)
+    _readable(fig)
+    paper_y = sorted(v for t in fig.data if t.type == "scatter" for v in t.y)
+    assert paper_y == sorted([0.998, 0.383, 1.381, 0.811, 0.066, 0.877])
+    off = vsim.simulate_breakdown("qwen3-32b", dp=16, tp=8, strategies=("lb-asc",))
+    assert not [t for t in vsim.fig_time_breakdown(off).data if t.type == "scatter"]
+    with pytest.raises(ValueError, match="axis"):
+        vsim.simulate_sweep("nope", (1,))
+    comp = vsim.simulate_components("qwen3-32b", dp=32, tp=8, strategies=("layerwise", "lb-asc"))
+    totals = comp.groupby("strategy")["seconds"].sum()
+    for st, it in comp.attrs["iteration_s"].items():
+        assert totals[st] == pytest.approx(it, rel=1e-9)
+    fig = vsim.fig_time_components(comp)
+    _readable(fig)
+    assert sorted(fig.data[-1].y) == [0.877, 1.381]
+    alpha = vsim.simulate_alpha((0.0, 1.0), model="qwen3-tiny", dp=2, tp=1)
+    assert list(alpha["alpha"]) == [0.0, 1.0]
+    _readable(vsim.fig_alpha_time(alpha))
+
+
+# ------------------------------------------------------------------------------------------ widgets
+def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
+    from canzona.viz import widgets as vw
+
+    ex = vw.microgroup_explorer(model="qwen3-tiny", dp=2, tp=2, strategy="lb-asc", tp_schedule="lpt")
+    assert len(ex.figures) == 2 and "DP2 x TP2" in ex.figures[0].layout.title.text
+    ex.controls["dp"].value = 4
+    assert ex.error is None and "DP4 x TP2" in ex.figures[0].layout.title.text
+    before = ex.figures
+    ex.controls["strategy"].value = "sc"  # sc recomputes everything: the planner rejects schedule lpt
+    assert ex.error is not None and "sync" in ex.error and "cannot draw" in ex.status.value
+    assert ex.figures is before
+    ex.controls["tp_schedule"].value = "sync"
+    assert ex.error is None and ex.status.value == "" and "sc" in ex.figures[0].layout.title.text
+    with pytest.raises(ValueError):
+        vw.partition_explorer(model="qwen3-tiny", dp=3)  # not a choice of the dp control
+    with pytest.raises(ValueError):
+        vw.Explorer(lambda: go.Figure(), {})
+    px = vw.partition_explorer(model="qwen3-tiny", dp=4, tp=2)
+    px.controls["strategy"].value = "zero1"
+    assert "zero1" in px.figures[0].layout.title.text
+
+
+# ------------------------------------------------------------------------------------------ export + CLI
+def test_main_figures_and_html(tmp_path: Path) -> None:
+    from canzona.viz import export
+
+    figs = export.main_figures(model="qwen3-tiny", dp=4, tp=2, profile=tmp_path / "none",
+                               only=["partition_map", "microgroup_gantt", "timeline", "alpha_sweep"])
+    assert list(figs.figures) == ["partition_map", "microgroup_gantt", "alpha_sweep"]
+    assert "timeline" in figs.skipped
+    for f in figs.figures.values():
+        _readable(f)
+    paths = export.write_figures(figs, tmp_path / "out", plotlyjs="cdn")
+    assert [p.name for p in paths] == ["partition_map.html", "microgroup_gantt.html", "alpha_sweep.html", "index.html"]
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert "partition_map.html" in index and "timeline: not written" in index
+    with pytest.raises(ValueError, match="unknown figure"):
+        export.main_figures(only=["nope"])
+    with pytest.raises(ValueError, match="plotlyjs"):
+        export.write_figures(figs, tmp_path / "out", plotlyjs="sometimes")
+
+
+def test_figures_command(tmp_path: Path, capsys) -> None:
+    from canzona.cli import main
+
+    run = tmp_path / "prof"
+    run.mkdir()
+    _phases().to_csv(run / "phases.csv", index=False)
+    rep = tmp_path / "report.json"
+    rep.write_text(json.dumps(_report()))
+    out = tmp_path / "figs"
+    rc = main(["figures", "--out", str(out), "--model", "qwen3-tiny", "--dp", "2", "--tp", "2", "--profile", str(run),
+               "--report", str(rep), "--only", "partition_map", "timeline", "critical_path", "loss_trajectories"])
+    assert rc == 0
+    html = (out / "partition_map.html").read_text()
+    assert "plotly" in html.lower() and len(html) > 1_000_000  # plotly.js inlined: works offline
+    for name in ("timeline", "critical_path", "loss_trajectories"):
+        assert (out / f"{name}.html").is_file()
+    assert main(["figures", "--out", str(out), "--model", "nope", "--only", "partition_map"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["figures", "--out", str(out), "--report", str(tmp_path / "missing.json"), "--only", "loss_trajectories",
+                 "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["figures", "--out", str(out), "--dp", "0"])
+    assert exc.value.code == 2
