@@ -31,6 +31,8 @@ from canzona.runtime.phases import base_phase, current_phase
 __all__ = ["CommStats", "Comm", "even_sizes"]
 
 UNPHASED = "unphased"
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; keep torch >= 2.9 working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def even_sizes(n: int, parts: int) -> list[int]:
@@ -130,7 +132,7 @@ class Comm:
             out.copy_(local.reshape(-1))
             return out, None
         if len(set(sizes)) == 1:
-            work = dist.all_gather_into_tensor(out, local.reshape(-1).contiguous(), group=self.group, async_op=async_op)
+            work = _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group, async_op=async_op)
             return out, work
         send = local.reshape(-1).repeat(self.size)
         work = dist.all_to_all_single(

@@ -10,6 +10,7 @@ parent as :class:`WorkerError` naming the rank and carrying the worker's traceba
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -63,7 +64,9 @@ def _worker(
     try:
         init_process_group(rank, world_size, port, backend=backend, timeout_s=pg_timeout_s)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle (not the multiprocessing reducer, which shares tensor storage through file
+        # descriptors that vanish when this worker exits before the parent reads them).
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -123,7 +126,7 @@ def run_workers(
                         raise WorkerError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
                 continue
             if ok:
-                got[rank] = payload
+                got[rank] = pickle.loads(payload)  # bytes from our own child process, never from a file
             else:
                 failures.append(f"rank {rank}: {payload}")
                 # One failed rank usually leaves the others blocked in a collective: stop now.

@@ -1,0 +1,165 @@
+"""``canzona train``: train the tiny Qwen3 model on a DP x TP mesh with a Canzona strategy.
+
+Examples::
+
+    canzona train --nproc 4 --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20
+    canzona train --steps 30                              # one process, dp = tp = 1
+    torchrun --nproc-per-node 4 -m canzona.train --dp 2 --tp 2
+
+Rank 0 prints one line per step (global loss, wall time per phase), a tqdm bar on stderr and a
+final summary: first/last loss, per-phase times (``DistributedOptimizer.phase_times``) and bytes
+per phase (``DistributedOptimizer.comm_stats``). ``--nproc`` must equal ``dp * tp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from canzona.plan.plan import STRATEGIES, TP_SCHEDULES
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> None:
+    """Options of ``canzona train`` (``launcher=False``: without ``--nproc``/``--timeout-s``, for
+    ``python -m canzona.train`` under torchrun)."""
+    from canzona.commands.plan import one_line_errors
+    from canzona.train import BACKENDS, DEFAULT_ELEMENTWISE_LR, DEFAULT_LR, DTYPES, OPTIMIZERS, TP_STYLES
+
+    one_line_errors(parser)
+
+    parser.add_argument("--model", default="qwen3-tiny", help="model config name or path (default: qwen3-tiny)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (adamw: only for zero1)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="lb-asc", help="DP strategy (default: lb-asc)")
+    parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP micro-group schedule (default: the strategy's)")
+    parser.add_argument("--dp", type=_positive_int, default=1, help="data-parallel degree")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--steps", type=_positive_int, default=10, help="training steps (default: 10)")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="global batch size in sequences (default: 8)")
+    parser.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: 64)")
+    parser.add_argument(
+        "--lr", type=_positive_float, default=None,
+        help="matrix-optimizer learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
+    )
+    parser.add_argument(
+        "--elementwise-lr", type=_positive_float, default=DEFAULT_ELEMENTWISE_LR,
+        help=f"AdamW lr for embeddings, head, norms (default: {DEFAULT_ELEMENTWISE_LR:g})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the synthetic data (default: 0)")
+    parser.add_argument("--bucket-numel", type=_positive_int, default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
+    parser.add_argument("--cmax-mb", type=_positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model parameter dtype (masters stay fp32)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None, help="collective backend (default: nccl with CUDA, else gloo)")
+    parser.add_argument(
+        "--tp-style", choices=TP_STYLES, default="dtensor",
+        help="dtensor: DTensor parallelize_module; megatron: plain local shards + declared split dims (default: dtensor)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-step lines")
+    if launcher:
+        parser.add_argument("--nproc", type=_positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
+        parser.add_argument("--timeout-s", type=_positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
+
+
+def config_from_args(args: argparse.Namespace):  # -> canzona.train.TrainConfig
+    """Build a validated :class:`canzona.train.TrainConfig` (ValueError on a bad combination)."""
+    from canzona.train import TrainConfig
+
+    return TrainConfig(
+        model=args.model,
+        optimizer=args.optimizer,
+        strategy=args.strategy,
+        dp=args.dp,
+        tp=args.tp,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        elementwise_lr=args.elementwise_lr,
+        seed=args.seed,
+        bucket_numel=args.bucket_numel,
+        tp_schedule=args.tp_schedule,
+        cmax_mb=args.cmax_mb,
+        dtype=args.dtype,
+        backend=args.backend,
+        tp_style=args.tp_style,
+        progress=not args.no_progress,
+    )
+
+
+def _check_model(config) -> None:
+    from canzona.plan import resolve_model
+    from canzona.models import check_tp
+
+    cfg = resolve_model(config.model)
+    if cfg.moe is not None:
+        raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
+    check_tp(cfg, config.tp)
+
+
+def run(args: argparse.Namespace) -> int:
+    from canzona.train import train_worker
+
+    config = config_from_args(args)
+    _check_model(config)
+    world_env = os.environ.get("WORLD_SIZE")
+    if args.nproc is not None:
+        if args.nproc != config.world_size:
+            raise ValueError(f"--nproc {args.nproc} must equal dp*tp = {config.dp}*{config.tp} = {config.world_size}")
+        if world_env is not None and int(world_env) > 1:
+            raise ValueError("--nproc spawns its own workers; do not combine it with torchrun (WORLD_SIZE is set)")
+        from canzona.runtime.launch import WorkerError, run_workers
+
+        try:
+            run_workers(train_worker, args.nproc, config, backend=config.resolved_backend, timeout_s=args.timeout_s)
+        except WorkerError as exc:
+            # The worker's traceback is in the message; the first line names the rank and the error.
+            first = str(exc).splitlines()[0]
+            if "ValueError" in first:
+                raise ValueError(first.split("ValueError: ", 1)[-1]) from None
+            raise
+        return 0
+    if world_env is not None:
+        return _torchrun(config)  # under torchrun: this process is one rank
+    if config.world_size != 1:
+        raise ValueError(
+            f"dp*tp = {config.world_size} needs {config.world_size} processes: add --nproc {config.world_size} (or use torchrun -m canzona.train)"
+        )
+    train_worker(0, 1, config)
+    return 0
+
+
+def _torchrun(config) -> int:
+    import torch.distributed as dist
+
+    from canzona.train import train_worker
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        raise ValueError(f"dp*tp = {config.world_size} must equal WORLD_SIZE ({world})")
+    dist.init_process_group(backend=config.resolved_backend, init_method="env://")
+    try:
+        train_worker(int(os.environ.get("RANK", "0")), world, config)
+    finally:
+        dist.destroy_process_group()
+    return 0

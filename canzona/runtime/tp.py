@@ -1,0 +1,474 @@
+"""The TP side of Canzona: asynchronous micro-group compute for TP-split matrix parameters (Section 4).
+
+Tensor parallelism splits a weight matrix across the TP ranks of a DP rank, which breaks the
+atomicity a matrix optimizer needs. Canzona makes each TP-split matrix parameter a *task* with one
+*host* TP rank (Section 4.1) that keeps the task's full-shape fp32 master and its whole optimizer
+state. For each micro-group of the plan (Algorithm 2, ``plan.micro_groups[dp_rank]``), in order:
+
+1. gather   one fused ``all_to_all_single``: every TP rank sends its gradient shard of every task
+            in the group to that task's host (``canzona/tp/gather/group<k>``);
+2. compute  each host concatenates the shards along the split dim into the full gradient and runs
+            the ordinary per-parameter optimizer on the full master (``canzona/tp/compute/group<k>``);
+3. scatter  one fused ``all_to_all_single`` returns every TP rank its slice of the updated
+            parameter, as *values*, not deltas (``canzona/tp/scatter/group<k>``);
+4. apply    every rank copies its slices into its TP-local masters (``canzona/tp/apply/group<k>``).
+
+``no-fuse`` (the fusion ablation) is the same code with one task per group. ``sync`` (the SC and
+NV-layerwise baselines) instead all-gathers full gradients on every TP rank, every rank computes
+every update redundantly (so each holds full masters and state for all of them) and keeps its
+shard; its exchanges are chunked into consecutive groups bounded by C_max as well.
+
+Which parameters a TP group handles is decided by DP ownership (the caller passes the TP-local
+masters of the TP-split matrix parameters its DP rank updates); which TP rank hosts each one, and
+how tasks batch, by the plan's micro-groups for that DP rank. The engine never re-plans.
+
+Overlap. Group k+1's gather is launched (``async_op=True``) before group k's compute, so one
+exchange is always in flight while a host computes (two gather buffers alive at most). On NCCL
+the all-to-all runs on its own CUDA stream and overlaps the host's Newton-Schulz / eigh kernels
+for real. On gloo an async collective runs on the process group's worker thread, so it overlaps
+the compute only as far as free CPU cores allow (with one core per rank, as in the tests, the
+overlap is mostly nominal: the exchange and the compute share the core). The scatter of group k is
+waited for before group k+1's compute, because the next step's forward needs every slice anyway
+and the per-group apply keeps the receive buffer short-lived. Because of the prefetch, the gather
+phase of a group is entered twice (launch, then wait), so ``PhaseTimer`` counts two gather
+entries per group; ``CommStats`` counts one collective per group.
+
+Memory. ``state_bytes()`` is this rank's optimizer-state bytes (full-shape state of the tasks it
+hosts); ``peak_exchange_bytes`` the largest single exchange buffer of one group on this rank
+(gather send/receive, scatter send/receive). The plan's C_max bounds the bytes of full gradient
+a host receives per group, hence the receive buffer; the send buffer holds one shard of each task
+of the group, i.e. a 1/tp share of every host's bytes, so it is bounded by C_max too. Only a task
+larger than C_max by itself (given its own group by the planner, with a warning) exceeds it.
+
+Byte accounting comes from :class:`canzona.runtime.comm.Comm` (files bytes under the open phase).
+Construction assembles full masters with one exchange per group outside any phase (filed under
+``unphased``); callers that report per-step bytes reset the stats after construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from canzona.plan.plan import Plan
+from canzona.runtime.comm import Comm
+from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
+
+__all__ = [
+    "TPTask",
+    "TPEngine",
+    "pack_gather",
+    "gather_recv_sizes",
+    "unpack_gather",
+    "pack_scatter",
+    "scatter_recv_sizes",
+    "unpack_scatter",
+    "all_to_all_reference",
+    "sync_groups",
+]
+
+
+# ============================================================================ packing (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class TPTask:
+    """One TP-split parameter in an exchange: its host TP rank, shard shape and split dim."""
+
+    name: str
+    host: int
+    local_shape: tuple[int, ...]
+    tp_dim: int
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def _hosted(tasks: Sequence[TPTask], rank: int) -> list[TPTask]:
+    return [t for t in tasks if t.host == rank]
+
+
+def _flat_cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def pack_gather(
+    tasks: Sequence[TPTask],
+    shards: Mapping[str, torch.Tensor],
+    tp: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, list[int]]:
+    """Send buffer of the gather all-to-all: this rank's shard of each task, grouped by destination
+    host (rank order), tasks in group order within a host. Returns (flat buffer, send split sizes)."""
+    parts: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for dest in range(tp):
+        mine = _hosted(tasks, dest)
+        for t in mine:
+            s = shards[t.name]
+            if tuple(s.shape) != t.local_shape:
+                raise ValueError(f"{t.name}: shard has shape {tuple(s.shape)}, expected {t.local_shape}")
+            parts.append(s.to(dtype))
+        sizes.append(sum(t.local_numel for t in mine))
+    return _flat_cat(parts, dtype, device), sizes
+
+
+def gather_recv_sizes(tasks: Sequence[TPTask], rank: int, tp: int) -> list[int]:
+    """Receive split sizes of the gather on ``rank``: the same block (its hosted tasks' shards) from every rank."""
+    return [sum(t.local_numel for t in _hosted(tasks, rank))] * tp
+
+
+def unpack_gather(recv: torch.Tensor, tasks: Sequence[TPTask], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Full tensors of the tasks hosted on ``rank`` from the gather's receive buffer: block ``s``
+    holds rank ``s``'s shards; shards are concatenated along each task's split dim in rank order."""
+    mine = _hosted(tasks, rank)
+    block = sum(t.local_numel for t in mine)
+    if recv.numel() != block * tp:
+        raise ValueError(f"gather receive buffer has {recv.numel()} elements, expected {block * tp}")
+    out: dict[str, torch.Tensor] = {}
+    off = 0
+    for t in mine:
+        pieces = [recv[s * block + off : s * block + off + t.local_numel].view(t.local_shape) for s in range(tp)]
+        out[t.name] = torch.cat(pieces, dim=t.tp_dim)
+        off += t.local_numel
+    return out
+
+
+def pack_scatter(
+    tasks: Sequence[TPTask],
+    full: Mapping[str, torch.Tensor],
+    rank: int,
+    tp: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, list[int]]:
+    """Send buffer of the scatter all-to-all on host ``rank``: for each destination rank (in order),
+    that rank's slice of each hosted task's full tensor (group order). Values are copied."""
+    mine = _hosted(tasks, rank)
+    parts: list[torch.Tensor] = []
+    for dest in range(tp):
+        for t in mine:
+            parts.append(full[t.name].chunk(tp, dim=t.tp_dim)[dest].to(dtype))
+    block = sum(t.local_numel for t in mine)
+    return _flat_cat(parts, dtype, device), [block] * tp
+
+
+def scatter_recv_sizes(tasks: Sequence[TPTask], rank: int, tp: int) -> list[int]:
+    """Receive split sizes of the scatter: from each host, one shard of each task it hosts."""
+    del rank  # every rank receives one shard of every task
+    return [sum(t.local_numel for t in _hosted(tasks, s)) for s in range(tp)]
+
+
+def unpack_scatter(recv: torch.Tensor, tasks: Sequence[TPTask], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """This rank's updated shard of every task (views into ``recv``), from the scatter's receive buffer."""
+    del rank
+    out: dict[str, torch.Tensor] = {}
+    off = 0
+    for s in range(tp):
+        for t in _hosted(tasks, s):
+            out[t.name] = recv[off : off + t.local_numel].view(t.local_shape)
+            off += t.local_numel
+    if off != recv.numel():
+        raise ValueError(f"scatter receive buffer has {recv.numel()} elements, expected {off}")
+    return out
+
+
+def all_to_all_reference(sends: Sequence[torch.Tensor], send_sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """What ``all_to_all_single`` delivers, computed in one process: rank r receives, in source
+    order, the r-th piece of every rank's send buffer. For unit tests of the packing."""
+    tp = len(sends)
+    pieces = [list(s.split(list(sz))) for s, sz in zip(sends, send_sizes)]
+    return [torch.cat([pieces[src][dst] for src in range(tp)]) for dst in range(tp)]
+
+
+def sync_groups(tasks: Sequence[TPTask], tp: int, cmax_bytes: int, element_size: int) -> list[list[TPTask]]:
+    """Chunk the ``sync`` schedule's tasks (plan order) into consecutive groups whose all-gathered
+    full tensors fit in ``cmax_bytes`` (a task above it gets a group of its own)."""
+    groups: list[list[TPTask]] = []
+    cur: list[TPTask] = []
+    size = 0
+    for t in tasks:
+        nbytes = t.local_numel * tp * element_size
+        if cur and size + nbytes > cmax_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += nbytes
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+# ============================================================================ the engine
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    index: int
+    tasks: tuple[TPTask, ...]
+    hosted: tuple[str, ...]  # names this rank computes in this group
+    send_bytes: int  # gather send buffer on this rank (= scatter receive)
+    recv_bytes: int  # gather receive buffer on this rank (= scatter send)
+
+
+class TPEngine:
+    """Section 4's TP optimizer step for one DP rank's TP group (see the module docstring).
+
+    ``comm`` is a :class:`Comm` over this DP rank's TP group (group-local ranks = TP ranks).
+    ``local_masters`` are the fp32 TP-local master shards (``spec.local_shape``) of the TP-split
+    matrix parameters this DP rank updates; :meth:`step` updates them in place.
+    ``optimizer_factory`` builds ONE per-parameter optimizer over the full-shape masters hosted
+    here (not called when this rank hosts nothing).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        dp_rank: int,
+        comm: Comm,
+        optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        local_masters: dict[str, torch.Tensor],
+    ) -> None:
+        inp = plan.inputs
+        self.plan = plan
+        self.comm = comm
+        self.dp_rank = dp_rank
+        self.tp = comm.size
+        self.tp_rank = comm.rank
+        self.schedule = inp.tp_schedule
+        self.local_masters = local_masters
+        if inp.tp != self.tp:
+            raise ValueError(f"plan has tp={inp.tp} but the TP group has {self.tp} ranks")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < inp.dp:
+            raise ValueError(f"dp_rank must be in [0, {inp.dp}), got {dp_rank!r}")
+        by_name = plan.by_name()
+        self._dtype = self._check_masters(by_name)
+        order = {p.name: i for i, p in enumerate(plan.params)}
+        names = sorted(local_masters, key=order.__getitem__)
+        es = torch.empty(0, dtype=self._dtype).element_size()
+
+        def task(name: str, host: int) -> TPTask:
+            spec = by_name[name].spec
+            return TPTask(name, host, spec.local_shape, int(spec.tp_dim))  # type: ignore[arg-type]
+
+        self.sync = self.schedule == "sync"
+        groups: list[list[TPTask]] = []
+        if self.sync:
+            # Every TP rank computes every update: "host" marks nothing here, all tasks are local.
+            groups = sync_groups([task(n, -1) for n in names], self.tp, inp.cmax_bytes, es)
+        else:
+            planned = plan.micro_groups[dp_rank] if len(plan.micro_groups) > dp_rank else ()
+            in_groups = [n for g in planned for n in g.params]
+            if set(in_groups) != set(names):
+                missing = sorted(set(in_groups) - set(names))
+                extra = sorted(set(names) - set(in_groups))
+                raise ValueError(
+                    f"local_masters disagree with the plan's micro-groups of dp rank {dp_rank}: "
+                    f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, not in any group {extra[:3]}{'...' if len(extra) > 3 else ''}"
+                )
+            groups = [[task(n, h) for n, h in zip(g.params, g.hosts)] for g in planned]
+        self.groups: tuple[_Group, ...] = tuple(self._describe(k, g, es) for k, g in enumerate(groups))
+        #: names of the parameters whose full master and optimizer state live on this rank
+        self.hosted: tuple[str, ...] = tuple(n for g in self.groups for n in g.hosted)
+        #: largest single exchange buffer (bytes) of one group on this rank
+        self.peak_exchange_bytes: int = max((max(g.send_bytes, g.recv_bytes) for g in self.groups), default=0)
+        self.masters: dict[str, nn.Parameter] = {}
+        self.refresh_masters()
+        params = [self.masters[n] for n in self.hosted]
+        self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params) if params else None
+        if self.optimizer is not None:
+            got = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            if got != {id(p) for p in params}:
+                raise ValueError("optimizer_factory must build an optimizer over exactly the parameters it is given")
+
+    # ------------------------------------------------------------------------- set-up helpers
+    def _check_masters(self, by_name: Mapping[str, Any]) -> torch.dtype:
+        dtypes = set()
+        for name, t in self.local_masters.items():
+            if name not in by_name:
+                raise ValueError(f"{name!r} is not a parameter of the plan")
+            p = by_name[name]
+            spec = p.spec
+            if spec.kind != "matrix" or not spec.tp_split:
+                raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters only")
+            if self.plan.inputs.strategy != "sc" and p.dp_owner != self.dp_rank:
+                raise ValueError(f"{name}: owned by dp rank {p.dp_owner}, not by this rank ({self.dp_rank})")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: local master has shape {shape}, expected {spec.local_shape}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name}: masters must be floating point, got {t.dtype}")
+            dtypes.add(t.dtype)
+        if len(dtypes) > 1:
+            raise TypeError(f"all local masters must share one dtype, got {sorted(map(str, dtypes))}")
+        return dtypes.pop() if dtypes else torch.float32
+
+    def _describe(self, k: int, tasks: list[TPTask], es: int) -> _Group:
+        if self.sync:
+            hosted = tuple(t.name for t in tasks)
+            send = sum(t.local_numel for t in tasks) * es
+            recv = send * self.tp
+        else:
+            hosted = tuple(t.name for t in _hosted(tasks, self.tp_rank))
+            send = sum(t.local_numel for t in tasks) * es
+            recv = gather_recv_sizes(tasks, self.tp_rank, self.tp)[0] * self.tp * es
+        return _Group(k, tuple(tasks), hosted, send, recv)
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """(Re)assemble the full-shape masters hosted here from every rank's ``local_masters``
+        (one exchange per group). Called at construction; call it again after overwriting
+        ``local_masters`` from outside (e.g. a checkpoint load). Optimizer state is kept."""
+        for g in self.groups:
+            full = self._wait(self._launch_gather(g, self.local_masters))
+            for name, t in full.items():
+                if name in self.masters:
+                    self.masters[name].copy_(t)
+                else:
+                    self.masters[name] = nn.Parameter(t.clone(memory_format=torch.contiguous_format))
+
+    # ------------------------------------------------------------------------- the step
+    def step(self, local_grads: Mapping[str, torch.Tensor]) -> None:
+        """One optimizer step: gather -> compute -> scatter -> apply per micro-group, in plan order,
+        with the next group's gather in flight during each compute."""
+        self._check_grads(local_grads)
+        n = len(self.groups)
+        if n == 0:
+            return
+        with phase(f"{TP_GATHER}/group0"):
+            pending = self._launch_gather(self.groups[0], local_grads)
+        for k, g in enumerate(self.groups):
+            with phase(f"{TP_GATHER}/group{k}"):
+                full_grads = self._wait(pending)
+            if k + 1 < n:
+                with phase(f"{TP_GATHER}/group{k + 1}"):
+                    pending = self._launch_gather(self.groups[k + 1], local_grads)
+            with phase(f"{TP_COMPUTE}/group{k}"):
+                updated = self._compute(g, full_grads)
+            if self.sync:
+                shards = self._own_slices(g, updated)
+            else:
+                with phase(f"{TP_SCATTER}/group{k}"):
+                    shards = self._scatter(g, updated)
+            with phase(f"{TP_APPLY}/group{k}"):
+                self._apply(shards)
+
+    def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
+        if set(local_grads) != set(self.local_masters):
+            missing = sorted(set(self.local_masters) - set(local_grads))
+            extra = sorted(set(local_grads) - set(self.local_masters))
+            raise ValueError(f"local_grads keys differ from local_masters: missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, g in local_grads.items():
+            if tuple(g.shape) != tuple(self.local_masters[name].shape):
+                raise ValueError(f"{name}: gradient shard has shape {tuple(g.shape)}, expected {tuple(self.local_masters[name].shape)}")
+
+    def _launch_gather(self, g: _Group, shards: Mapping[str, torch.Tensor]) -> tuple[_Group, torch.Tensor, Any]:
+        """Start the group's gather (async): all-to-all to hosts, or an all-gather under ``sync``."""
+        device = next(iter(self.local_masters.values())).device
+        if self.sync:
+            flat = _flat_cat([shards[t.name].to(self._dtype) for t in g.tasks], self._dtype, device)
+            out, work = self.comm.all_gather_equal(flat, async_op=True)
+            return g, out, work
+        send, send_sizes = pack_gather(g.tasks, shards, self.tp, dtype=self._dtype, device=device)
+        recv_sizes = gather_recv_sizes(g.tasks, self.tp_rank, self.tp)
+        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes, async_op=True)
+        return g, out, work
+
+    def _wait(self, pending: tuple[_Group, torch.Tensor, Any]) -> dict[str, torch.Tensor]:
+        """Finish a gather; return the full tensors of the group's tasks computed on this rank."""
+        g, out, work = pending
+        if work is not None:
+            work.wait()
+        if not self.sync:
+            return unpack_gather(out, g.tasks, self.tp_rank, self.tp)
+        block = sum(t.local_numel for t in g.tasks)
+        full: dict[str, torch.Tensor] = {}
+        off = 0
+        for t in g.tasks:
+            pieces = [out[s * block + off : s * block + off + t.local_numel].view(t.local_shape) for s in range(self.tp)]
+            full[t.name] = torch.cat(pieces, dim=t.tp_dim)
+            off += t.local_numel
+        return full
+
+    def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host side: run the optimizer on this group's full masters only. Other hosted params have
+        no ``.grad`` at this point, and per-parameter optimizers skip those, so one optimizer
+        steps exactly this group; grads are cleared afterwards so a later group does not re-step it."""
+        if not g.hosted:
+            return {}
+        params = [self.masters[n] for n in g.hosted]
+        for name, p in zip(g.hosted, params):
+            p.grad = full_grads[name].to(p.dtype)
+        assert self.optimizer is not None
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+        return {n: self.masters[n].detach() for n in g.hosted}
+
+    def _scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Return updated slices (values) from hosts to every TP rank with one fused all-to-all."""
+        device = next(iter(self.local_masters.values())).device
+        send, send_sizes = pack_scatter(g.tasks, updated, self.tp_rank, self.tp, dtype=self._dtype, device=device)
+        recv_sizes = scatter_recv_sizes(g.tasks, self.tp_rank, self.tp)
+        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes)
+        if work is not None:
+            work.wait()
+        return unpack_scatter(out, g.tasks, self.tp_rank, self.tp)
+
+    def _own_slices(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {t.name: updated[t.name].chunk(self.tp, dim=t.tp_dim)[self.tp_rank] for t in g.tasks}
+
+    @torch.no_grad()
+    def _apply(self, shards: Mapping[str, torch.Tensor]) -> None:
+        for name, s in shards.items():
+            self.local_masters[name].copy_(s)
+
+    # ------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Full-shape optimizer state of the parameters hosted here, keyed by parameter name
+        (tensors cloned; non-tensor entries such as integer step counters kept as they are)."""
+        if self.optimizer is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.hosted:
+            st = self.optimizer.state.get(self.masters[name], {})
+            out[name] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+        return out
+
+    def load_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict`'s output (names must be exactly the hosted parameters)."""
+        if set(states) != set(self.hosted):
+            raise ValueError(
+                f"state names differ from the parameters hosted on this rank: missing {sorted(set(self.hosted) - set(states))[:3]}, "
+                f"unexpected {sorted(set(states) - set(self.hosted))[:3]}"
+            )
+        if self.optimizer is None:
+            return
+        for name, st in states.items():
+            p = self.masters[name]
+            self.optimizer.state[p] = {
+                k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+            }
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (tensors of the hosted parameters' state)."""
+        if self.optimizer is None:
+            return 0
+        return sum(
+            v.numel() * v.element_size()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )

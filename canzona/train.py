@@ -1,0 +1,445 @@
+"""Train the tiny Qwen3 model under ZeRO-1 DP x TP with a Canzona strategy: the library entry point.
+
+:func:`train` runs inside an initialized process group whose world is ``dp * tp`` ranks (or in a
+plain single process for ``dp = tp = 1``, where it opens a one-rank gloo group itself). Every rank
+builds the model from the same seed, tensor-parallelizes it over the ``tp`` mesh dimension with
+DTensor (:func:`canzona.models.parallelize`) or, with ``tp_style="megatron"``, as plain local
+shards with declared split dims (:func:`canzona.models.shard_megatron`), wraps it in :class:`canzona.DistributedOptimizer`
+(the plan, the ZeRO-1 buffer and the TP micro-group engine of Sections 3 and 4), and trains on
+the seeded synthetic Markov data (:mod:`canzona.models.data`) for ``steps`` steps. Rank 0 shows a
+tqdm progress bar and one line per step (loss, per-phase wall times); every rank returns a
+:class:`TrainResult` (losses, phase times, bytes per phase, a fingerprint of the final parameters).
+
+Run it as ``canzona train`` (``--nproc N`` spawns the workers itself), under torchrun as
+``torchrun --nproc-per-node 4 -m canzona.train --dp 2 --tp 2`` (reads RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT), or call :func:`train` from a worker (demo, profiling, validation).
+
+Because a layout with dp <= 2 sums at most two gradient contributions per element (a + b == b + a
+in IEEE arithmetic) and the optimizer steps are exact, runs with the same dp x tp and different
+strategies (sc, layerwise, asc, lb-asc, lb-asc-joint; any TP schedule; either TP style) end with
+bitwise equal parameters: ``TrainResult.params_fingerprint`` shows it (``tests/test_train_cli.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from canzona.plan.plan import STRATEGIES
+
+__all__ = [
+    "DEFAULT_LR",
+    "DEFAULT_ELEMENTWISE_LR",
+    "OPTIMIZERS",
+    "TP_STYLES",
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "train_worker",
+    "params_fingerprint",
+    "format_summary",
+    "main",
+]
+
+OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+#: Matrix-optimizer learning rates that train the tiny model well in a few dozen steps.
+DEFAULT_LR: dict[str, float] = {"muon": 0.02, "shampoo": 0.003, "soap": 0.003, "adamw": 0.003}
+#: AdamW learning rate of the element-wise parameters (embedding, head, norms).
+DEFAULT_ELEMENTWISE_LR = 1e-2
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+#: ``dtensor``: PyTorch DTensor TP (placements tell the optimizer the split dims); ``megatron``:
+#: plain local shards plus declared ``tp_dims`` (:func:`canzona.models.shard_megatron`).
+TP_STYLES: tuple[str, ...] = ("dtensor", "megatron")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """One training run. ``batch_size`` is the *global* batch (split evenly over DP ranks);
+    ``lr=None`` picks :data:`DEFAULT_LR` for the optimizer; ``backend=None`` picks NCCL when CUDA
+    is available, gloo otherwise; ``bucket_numel=None`` the planner's default; ``tp_style`` picks
+    DTensor or Megatron-style plain-tensor TP (both give bitwise identical runs)."""
+
+    model: str = "qwen3-tiny"
+    optimizer: str = "muon"
+    strategy: str = "lb-asc"
+    dp: int = 1
+    tp: int = 1
+    steps: int = 10
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float | None = None
+    elementwise_lr: float = DEFAULT_ELEMENTWISE_LR
+    seed: int = 0
+    bucket_numel: int | None = None
+    tp_schedule: str | None = None
+    cmax_mb: float = 512.0
+    dtype: str = "float32"
+    backend: str | None = None
+    tp_style: str = "dtensor"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.strategy == "zero1" and self.optimizer != "adamw":
+            raise ValueError(
+                f"zero1 cuts matrices at equal chunks, so it runs only an element-wise optimizer: use --optimizer adamw "
+                f"with zero1, or a Canzona strategy (sc, layerwise, asc, lb-asc, lb-asc-joint) for {self.optimizer}"
+            )
+        for name in ("dp", "tp", "steps", "batch_size", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.batch_size % self.dp:
+            raise ValueError(f"the global batch size {self.batch_size} must be a multiple of dp={self.dp}")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if not (isinstance(self.elementwise_lr, (int, float)) and math.isfinite(self.elementwise_lr) and self.elementwise_lr > 0):
+            raise ValueError(f"elementwise_lr must be a positive number, got {self.elementwise_lr!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tp_style not in TP_STYLES:
+            raise ValueError(f"tp_style must be one of {', '.join(TP_STYLES)}, got {self.tp_style!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend nccl needs CUDA, which this machine does not have; use --backend gloo")
+        if self.bucket_numel is not None and (not isinstance(self.bucket_numel, int) or self.bucket_numel < 1):
+            raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+        if not (isinstance(self.cmax_mb, (int, float)) and self.cmax_mb > 0):
+            raise ValueError(f"cmax_mb must be positive, got {self.cmax_mb!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def matrix_lr(self) -> float:
+        return float(self.lr if self.lr is not None else DEFAULT_LR[self.optimizer])
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """What one rank saw. ``losses`` are global means over the batch (identical on every rank);
+    ``phase_times`` is ``PhaseTimer.as_dict()`` (wall/cpu seconds and calls per phase, all steps),
+    ``comm_bytes`` ``CommStats.as_dict()`` (bytes sent/received and calls per phase, this rank,
+    all steps); ``params_fingerprint`` a sha256 over the full (unsharded) final parameters.
+    ``state_bytes_per_rank`` / ``peak_exchange_bytes_per_rank`` (by world rank): optimizer-state
+    bytes and the largest TP exchange buffer of one micro-group (0 without TP), Section 4.2's
+    memory figures."""
+
+    config: TrainConfig
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    losses: tuple[float, ...]
+    step_seconds: tuple[float, ...]
+    phase_times: dict[str, dict[str, float]] = field(default_factory=dict)
+    comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    state_bytes: int = 0
+    state_bytes_per_rank: tuple[int, ...] = ()
+    peak_exchange_bytes_per_rank: tuple[int, ...] = ()
+    plan_fingerprint: str = ""
+    params_fingerprint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["config"] = asdict(self.config)
+        return out
+
+
+def params_fingerprint(
+    model: torch.nn.Module, *, tp_dims: Mapping[str, int] | None = None, tp_group: Any = None
+) -> str:
+    """sha256 (16 hex) over every parameter's name, shape, dtype and full bytes, in registration
+    order. DTensor parameters are gathered first, and so are plain shards named in ``tp_dims``
+    (over ``tp_group``): a collective, call it on every rank."""
+    h = hashlib.sha256()
+    tp_dims = dict(tp_dims or {})
+    for name, p in model.named_parameters():
+        t = p.detach()
+        full = getattr(t, "full_tensor", None)
+        if callable(full):
+            t = full()
+        elif name in tp_dims:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=tp_dims[name])
+        t = t.to("cpu").contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _check_world(cfg: TrainConfig) -> None:
+    world = dist.get_world_size()
+    if world != cfg.world_size:
+        raise ValueError(f"dp*tp = {cfg.dp}*{cfg.tp} = {cfg.world_size} must equal the world size ({world})")
+
+
+def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float]], None] | None = None) -> TrainResult:
+    """Train for ``config.steps`` steps on this rank (collective: every rank of the world calls it).
+
+    ``on_step(step, loss, phase_seconds)`` is called on every rank after each step (phase wall
+    seconds of that step, base phase names). Raises ValueError (on every rank, before any
+    collective) when the world size is not ``dp * tp`` or the model cannot be split ``tp`` ways.
+    """
+    from canzona.models import check_tp
+    from canzona.plan import resolve_model
+
+    owns_group = False
+    if not dist.is_initialized():
+        if config.world_size != 1:
+            raise ValueError(
+                f"dp*tp = {config.world_size} needs {config.world_size} processes: use `canzona train --nproc "
+                f"{config.world_size}` or torchrun"
+            )
+        from canzona.runtime.launch import free_port, init_process_group
+
+        init_process_group(0, 1, free_port(), backend=config.resolved_backend)
+        owns_group = True
+    try:
+        _check_world(config)
+        cfg = resolve_model(config.model)
+        if cfg.moe is not None:
+            raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
+        check_tp(cfg, config.tp)
+        return _train(config, cfg, on_step)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[str, float]], None] | None) -> TrainResult:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.distributed import DistributedOptimizer
+    from canzona.models import Qwen3, batch, parallelize, shard_megatron
+    from canzona.runtime.phases import BACKWARD, FORWARD, phase, timing
+
+    backend = config.resolved_backend
+    device = _device(backend)
+    if config.tp > 1:
+        mesh = init_device_mesh(device.type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    else:
+        mesh = init_device_mesh(device.type, (config.dp,), mesh_dim_names=("dp",))
+        dp_rank, tp_rank = mesh.get_local_rank(), 0
+    model = Qwen3(cfg, seed=config.seed, device=device, dtype=DTYPES[config.dtype])
+    tp_dims: dict[str, int] | None = None
+    if config.tp > 1 and config.tp_style == "dtensor":
+        parallelize(model, mesh["tp"])
+    elif config.tp > 1:
+        tp_dims = shard_megatron(model, tp_rank, config.tp, group=mesh.get_group("tp"))
+    opt = DistributedOptimizer(
+        model,
+        config.optimizer,
+        strategy=config.strategy,
+        mesh=mesh,
+        optimizer_kwargs={"lr": config.matrix_lr},
+        elementwise_kwargs={"lr": config.elementwise_lr},
+        tp_schedule=config.tp_schedule,
+        tp_dims=tp_dims,
+        bucket_numel=config.bucket_numel,
+        cmax_mb=config.cmax_mb,
+    )
+    dp_group = mesh.get_group("dp") if config.tp > 1 else mesh.get_group()
+    losses: list[float] = []
+    step_seconds: list[float] = []
+    for step in range(config.steps):
+        ids, labels = batch(step, dp_rank, config.dp, config.batch_size, config.seq_len, config.seed, vocab=cfg.vocab_size)
+        ids, labels = ids.to(device), labels.to(device)
+        before = {k: v["wall_s"] for k, v in opt.phase_times.as_dict().items()}
+        t0 = time.perf_counter()
+        with timing(opt.phase_times):
+            with phase(FORWARD):
+                loss = model.loss(ids, labels)
+            with phase(BACKWARD):
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_seconds.append(time.perf_counter() - t0)
+        # Global mean loss for reporting (equal batch shares per DP rank). Outside the optimizer's
+        # Comm, so it is not counted in the per-phase bytes.
+        report = loss.detach().float().reshape(1).clone()
+        if config.dp > 1:
+            dist.all_reduce(report, group=dp_group)
+            report /= config.dp
+        value = float(report.item())
+        losses.append(value)
+        if on_step is not None:
+            after = opt.phase_times.as_dict()
+            on_step(step, value, {k: v["wall_s"] - before.get(k, 0.0) for k, v in after.items()})
+    fp = params_fingerprint(model, tp_dims=tp_dims, tp_group=mesh.get_group("tp") if tp_dims else None)
+    engine = getattr(opt.runtime, "tp_engine", None)
+    mine = torch.tensor([int(opt.state_bytes()), int(engine.peak_exchange_bytes) if engine is not None else 0], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return TrainResult(
+        config=config,
+        rank=dist.get_rank(),
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        losses=tuple(losses),
+        step_seconds=tuple(step_seconds),
+        phase_times={k: dict(v) for k, v in opt.phase_times.as_dict().items()},
+        comm_bytes={k: dict(v) for k, v in opt.comm_stats.as_dict().items()},
+        state_bytes=int(opt.state_bytes()),
+        state_bytes_per_rank=tuple(int(t[0]) for t in every),
+        peak_exchange_bytes_per_rank=tuple(int(t[1]) for t in every),
+        plan_fingerprint=opt.plan.fingerprint,
+        params_fingerprint=fp,
+    )
+
+
+# ----------------------------------------------------------------------------- reporting
+
+_SHORT = {
+    "canzona/forward": "fwd",
+    "canzona/backward": "bwd",
+    "canzona/optimizer/step": "opt",
+    "canzona/dp/reduce_scatter": "rs",
+    "canzona/dp/all_reduce": "ar",
+    "canzona/dp/local_update": "upd",
+    "canzona/tp/gather": "tp-g",
+    "canzona/tp/compute": "tp-c",
+    "canzona/tp/scatter": "tp-s",
+    "canzona/tp/apply": "tp-a",
+    "canzona/dp/all_gather": "ag",
+    "canzona/layerwise/broadcast": "bcast",
+}
+
+
+def _step_line(step: int, steps: int, loss: float, phases: dict[str, float]) -> str:
+    parts = [f"{_SHORT.get(k, k)} {v * 1e3:.1f}ms" for k, v in phases.items() if v > 0]
+    return f"step {step + 1}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def format_summary(result: TrainResult) -> str:
+    """Human-readable summary of a run (rank 0's view): losses, phase times, bytes per phase."""
+    c = result.config
+    lines = [
+        f"canzona train: {c.model} {c.optimizer} strategy={c.strategy} dp={c.dp} tp={c.tp} "
+        f"steps={c.steps} batch={c.batch_size}x{c.seq_len} dtype={c.dtype}",
+        f"loss: first {result.losses[0]:.4f}  last {result.losses[-1]:.4f}  "
+        f"(mean step {sum(result.step_seconds) / len(result.step_seconds) * 1e3:.1f} ms)",
+        f"plan {result.plan_fingerprint}  final params {result.params_fingerprint}",
+        "optimizer state per rank: " + "  ".join(_bytes(b) for b in result.state_bytes_per_rank)
+        + (f"  (max/mean {max(result.state_bytes_per_rank) / (sum(result.state_bytes_per_rank) / len(result.state_bytes_per_rank)):.2f})"
+           if sum(result.state_bytes_per_rank) else ""),
+    ]
+    if any(result.peak_exchange_bytes_per_rank):
+        lines.append(
+            "peak TP exchange buffer per rank: " + "  ".join(_bytes(b) for b in result.peak_exchange_bytes_per_rank)
+            + f"  (C_max {c.cmax_mb:g} MiB)"
+        )
+    lines += [
+        "",
+        f"{'phase (rank %d)' % result.rank:<30}{'wall s':>10}{'ms/step':>10}{'calls':>8}{'sent':>12}{'recv':>12}",
+    ]
+    names = list(dict.fromkeys([*result.phase_times, *result.comm_bytes]))
+    for name in names:
+        t = result.phase_times.get(name, {})
+        b = result.comm_bytes.get(name, {})
+        wall = float(t.get("wall_s", 0.0))
+        lines.append(
+            f"{name:<30}{wall:>10.4f}{wall / c.steps * 1e3:>10.2f}{int(t.get('calls', 0)):>8}"
+            f"{_bytes(b.get('sent', 0)):>12}{_bytes(b.get('recv', 0)):>12}"
+        )
+    return "\n".join(lines)
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult:
+    """Worker body for :func:`canzona.runtime.launch.run_workers`: train; rank 0 shows progress
+    (tqdm on stderr and one line per step on stdout, unless ``config.progress`` is off) and prints
+    the summary."""
+    del world_size
+    if rank != 0:
+        return train(config)
+    if not config.progress:
+        result = train(config)
+    else:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc=f"{config.strategy} dp{config.dp}xtp{config.tp}", unit="step", file=sys.stderr)
+
+        def on_step(step: int, loss: float, phases: dict[str, float]) -> None:
+            bar.write(_step_line(step, config.steps, loss, phases), file=sys.stdout)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            bar.update(1)
+
+        try:
+            result = train(config, on_step=on_step)
+        finally:
+            bar.close()
+    print(format_summary(result), flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- torchrun entry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m canzona.train [options]``: one rank of a torchrun job (or a single process)."""
+    import argparse
+
+    from canzona.commands.train import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m canzona.train", description="train the tiny Qwen3 model (one rank; use torchrun for more)")
+    add_arguments(parser, launcher=False)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        config = config_from_args(args)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != config.world_size:
+            raise ValueError(f"dp*tp = {config.dp}*{config.tp} = {config.world_size} must equal WORLD_SIZE ({world})")
+        rank = int(os.environ.get("RANK", "0"))
+        if world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend=config.resolved_backend, init_method="env://")
+        try:
+            train_worker(rank, world, config)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except ValueError as exc:
+        print(f"canzona.train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
