@@ -177,7 +177,9 @@ def test_fault_from_env_and_ulp_at_the_armed_step(monkeypatch: pytest.MonkeyPatc
         faults.on_update("w", v)  # step 1: untouched
         assert torch.equal(v, torch.ones(6))
         faults.on_update("other", v)
+        assert not faults.fired("w")
         faults.on_update("w", v)  # step 2: element 3 moves by exactly one ulp
+        assert faults.fired("w") and faults.fired() and not faults.fired("other")
         diff = (v != 1).nonzero().flatten().tolist()
         assert diff == [3] and v[3].item() == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
     finally:

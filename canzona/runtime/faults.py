@@ -19,13 +19,15 @@ Kinds:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Fault", "arm", "disarm", "armed", "on_update", "snapshot_state", "on_state", "from_env"]
+__all__ = ["Fault", "arm", "disarm", "armed", "fired", "around_step", "on_update", "snapshot_state", "on_state", "from_env"]
 
 KINDS = ("ulp", "stale_state")
 
@@ -68,6 +70,34 @@ def disarm() -> None:
 
 def armed() -> Fault | None:
     return _fault
+
+
+def fired(name: str | None = None) -> bool:
+    """True once the armed fault (on ``name``, default its own parameter) has been applied."""
+    f = _fault
+    if f is None or (name is not None and name != f.param):
+        return False
+    count = _updates.get(f.param, 0) if f.kind == "ulp" else _states.get(f.param, 0)
+    return count >= f.step
+
+
+@contextlib.contextmanager
+def around_step(optimizer: torch.optim.Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[None]:
+    """Wrap one local optimizer step over ``named`` (name, master) pairs with the fault hooks.
+
+    Costs one global read when no fault is armed. With a fault armed: snapshot before the step,
+    then (possibly) restore the state and perturb the freshly updated value, before anything is sent.
+    """
+    if _fault is None:
+        yield
+        return
+    pairs = [(n, p) for n, p in named if n == _fault.param]
+    for n, p in pairs:
+        snapshot_state(n, optimizer, p)
+    yield
+    for n, p in pairs:
+        on_state(n, optimizer, p)
+        on_update(n, p.detach())
 
 
 def from_env(var: str = "CANZONA_FAULT") -> Fault | None:

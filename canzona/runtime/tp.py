@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from canzona.plan.plan import Plan
+from canzona.runtime import faults
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
 
@@ -412,7 +413,8 @@ class TPEngine:
         for name, p in zip(g.hosted, params):
             p.grad = full_grads[name].to(p.dtype)
         assert self.optimizer is not None
-        self.optimizer.step()
+        with faults.around_step(self.optimizer, zip(g.hosted, params)):
+            self.optimizer.step()
         for p in params:
             p.grad = None
         return {n: self.masters[n].detach() for n in g.hosted}

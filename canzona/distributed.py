@@ -1,0 +1,432 @@
+"""``canzona.DistributedOptimizer``: Canzona's runtime behind an ordinary optimizer interface.
+
+Usage (every rank runs the same code)::
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))   # or None: 1-D DP
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh,
+                                       optimizer_kwargs={"lr": 0.02},
+                                       elementwise_kwargs={"lr": 3e-4})
+    for batch in data:
+        loss(model(batch)).backward()   # hooks reduce-scatter each bucket as soon as it is complete
+        opt.step()                      # owners update, values return; the model is updated
+        opt.zero_grad()
+
+What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for the phases):
+
+- Construction reads parameter specs from the model (:func:`canzona.specs.specs_from_module`,
+  DTensor placements or ``tp_dims`` for Megatron-style plain shards), makes the plan
+  (:func:`canzona.plan.make_plan`, or takes ``plan=``), checks on the world group that every rank
+  holds the same plan fingerprint (any mismatch or failure raises on every rank, with a bounded
+  wait), builds fp32 master copies of what this rank owns and registers the backward hooks.
+- ``step()`` waits for the bucket collectives, runs the optimizer on owned masters (matrix
+  parameters whole; element-wise parameters whole or as flat pieces), runs the TP micro-group
+  engine for TP-split matrix parameters, and returns updated values to every rank. Parameter
+  return is *eager* by default (``param_sync="eager"``): when ``step()`` returns, every model
+  parameter holds its new value. ``param_sync="lazy"`` (reduce-scatter strategies) launches the
+  per-bucket all-gathers asynchronously at the end of ``step()`` and waits for each bucket in a
+  forward pre-hook of the first module that uses it, overlapping the gathers with the next
+  forward; parameters read outside a forward need ``opt.finish_param_sync()`` first.
+- Gradients live in the ZeRO-1 buffer, not in ``p.grad`` (the hooks move them there and free
+  ``p.grad``); ``step()`` consumes them, ``zero_grad()`` discards them. Gradients assigned directly
+  to ``p.grad`` (no backward) are taken in at ``step()``; a parameter without a gradient counts as
+  a zero gradient. For gradient accumulation wrap all but the last micro-batch in ``opt.no_sync()``.
+- Gradients are averaged over DP (``grad_reduce="mean"``: sum, then divide by the DP size, exact
+  when it is a power of two) or summed (``"sum"``).
+
+``optimizer`` is a name (``muon``, ``shampoo``, ``soap``: :mod:`canzona.optim`; ``adamw``) or any
+per-parameter ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Muon``); element-wise
+parameters (embeddings, output head, norms, biases) get ``elementwise_optimizer`` (AdamW by
+default). ``zero1`` cuts matrices at equal chunks, so it runs the element-wise optimizer on every
+parameter and accepts only an element-wise ``optimizer`` (``"adamw"``): it is the paper's
+communication reference, not a way to run Muon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from canzona.plan.plan import STRATEGIES, Plan, PlanInputs
+from canzona.runtime.comm import Comm, CommStats
+from canzona.runtime.dp import DPRuntime, OptimizerFactory
+from canzona.runtime.phases import PhaseTimer, timing
+from canzona.specs import ParamSpec, specs_from_module
+
+__all__ = [
+    "NAMED_OPTIMIZERS",
+    "DistributedOptimizer",
+    "check_per_parameter",
+    "exchange_fingerprints",
+    "resolve_optimizer",
+]
+
+#: Optimizers known not to keep per-parameter state (they cannot run on a subset of parameters).
+_NOT_PER_PARAMETER: tuple[str, ...] = ("LBFGS",)
+_PLAN_OPTIMIZER = {"Muon": "muon", "Shampoo": "shampoo", "SOAP": "soap", "AdamW": "adamw", "Adam": "adamw"}
+FINGERPRINT_TIMEOUT_S = 60.0
+
+
+def _named() -> dict[str, type[torch.optim.Optimizer]]:
+    from canzona.optim import SOAP, Muon, Shampoo
+
+    return {"muon": Muon, "shampoo": Shampoo, "soap": SOAP, "adamw": torch.optim.AdamW}
+
+
+NAMED_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+
+
+def resolve_optimizer(optimizer: Any, what: str = "optimizer") -> type[torch.optim.Optimizer]:
+    """The optimizer class for a name or class; TypeError for instances and non-optimizers."""
+    if isinstance(optimizer, str):
+        table = _named()
+        key = optimizer.lower()
+        if key not in table:
+            raise ValueError(f"unknown {what} {optimizer!r}; choose one of {', '.join(NAMED_OPTIMIZERS)} or pass a torch.optim.Optimizer subclass")
+        return table[key]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{what} must be an optimizer class or name, not an instance ({type(optimizer).__name__}): "
+            "DistributedOptimizer builds its own instances over the parameters each rank owns"
+        )
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise TypeError(f"{what} must be a torch.optim.Optimizer subclass or one of {', '.join(NAMED_OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer.__name__ in _NOT_PER_PARAMETER:
+        raise TypeError(
+            f"{optimizer.__name__} is not a per-parameter optimizer (it keeps one state for all parameters "
+            "and needs a closure), so it cannot run on the subset of parameters each rank owns"
+        )
+    return optimizer
+
+
+def check_per_parameter(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any], what: str = "optimizer") -> None:
+    """Probe ``cls`` on two small matrices: it must step without a closure and key its state by
+    parameter (one entry per parameter with a gradient, or none at all for stateless optimizers).
+    Canzona runs the optimizer on the parameters one rank owns, which is exact only then."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = cls(ps, **dict(kwargs))
+    try:
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - any failure here means it is not a plain per-parameter step
+        raise TypeError(
+            f"{what} {cls.__name__} cannot take a plain per-parameter step without a closure "
+            f"({type(exc).__name__}: {exc}); DistributedOptimizer needs a per-parameter torch.optim.Optimizer"
+        ) from None
+    keys = list(opt.state.keys())
+    if keys and (len(keys) != len(ps) or any(all(k is not p for p in ps) for k in keys)):
+        raise TypeError(f"{what} {cls.__name__} does not keep its state per parameter, so it cannot run on a subset of parameters")
+
+
+def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[str | None]:
+    """All-gather every rank's 16-hex plan fingerprint (None: that rank failed to plan) on the world
+    group, waiting at most ``timeout_s``; returns them by rank."""
+    buf = torch.zeros(17, dtype=torch.uint8, device=device)
+    if fingerprint is not None:
+        raw = fingerprint.encode("ascii")[:16]
+        buf[0] = 1
+        buf[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    world = dist.get_world_size()
+    out = [torch.zeros_like(buf) for _ in range(world)]
+    work = dist.all_gather(out, buf, async_op=True)
+    if not work.wait(timeout=timedelta(seconds=timeout_s)):
+        raise RuntimeError(f"plan fingerprint exchange did not complete within {timeout_s:.0f} s")
+    fps: list[str | None] = []
+    for t in out:
+        vals = t.cpu().tolist()
+        fps.append(bytes(vals[1:]).rstrip(b"\0").decode("ascii") if vals[0] else None)
+    return fps
+
+
+class DistributedOptimizer:
+    """Run a per-parameter optimizer under ZeRO-1 DP (and TP) exactly, with a Canzona plan.
+
+    See the module docstring for the semantics. Attributes: ``plan`` (the frozen
+    :class:`~canzona.plan.plan.Plan`), ``comm_stats`` (:class:`~canzona.runtime.comm.CommStats`,
+    bytes per rank per phase; cleared after construction), ``phase_times``
+    (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this object opens, accumulated
+    across steps), ``dp_rank``/``tp_rank``/``dp``/``tp``, ``runtime`` (the
+    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: str | type[torch.optim.Optimizer] = "muon",
+        *,
+        strategy: str = "lb-asc",
+        mesh: Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        elementwise_optimizer: str | type[torch.optim.Optimizer] = torch.optim.AdamW,
+        elementwise_kwargs: Mapping[str, Any] | None = None,
+        tp_schedule: str | None = None,
+        tp_dims: Mapping[str, int | None] | None = None,
+        bucket_numel: int | None = None,
+        alpha: float = 1.0,
+        cost: str = "numel",
+        cmax_mb: float = 512,
+        master_dtype: torch.dtype = torch.float32,
+        grad_reduce: str = "mean",
+        param_sync: str = "eager",
+        plan: Plan | None = None,
+    ) -> None:
+        # ---- checks that every rank makes identically, before any collective
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if grad_reduce not in ("mean", "sum"):
+            raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
+        if param_sync not in ("eager", "lazy"):
+            raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
+        if master_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype}")
+        matrix_cls = resolve_optimizer(optimizer, "optimizer")
+        ew_cls = resolve_optimizer(elementwise_optimizer, "elementwise_optimizer")
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.elementwise_kwargs = dict(elementwise_kwargs or {})
+        if strategy == "zero1" and matrix_cls is not ew_cls and matrix_cls is not torch.optim.AdamW:
+            raise ValueError(
+                f"zero1 cuts matrices at equal chunks, so it can only run an element-wise optimizer; got {matrix_cls.__name__}. "
+                "Use optimizer='adamw' (zero1 is the paper's communication reference) or a Canzona strategy "
+                "(asc, lb-asc, lb-asc-joint, layerwise, sc) for matrix optimizers"
+            )
+        check_per_parameter(matrix_cls, self.optimizer_kwargs, "optimizer")
+        if ew_cls is not matrix_cls or self.elementwise_kwargs != self.optimizer_kwargs:
+            check_per_parameter(ew_cls, self.elementwise_kwargs, "elementwise_optimizer")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        world = dist.get_world_size()
+        first = next(iter(model.parameters()), None)
+        if first is None:
+            raise ValueError("the model has no parameters")
+        device = _local(first).device
+        mesh = self._check_mesh(mesh, world, device)
+        self.mesh = mesh
+        names = mesh.mesh_dim_names or ("dp",)
+        self.dp = mesh.size(names.index("dp"))
+        self.tp = mesh.size(names.index("tp")) if "tp" in names else 1
+        self.dp_rank = mesh.get_local_rank("dp") if mesh.ndim > 1 else dist.get_rank(mesh.get_group())
+        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
+        self.model = model
+        self.strategy = strategy
+        self.matrix_cls, self.elementwise_cls = matrix_cls, ew_cls
+        self.master_dtype = master_dtype
+
+        # ---- specs and plan; a failure on some ranks only surfaces through the fingerprint exchange
+        err: Exception | None = None
+        fp: str | None = None
+        try:
+            # frozen parameters (requires_grad=False) are not the optimizer's: no buffer slot, no owner
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            specs = [s for s in specs_from_module(model, tp_dims=tp_dims, tp=self.tp) if s.name in trainable]
+            if not specs:
+                raise ValueError("the model has no trainable parameters")
+            if plan is None:
+                plan = self._make_plan(specs, matrix_cls, strategy, tp_schedule, bucket_numel, alpha, cost, cmax_mb, master_dtype)
+            else:
+                self._check_given_plan(plan, specs, strategy)
+            fp = plan.fingerprint
+        except (ValueError, TypeError) as exc:
+            err = exc
+        fps = exchange_fingerprints(fp, device=device)
+        if err is not None:
+            raise err
+        failed = [r for r, f in enumerate(fps) if f is None]
+        if failed:
+            raise RuntimeError(f"rank(s) {failed} failed to build the plan (their error says why); no rank proceeds")
+        if len(set(fps)) != 1:
+            groups: dict[str, list[int]] = {}
+            for r, f in enumerate(fps):
+                groups.setdefault(str(f), []).append(r)
+            raise RuntimeError(f"plan fingerprints differ across ranks: {groups}; every rank must plan the same model with the same inputs")
+        assert plan is not None
+        self.plan = plan
+
+        # ---- runtime
+        self.comm_stats = CommStats()
+        self.phase_times = PhaseTimer()
+        dp_group = mesh.get_group("dp") if mesh.ndim > 1 else mesh.get_group()
+        self.dp_comm = Comm(dp_group, self.comm_stats)
+        self.tp_comm = Comm(mesh.get_group("tp"), self.comm_stats) if self.tp > 1 else None
+        named = dict(model.named_parameters())
+        self._signature = self._param_signature()
+        params = {p.name: named[p.name] for p in plan.params}
+        self.runtime = DPRuntime(
+            plan,
+            params,
+            dp_comm=self.dp_comm,
+            matrix_factory=self._factory(matrix_cls, self.optimizer_kwargs),
+            elementwise_factory=self._factory(ew_cls, self.elementwise_kwargs),
+            tp_engine_factory=self._tp_engine_factory(),
+            master_dtype=master_dtype,
+            grad_reduce=grad_reduce,
+            param_sync=param_sync,
+        )
+        self.runtime.timer = self.phase_times
+        self.runtime.attach()
+        if self.runtime.lazy:
+            self.runtime.install_forward_hooks(model)
+        self.comm_stats.reset()
+
+    # ------------------------------------------------------------------------------ construction
+    @staticmethod
+    def _check_mesh(mesh: Any, world: int, device: torch.device) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if mesh is None:
+            return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed DeviceMesh (or None for 1-D DP), got {type(mesh).__name__}")
+        if mesh.size() != world:
+            raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
+        names = mesh.mesh_dim_names
+        if mesh.ndim == 1 and names not in (None, ("dp",)):
+            raise ValueError(f"a 1-D mesh must be named ('dp',), got {names}")
+        if mesh.ndim > 1 and (names is None or "dp" not in names or set(names) - {"dp", "tp"} or mesh.ndim != 2):
+            raise ValueError(f"a 2-D mesh needs dimensions named ('dp', 'tp'), got {names}")
+        return mesh
+
+    def _make_plan(
+        self,
+        specs: list[ParamSpec],
+        matrix_cls: type[torch.optim.Optimizer],
+        strategy: str,
+        tp_schedule: str | None,
+        bucket_numel: int | None,
+        alpha: float,
+        cost: str,
+        cmax_mb: float,
+        master_dtype: torch.dtype,
+    ) -> Plan:
+        from canzona.plan import default_bucket_numel, default_tp_schedule, make_plan
+
+        inputs = PlanInputs(
+            model=type(self.model).__name__,
+            layout="module",
+            dp=self.dp,
+            tp=self.tp,
+            # the plan's cost model knows muon/shampoo/soap/adamw; other classes are costed as Muon
+            optimizer=_PLAN_OPTIMIZER.get(matrix_cls.__name__, "muon") if strategy != "zero1" else "adamw",
+            strategy=strategy,
+            tp_schedule=tp_schedule or default_tp_schedule(strategy),
+            bucket_numel=bucket_numel if bucket_numel is not None else default_bucket_numel(self.dp),
+            alpha=alpha,
+            cost=cost,
+            cmax_bytes=max(1, int(cmax_mb * 2**20)),
+            grad_bytes=torch.empty((), dtype=master_dtype).element_size(),
+        )
+        return make_plan(specs, inputs)
+
+    def _check_given_plan(self, plan: Plan, specs: list[ParamSpec], strategy: str) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a canzona Plan, got {type(plan).__name__}")
+        if plan.inputs.dp != self.dp or plan.inputs.tp != self.tp:
+            raise ValueError(f"the plan is for dp={plan.inputs.dp} x tp={plan.inputs.tp}, the mesh is dp={self.dp} x tp={self.tp}")
+        if plan.inputs.strategy != strategy:
+            raise ValueError(f"the plan is for strategy {plan.inputs.strategy!r}, not {strategy!r}")
+        if {s.name: s for s in plan.specs} != {s.name: s for s in specs}:
+            raise ValueError("the plan was made for other parameters than this model's (names, shapes, kinds or TP splits differ)")
+
+    def _factory(self, cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> OptimizerFactory:
+        kw = dict(kwargs)
+        return lambda ts: cls(ts, **kw)
+
+    def _tp_engine_factory(self) -> Any:
+        if self.tp == 1:
+            return None
+        try:
+            from canzona.runtime.tp import TPEngine
+        except ImportError:
+            return None
+        factory = self._factory(self.matrix_cls, self.optimizer_kwargs)
+        plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
+        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
+
+    def _param_signature(self) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
+        return [(n, id(p), tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
+
+    def _check_params_unchanged(self) -> None:
+        now = self._param_signature()
+        if now == self._signature:
+            return
+        before = {n: s for n, *s in self._signature}
+        after = {n: s for n, *s in now}
+        added = sorted(set(after) - set(before))
+        removed = sorted(set(before) - set(after))
+        changed = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+        raise RuntimeError(
+            "the model's parameters changed after the plan was made "
+            f"(added {added}, removed {removed}, replaced or reshaped {changed}); "
+            "build a new DistributedOptimizer for the new parameters"
+        )
+
+    # ------------------------------------------------------------------------------ torch-like API
+    def step(self, closure: Any = None) -> Any:
+        """Wait for gradients, update owned parameters, return values to every rank (eager)."""
+        if closure is not None:
+            raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
+        self._check_params_unchanged()
+        with timing(self.phase_times):
+            self.runtime.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard gradients: the buffer's (and any ``p.grad`` a user set directly)."""
+        with timing(self.phase_times):
+            self.runtime.discard_grads()
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish_param_sync(self) -> None:
+        """``param_sync="lazy"``: wait for the pending parameter all-gathers now (the forward does it
+        bucket by bucket otherwise); call before reading parameters outside a forward pass."""
+        with timing(self.phase_times):
+            self.runtime.finish_param_sync()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over micro-batches without launching collectives."""
+        with self.runtime.buffer.no_sync():
+            yield
+
+    @property
+    def steps(self) -> int:
+        return self.runtime.steps
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (local optimizers plus hosted TP tasks)."""
+        return self.runtime.state_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated optimizer state (collective: call on every rank; rank 0 gets it, other
+        ranks an empty dict). Format: :mod:`canzona.runtime.checkpoint`."""
+        from canzona.runtime.checkpoint import consolidated_state_dict
+
+        self.finish_param_sync()
+        return consolidated_state_dict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a consolidated state (every rank passes the whole document); re-shards to this plan."""
+        from canzona.runtime.checkpoint import load_consolidated_state_dict
+
+        self.finish_param_sync()
+        load_consolidated_state_dict(self, state)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedOptimizer({self.matrix_cls.__name__} + {self.elementwise_cls.__name__}, strategy={self.strategy!r}, "
+            f"dp={self.dp}, tp={self.tp}, plan={self.plan.fingerprint})"
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t

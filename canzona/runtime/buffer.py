@@ -1,0 +1,192 @@
+"""The ZeRO-1 gradient buffer in plan geometry, filled by backward hooks (Section 2.2, Appendix B.1).
+
+Megatron-Core keeps every gradient in one flat, bucketed ``param_and_grad_buffer`` so that a whole
+bucket can be reduced by one coalesced collective as soon as the backward pass has produced all of
+its gradients, overlapping communication with the rest of backward. Canzona keeps that buffer and
+its bucket order unchanged and only moves the per-bucket cut points (Section 3.1); this module is
+the buffer side of that contract:
+
+- :class:`GradBuffer` lays out one flat tensor (``plan.buffer_numel`` elements of ``dtype``,
+  fp32 by default) with the plan's bucket starts and parameter offsets. Each parameter's slot holds
+  its TP-local gradient shard, flattened.
+- :meth:`GradBuffer.attach` registers a ``post_accumulate_grad`` hook on every parameter: the hook
+  adds ``p.grad`` (``.to_local()`` for DTensor parameters) into the slot in the buffer's dtype and
+  frees ``p.grad``, then marks the parameter as reported. When every parameter of a bucket has
+  reported, the bucket is *ready*; ready buckets are handed to ``on_ready`` strictly in bucket
+  index order, so every rank launches its collectives in the same order even if hooks fire in a
+  different order (gloo and NCCL both require one collective order per group).
+- :meth:`GradBuffer.no_sync` accumulates gradients of several micro-batches without reporting, for
+  gradient accumulation: the backward pass after the block reports and launches.
+
+The buffer never communicates; whoever owns it (:mod:`canzona.runtime.dp`) launches the
+collectives from ``on_ready``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from canzona.plan.plan import Plan
+
+__all__ = ["GradBuffer", "GradSyncError", "local_tensor"]
+
+
+class GradSyncError(RuntimeError):
+    """A gradient arrived when its bucket's collective was already in flight."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class GradBuffer:
+    """Flat gradient buffer with the plan's bucket geometry and readiness tracking.
+
+    ``params`` maps every plan parameter name to the model's parameter (plain tensor or DTensor).
+    ``on_ready(i)`` is called once per bucket and step, in increasing ``i``, when bucket ``i`` and
+    every bucket before it hold all their gradients (or when :meth:`flush` forces them).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        params: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        on_ready: Callable[[int], None] | None = None,
+    ) -> None:
+        missing = [p.name for p in plan.params if p.name not in params]
+        if missing:
+            raise ValueError(f"plan parameters missing from the model: {missing}")
+        self.plan = plan
+        self.params = dict(params)
+        self.dtype = dtype
+        if device is None:
+            first = next(iter(self.params.values()))
+            device = local_tensor(first.detach()).device
+        self.data = torch.zeros(plan.buffer_numel, dtype=dtype, device=device)
+        self.slots: dict[str, torch.Tensor] = {}
+        self.bucket_of: dict[str, int] = {}
+        for pp in plan.params:
+            start = plan.buckets[pp.bucket].start + pp.offset
+            self.slots[pp.name] = self.data[start : start + pp.numel]
+            self.bucket_of[pp.name] = pp.bucket
+            local = local_tensor(self.params[pp.name].detach())
+            if tuple(local.shape) != tuple(pp.spec.local_shape):
+                raise ValueError(
+                    f"{pp.name}: model holds a shard of shape {tuple(local.shape)}, the plan expects {pp.spec.local_shape}"
+                )
+        self.on_ready = on_ready
+        self._size = [len(b.params) for b in plan.buckets]
+        self._handles: list[object] = []
+        self._syncing = True
+        self.reset()
+
+    # --------------------------------------------------------------------------------- views
+    def bucket(self, i: int) -> torch.Tensor:
+        b = self.plan.buckets[i]
+        return self.data[b.start : b.start + b.numel]
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.plan.buckets)
+
+    # --------------------------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Zero the gradients and forget which parameters reported (start of an iteration)."""
+        self.data.zero_()
+        self._reported: set[str] = set()
+        self._count = [0] * len(self._size)
+        self._ready = [False] * len(self._size)
+        self._next = 0  # first bucket not yet handed to on_ready
+
+    def launched(self, i: int) -> bool:
+        return i < self._next
+
+    @property
+    def all_launched(self) -> bool:
+        return self._next == len(self._size)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reporting them (gradient accumulation over micro-batches)."""
+        prev, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = prev
+
+    # --------------------------------------------------------------------------------- hooks
+    def attach(self) -> None:
+        """Register one post-accumulate-grad hook per parameter (idempotent)."""
+        if self._handles:
+            return
+        for name, p in self.params.items():
+            if not p.requires_grad:
+                raise ValueError(f"{name} does not require grad; the plan covers only trainable parameters")
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(name)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()  # type: ignore[attr-defined]
+        self._handles.clear()
+
+    def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self.accumulate(name, p)
+
+        return hook
+
+    def accumulate(self, name: str, p: torch.Tensor) -> None:
+        """Add ``p.grad`` into its slot, free it, and report the parameter unless in :meth:`no_sync`."""
+        grad = p.grad
+        if grad is None:
+            return
+        if self.launched(self.bucket_of[name]):
+            raise GradSyncError(
+                f"gradient of {name} arrived after its bucket's collective was launched: call step() or "
+                "zero_grad() between backward passes, or wrap all but the last micro-batch in no_sync()"
+            )
+        placements = getattr(p, "placements", None)
+        if placements is not None and tuple(getattr(grad, "placements", placements)) != tuple(placements):
+            # DTensor autograd may leave a gradient Replicate or Partial (e.g. a vocab-parallel
+            # embedding's); the buffer holds the parameter's own shard, so redistribute to it.
+            grad = grad.redistribute(p.device_mesh, placements)
+        with torch.no_grad():
+            self.slots[name].add_(local_tensor(grad).reshape(-1))
+        p.grad = None
+        if self._syncing:
+            self._report(name)
+
+    def _report(self, name: str) -> None:
+        if name in self._reported:
+            return
+        self._reported.add(name)
+        i = self.bucket_of[name]
+        self._count[i] += 1
+        if self._count[i] == self._size[i]:
+            self._ready[i] = True
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._size) and self._ready[self._next]:
+            i = self._next
+            self._next += 1
+            if self.on_ready is not None:
+                self.on_ready(i)
+
+    def flush(self) -> None:
+        """Make every bucket ready: gradients set directly on ``p.grad`` (no backward hook fired) are
+        taken in, parameters that got no gradient count as zero, and the remaining buckets launch."""
+        for name, p in self.params.items():
+            if p.grad is not None:  # set directly (no hook fired); an error if its bucket already left
+                self.accumulate(name, p)
+        for i in range(len(self._size)):
+            self._ready[i] = True
+        self._launch_ready()

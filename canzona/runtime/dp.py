@@ -1,0 +1,424 @@
+"""The data-parallel runtime: gradient collectives, owner-side updates, parameter return (Sections 2-3).
+
+One :class:`DPRuntime` per rank executes a :class:`~canzona.plan.plan.Plan` over the DP process
+group. Per iteration:
+
+1. *Backward* (``canzona/backward``): :class:`~canzona.runtime.buffer.GradBuffer` hooks collect
+   gradients into the flat buffer; each bucket launches its collective asynchronously as soon as
+   it is complete, overlapping with the rest of backward:
+
+   - ``zero1``, ``asc``, ``lb-asc``, ``lb-asc-joint``: one variable-size reduce-scatter per bucket
+     to the plan's cut points (``canzona/dp/reduce_scatter/bucket<i>``);
+   - ``sc``, ``layerwise``: one all-reduce per bucket (``canzona/dp/all_reduce/bucket<i>``).
+
+2. *Optimizer step* (``canzona/optimizer/step``), orchestrated as gather -> compute -> scatter ->
+   apply, each a named method:
+
+   - :meth:`gather_grads`: wait for the bucket collectives, average (sum, then divide by the DP
+     size: exact for power-of-two DP sizes), point each owned master's ``.grad`` at its slice;
+   - :meth:`compute`: run the local optimizers on fp32 master copies of what this rank owns
+     (``canzona/dp/local_update``; no communication) and the TP micro-group engine for TP-split
+     matrix parameters (:mod:`canzona.runtime.tp`; it talks only over the TP group);
+   - :meth:`scatter_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
+     parameter from its owner inside the step (``canzona/layerwise/broadcast``); the
+     reduce-scatter strategies run one variable-size all-gather per bucket
+     (``canzona/dp/all_gather/bucket<i>``) right after the optimizer-step phase closes; ``sc``
+     moves nothing. ``param_sync="eager"`` (default) waits for them, so the model holds the new
+     values when ``step()`` returns; ``param_sync="lazy"`` launches them asynchronously and a
+     forward pre-hook on each module waits for its parameters' buckets only, so the gathers
+     overlap the next forward bucket by bucket (:meth:`finish_param_sync` forces them, e.g.
+     before reading parameters outside a forward);
+   - :meth:`apply_params`: copy the values into the model's parameters (``to_local()`` for DTensor).
+
+Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
+rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
+ranks (exact for element-wise optimizers such as AdamW: each element's update depends only on that
+element); ``sc`` updates everything everywhere. Per-parameter optimizers are independent across
+parameters, so one optimizer instance over all owned matrix parameters (and one element-wise
+instance over all owned pieces) computes exactly what one instance per parameter would.
+``zero1`` is the communication reference of the paper: equal chunks that cut matrices, so every
+parameter goes to the element-wise optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from canzona.plan.plan import Plan
+from canzona.runtime import faults
+from canzona.runtime.buffer import GradBuffer, local_tensor
+from canzona.runtime.comm import Comm
+from canzona.runtime.phases import (
+    DP_ALL_GATHER,
+    DP_ALL_REDUCE,
+    DP_LOCAL_UPDATE,
+    DP_REDUCE_SCATTER,
+    LAYERWISE_BROADCAST,
+    OPTIMIZER_STEP,
+    PhaseTimer,
+    phase,
+    timing,
+)
+
+__all__ = ["ALL_REDUCE_STRATEGIES", "REDUCE_SCATTER_STRATEGIES", "DPRuntime", "OptimizerFactory", "Piece", "pieces_for_rank"]
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+REDUCE_SCATTER_STRATEGIES: tuple[str, ...] = ("zero1", "asc", "lb-asc", "lb-asc-joint")
+ALL_REDUCE_STRATEGIES: tuple[str, ...] = ("sc", "layerwise")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A part of one parameter that this rank updates.
+
+    ``start``/``end`` index the flattened TP-local shard; ``whole`` pieces cover it all and keep the
+    shard's shape (matrix optimizers need it), cut pieces are flat. ``role`` is ``matrix`` (local
+    matrix optimizer), ``tp`` (TP micro-group engine) or ``elementwise``. ``src`` is the piece's
+    offset in the tensor its gradient arrives in: this rank's reduce-scatter shard of the bucket, or
+    the whole bucket for all-reduce strategies.
+    """
+
+    name: str
+    bucket: int
+    start: int
+    end: int
+    whole: bool
+    role: str
+    src: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def _role(plan: Plan, name: str) -> str:
+    pp = plan.param(name)
+    if plan.inputs.strategy == "zero1" or pp.spec.kind == "elementwise":
+        return "elementwise"
+    return "tp" if pp.spec.tp_split else "matrix"
+
+
+def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
+    """What DP rank ``dp_rank`` updates under ``plan``, in buffer order."""
+    strategy = plan.inputs.strategy
+    rs = strategy in REDUCE_SCATTER_STRATEGIES
+    out: list[Piece] = []
+    for pp in plan.buffer_order():
+        base = plan.buckets[pp.bucket].cuts[dp_rank] if rs else 0
+        role = _role(plan, pp.name)
+        if strategy == "sc" or pp.dp_owner == dp_rank:
+            out.append(Piece(pp.name, pp.bucket, 0, pp.numel, True, role, pp.offset - base))
+            continue
+        for r, s, e in pp.dp_ranges:
+            if r == dp_rank:
+                whole = s == 0 and e == pp.numel
+                out.append(Piece(pp.name, pp.bucket, s, e, whole, role, pp.offset + s - base))
+    return out
+
+
+class DPRuntime:
+    """Executes one plan's DP side on this rank (see the module docstring for the phases).
+
+    ``params`` maps plan names to the model's parameters. ``matrix_factory`` /
+    ``elementwise_factory`` build a per-parameter optimizer over a list of master tensors.
+    ``tp_engine_factory(local_masters)`` builds the TP micro-group engine over the fp32 TP-local
+    masters of the TP-split matrix parameters this rank updates; it is required only when such
+    parameters exist.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        params: Mapping[str, torch.Tensor],
+        *,
+        dp_comm: Comm,
+        matrix_factory: OptimizerFactory,
+        elementwise_factory: OptimizerFactory,
+        tp_engine_factory: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        grad_reduce: str = "mean",
+        param_sync: str = "eager",
+    ) -> None:
+        if param_sync not in ("eager", "lazy"):
+            raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
+        if grad_reduce not in ("mean", "sum"):
+            raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
+        if dp_comm.size != plan.inputs.dp:
+            raise ValueError(f"the plan is for dp={plan.inputs.dp} but the DP group has {dp_comm.size} ranks")
+        self.plan = plan
+        self.strategy = plan.inputs.strategy
+        self.reduce_scatter = self.strategy in REDUCE_SCATTER_STRATEGIES
+        self.comm = dp_comm
+        self.dp_rank = dp_comm.rank
+        self.dp = dp_comm.size
+        self.grad_reduce = grad_reduce
+        self.master_dtype = master_dtype
+        self.params = dict(params)
+        self.specs = {pp.name: pp.spec for pp in plan.params}
+        self._by_name = plan.by_name()
+        #: phase timer the hook-launched collectives report to (the front end's ``phase_times``)
+        self.timer: PhaseTimer | None = None
+        self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self._launch_bucket)
+        self.pieces = pieces_for_rank(plan, self.dp_rank)
+        self._whole_pieces = {pc.name: pc for pc in self.pieces if pc.whole}
+        self.pieces_by_bucket: list[list[Piece]] = [[] for _ in plan.buckets]
+        for pc in self.pieces:
+            self.pieces_by_bucket[pc.bucket].append(pc)
+        # Values return in the model's dtype when a bucket holds one dtype (bf16 params: half the
+        # bytes of fp32), else in the master dtype.
+        self.gather_dtype: list[torch.dtype] = []
+        for b in plan.buckets:
+            dtypes = {local_tensor(self.params[n].detach()).dtype for n in b.params}
+            self.gather_dtype.append(dtypes.pop() if len(dtypes) == 1 else master_dtype)
+
+        self.masters: dict[Piece, torch.Tensor] = {}
+        with torch.no_grad():
+            for pc in self.pieces:
+                local = local_tensor(self.params[pc.name].detach())
+                if pc.whole:
+                    m = local.to(master_dtype, copy=True)
+                else:
+                    m = local.reshape(-1)[pc.start : pc.end].to(master_dtype, copy=True)
+                self.masters[pc] = m.contiguous()
+
+        def build(role: str, factory: OptimizerFactory) -> torch.optim.Optimizer | None:
+            ts = [self.masters[pc] for pc in self.pieces if pc.role == role]
+            return factory(ts) if ts else None
+
+        self.matrix_opt = build("matrix", matrix_factory)
+        self.elementwise_opt = build("elementwise", elementwise_factory)
+        tp_masters = {pc.name: self.masters[pc] for pc in self.pieces if pc.role == "tp"}
+        self.tp_engine: Any = None
+        if tp_masters:
+            if tp_engine_factory is None:
+                raise NotImplementedError(
+                    f"{len(tp_masters)} TP-split matrix parameters need the TP micro-group engine (canzona.runtime.tp)"
+                )
+            self.tp_engine = tp_engine_factory(tp_masters)
+        self._works: dict[int, Any] = {}
+        self._shards: dict[int, torch.Tensor] = {}
+        #: ``lazy``: parameter all-gathers launched by step() and finished by forward pre-hooks
+        self.lazy = param_sync == "lazy" and self.reduce_scatter
+        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._hooks: list[Any] = []
+        self.steps = 0
+
+    # --------------------------------------------------------------------------------- backward
+    def attach(self) -> None:
+        self.buffer.attach()
+
+    def detach(self) -> None:
+        self.buffer.detach()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _launch_bucket(self, i: int) -> None:
+        """Start bucket ``i``'s gradient collective without waiting (called by the buffer)."""
+        b = self.plan.buckets[i]
+        flat = self.buffer.bucket(i)
+        ctx = timing(self.timer) if self.timer is not None else contextlib.nullcontext()
+        with ctx:
+            self._start_collective(i, b, flat)
+
+    def _start_collective(self, i: int, b: Any, flat: torch.Tensor) -> None:
+        if self.reduce_scatter:
+            with phase(f"{DP_REDUCE_SCATTER}/bucket{i}"):
+                out, work = self.comm.reduce_scatter_v(flat, b.shard_sizes(), async_op=True)
+            self._shards[i] = out
+        else:
+            with phase(f"{DP_ALL_REDUCE}/bucket{i}"):
+                work = self.comm.all_reduce(flat, async_op=True)
+        self._works[i] = work
+
+    def wait_all(self) -> None:
+        for i in sorted(self._works):
+            w = self._works.pop(i)
+            if w is not None:
+                w.wait()
+
+    def discard_grads(self) -> None:
+        """Drop this iteration's gradients (zero_grad): finish in-flight collectives, zero the buffer."""
+        self.wait_all()
+        self._shards.clear()
+        for m in self.masters.values():
+            m.grad = None
+        self.buffer.reset()
+
+    # --------------------------------------------------------------------------------- step
+    def step(self) -> None:
+        """One optimizer step: gather -> compute -> scatter -> apply."""
+        self.finish_param_sync()
+        self.buffer.flush()
+        with phase(OPTIMIZER_STEP):
+            self.gather_grads()
+            self.compute()
+            if self.strategy == "layerwise":
+                self.broadcast_params()
+        if self.reduce_scatter:
+            if self.lazy:
+                self.launch_param_gather()
+            else:
+                self.apply_params(self.scatter_params())
+        elif self.strategy == "sc":
+            self.apply_params({})
+        self.discard_grads()
+        self.steps += 1
+
+    def _grad_source(self, i: int) -> torch.Tensor:
+        return self._shards[i] if self.reduce_scatter else self.buffer.bucket(i)
+
+    def gather_grads(self) -> None:
+        """Wait for each bucket's collective, average it, and hand each owned master its gradient slice."""
+        for i in range(len(self.plan.buckets)):
+            w = self._works.pop(i, None)
+            if w is not None:
+                w.wait()
+            src = self._grad_source(i)
+            if self.grad_reduce == "mean" and self.dp > 1:
+                src.div_(self.dp)
+            for pc in self.pieces_by_bucket[i]:
+                m = self.masters[pc]
+                m.grad = src[pc.src : pc.src + pc.numel].view(m.shape)
+
+    def compute(self) -> None:
+        """Local optimizer math on owned masters (no communication), then the TP engine."""
+        with phase(DP_LOCAL_UPDATE):
+            # Test-only fault hooks (canzona.runtime.faults) see whole parameters; cut pieces are skipped.
+            if self.matrix_opt is not None:
+                with faults.around_step(self.matrix_opt, self._named_masters("matrix")):
+                    self.matrix_opt.step()
+            if self.elementwise_opt is not None:
+                with faults.around_step(self.elementwise_opt, self._named_masters("elementwise")):
+                    self.elementwise_opt.step()
+        if self.tp_engine is not None:
+            grads = {pc.name: self.masters[pc].grad for pc in self.pieces if pc.role == "tp"}
+            self.tp_engine.step(grads)
+
+    def _named_masters(self, role: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((pc.name, self.masters[pc]) for pc in self.pieces if pc.role == role and pc.whole)
+
+    def broadcast_params(self) -> None:
+        """``layerwise``: every owner sends its updated parameters to all DP ranks, inside the step."""
+        works = []
+        with phase(LAYERWISE_BROADCAST), torch.no_grad():
+            for pp in self.plan.buffer_order():
+                local = local_tensor(self.params[pp.name].detach())
+                if pp.dp_owner == self.dp_rank:
+                    local.copy_(self.masters[self._whole(pp.name)])
+                works.append(self.comm.broadcast(local, pp.dp_owner, async_op=True))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def _whole(self, name: str) -> Piece:
+        return self._whole_pieces[name]
+
+    def _pack_and_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        b = self.plan.buckets[i]
+        sizes = b.shard_sizes()
+        send = torch.empty(sizes[self.dp_rank], dtype=self.gather_dtype[i], device=self.buffer.data.device)
+        with torch.no_grad():
+            for pc in self.pieces_by_bucket[i]:
+                send[pc.src : pc.src + pc.numel].copy_(self.masters[pc].reshape(-1))
+        with phase(f"{DP_ALL_GATHER}/bucket{i}"):
+            return self.comm.all_gather_v(send, sizes, async_op=True)
+
+    def scatter_params(self) -> dict[int, torch.Tensor]:
+        """Variable-size all-gather of every bucket's updated values (to the plan's cut points), waited."""
+        launched = {i: self._pack_and_launch(i) for i in range(len(self.plan.buckets))}
+        for _, w in launched.values():
+            if w is not None:
+                w.wait()
+        return {i: out for i, (out, _) in launched.items()}
+
+    def launch_param_gather(self) -> None:
+        """``param_sync="lazy"``: launch every bucket's all-gather without waiting; forward pre-hooks
+        (:meth:`install_forward_hooks`) finish each bucket just before a module first uses it."""
+        for i in range(len(self.plan.buckets)):
+            self._pending[i] = self._pack_and_launch(i)
+
+    def finish_param_sync(self, buckets: Any = None) -> None:
+        """Wait for pending parameter all-gathers (all, or ``buckets``) and write them into the model."""
+        if not self._pending:
+            return
+        todo = sorted(self._pending if buckets is None else (i for i in buckets if i in self._pending))
+        if not todo:
+            return
+        ctx = timing(self.timer) if self.timer is not None else contextlib.nullcontext()
+        with ctx:
+            for i in todo:
+                out, w = self._pending.pop(i)
+                with phase(f"{DP_ALL_GATHER}/bucket{i}"):
+                    if w is not None:
+                        w.wait()
+                    self.apply_params({i: out})
+
+    def install_forward_hooks(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks that finish the pending all-gathers of a module's own parameters'
+        buckets just before it runs, so later buckets' gathers overlap earlier modules' forward.
+
+        A module may read a child's parameters without calling the child (``self.child.weight``
+        inside its own forward): such parameters would be read stale. The root module's pre-hook
+        therefore first finishes every bucket holding a parameter whose owning module did not run
+        in the previous forward pass (all of them before the first observed forward)."""
+        name_of = {id(t): n for n, t in self.params.items()}
+        bucket_of = self.buffer.bucket_of
+        owner_buckets: dict[int, tuple[int, ...]] = {}
+        for module in model.modules():
+            own = {bucket_of[name_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in name_of}
+            if own:
+                owner_buckets[id(module)] = tuple(sorted(own))
+        self._ran: set[int] = set()
+
+        def root_hook(_m: torch.nn.Module, _a: Any) -> None:
+            ran, self._ran = self._ran, set()
+            unseen = {i for mid, bs in owner_buckets.items() if mid not in ran for i in bs}
+            self.finish_param_sync(unseen)
+
+        def module_hook(m: torch.nn.Module, _a: Any) -> None:
+            self._ran.add(id(m))
+            self.finish_param_sync(owner_buckets[id(m)])
+
+        self._hooks.append(model.register_forward_pre_hook(root_hook))
+        for module in model.modules():
+            if id(module) in owner_buckets:
+                self._hooks.append(module.register_forward_pre_hook(module_hook))
+
+    def apply_params(self, gathered: Mapping[int, torch.Tensor]) -> None:
+        """Write updated values into the model's parameters (in place; DTensor: the local shard)."""
+        with torch.no_grad():
+            if self.strategy == "sc":
+                for pc in self.pieces:
+                    local_tensor(self.params[pc.name].detach()).copy_(self.masters[pc])
+                return
+            for i, flat in gathered.items():
+                for n in self.plan.buckets[i].params:
+                    pp = self._by_name[n]
+                    local = local_tensor(self.params[n].detach())
+                    local.copy_(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
+
+    # --------------------------------------------------------------------------------- introspection
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.matrix_opt, self.elementwise_opt) if o is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (local optimizers and the TP engine)."""
+        total = 0
+        for opt in self.optimizers():
+            for st in opt.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        total += v.numel() * v.element_size()
+        if self.tp_engine is not None:
+            total += int(self.tp_engine.state_bytes())
+        return total
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters.values())

@@ -1,0 +1,120 @@
+"""The ZeRO-1 gradient buffer: plan geometry, backward hooks, bucket readiness order (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from canzona.plan import PlanInputs, make_plan
+from canzona.runtime.buffer import GradBuffer, GradSyncError
+from canzona.specs import specs_from_module
+from canzona.testing import ToyModel, inject_grads, integer_grads
+
+
+def _plan(model: torch.nn.Module, strategy: str = "lb-asc", dp: int = 2, bucket_numel: int = 40):
+    specs = specs_from_module(model)
+    inputs = PlanInputs(
+        model="toy", layout="module", dp=dp, tp=1, optimizer="muon", strategy=strategy, tp_schedule="sync", bucket_numel=bucket_numel
+    )
+    return make_plan(specs, inputs)
+
+
+def _buffer(model: torch.nn.Module, **kw):
+    plan = _plan(model, **kw)
+    launched: list[int] = []
+    buf = GradBuffer(plan, dict(model.named_parameters()), on_ready=launched.append)
+    buf.attach()
+    return plan, buf, launched
+
+
+def test_slots_follow_plan_geometry_and_hooks_fill_them() -> None:
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    assert len(plan.buckets) > 2
+    base = buf.data.data_ptr()
+    for pp in plan.params:
+        slot = buf.slots[pp.name]
+        assert (slot.data_ptr() - base) // 4 == plan.buckets[pp.bucket].start + pp.offset
+        assert slot.numel() == pp.numel
+    grads = integer_grads(model, step=0, rank=0)
+    inject_grads(model, grads)
+    for n, p in model.named_parameters():
+        assert p.grad is None, "the hook frees p.grad once the buffer holds it"
+        assert torch.equal(buf.slots[n], grads[n].reshape(-1))
+    # backward produces gradients back to front, so buckets complete (and launch) in index order
+    assert launched == list(range(len(plan.buckets)))
+    assert buf.all_launched
+
+
+def test_ready_buckets_launch_in_index_order_only() -> None:
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    named = dict(model.named_parameters())
+    last = plan.buckets[-1]
+    for n in last.params:  # complete the last bucket first
+        named[n].grad = torch.ones_like(named[n])
+        buf.accumulate(n, named[n])
+    assert launched == [], "a later bucket must wait for the earlier ones (one collective order on every rank)"
+    for b in plan.buckets[:-1]:
+        for n in b.params:
+            named[n].grad = torch.ones_like(named[n])
+            buf.accumulate(n, named[n])
+    assert launched == list(range(len(plan.buckets)))
+
+
+def test_no_sync_accumulates_then_launches() -> None:
+    model = ToyModel()
+    _, buf, launched = _buffer(model)
+    g1, g2 = integer_grads(model, step=0, rank=0), integer_grads(model, step=1, rank=0)
+    with buf.no_sync():
+        inject_grads(model, g1)
+    assert launched == []
+    inject_grads(model, g2)
+    assert buf.all_launched
+    for n in g1:
+        assert torch.equal(buf.slots[n], (g1[n] + g2[n]).reshape(-1))
+
+
+def test_gradient_after_launch_is_an_error_and_reset_recovers() -> None:
+    model = ToyModel()
+    _, buf, launched = _buffer(model)
+    inject_grads(model, integer_grads(model, step=0, rank=0))
+    with pytest.raises(GradSyncError, match="after its bucket's collective was launched"):
+        inject_grads(model, integer_grads(model, step=1, rank=0))
+    buf.reset()
+    assert not buf.all_launched and int(buf.data.count_nonzero()) == 0
+    launched.clear()
+    inject_grads(model, integer_grads(model, step=2, rank=0))
+    assert buf.all_launched and launched
+
+
+def test_flush_takes_direct_grads_and_launches_incomplete_buckets() -> None:
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    named = dict(model.named_parameters())
+    grads = integer_grads(model, step=0, rank=0)
+    first = plan.buckets[0].params[0]
+    named[first].grad = grads[first].clone()  # set directly, no backward; every other parameter has none
+    buf.flush()
+    assert launched == list(range(len(plan.buckets)))
+    assert torch.equal(buf.slots[first], grads[first].reshape(-1))
+    assert named[first].grad is None
+    assert int(buf.data.count_nonzero()) == int(grads[first].count_nonzero())
+
+
+def test_low_precision_grads_accumulate_exactly_in_fp32() -> None:
+    model = ToyModel(dtype=torch.bfloat16)
+    plan = _plan(model)
+    buf = GradBuffer(plan, dict(model.named_parameters()), dtype=torch.float32)
+    buf.attach()
+    grads = integer_grads(model, step=0, rank=0, dtype=torch.bfloat16)
+    inject_grads(model, grads)
+    for n in grads:
+        assert torch.equal(buf.slots[n], grads[n].float().reshape(-1))
+
+
+def test_plan_for_other_shapes_is_rejected() -> None:
+    plan = _plan(ToyModel())
+    other = ToyModel(ffn=12)
+    with pytest.raises(ValueError, match="the plan expects"):
+        GradBuffer(plan, dict(other.named_parameters()))

@@ -1,0 +1,129 @@
+"""Bad input gives one clear error on every rank and never a hang.
+
+All cases run in one spawned world of two ranks (bounded by the launcher's timeout); each case
+records, per rank, the exception type and message, and the parent checks every rank raised the
+expected error. Later cases run after earlier failures, which also shows a failed construction
+leaves the process group usable (no rank is stuck in a collective).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from canzona.runtime.launch import run_workers
+from canzona.testing import ToyModel, inject_grads, integer_grads
+
+pytestmark = pytest.mark.slow
+
+
+class GlobalStateSGD(torch.optim.Optimizer):
+    """Keeps one state entry for all parameters (like LBFGS): not per-parameter."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        st = self.state["global"]
+        st["calls"] = st.get("calls", 0) + 1
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+def _catch(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def errors_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from canzona import DistributedOptimizer
+
+    out: dict[str, tuple[str, str] | None] = {}
+    D = DistributedOptimizer
+    out["mesh_size"] = _catch(lambda: D(ToyModel(), "muon", mesh=DeviceMesh("cpu", [rank], mesh_dim_names=("dp",), _init_backend=False)))
+    out["mesh_names"] = _catch(
+        lambda: D(ToyModel(), "muon", mesh=DeviceMesh("cpu", [0, 1], mesh_dim_names=("data",), _init_backend=False))
+    )
+    out["lbfgs"] = _catch(lambda: D(ToyModel(), torch.optim.LBFGS))
+    out["instance"] = _catch(lambda: D(ToyModel(), torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)))
+    out["not_optimizer"] = _catch(lambda: D(ToyModel(), torch.nn.Linear))
+    out["global_state"] = _catch(lambda: D(ToyModel(), GlobalStateSGD))
+    out["zero1_matrix"] = _catch(lambda: D(ToyModel(), "muon", strategy="zero1"))
+    out["strategy"] = _catch(lambda: D(ToyModel(), "muon", strategy="fsdp"))
+    out["name"] = _catch(lambda: D(ToyModel(), "lion"))
+    # different plans on different ranks: caught by the fingerprint exchange on every rank
+    out["fingerprint"] = _catch(lambda: D(ToyModel(), "muon", bucket_numel=40 + 10 * rank))
+    # a planning failure on one rank only: that rank raises its ValueError, the other a RuntimeError
+    out["one_rank_fails"] = _catch(lambda: D(ToyModel(), "muon", tp_dims={"no.such.param": 0} if rank == 1 else None))
+
+    # parameters changed after the plan was made
+    model = ToyModel()
+    opt = D(model, "muon", bucket_numel=40)
+    model.up.weight = torch.nn.Parameter(torch.zeros(10, 6))
+    out["replaced"] = _catch(opt.step)
+    model = ToyModel()
+    opt = D(model, "muon", bucket_numel=40)
+    model.extra = torch.nn.Parameter(torch.zeros(3))
+    out["added"] = _catch(opt.step)
+
+    # a second backward while the first one's collectives are in flight
+    model = ToyModel()
+    opt = D(model, "muon", bucket_numel=40)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    out["double_backward"] = _catch(lambda: inject_grads(model, integer_grads(model, step=1, rank=rank)))
+    opt.zero_grad()
+    # ... and the optimizer still works afterwards
+    inject_grads(model, integer_grads(model, step=2, rank=rank))
+    opt.step()
+    dist.barrier()
+    out["recovered"] = None
+    return out
+
+
+EXPECT: dict[str, tuple[str, str]] = {
+    "mesh_size": ("ValueError", "the mesh has 1 ranks but the world has 2"),
+    "mesh_names": ("ValueError", "must be named ('dp',)"),
+    "lbfgs": ("TypeError", "LBFGS is not a per-parameter optimizer"),
+    "instance": ("TypeError", "not an instance"),
+    "not_optimizer": ("TypeError", "must be a torch.optim.Optimizer subclass"),
+    "global_state": ("TypeError", "does not keep its state per parameter"),
+    "zero1_matrix": ("ValueError", "zero1 cuts matrices"),
+    "strategy": ("ValueError", "unknown strategy 'fsdp'"),
+    "name": ("ValueError", "unknown optimizer 'lion'"),
+    "fingerprint": ("RuntimeError", "plan fingerprints differ across ranks"),
+    "replaced": ("RuntimeError", "replaced or reshaped ['up.weight']"),
+    "added": ("RuntimeError", "added ['extra']"),
+    "double_backward": ("GradSyncError", "arrived after its bucket's collective was launched"),
+}
+
+
+def test_bad_input_raises_on_every_rank_without_hanging() -> None:
+    res = run_workers(errors_worker, 2, timeout_s=120, pg_timeout_s=30)
+    for case, (etype, text) in EXPECT.items():
+        for rank in range(2):
+            got = res[rank][case]
+            assert got is not None, f"{case}: rank {rank} raised nothing"
+            assert got[0] == etype and text in got[1], f"{case}: rank {rank} raised {got}"
+    # one rank's planning failure: its own ValueError there, a RuntimeError naming it elsewhere
+    assert res[1]["one_rank_fails"][0] == "ValueError" and "no.such.param" in res[1]["one_rank_fails"][1]
+    assert res[0]["one_rank_fails"] == ("RuntimeError", "rank(s) [1] failed to build the plan (their error says why); no rank proceeds")
+    assert all("recovered" in r for r in res)
+
+
+def test_requires_initialized_process_group() -> None:
+    import torch.distributed as dist
+
+    from canzona import DistributedOptimizer
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        DistributedOptimizer(ToyModel(), "muon")

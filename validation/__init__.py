@@ -1,0 +1,43 @@
+"""Canzona's exactness-validation suite: the package's promise made checkable.
+
+Every Canzona strategy (``sc``, ``layerwise``, ``asc``, ``lb-asc``, ``no-fuse``, ``zero1``) on every
+mesh (``dp2``, ``tp2``, ``dp2xtp2``, ``dp4``) must compute *exactly* what the single-device optimizer
+(Muon, Shampoo, SOAP; AdamW on element-wise parameters) computes on the full tensors: parameters,
+fp32 masters and optimizer states equal with ``torch.equal`` (the paper's Sections 3-4 claim that
+alpha-balanced partitioning and micro-group hosting never split a matrix). Real training adds the
+loss trajectory of each strategy against ``sc``.
+
+Run it as ``canzona validate --quick`` (CI) or ``--full``, or ``python -m validation``; see
+``docs/validation.md`` for the matrix, the report format and the fault hook. Modules:
+:mod:`validation.matrix` (cells, filters), :mod:`validation.models` (the awkward parameter set),
+:mod:`validation.checks` (the worker and both checks), :mod:`validation.compare` (bitwise
+comparison), :mod:`validation.report` (JSON/CSV/table), :mod:`validation.suite` (orchestration),
+:mod:`validation.cli` (arguments, exit codes).
+"""
+
+from __future__ import annotations
+
+from validation.matrix import CHECKS, DTYPES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Cell, MeshSpec, Selection, build_matrix, parse_mesh
+from validation.report import format_table, load_report, report_frame, write_report
+from validation.suite import PlantedFault, SuiteResult, run_suite
+
+__all__ = [
+    "CHECKS",
+    "DTYPES",
+    "MODELS",
+    "OPTIMIZERS",
+    "STANDARD_MESHES",
+    "STRATEGIES",
+    "Cell",
+    "MeshSpec",
+    "Selection",
+    "build_matrix",
+    "parse_mesh",
+    "PlantedFault",
+    "SuiteResult",
+    "run_suite",
+    "format_table",
+    "load_report",
+    "report_frame",
+    "write_report",
+]

@@ -1,0 +1,267 @@
+"""The validation matrix: which cells exist, which ``--quick`` and ``--full`` run, and input checks.
+
+A *cell* is one (check, model, optimizer, strategy, mesh, dtype) combination run for a fixed
+number of steps:
+
+- ``check``: ``injected`` (gradients that reduce exactly in any order; parameters, fp32 masters
+  and optimizer states must equal the single-device optimizer's bit for bit) or ``training``
+  (real forward/backward on the tiny Qwen3; the loss trajectory of each strategy against ``sc``,
+  and ``sc`` against a single-process run).
+- ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
+  matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
+  embeddings) or ``qwen3`` (``data/models/qwen3-tiny.json``).
+- ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones)
+  or ``adamw`` (AdamW on everything).
+- ``strategy``: the DP strategies ``sc``, ``layerwise``, ``asc``, ``lb-asc`` with their default TP
+  schedules (``sync``, ``sync``, ``round-robin``, ``lpt``), ``no-fuse`` (``lb-asc`` with the
+  ``no-fuse`` TP schedule, Section 4's fusion ablation; only on meshes with TP, since without TP
+  it *is* ``lb-asc``), ``zero1`` (equal chunks: AdamW only, the paper's ZeRO-1 reference) and
+  ``lb-asc-joint`` (canzona's planner beyond the paper, FLOPs and memory balanced together).
+  ``zero1`` and ``lb-asc-joint`` run in ``--full`` or when asked for by name.
+- ``mesh``: ``dp<N>``, ``tp<M>`` or ``dp<N>xtp<M>``; the standard ones are ``dp2``, ``tp2``,
+  ``dp2xtp2`` and ``dp4``.
+- ``dtype``: ``float32`` or ``bfloat16`` (bf16 model parameters, fp32 masters).
+
+This module is pure: no torch.distributed, no processes. Bad names raise :class:`ValueError`
+with one readable line (the CLI turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CHECKS",
+    "MODELS",
+    "OPTIMIZERS",
+    "STRATEGIES",
+    "DTYPES",
+    "STANDARD_MESHES",
+    "MAX_TP",
+    "MeshSpec",
+    "Cell",
+    "Selection",
+    "parse_mesh",
+    "strategy_args",
+    "parse_names",
+    "build_matrix",
+    "default_max_procs",
+]
+
+CHECKS: tuple[str, ...] = ("injected", "training")
+MODELS: tuple[str, ...] = ("awkward", "qwen3")
+OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+STANDARD_MESHES: tuple[str, ...] = ("dp2", "tp2", "dp2xtp2", "dp4")
+#: The tiny Qwen3 has 2 key/value heads and the awkward model's TP dims are even, so TP is at most 2.
+MAX_TP = 2
+
+_MESH_RE = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """A DP x TP process mesh; ``world = dp * tp`` processes, ranks laid out row-major (dp, tp)."""
+
+    name: str
+    dp: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+
+def parse_mesh(name: str) -> MeshSpec:
+    """``dp2`` -> (2, 1), ``tp2`` -> (1, 2), ``dp2xtp2`` -> (2, 2). DP sizes must be powers of two
+    (the injected check divides exact integer sums by the DP size, exact only for powers of two)."""
+    text = str(name).strip().lower()
+    m = _MESH_RE.match(text)
+    if not text or m is None or (m.group(1) is None and m.group(2) is None):
+        raise ValueError(f"unknown mesh {name!r}; use dp<N>, tp<M> or dp<N>xtp<M> (standard: {', '.join(STANDARD_MESHES)})")
+    dp = int(m.group(1)) if m.group(1) else 1
+    tp = int(m.group(2)) if m.group(2) else 1
+    if dp < 1 or dp & (dp - 1):
+        raise ValueError(f"mesh {name!r}: the DP size must be a power of two (the mean of exact gradients is exact only then), got {dp}")
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"mesh {name!r}: TP size must be 1..{MAX_TP} (the tiny Qwen3 has 2 key/value heads), got {tp}")
+    if dp * tp < 2:
+        raise ValueError(f"mesh {name!r} has one process; the suite validates distributed runs (at least 2 processes)")
+    canonical = "x".join(p for p in (f"dp{dp}" if dp > 1 else "", f"tp{tp}" if tp > 1 else "") if p)
+    return MeshSpec(canonical, dp, tp)
+
+
+def strategy_args(strategy: str) -> tuple[str, str | None]:
+    """(DP strategy for ``DistributedOptimizer``, TP schedule or None for the strategy's default)."""
+    if strategy == "no-fuse":
+        return "lb-asc", "no-fuse"
+    return strategy, None
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One validation cell; ``name`` is the row key of the report (``check/model/optimizer/strategy/mesh/dtype``)."""
+
+    check: str
+    model: str
+    optimizer: str
+    strategy: str
+    mesh: str
+    dtype: str
+    steps: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.check}/{self.model}/{self.optimizer}/{self.strategy}/{self.mesh}/{self.dtype}"
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return parse_mesh(self.mesh)
+
+
+def parse_names(values: Sequence[str] | str | None, allowed: Sequence[str], what: str) -> tuple[str, ...] | None:
+    """Comma-separated and/or repeated names -> a tuple in the order given, or None when not given.
+    Raises ValueError naming the first unknown one and the choices."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    out: list[str] = []
+    for v in values:
+        for part in str(v).split(","):
+            name = part.strip().lower()
+            if not name:
+                continue
+            if name not in allowed:
+                raise ValueError(f"unknown {what} {part.strip()!r}; choose from {', '.join(allowed)}")
+            if name not in out:
+                out.append(name)
+    if not out:
+        raise ValueError(f"empty {what} list; choose from {', '.join(allowed)}")
+    return tuple(out)
+
+
+def default_max_procs() -> int:
+    """Processes the suite may start at once: the CPU count, but at least 4 (a dp2 x tp2 mesh on two
+    cores is oversubscribed but works; gloo ranks mostly wait on each other)."""
+    return max(4, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What to run: a level (``quick`` or ``full``) and optional filters (None: the level's choice)."""
+
+    level: str = "quick"
+    optimizers: tuple[str, ...] | None = None
+    strategies: tuple[str, ...] | None = None
+    meshes: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    checks: tuple[str, ...] | None = None
+    models: tuple[str, ...] | None = None
+    steps: int | None = None
+    max_procs: int = field(default_factory=default_max_procs)
+
+    def __post_init__(self) -> None:
+        if self.level not in ("quick", "full"):
+            raise ValueError(f"level must be 'quick' or 'full', got {self.level!r}")
+        if self.steps is not None and (not isinstance(self.steps, int) or isinstance(self.steps, bool) or not 1 <= self.steps <= 100):
+            raise ValueError(f"steps must be an integer in 1..100, got {self.steps!r}")
+        if not isinstance(self.max_procs, int) or self.max_procs < 1:
+            raise ValueError(f"max_procs must be a positive integer, got {self.max_procs!r}")
+        for what, allowed, vals in (
+            ("optimizer", OPTIMIZERS, self.optimizers),
+            ("strategy", STRATEGIES, self.strategies),
+            ("dtype", DTYPES, self.dtypes),
+            ("check", CHECKS, self.checks),
+            ("model", MODELS, self.models),
+        ):
+            for v in vals or ():
+                if v not in allowed:
+                    raise ValueError(f"unknown {what} {v!r}; choose from {', '.join(allowed)}")
+        for m in self.meshes or ():
+            spec = parse_mesh(m)
+            if spec.world > self.max_procs:
+                raise ValueError(
+                    f"mesh {spec.name} needs {spec.world} processes but at most {self.max_procs} are available "
+                    "(--max-procs; default: the CPU count, at least 4)"
+                )
+
+
+# Steps per check: enough for momentum, preconditioner refreshes (SOAP and Shampoo are configured
+# to refresh every 2 steps) and Adam's bias correction to matter, few enough for CI.
+_STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training"): 3, ("full", "training"): 5}
+
+
+def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
+    if strategy == "no-fuse" and mesh.tp == 1:
+        return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
+    if strategy == "zero1" and optimizer != "adamw":
+        return False  # equal chunks cut matrices: element-wise optimizers only
+    if check == "training" and model != "qwen3":
+        return False  # only the Qwen3 model has a language-model forward and data
+    return True
+
+
+def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
+    """The CI subset: every optimizer x strategy x mesh once on the awkward model in fp32 (the bulk
+    of the exactness promise), bf16 masters and the Qwen3 model on the two-process meshes, and the
+    training check for Muon on every mesh."""
+    if strategy in ("zero1", "lb-asc-joint"):
+        return False
+    if check == "training":
+        return optimizer == "muon" and dtype == "float32"
+    if model == "awkward":
+        if dtype == "float32":
+            return True
+        return mesh.name in ("dp2", "tp2") and strategy in ("lb-asc", "sc")
+    # qwen3 injected
+    return dtype == "float32" and mesh.name in ("dp2xtp2",) and optimizer in ("muon", "soap") and strategy in ("sc", "lb-asc")
+
+
+def build_matrix(sel: Selection) -> list[Cell]:
+    """The cells ``sel`` selects, grouped by mesh (one process group per mesh) in a stable order.
+
+    Filters intersect with the level's matrix; an explicit filter on a dimension that ``--quick``
+    thins out (for example ``--quick --dtype bfloat16``) keeps every cell of that value that the
+    full matrix has for the other quick dimensions, so a filter never silently selects nothing.
+    """
+    meshes = [parse_mesh(m) for m in (sel.meshes or STANDARD_MESHES)]
+    fit = [m for m in meshes if m.world <= sel.max_procs]
+    if not fit:
+        raise ValueError(f"no selected mesh fits in {sel.max_procs} processes")
+    optimizers = sel.optimizers or OPTIMIZERS
+    strategies = sel.strategies or STRATEGIES
+    dtypes = sel.dtypes or DTYPES
+    checks = sel.checks or CHECKS
+    models = sel.models or MODELS
+    explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.dtypes, sel.checks, sel.models, sel.meshes))
+    cells: list[Cell] = []
+    for mesh in fit:
+        for check in checks:
+            for model in models:
+                for optimizer in optimizers:
+                    for strategy in strategies:
+                        for dtype in dtypes:
+                            if not _applies(check, model, optimizer, strategy, mesh, dtype):
+                                continue
+                            if sel.level == "quick" and not explicit and not _quick_keep(check, model, optimizer, strategy, mesh, dtype):
+                                continue
+                            if sel.level == "quick" and explicit and strategy in ("zero1", "lb-asc-joint") and sel.strategies is None:
+                                continue
+                            steps = sel.steps or _STEPS[(sel.level, check)]
+                            cells.append(Cell(check, model, optimizer, strategy, mesh.name, dtype, steps))
+    if not cells:
+        raise ValueError("the filters select no cell (for example no-fuse needs a mesh with TP, zero1 needs --optimizer adamw)")
+    return cells
+
+
+def group_by_mesh(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
+    """Cells per mesh name, keeping order (each mesh runs in one spawned process group)."""
+    out: dict[str, list[Cell]] = {}
+    for c in cells:
+        out.setdefault(c.mesh, []).append(c)
+    return out

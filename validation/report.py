@@ -1,0 +1,289 @@
+"""The validation report: JSON and CSV documents, the readable table, atomic writing and loading.
+
+JSON (``schema`` = ``canzona.validation``, ``version`` = 1; documented in ``docs/validation.md``)::
+
+    {
+      "schema": "canzona.validation", "version": 1,
+      "created": "2026-01-01T00:00:00Z", "level": "quick" | "full" | "custom",
+      "command": "canzona validate --quick", "environment": {"python", "torch", "platform"},
+      "settings": {...},                              # gradients, tolerances, hyperparameters
+      "summary": {"cells", "passed", "failed", "errors", "seconds"},
+      "cells": [{"cell", "check", "model", "optimizer", "strategy", "mesh", "dtype", "steps",
+                 "passed", "max_abs_diff", "first_mismatch", "seconds", ...}]
+    }
+
+``first_mismatch`` is null or ``{"param", "what", "index", "expected", "got"}``. The CSV holds
+one row per cell with the same scalar fields (``first_mismatch`` flattened into
+``mismatch_param``, ``mismatch_what``, ``mismatch_index``). Both files are written to a temporary
+file in the target directory and renamed into place, so a reader never sees half a report.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SCHEMA",
+    "VERSION",
+    "CSV_COLUMNS",
+    "build_report",
+    "format_table",
+    "report_paths",
+    "check_writable",
+    "write_report",
+    "load_report",
+    "report_frame",
+    "default_report_path",
+]
+
+SCHEMA = "canzona.validation"
+VERSION = 1
+CSV_COLUMNS: tuple[str, ...] = (
+    "cell",
+    "check",
+    "model",
+    "optimizer",
+    "strategy",
+    "mesh",
+    "dtype",
+    "steps",
+    "passed",
+    "max_abs_diff",
+    "mismatch_param",
+    "mismatch_what",
+    "mismatch_index",
+    "bitwise_expected",
+    "bound",
+    "seconds",
+    "reason",
+    "error",
+)
+_REQUIRED_CELL = ("optimizer", "strategy", "mesh", "dtype", "check", "passed", "max_abs_diff", "first_mismatch", "seconds")
+
+
+def default_report_path() -> Path:
+    """``data/validation/report.json`` under the source checkout (where ``pyproject.toml`` is), else
+    under the current directory."""
+    root = Path(__file__).resolve().parents[1]
+    base = root if (root / "pyproject.toml").is_file() else Path.cwd()
+    return base / "data" / "validation" / "report.json"
+
+
+def report_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """(JSON path, CSV path) for ``--report PATH``: ``x.json`` -> (x.json, x.csv), ``x.csv`` ->
+    (x.json, x.csv), anything else -> (PATH.json, PATH.csv)."""
+    p = Path(path)
+    if p.suffix.lower() == ".json":
+        return p, p.with_suffix(".csv")
+    if p.suffix.lower() == ".csv":
+        return p.with_suffix(".json"), p
+    return p.with_name(p.name + ".json"), p.with_name(p.name + ".csv")
+
+
+def check_writable(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Raise ValueError (one line) unless both report files can be created; creates missing parent
+    directories (that is all it leaves behind). Run before any work, so a bad path costs nothing."""
+    js, cs = report_paths(path)
+    for p in (js, cs):
+        if p.exists() and p.is_dir():
+            raise ValueError(f"report path {p} is a directory")
+        parent = p.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create the report directory {parent}: {exc.strerror or exc}") from None
+        if not parent.is_dir():
+            raise ValueError(f"report directory {parent} is not a directory")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".canzona-validate-", dir=parent)
+        except OSError as exc:
+            raise ValueError(f"cannot write the report in {parent}: {exc.strerror or exc}") from None
+        os.close(fd)
+        os.unlink(tmp)
+        if p.exists() and not os.access(p, os.W_OK):
+            raise ValueError(f"report file {p} exists and is not writable")
+    return js, cs
+
+
+def _environment() -> dict[str, str]:
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
+
+
+def _finite(obj: Any) -> Any:
+    """Strict JSON has no NaN or Infinity: non-finite floats become the strings "nan", "inf", "-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def build_report(
+    results: Sequence[Mapping[str, Any]],
+    *,
+    level: str,
+    command: str,
+    seconds: float,
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The JSON document for a list of per-cell results (as the workers return them)."""
+    cells = [_finite(dict(r)) for r in results]
+    for c in cells:
+        c.pop("traceback", None)
+        if c.get("max_abs_diff") is not None and not isinstance(c["max_abs_diff"], (int, float)):
+            c["max_abs_diff"] = None  # non-finite difference (NaN/inf on one side): not a number in strict JSON
+        for key in ("losses", "reference_losses"):
+            if key in c and not all(isinstance(x, (int, float)) for x in c[key]):
+                c[f"{key}_text"] = c.pop(key)  # keep non-finite trajectories readable, out of the numeric field
+        for k in _REQUIRED_CELL:
+            c.setdefault(k, None)
+    passed = sum(1 for c in cells if c["passed"] is True)
+    errors = sum(1 for c in cells if c.get("error"))
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "level": level,
+        "command": command,
+        "environment": _environment(),
+        "settings": dict(settings),
+        "summary": {"cells": len(cells), "passed": passed, "failed": len(cells) - passed, "errors": errors, "seconds": round(seconds, 1)},
+        "cells": cells,
+    }
+
+
+def _mismatch_text(m: Mapping[str, Any] | None) -> str:
+    if not m:
+        return ""
+    at = f"[{m['index']}]" if m.get("index") is not None else ""
+    what = m.get("what") or ""
+    return f"{m.get('param')} {what}{at}".strip()
+
+
+def _diff_text(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if v == 0:
+        return "0"
+    return f"{v:.3g}"
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    """Fixed-width table: cell, result, max abs diff, first differing parameter and index, time;
+    then the summary line."""
+    rows = []
+    for c in report["cells"]:
+        result = "PASS" if c["passed"] else ("ERROR" if c.get("error") else "FAIL")
+        if c["passed"] and c.get("bitwise_expected") is False and not c.get("bitwise", True):
+            result = "PASS~"  # within the documented bound, not bitwise (reason in the report)
+        first = _mismatch_text(c.get("first_mismatch")) or (c.get("error") or "")
+        rows.append((c["cell"], result, _diff_text(c.get("max_abs_diff")), first[:70], f"{c['seconds']:.2f}s"))
+    head = ("cell", "result", "max abs diff", "first mismatch", "time")
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
+    out = io.StringIO()
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
+    out.write(line.rstrip() + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for r in rows:
+        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
+    s = report["summary"]
+    out.write(f"\n{s['cells']} cells: {s['passed']} passed, {s['failed']} failed ({s.get('errors', 0)} errors) in {s['seconds']:.1f} s\n")
+    if any(c["passed"] and c.get("bitwise_expected") is False and not c.get("bitwise", True) for c in report["cells"]):
+        out.write("PASS~ = within the documented bound where bitwise equality is not expected (see 'reason' in the JSON report)\n")
+    return out.getvalue()
+
+
+def _csv_text(report: Mapping[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(CSV_COLUMNS), lineterminator="\n")
+    w.writeheader()
+    for c in report["cells"]:
+        m = c.get("first_mismatch") or {}
+        row = {k: c.get(k) for k in CSV_COLUMNS}
+        row.update(mismatch_param=m.get("param"), mismatch_what=m.get("what"), mismatch_index=m.get("index"))
+        w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def _atomic_write(path: Path, text: str) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        # mkstemp makes the file private (0600); a report is an ordinary file (0666 minus umask)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        return Path(tmp)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write ``PATH.json`` and ``PATH.csv`` (see :func:`report_paths`): both contents go to
+    temporary files first and are renamed into place only when both are complete."""
+    js, cs = check_writable(path)
+    text_json = json.dumps(report, indent=1, allow_nan=False) + "\n"
+    text_csv = _csv_text(report)
+    tmp_json = _atomic_write(js, text_json)
+    try:
+        tmp_csv = _atomic_write(cs, text_csv)
+    except BaseException:
+        os.unlink(tmp_json)
+        raise
+    os.replace(tmp_json, js)
+    os.replace(tmp_csv, cs)
+    return js, cs
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a JSON report strictly (no NaN/Infinity) and check its schema, version and cell fields."""
+    p = Path(path)
+    if p.suffix.lower() != ".json":
+        p = report_paths(p)[0]
+    doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ValueError(f"{p}: not a canzona validation report (schema {doc.get('schema') if isinstance(doc, dict) else None!r})")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{p}: report version {doc.get('version')!r}, this canzona reads version {VERSION}")
+    summary = doc.get("summary")
+    cells = doc.get("cells")
+    if not isinstance(summary, dict) or not isinstance(cells, list):
+        raise ValueError(f"{p}: report lacks summary or cells")
+    for k in ("cells", "passed", "failed"):
+        if not isinstance(summary.get(k), int):
+            raise ValueError(f"{p}: summary.{k} must be an integer")
+    for i, c in enumerate(cells):
+        missing = [k for k in _REQUIRED_CELL if not isinstance(c, dict) or k not in c]
+        if missing:
+            raise ValueError(f"{p}: cell {i} lacks {', '.join(missing)}")
+    if summary["cells"] != len(cells) or summary["passed"] != sum(1 for c in cells if c["passed"] is True):
+        raise ValueError(f"{p}: summary does not match the cells")
+    return doc
+
+
+def report_frame(report: Mapping[str, Any]) -> Any:
+    """The cells as a pandas DataFrame (one row per cell; ``first_mismatch`` flattened), for notebooks."""
+    import pandas as pd
+
+    return pd.read_csv(io.StringIO(_csv_text(report)))
