@@ -231,11 +231,11 @@ def cost_arrays(specs: Sequence[ParamSpec], optimizer: str, flops_shape: str = "
     """(:func:`param_flops`, :func:`param_memory`) of every spec as float64 arrays, vectorised for
     models with tens of thousands of parameters (a 1T-parameter MoE)."""
     _check(optimizer, flops_shape)
-    rows = [
-        (s.kind == "matrix", s.shape[0], s.shape[-1] if len(s.shape) == 2 else 1, s.tp if s.tp_split else 1,
-         s.tp_dim if s.tp_split else -1, math.prod(s.shape))
-        for s in specs
-    ]
+    rows = []
+    for s in specs:  # tens of thousands of specs: read each attribute once
+        shape, split = s.shape, s.tp_dim is not None and s.tp > 1  # = s.tp_split
+        rows.append((s.kind == "matrix", shape[0], shape[-1] if len(shape) == 2 else 1, s.tp if split else 1,
+                     s.tp_dim if split else -1, math.prod(shape)))
     if not rows:
         return np.zeros(0), np.zeros(0)
     t = np.array(rows, dtype=np.float64)

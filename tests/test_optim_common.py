@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,38 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- helpers the per-optimizer files import from here (one copy of each)
+F64 = torch.float64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _orthogonal(n: int, seed: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=_gen(seed), dtype=F64))
+    return q
+
+
+def _least_squares_loss(make, lr: float, steps: int = 60) -> float:
+    gen = _gen(70)
+    n, d, k = 128, 16, 8
+    x = torch.randn(n, d, generator=gen, dtype=F64) * torch.logspace(0, 1.5, d, dtype=F64)  # ill-conditioned
+    y = x @ torch.randn(k, d, generator=gen, dtype=F64).T + 0.01 * torch.randn(n, k, generator=gen, dtype=F64)
+    w = torch.zeros(k, d, dtype=F64, requires_grad=True)
+    opt = make([w], lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * (x @ w.T - y).square().mean()).backward()
+        opt.step()
+    with torch.no_grad():
+        loss = (0.5 * (x @ w.T - y).square().mean()).item()
+    return loss if math.isfinite(loss) else math.inf
+
+
+LR_GRID = [10.0**e for e in (-3, -2.5, -2, -1.5, -1, -0.5, 0, 0.5, 1)]
 
 
 Factory = Callable[..., torch.optim.Optimizer]

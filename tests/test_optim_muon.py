@@ -9,14 +9,8 @@ import torch
 
 from canzona.optim import Muon, adjust_lr, batched_newton_schulz, newton_schulz
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: one thread avoids OpenMP oversubscription on a shared 2-core runner
-    (10-50x slower otherwise); the bitwise comparisons are made within one setting anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# _single_thread is an autouse fixture, active here once imported
+from test_optim_common import _single_thread  # noqa: F401
 
 
 SHAPES = {"square": (24, 24), "wide": (12, 40), "tall": (40, 12), "row": (1, 40)}

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from canzona.optim import Shampoo, matrix_inverse_root
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: one thread avoids OpenMP oversubscription on a shared 2-core runner
-    (10-50x slower otherwise); the bitwise comparisons are made within one setting anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-F64 = torch.float64
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _orthogonal(n: int, seed: int) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(n, n, generator=_gen(seed), dtype=F64))
-    return q
+# shared helpers; _single_thread is an autouse fixture, active here once imported
+from test_optim_common import F64, LR_GRID, _gen, _least_squares_loss, _orthogonal, _single_thread  # noqa: F401
 
 
 def _root_from_stack(blocks: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,25 +143,6 @@ def test_orthogonal_change_of_basis_invariance(grafting: str | None) -> None:
         opt.step()
         opt_rot.step()
     torch.testing.assert_close(w_rot.detach(), u @ w.detach() @ v.T, rtol=1e-9, atol=1e-11)
-
-
-def _least_squares_loss(make, lr: float, steps: int = 60) -> float:
-    gen = _gen(70)
-    n, d, k = 128, 16, 8
-    x = torch.randn(n, d, generator=gen, dtype=F64) * torch.logspace(0, 1.5, d, dtype=F64)  # ill-conditioned
-    y = x @ torch.randn(k, d, generator=gen, dtype=F64).T + 0.01 * torch.randn(n, k, generator=gen, dtype=F64)
-    w = torch.zeros(k, d, dtype=F64, requires_grad=True)
-    opt = make([w], lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        (0.5 * (x @ w.T - y).square().mean()).backward()
-        opt.step()
-    with torch.no_grad():
-        loss = (0.5 * (x @ w.T - y).square().mean()).item()
-    return loss if math.isfinite(loss) else math.inf
-
-
-LR_GRID = [10.0**e for e in (-3, -2.5, -2, -1.5, -1, -0.5, 0, 0.5, 1)]
 
 
 def test_beats_sgd_on_ill_conditioned_least_squares() -> None:

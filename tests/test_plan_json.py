@@ -61,3 +61,56 @@ def test_tampered_documents_rejected():
     wrong = dict(doc, version=2)
     with pytest.raises(PlanError, match="version"):
         Plan.from_dict(wrong)
+
+
+# ------------------------------------------------------------------------------------------ validate
+def _corrupt(plan, *, params=None, buckets=None, micro_groups=None):
+    """A Plan built from ``plan`` with some parts replaced (validated on construction)."""
+    return Plan(plan.inputs, plan.params if params is None else tuple(params),
+                plan.buckets if buckets is None else tuple(buckets),
+                plan.micro_groups if micro_groups is None else tuple(micro_groups), plan.metrics)
+
+
+def test_param_lookup_is_the_plan_index():
+    plan = _plan()
+    assert all(plan.param(p.name) is p for p in plan.params)
+    assert plan.by_name() == {p.name: p for p in plan.params}
+    plan.by_name().clear()  # a copy: the plan's own index is untouched
+    assert plan.param(plan.params[0].name) is plan.params[0]
+    with pytest.raises(KeyError):
+        plan.param("no.such.weight")
+    # the index is no input: equality, repr and the document ignore it
+    assert _corrupt(plan) == plan and "_index" not in repr(plan) and "_index" not in plan.to_dict()
+
+
+def test_validate_names_the_broken_invariant():
+    from dataclasses import replace
+
+    plan = _plan("lb-asc")
+    ps, bs = list(plan.params), list(plan.buckets)
+    with pytest.raises(PlanError, match="duplicate parameter names"):
+        _corrupt(plan, params=ps + ps[:1])
+    b0 = bs[0]
+    with pytest.raises(PlanError, match="bucket 0 starts at 1, expected 0"):
+        _corrupt(plan, buckets=[replace(b0, start=1)] + bs[1:])
+    with pytest.raises(PlanError, match="bucket 0 lists unknown parameter 'nope'"):
+        _corrupt(plan, buckets=[replace(b0, params=b0.params + ("nope",))] + bs[1:])
+    with pytest.raises(PlanError, match="bucket 0: cut points are not monotone"):
+        _corrupt(plan, buckets=[replace(b0, cuts=(0, b0.numel + 1, b0.numel))] + bs[1:])
+    with pytest.raises(PlanError, match="bucket 0: 2 cut points, expected dp \\+ 1 = 3"):
+        _corrupt(plan, buckets=[replace(b0, cuts=b0.cuts[:2])] + bs[1:])
+    i = next(i for i, p in enumerate(ps) if p.dp_owner is not None)
+    with pytest.raises(PlanError, match=f"{ps[i].name}: owner 2 outside dp=2"):
+        _corrupt(plan, params=ps[:i] + [replace(ps[i], dp_owner=2)] + ps[i + 1:])
+    j = next(j for j, p in enumerate(ps) if p.spec.kind == "matrix")
+    r = ps[j].dp_owner
+    with pytest.raises(PlanError, match=f"{ps[j].name}: matrix parameters must be atomic under lb-asc"):
+        _corrupt(plan, params=ps[:j] + [replace(ps[j], dp_owner=None, dp_ranges=((r, 0, ps[j].numel),))] + ps[j + 1:])
+    k = next(k for k, p in enumerate(ps) if p.tp_host is not None)
+    with pytest.raises(PlanError, match=f"{ps[k].name}: tp_host/micro_group disagree"):
+        _corrupt(plan, params=ps[:k] + [replace(ps[k], tp_host=1 - ps[k].tp_host)] + ps[k + 1:])
+    with pytest.raises(PlanError, match="micro_groups must have one entry per DP rank"):
+        _corrupt(plan, micro_groups=plan.micro_groups[:1])
+    e = next(e for e, p in enumerate(ps) if p.tp_host is None)
+    with pytest.raises(PlanError, match=f"{ps[e].name}: has a TP host but needs none"):
+        _corrupt(plan, params=ps[:e] + [replace(ps[e], tp_host=0, micro_group=0)] + ps[e + 1:])

@@ -678,3 +678,13 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["figures", "--out", str(out), "--dp", "0"])
     assert exc.value.code == 2
+
+
+def test_timeline_table_contract_matches_the_trace_summaries() -> None:
+    # viz.timeline keeps its own copy of the phase-table columns and meta keys so that the
+    # notebooks' plotting layer never imports torch (canzona.profiling.traces reads phase names
+    # from the runtime); this pins the two copies to one contract
+    from canzona.profiling import traces
+
+    assert vt.PHASE_COLUMNS == traces.PHASE_COLUMNS
+    assert tuple(vt._META_KEYS) == tuple(traces.META_KEYS)

@@ -20,21 +20,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from canzona.commands.plan import one_line_errors
+from canzona.paper import paper_value
 from canzona.plan import Plan, plan_model
 
 __all__ = ["Row", "Figure", "FIGURES", "PAPER_FIG3", "fig3", "add_arguments", "run"]
 
-#: Reference values printed in the paper (arXiv 2602.06079, Figure 3 b/c, Section 5.2); they are
-#: shown beside canzona's numbers, never used to compute them.
-PAPER_FIG3: dict[str, float] = {
-    "dp_flops_before": 3.24,
-    "dp_memory_before": 2.46,
-    "dp_flops_after": 1.43,
-    "dp_memory_after": 1.11,
-    "tp_flops_before": 3.24,
-    "tp_flops_after": 2.46,
-    "tp_memory_after": 1.16,
+#: Figure 3 row -> the :mod:`canzona.paper` value shown beside it (Figure 3 b/c, Section 5.3)
+_FIG3_SOURCES: dict[str, str] = {
+    "dp_flops_before": "dp_flops_ratio_asc",
+    "dp_memory_before": "dp_memory_ratio_asc",
+    "dp_flops_after": "dp_flops_ratio_lb-asc",
+    "dp_memory_after": "dp_memory_ratio_lb-asc",
+    "tp_flops_before": "tp_flops_ratio_asc",
+    "tp_flops_after": "tp_flops_ratio_lb-asc",
+    "tp_memory_after": "tp_memory_ratio_lb-asc",
 }
+#: Reference values printed in the paper (arXiv 2602.06079), read from :mod:`canzona.paper`; they
+#: are shown beside canzona's numbers, never used to compute them.
+PAPER_FIG3: dict[str, float] = {row: paper_value(key).value for row, key in _FIG3_SOURCES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +107,15 @@ def fig3() -> Figure:
         f"the 'after' DP ratios reproduce the paper; the 'before' ones do not: with 40M-element buckets at DP32 a bucket "
         f"holds ~{after.buffer_numel / bd['n_buckets'] / 1e6:.0f}M elements, i.e. a few parameters over 32 slices, so the "
         f"Start_Index rule hands the first parameter of every bucket to rank 0 and leaves {empty} of 32 ranks with nothing",
-        "asc FLOPs / memory ratio by bucket size: " + "; ".join(sweep) + " -- the paper's 3.24 / 2.46 fits a baseline "
+        "asc FLOPs / memory ratio by bucket size: " + "; ".join(sweep) + f" -- the paper's {p['dp_flops_before']:g} / "
+        f"{p['dp_memory_before']:g} fits a baseline "
         "with far larger buckets (or equal-chunk owners), which the paper does not specify",
         f"TP 'after': with fp32 gradients the largest task ({largest.name.split('.', 3)[-1]} of shape "
         f"{list(largest.spec.shape)}, {gib:.2f} GiB gathered) exceeds C_max = 512 MiB, so Algorithm 2 makes "
         "each one a group of its own and its zero-start heap hosts them all on TP rank 0; a DP rank owning few "
         "tasks then has one busy host. The paper does not say over which GPUs its TP ratio is taken; three readings "
         "are shown",
-        "TP 'before' is ASC with round-robin hosts; the paper's 3.24 equals its DP 'before' value, so it may be the "
+        f"TP 'before' is ASC with round-robin hosts; the paper's {p['tp_flops_before']:g} equals its DP 'before' value, so it may be the "
         "same DP imbalance seen from a TP rank",
     )
     return Figure("Figure 3: load balance, Qwen3-32B, Muon, DP32 x TP8 (256 GPUs), Megatron layout", rows, notes)

@@ -17,7 +17,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from canzona.paper import paper_value
+
 __all__ = ["add_arguments", "run"]
+
+#: the fwd-bwd time ``--fit-fwd-bwd`` fits to: the paper's lb-asc, Figure 4
+_FIT_TARGET_S = paper_value("fwd_bwd_s_lb-asc").value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = parser.add_argument_group("hardware constants")
     h.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one profile constant (repeatable)")
     h.add_argument("--calibration", default=None, metavar="CSV", help="fit optimizer matmul efficiency to measured timings (optimizer,m,n,dtype,seconds)")
-    h.add_argument("--fit-fwd-bwd", action="store_true", help="fit fwd_bwd_mfu to the paper's lb-asc fwd-bwd 0.811 s (paper configuration only)")
+    h.add_argument("--fit-fwd-bwd", action="store_true",
+                   help=f"fit fwd_bwd_mfu to the paper's lb-asc fwd-bwd {_FIT_TARGET_S:g} s (paper configuration only)")
 
     o = parser.add_argument_group("output")
     o.add_argument("--paper", action="store_true", help="require the paper configuration and print the Figure 4 comparison")
@@ -156,7 +162,7 @@ def _print_paper(pc, variants) -> None:
 
     print()
     print("Paper Figure 4 (Qwen3-32B, Muon, DP32 x TP8 = 256 GPUs): NV-layerwise vs Canzona lb-asc")
-    fit = "fitted to the paper's lb-asc fwd-bwd 0.811 s" if pc.fitted else "from the hardware profile (not fitted)"
+    fit = f"fitted to the paper's lb-asc fwd-bwd {_FIT_TARGET_S:g} s" if pc.fitted else "from the hardware profile (not fitted)"
     print(f"fwd-bwd MFU {pc.hardware.fwd_bwd_mfu.value:.3f} {fit}; lb-asc TP schedule {pc.lb_schedule}")
     hdr = f"{'phase':<12} {'paper lw':>9} {'pred lw':>9} {'paper lb':>9} {'pred lb':>9} {'paper x':>8} {'pred x':>8} {'error':>7}"
     print(hdr)
@@ -256,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_sensitivity:
             for sched in ("lpt", "lpt-carry"):
                 for fit in (False, True):
-                    label = f"lb-asc hosts {sched}, fwd-bwd MFU " + ("fitted to 0.811 s" if fit else "from profile")
+                    label = f"lb-asc hosts {sched}, fwd-bwd MFU " + (f"fitted to {_FIT_TARGET_S:g} s" if fit else "from profile")
                     if sched == pc.lb_schedule and fit == pc.fitted:
                         variants.append((label + "  <- table above", pc))
                     else:

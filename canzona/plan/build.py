@@ -82,10 +82,8 @@ def _task_metric(spec: ParamSpec, optimizer: str, flops_shape: str) -> tuple[flo
     return float(matrix_flops(optimizer, shape)), float(state_bytes(optimizer, shape)), float(numel)
 
 
-def _task_cost(spec: ParamSpec, cost: str, optimizer: str, flops_shape: str) -> float:
-    """W(p) of a TP task (Algorithm 2) in the cost model's units, on the host's shape."""
-    f, m, n = _task_metric(spec, optimizer, flops_shape)
-    return {"numel": n, "flops": f, "memory": m}[cost]
+#: where each cost model's W(p) of a TP task (Algorithm 2) sits in :func:`_task_metric`'s triple
+_TASK_COST_INDEX = {"flops": 0, "memory": 1, "numel": 2}
 
 
 def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
@@ -148,21 +146,22 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
 
     # ---- TP micro-groups (Section 4), per DP rank
     grouped = tp > 1 and inp.tp_schedule != "sync" and st != "zero1"
-    is_task = [s.kind == "matrix" and s.tp_split for s in sp]
+    owner_l = owner.tolist()
+    cost_at = _TASK_COST_INDEX[inp.cost]
     task_avg: dict[str, tuple[float, float, float]] = {}
     task_full: dict[str, tuple[float, float, float]] = {}
     per_rank_tasks: list[list[Task]] = [[] for _ in range(dp)]
     for i, s in enumerate(sp):
-        if not is_task[i]:
+        if not (s.kind == "matrix" and s.tp_split):
             continue
+        full = task_full[s.name] = _task_metric(s, opt, shape)
         task_avg[s.name] = (float(flops[i]), float(memory[i]), float(numel[i]))
-        task_full[s.name] = _task_metric(s, opt, shape)
-        task = Task(s.name, _task_cost(s, inp.cost, opt, shape), inp.grad_bytes * s.numel)
+        task = Task(s.name, full[cost_at], inp.grad_bytes * s.numel)
         if st == "sc":
             for r in range(dp):
                 per_rank_tasks[r].append(task)
-        elif owner[i] >= 0:
-            per_rank_tasks[int(owner[i])].append(task)
+        elif owner_l[i] >= 0:
+            per_rank_tasks[owner_l[i]].append(task)
     groups: list[list[Group]] = [[] for _ in range(dp)]
     sync_tasks: list[list[str]] = [[] for _ in range(dp)]
     host_of: dict[str, tuple[int, int]] = {}
@@ -186,23 +185,14 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     # ---- assemble
     pos_of = np.empty(len(specs), dtype=np.int64)
     pos_of[layout.order] = np.arange(len(specs))
-    bucket_l, offset_l, owner_l = layout.bucket.tolist(), layout.offset.tolist(), owner.tolist()
+    bucket_l, offset_l = layout.bucket.tolist(), layout.offset.tolist()
     params = []
-    for j, s in enumerate(specs):
-        i = int(pos_of[j])
+    no_host = (None, None)
+    for s, i in zip(specs, pos_of.tolist()):
         o = owner_l[i]
-        h, k = host_of.get(s.name, (None, None))
-        params.append(
-            ParamPlan(
-                spec=s,
-                bucket=bucket_l[i],
-                offset=offset_l[i],
-                dp_owner=o if o >= 0 else None,
-                dp_ranges=ranges.get(i, ()),
-                tp_host=h,
-                micro_group=k,
-            )
-        )
+        h, k = host_of.get(s.name, no_host)
+        # positional: ParamPlan(spec, bucket, offset, dp_owner, dp_ranges, tp_host, micro_group)
+        params.append(ParamPlan(s, bucket_l[i], offset_l[i], o if o >= 0 else None, ranges.get(i, ()), h, k))
     buckets = tuple(
         Bucket(
             index=b,

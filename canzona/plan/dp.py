@@ -180,14 +180,31 @@ def sc(layout: BufferLayout, dp: int) -> DPAssignment:
     return DPAssignment(tuple(() for _ in layout.bounds), np.full(layout.n_params, -1, dtype=np.int64))
 
 
+#: ranks a first-fit pass tries one by one before it searches the rest with numpy: one numpy
+#: search costs about as much as ~50 interpreted steps (measured: 8 made DP 32 plans 50% slower)
+_SHORT_WALK = 64
+
+
+def _first_fit(lf: np.ndarray, lm: np.ndarray, start: int, fi: float, mi: float, cap: float) -> int:
+    """The first rank ``>= start`` whose loads stay ``<= cap`` after adding ``(fi, mi)``, or
+    ``len(lf)`` when none does: the same test as the pass's Python walk, ``not (l + x > cap)``,
+    on the same float64 values (the loads are finite, so ``<=`` is its exact negation)."""
+    if start >= len(lf):
+        return len(lf)
+    fits = (lf[start:] + fi <= cap) & (lm[start:] + mi <= cap)
+    j = int(fits.argmax())
+    return start + j if fits[j] else len(lf)
+
+
 def _joint_pass(
     layout: BufferLayout,
     dp: int,
     order: Sequence[int],
-    f: np.ndarray,
-    m: np.ndarray,
-    divisible: np.ndarray,
-    spread: np.ndarray,
+    f: Sequence[float],
+    m: Sequence[float],
+    numel: Sequence[int],
+    divisible: Sequence[bool],
+    spread: Sequence[bool],
     ecap: float,
     cap: float,
 ) -> tuple[float, list[tuple[int, ...]]] | None:
@@ -198,38 +215,71 @@ def _joint_pass(
     memory stay <= cap; an element-wise parameter fills the current rank up to cap and spills the
     rest forward (cut at element granularity). Returns (the highest rank level reached, cuts), or
     None when something does not fit.
+
+    Per-parameter inputs are plain lists (indexing a numpy array per element costs more than the
+    arithmetic); bisection runs this pass ~20 times over every parameter, ~70k of them for a
+    1T-parameter MoE. The current rank's loads live in locals while the pointer stays on it: the
+    float operations and their order are exactly those of a direct ``lf[r] += fi``.
     """
     lf = [0.0] * dp
     lm = [0.0] * dp
+    # numpy mirrors of lf / lm for long searches, brought up to date only when one runs: ranks
+    # whose loads changed since the last search are listed in ``stale``
+    lf_np = np.zeros(dp)
+    lm_np = np.zeros(dp)
+    stale: list[int] = []
     le = [0.0] * dp  # memory each rank took from spread (large element-wise) parameters
     cuts: list[tuple[int, ...]] = [()] * layout.n_buckets
-    numel = layout.numel
+    bounds = layout.bounds
+    sizes = layout.bucket_numel.tolist()
+    inf = float("inf")
     for k in order:
-        i0, i1 = layout.bounds[k]
-        size = int(layout.bucket_numel[k])
+        i0, i1 = bounds[k]
+        size = sizes[k]
         c = [0] * (dp + 1)
-        r = 0
+        r = 0  # r < dp at the start of every parameter: reaching dp returns None
         pos = 0  # element offset inside the bucket where rank r's interval currently ends
-        for i in range(i0, i1):
-            fi, mi, n = f[i], m[i], int(numel[i])
-            if not divisible[i]:
-                while r < dp and (lf[r] + fi > cap or lm[r] + mi > cap):
+        cf, cm = lf[0], lm[0]  # rank r's loads
+        for fi, mi, n, div, wide in zip(f[i0:i1], m[i0:i1], numel[i0:i1], divisible[i0:i1], spread[i0:i1]):
+            if not div:
+                if cf + fi > cap or cm + mi > cap:
+                    # walk to the first later rank where both loads stay <= cap. Every bucket
+                    # restarts at rank 0, so at DP 1024 walking over already full ranks is the
+                    # pass's main cost: past _SHORT_WALK steps numpy finishes the walk (the same
+                    # float64 sums and comparisons, so the same rank)
+                    lf[r], lm[r] = cf, cm
+                    stale.append(r)
+                    far = r + _SHORT_WALK
                     r += 1
                     c[r] = pos
-                if r == dp:
-                    return None
-                lf[r] += fi
-                lm[r] += mi
+                    while r < dp and (lf[r] + fi > cap or lm[r] + mi > cap):
+                        if r == far:
+                            if stale:
+                                lf_np[stale] = [lf[x] for x in stale]
+                                lm_np[stale] = [lm[x] for x in stale]
+                                stale.clear()
+                            q = _first_fit(lf_np, lm_np, r + 1, fi, mi, cap)
+                            c[r + 1 : q + 1] = [pos] * (q - r)
+                            r = q
+                            break
+                        r += 1
+                        c[r] = pos
+                    if r == dp:
+                        return None
+                    cf, cm = lf[r], lm[r]
+                cf += fi
+                cm += mi
                 pos += n
                 continue
+            lf[r], lm[r] = cf, cm
+            r0 = r
             fe, me = fi / n, mi / n
             left = n
-            wide = bool(spread[i])
             while left:
                 if r == dp:
                     return None
-                room_f = (cap - lf[r]) / fe if fe > 0 else float("inf")
-                room_m = (cap - lm[r]) / me if me > 0 else float("inf")
+                room_f = (cap - lf[r]) / fe if fe > 0 else inf
+                room_m = (cap - lm[r]) / me if me > 0 else inf
                 room = min(room_f, room_m)
                 if wide and r < dp - 1 and me > 0:
                     # a large element-wise tensor (embedding, output head) is spread so that no
@@ -248,8 +298,11 @@ def _joint_pass(
                 if left:
                     r += 1
                     c[r] = pos
-        for j in range(r + 1, dp + 1):
-            c[j] = size
+            stale.extend(range(r0, r))  # the ranks it spilled over (rank r stays current)
+            cf, cm = lf[r], lm[r]
+        lf[r], lm[r] = cf, cm
+        stale.append(r)
+        c[r + 1 :] = [size] * (dp - r)
         cuts[k] = tuple(c)
     return max(max(lf), max(lm)), cuts
 
@@ -260,8 +313,9 @@ def _bisect(
     order: Sequence[int],
     fl: Sequence[float],
     ml: Sequence[float],
-    divisible: np.ndarray,
-    spread: np.ndarray,
+    numel: Sequence[int],
+    divisible: Sequence[bool],
+    spread: Sequence[bool],
     ecap: float,
     lo: float,
     tolerance: float,
@@ -269,14 +323,14 @@ def _bisect(
     """Bisection on the cap: the best (lowest reached level, cuts) over the feasible passes."""
     hi = lo
     while True:
-        res = _joint_pass(layout, dp, order, fl, ml, divisible, spread, ecap, hi)
+        res = _joint_pass(layout, dp, order, fl, ml, numel, divisible, spread, ecap, hi)
         if res is not None:
             break
         lo, hi = hi, hi * 1.25
     best = res
     while hi - lo > tolerance * lo:
         mid = 0.5 * (lo + hi)
-        res = _joint_pass(layout, dp, order, fl, ml, divisible, spread, ecap, mid)
+        res = _joint_pass(layout, dp, order, fl, ml, numel, divisible, spread, ecap, mid)
         if res is None:
             lo = mid
         else:
@@ -331,6 +385,7 @@ def lb_asc_joint(
     # element-wise tensors worth spreading: more than 1% of a rank's mean memory
     spread = divisible & (mn > 0.01)
     fair = float(mn[spread].sum()) / dp
+    numel, div, wide = layout.numel.tolist(), divisible.tolist(), spread.tolist()
     best: list[tuple[int, ...]] | None = None
     best_level = float("inf")
     # two passes: large element-wise tensors spread over ranks at ~ their fair share (what a
@@ -339,7 +394,7 @@ def lb_asc_joint(
     for ecap in ((fair * 1.02, float("inf")) if spread.any() else (float("inf"),)):
         if best_level <= lo * (1.0 + tolerance):
             break  # already at the lower bound: nothing left to win
-        level, cuts = _bisect(layout, dp, order, fl, ml, divisible, spread, ecap, lo, tolerance)
+        level, cuts = _bisect(layout, dp, order, fl, ml, numel, div, wide, ecap, lo, tolerance)
         if level < best_level:
             best_level, best = level, cuts
     assert best is not None

@@ -190,18 +190,25 @@ class Plan:
     micro_groups: tuple[tuple[MicroGroup, ...], ...]
     metrics: Metrics
 
+    #: name -> ParamPlan, built once on construction (not an input: excluded from __init__,
+    #: equality and repr; to_dict and the fingerprint never read it)
+    _index: dict[str, ParamPlan] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {p.spec.name: p for p in self.params})
         self.validate()
 
     # ----------------------------------------------------------------------------- lookups
     def param(self, name: str) -> ParamPlan:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
+        """The plan of parameter ``name`` (O(1)); KeyError when the plan has no such parameter."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(name) from None
 
     def by_name(self) -> dict[str, ParamPlan]:
-        return {p.name: p for p in self.params}
+        """A fresh name -> ParamPlan dict (the caller may change it)."""
+        return dict(self._index)
 
     @property
     def specs(self) -> tuple[ParamSpec, ...]:
@@ -225,92 +232,131 @@ class Plan:
         - matrix parameters are atomic (one owner) under every strategy but ``zero1`` and ``sc``;
         - each TP-split matrix parameter of a micro-group schedule is in exactly one group of its
           owner, hosted on a valid TP rank.
+
+        Linear in the plan's size: a 1T-parameter MoE at DP 1024 has ~70k parameters and ~1M cut
+        points, so every check is a dict lookup or a comparison, and an error message is only
+        formatted once its check has failed (``if not ...: raise``, never an eager f-string).
         """
         inp = self.inputs
-        dp, tp = inp.dp, inp.tp
-        names = [p.name for p in self.params]
-        _check(len(set(names)) == len(names), "duplicate parameter names in plan")
-        by_name = {p.name: p for p in self.params}
-        reduce_scatter = inp.strategy not in ("sc", "layerwise")
+        dp, tp, strategy = inp.dp, inp.tp, inp.strategy
+        params, buckets = self.params, self.buckets
+        by_name = self._index
+        if len(by_name) != len(params):
+            raise PlanError("duplicate parameter names in plan")
+        # local_numel (a product over the shape) once per parameter, as the bucket walk meets it; every
+        # parameter is met there before the checks below read it
+        size: dict[str, int] = {}
+        reduce_scatter = strategy not in ("sc", "layerwise")
         pos = 0
         placed: set[str] = set()
-        for i, b in enumerate(self.buckets):
-            _check(b.index == i, f"bucket {i} has index {b.index}")
-            _check(b.start == pos, f"bucket {i} starts at {b.start}, expected {pos}")
-            _check(b.numel >= 1 and b.params, f"bucket {i} is empty")
+        for i, b in enumerate(buckets):
+            if b.index != i:
+                raise PlanError(f"bucket {i} has index {b.index}")
+            if b.start != pos:
+                raise PlanError(f"bucket {i} starts at {b.start}, expected {pos}")
+            if not (b.numel >= 1 and b.params):
+                raise PlanError(f"bucket {i} is empty")
             off = 0
             for n in b.params:
-                _check(n in by_name, f"bucket {i} lists unknown parameter {n!r}")
-                p = by_name[n]
-                _check(p.bucket == i and p.offset == off, f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
-                _check(n not in placed, f"{n} appears in two buckets")
+                p = by_name.get(n)
+                if p is None:
+                    raise PlanError(f"bucket {i} lists unknown parameter {n!r}")
+                if p.bucket != i or p.offset != off:
+                    raise PlanError(f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
+                if n in placed:
+                    raise PlanError(f"{n} appears in two buckets")
                 placed.add(n)
-                off += p.numel
-            _check(off == b.numel, f"bucket {i}: parameters hold {off} elements, bucket says {b.numel}")
+                pn = size[n] = p.spec.local_numel
+                off += pn
+            if off != b.numel:
+                raise PlanError(f"bucket {i}: parameters hold {off} elements, bucket says {b.numel}")
             pos += b.numel
             if reduce_scatter:
                 c = b.cuts
-                _check(len(c) == dp + 1, f"bucket {i}: {len(c)} cut points, expected dp + 1 = {dp + 1}")
-                _check(c[0] == 0 and c[-1] == b.numel, f"bucket {i}: cuts must start at 0 and end at {b.numel}")
-                _check(all(x <= y for x, y in zip(c, c[1:])), f"bucket {i}: cut points are not monotone: {c}")
-            else:
-                _check(b.cuts == (), f"bucket {i}: strategy {inp.strategy} all-reduces whole buckets and has no cuts")
-        _check(placed == set(names), "some parameters are in no bucket")
+                if len(c) != dp + 1:
+                    raise PlanError(f"bucket {i}: {len(c)} cut points, expected dp + 1 = {dp + 1}")
+                if c[0] != 0 or c[-1] != b.numel:
+                    raise PlanError(f"bucket {i}: cuts must start at 0 and end at {b.numel}")
+                # non-decreasing <=> already sorted (ints); timsort checks a sorted run in C
+                if sorted(c) != list(c):
+                    raise PlanError(f"bucket {i}: cut points are not monotone: {c}")
+            elif b.cuts != ():
+                raise PlanError(f"bucket {i}: strategy {strategy} all-reduces whole buckets and has no cuts")
+        if len(placed) != len(by_name):  # placed only holds known names, so this is set equality
+            raise PlanError("some parameters are in no bucket")
 
-        for p in self.params:
-            b = self.buckets[p.bucket]
-            if inp.strategy == "sc":
-                _check(p.dp_owner is None and not p.dp_ranges, f"{p.name}: sc plans have no owners")
-                continue
-            if p.dp_owner is not None:
-                _check(0 <= p.dp_owner < dp, f"{p.name}: owner {p.dp_owner} outside dp={dp}")
-                _check(not p.dp_ranges, f"{p.name}: has both an owner and ranges")
-                if reduce_scatter:
-                    lo, hi = b.cuts[p.dp_owner], b.cuts[p.dp_owner + 1]
-                    _check(
-                        lo <= p.offset and p.offset + p.numel <= hi,
-                        f"{p.name}: owner {p.dp_owner} holds [{lo}, {hi}) but the parameter spans [{p.offset}, {p.offset + p.numel})",
-                    )
-            else:
-                _check(reduce_scatter, f"{p.name}: {inp.strategy} needs one owner per parameter")
-                _check(bool(p.dp_ranges), f"{p.name}: no owner and no ranges")
-                _check(
-                    inp.strategy == "zero1" or p.spec.kind == "elementwise",
-                    f"{p.name}: matrix parameters must be atomic under {inp.strategy}",
-                )
+        if strategy == "sc":
+            for p in params:
+                if p.dp_owner is not None or p.dp_ranges:
+                    raise PlanError(f"{p.name}: sc plans have no owners")
+        else:
+            for p in params:
+                n = p.spec.name
+                numel = size[n]
+                owner = p.dp_owner
+                if owner is not None:
+                    if not 0 <= owner < dp:
+                        raise PlanError(f"{n}: owner {owner} outside dp={dp}")
+                    if p.dp_ranges:
+                        raise PlanError(f"{n}: has both an owner and ranges")
+                    if reduce_scatter:
+                        c = buckets[p.bucket].cuts
+                        lo, hi = c[owner], c[owner + 1]
+                        if not (lo <= p.offset and p.offset + numel <= hi):
+                            raise PlanError(
+                                f"{n}: owner {owner} holds [{lo}, {hi}) but the parameter spans [{p.offset}, {p.offset + numel})"
+                            )
+                    continue
+                if not reduce_scatter:
+                    raise PlanError(f"{n}: {strategy} needs one owner per parameter")
+                if not p.dp_ranges:
+                    raise PlanError(f"{n}: no owner and no ranges")
+                if not (strategy == "zero1" or p.spec.kind == "elementwise"):
+                    raise PlanError(f"{n}: matrix parameters must be atomic under {strategy}")
+                c = buckets[p.bucket].cuts
                 expect = 0
                 for r, s, e in p.dp_ranges:
-                    _check(s == expect and e > s, f"{p.name}: ranges {p.dp_ranges} do not tile the parameter")
-                    _check(0 <= r < dp, f"{p.name}: range owner {r} outside dp={dp}")
-                    lo, hi = b.cuts[r], b.cuts[r + 1]
-                    _check(lo <= p.offset + s and p.offset + e <= hi, f"{p.name}: range {(r, s, e)} outside rank {r}'s cut")
+                    if not (s == expect and e > s):
+                        raise PlanError(f"{n}: ranges {p.dp_ranges} do not tile the parameter")
+                    if not 0 <= r < dp:
+                        raise PlanError(f"{n}: range owner {r} outside dp={dp}")
+                    lo, hi = c[r], c[r + 1]
+                    if not (lo <= p.offset + s and p.offset + e <= hi):
+                        raise PlanError(f"{n}: range {(r, s, e)} outside rank {r}'s cut")
                     expect = e
-                _check(expect == p.numel, f"{p.name}: ranges cover {expect} of {p.numel} elements")
+                if expect != numel:
+                    raise PlanError(f"{n}: ranges cover {expect} of {numel} elements")
 
-        grouped = inp.tp > 1 and inp.tp_schedule != "sync" and inp.strategy != "zero1"
-        _check(
-            len(self.micro_groups) in ((dp,) if grouped else (0, dp)),
-            f"micro_groups must have one entry per DP rank ({dp})",
-        )
+        grouped = tp > 1 and inp.tp_schedule != "sync" and strategy != "zero1"
+        if len(self.micro_groups) not in ((dp,) if grouped else (0, dp)):
+            raise PlanError(f"micro_groups must have one entry per DP rank ({dp})")
         seen: set[str] = set()
         for r, groups in enumerate(self.micro_groups):
             for k, g in enumerate(groups):
-                _check(g.index == k, f"dp rank {r}: micro-group {k} has index {g.index}")
-                _check(len(g.loads) == tp, f"dp rank {r} group {k}: loads must have one entry per TP rank")
+                if g.index != k:
+                    raise PlanError(f"dp rank {r}: micro-group {k} has index {g.index}")
+                if len(g.loads) != tp:
+                    raise PlanError(f"dp rank {r} group {k}: loads must have one entry per TP rank")
                 for n, h in zip(g.params, g.hosts):
-                    _check(n in by_name, f"micro-group lists unknown parameter {n!r}")
-                    p = by_name[n]
-                    _check(n not in seen, f"{n} is in two micro-groups")
+                    p = by_name.get(n)
+                    if p is None:
+                        raise PlanError(f"micro-group lists unknown parameter {n!r}")
+                    if n in seen:
+                        raise PlanError(f"{n} is in two micro-groups")
                     seen.add(n)
-                    _check(0 <= h < tp, f"{n}: host {h} outside tp={tp}")
-                    _check(p.tp_host == h and p.micro_group == k, f"{n}: tp_host/micro_group disagree with group {k}")
-                    _check(inp.strategy == "sc" or p.dp_owner == r, f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
-        for p in self.params:
-            needs_group = grouped and p.spec.kind == "matrix" and p.spec.tp_split
-            if needs_group:
-                _check(p.name in seen, f"{p.name}: TP-split matrix parameter in no micro-group")
-            else:
-                _check(p.tp_host is None and p.micro_group is None, f"{p.name}: has a TP host but needs none")
+                    if not 0 <= h < tp:
+                        raise PlanError(f"{n}: host {h} outside tp={tp}")
+                    if p.tp_host != h or p.micro_group != k:
+                        raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
+                    if strategy != "sc" and p.dp_owner != r:
+                        raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
+        for p in params:
+            spec = p.spec
+            if grouped and spec.kind == "matrix" and spec.tp_split:
+                if spec.name not in seen:
+                    raise PlanError(f"{spec.name}: TP-split matrix parameter in no micro-group")
+            elif p.tp_host is not None or p.micro_group is not None:
+                raise PlanError(f"{spec.name}: has a TP host but needs none")
 
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:

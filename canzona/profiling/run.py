@@ -220,8 +220,10 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
     del world_size
     sch = spec.schedule
     capture = CudaCaptureRange(sch.first_active, sch.last_active) if spec.cuda_capture else None
-    if spec.tensorboard_dir is None:
-        hook = ProfilerHook(None, capture)
+
+    def run(prof: Any) -> Any:
+        # one training run stepping the profiler (if any) and the CUDA capture range (if any)
+        hook = ProfilerHook(prof, capture)
         if capture is not None:
             capture.before_training()
         try:
@@ -229,6 +231,9 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         finally:
             if capture is not None:
                 capture.close()
+
+    if spec.tensorboard_dir is None:
+        return run(None)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and spec.train.resolved_backend == "nccl":
         activities.append(ProfilerActivity.CUDA)
@@ -241,14 +246,7 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         profile_memory=False,
         with_stack=False,
     ) as prof:
-        hook = ProfilerHook(prof, capture)
-        if capture is not None:
-            capture.before_training()
-        try:
-            return train(spec.train, on_step=hook)
-        finally:
-            if capture is not None:
-                capture.close()
+        return run(prof)
 
 
 def profile_run(spec: ProfileSpec, *, overwrite: bool = False, timeout_s: float = 600.0) -> ProfileRun:

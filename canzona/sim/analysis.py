@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from canzona.config import ModelConfig
+from canzona.paper import paper_value
 from canzona.plan import Plan
 from canzona.plan.build import resolve_model
 from canzona.sim.configs import MOE_1T_NAME, moe_1t_config, resolve_sim_model
@@ -40,15 +41,19 @@ __all__ = [
     "alpha_report",
 ]
 
-#: Figure 4 of the paper (Qwen3-32B, Muon, 256 GPUs = DP32 x TP8): seconds per phase
-PAPER_FIGURE4: dict[str, dict[str, float]] = {
-    "layerwise": {"optimizer_s": 0.383, "fwd_bwd_s": 0.998, "iteration_s": 1.381},
-    "lb-asc": {"optimizer_s": 0.066, "fwd_bwd_s": 0.811, "iteration_s": 0.877},
-}
-#: the speedups the paper states (layerwise / lb-asc)
-PAPER_RATIOS: dict[str, float] = {"optimizer_s": 5.8, "fwd_bwd_s": 1.23, "iteration_s": 1.57}
-PAPER_CONFIG: dict[str, Any] = {"model": "qwen3-32b", "dp": 32, "tp": 8, "optimizer": "muon"}
 _PHASES = ("optimizer_s", "fwd_bwd_s", "iteration_s")
+#: Figure 4 of the paper (Qwen3-32B, Muon, 256 GPUs = DP32 x TP8): seconds per phase, read from
+#: :mod:`canzona.paper` (keys ``<phase>_<strategy>``)
+PAPER_FIGURE4: dict[str, dict[str, float]] = {
+    s: {phase: paper_value(f"{phase}_{s}").value for phase in _PHASES} for s in ("layerwise", "lb-asc")
+}
+#: the speedups the paper states (layerwise / lb-asc, Section 5.2), from :mod:`canzona.paper`
+PAPER_RATIOS: dict[str, float] = {
+    phase: paper_value(f"{phase.removesuffix('_s')}_speedup_dp32_tp8").value for phase in _PHASES
+}
+#: the configuration Figure 4 was measured on
+_FIG4 = paper_value("iteration_s_lb-asc")
+PAPER_CONFIG: dict[str, Any] = {"model": _FIG4.model, "dp": _FIG4.dp, "tp": _FIG4.tp, "optimizer": _FIG4.optimizer}
 
 # --------------------------------------------------------------------------- calibration to the paper
 def fit_fwd_bwd_mfu(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup, target_s: float) -> HardwareProfile:
@@ -165,7 +170,7 @@ def paper_comparison(
     """Simulate the paper's Figure 4 configuration (layerwise vs lb-asc) and explain the ratios.
 
     ``lb_schedule`` overrides lb-asc's TP schedule (default: the planner's paper-faithful ``lpt``).
-    ``fit_fwd_bwd`` fits the one constant ``fwd_bwd_mfu`` to the paper's lb-asc 0.811 s.
+    ``fit_fwd_bwd`` fits the one constant ``fwd_bwd_mfu`` to the paper's lb-asc fwd-bwd (0.811 s).
     Sensitivities: every hardware constant lowered by 20 %, every named setup alternative, and the
     other lb-asc TP schedule; the ratios are recomputed for each.
     """
