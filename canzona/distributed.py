@@ -18,9 +18,11 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
   (:func:`canzona.plan.make_plan`, or takes ``plan=``), checks on the world group that every rank
   holds the same plan fingerprint (any mismatch or failure raises on every rank, with a bounded
   wait), builds fp32 master copies of what this rank owns and registers the backward hooks.
-- ``step()`` waits for the bucket collectives, runs the optimizer on owned masters (matrix
-  parameters whole; element-wise parameters whole or as flat pieces), runs the TP micro-group
-  engine for TP-split matrix parameters, and returns updated values to every rank. Parameter
+- ``step()`` waits for the bucket collectives one bucket at a time, in launch order, and runs the
+  optimizer on that bucket's owned masters as soon as its collective has arrived (matrix
+  parameters whole; element-wise parameters whole or as flat pieces), while later buckets are
+  still in flight; then it runs the TP micro-group engine for TP-split matrix parameters and
+  returns updated values to every rank. Parameter
   return is *eager* by default (``param_sync="eager"``): when ``step()`` returns, every model
   parameter holds its new value. ``param_sync="lazy"`` (reduce-scatter strategies) launches the
   per-bucket all-gathers asynchronously at the end of ``step()`` and waits for each bucket in a
@@ -110,8 +112,10 @@ def check_per_parameter(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, A
     Canzona runs the optimizer on the parameters one rank owns, which is exact only then."""
     g = torch.Generator().manual_seed(0)
     ps = [torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)]
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g)
+    init = [p.clone() for p in ps]
+    grads = [torch.randn(p.shape, generator=g) for p in ps]
+    for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
     opt = cls(ps, **dict(kwargs))
     try:
         opt.step()
@@ -123,6 +127,25 @@ def check_per_parameter(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, A
     keys = list(opt.state.keys())
     if keys and (len(keys) != len(ps) or any(all(k is not p for p in ps) for k in keys)):
         raise TypeError(f"{what} {cls.__name__} does not keep its state per parameter, so it cannot run on a subset of parameters")
+    # The runtime steps one instance once per bucket (and per TP micro-group) with only that
+    # bucket's gradients set; that must equal one step over all of them, bit for bit. A counter or
+    # other per-call state kept in param_groups would break it, so probe it: twice, to reach state.
+    whole = [t.detach().clone() for t in init]
+    split = [t.detach().clone() for t in init]
+    opt_w, opt_s = cls(whole, **dict(kwargs)), cls(split, **dict(kwargs))
+    for _ in range(2):
+        for p, gr in zip(whole, grads):
+            p.grad = gr.clone()
+        opt_w.step()
+        for p, gr in zip(split, grads):
+            p.grad = gr.clone()
+            opt_s.step()
+            p.grad = None
+    if any(not torch.equal(a, b) for a, b in zip(whole, split)):
+        raise TypeError(
+            f"{what} {cls.__name__} gives different results when stepped once per subset of its parameters "
+            "(per-call state outside the per-parameter state?); DistributedOptimizer steps it once per bucket"
+        )
 
 
 def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[str | None]:

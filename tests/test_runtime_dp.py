@@ -95,6 +95,7 @@ def world_worker(rank: int, world: int, bucket_numel: int) -> bytes:
         out["lazy"] = _lazy_case(rank)
         out["frozen"] = _frozen_case(rank)
         out["bf16"] = {case: _bf16_case(rank, *case) for case in BF16_CASES}
+        out["per_bucket"] = _per_bucket_cases(rank)
     if world == 4:
         out["tp"] = {key: _tp_case(rank, *key) for key in TP_CASES}
     return pack(out)
@@ -480,3 +481,185 @@ def test_frozen_parameters_are_left_alone() -> None:
         got = r["frozen"]
         assert "embed.weight" not in got["planned"]
         assert tensors_equal(want, got["params"]) == []
+
+
+# ------------------------------------------------------------------------------ per-bucket step
+
+
+#: the all-reduce path (every rank updates everything) and the reduce-scatter path (owners only)
+PER_BUCKET_CASES: tuple[tuple[str, str, str, str], ...] = (("sc", "muon", "mean", "hook"), ("lb-asc", "muon", "mean", "hook"))
+#: how long rank 1 holds its last bucket back waiting for rank 0's first update (a fixed bound, so a
+#: runtime that waits for every bucket before updating fails this test after HOLD_S instead of hanging)
+HOLD_S = 20.0
+
+
+def _per_bucket_cases(rank: int) -> dict:
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="canzona-per-bucket-") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    try:
+        return {case: _per_bucket_case(rank, case, box[0]) for case in PER_BUCKET_CASES}
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+def _per_bucket_case(rank: int, case: tuple[str, str, str, str], signal_dir: str) -> dict:
+    """Rank 1 holds its *last* bucket's gradient collective back until rank 0 has run its first
+    local optimizer update of the step (signalled through a file). A step that waits for every
+    bucket before updating cannot get there (rank 0 would wait for the held bucket): rank 1 then
+    gives up after HOLD_S and reports it. Both ranks log, in order, every wait on a bucket's
+    collective and every local optimizer step with the buckets whose masters hold a gradient."""
+    import os
+    import time
+
+    import canzona
+    from canzona.runtime.phases import DP_LOCAL_UPDATE, current_phase
+
+    strategy, optname, reduce, _ = case
+    model = ToyModel()
+    opt = canzona.DistributedOptimizer(
+        model, _cls(optname), strategy=strategy, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=40, grad_reduce=reduce
+    )
+    rt = opt.runtime
+    n = len(rt.plan.buckets)
+    events: list[tuple] = []
+    works: dict[int, object] = {}
+    st = {"step": 0, "signalled": False}
+    held: list[bool] = []
+    last_in_flight: list[bool] = []
+
+    def signal(s: int) -> str:
+        return os.path.join(signal_dir, f"{strategy}-step{s}")
+
+    class Logged:
+        """The collective's work handle, logging when the step waits on it."""
+
+        def __init__(self, i: int, work: object) -> None:
+            self.i, self.work = i, work
+
+        def wait(self, *a: object, **k: object) -> object:
+            events.append(("wait", self.i))
+            return self.work.wait(*a, **k)
+
+    name = "reduce_scatter_v" if rt.reduce_scatter else "all_reduce"
+    launch = getattr(rt.comm, name)
+
+    def launching(*args: object, **kwargs: object) -> object:
+        i = int(current_phase().rsplit("bucket", 1)[1])  # launched inside its own bucket phase
+        if rank == 1 and i == n - 1:
+            t0 = time.monotonic()
+            while not os.path.exists(signal(st["step"])) and time.monotonic() - t0 < HOLD_S:
+                time.sleep(0.002)
+            held.append(os.path.exists(signal(st["step"])))
+        res = launch(*args, **kwargs)
+        work = res[1] if rt.reduce_scatter else res
+        works[i] = work
+        logged = Logged(i, work) if work is not None else None
+        return (res[0], logged) if rt.reduce_scatter else logged
+
+    setattr(rt.comm, name, launching)
+    bucket_of = {id(m): pc.bucket for pc, m in rt.masters.items()}
+
+    def pre_step(o: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        with_grad = sorted({bucket_of[id(p)] for g in o.param_groups for p in g["params"] if p.grad is not None})
+        events.append(("step", tuple(with_grad)))
+        if rank == 0 and not st["signalled"]:
+            st["signalled"] = True
+            last_in_flight.append(not works[n - 1].is_completed())
+            open(signal(st["step"]), "w").close()
+
+    for o in rt.optimizers():
+        o.register_step_pre_hook(pre_step)
+    opt.phase_times.reset()
+    waits = []
+    for s in range(STEPS):
+        st["step"], st["signalled"] = s, False
+        events.append(("begin", s))
+        inject_grads(model, integer_grads(model, step=s, rank=rank))
+        opt.step()
+        waits.append(sorted(rt.bucket_wait_s))
+        opt.zero_grad()
+    owned = sorted({pc.bucket for pc in rt.pieces if pc.role != "tp"})
+    return {
+        "params": params_of(model),
+        "events": events,
+        "buckets": n,
+        "owned": owned,
+        "held": held,
+        "last_in_flight": last_in_flight,
+        "waits": waits,
+        "local_update_calls": opt.phase_times.as_dict()[DP_LOCAL_UPDATE]["calls"],
+    }
+
+
+@pytest.mark.parametrize("case", PER_BUCKET_CASES, ids=lambda c: c[0])
+def test_step_updates_each_bucket_as_its_collective_arrives(case: tuple[str, str, str, str]) -> None:
+    """The step waits bucket by bucket (in launch order) and updates a bucket's parameters right
+    after its own collective: rank 0 runs a local update while rank 1 has not even launched the
+    last bucket's collective, and the result stays bitwise equal to the single-process run."""
+    got = [r["per_bucket"][case] for r in _results(2)]
+    want = _reference(case, 2)
+    n = got[0]["buckets"]
+    assert n >= 3, "the case needs several buckets"
+    # rank 0 owns something before the last bucket, so its first update can precede that bucket
+    assert got[0]["owned"] and got[0]["owned"][0] < n - 1, got[0]["owned"]
+    for rank, res in enumerate(got):
+        assert tensors_equal(want, res["params"]) == [], f"{case} rank {rank}: differs from the single-process run"
+        assert res["waits"] == [list(range(n))] * STEPS  # a wait time recorded for every bucket
+        assert res["local_update_calls"] == n * STEPS  # one canzona/dp/local_update/bucket<i> per bucket
+        steps = _split_steps(res["events"])
+        assert len(steps) == STEPS
+        for evs in steps:
+            assert [e[1] for e in evs if e[0] == "wait"] == list(range(n)), evs  # launch order, each once
+            last_wait = None
+            updated: list[int] = []
+            for kind, what in evs:
+                if kind == "wait":
+                    last_wait = what
+                else:
+                    # exactly the bucket just waited for holds gradients: nothing stepped twice or early
+                    assert what == (last_wait,), (kind, what, evs)
+                    updated.append(last_wait)
+            assert sorted(set(updated)) == res["owned"], (updated, res["owned"])
+            # the first local update runs before the step waits on the last bucket
+            first_step = next(k for k, e in enumerate(evs) if e[0] == "step")
+            assert first_step < evs.index(("wait", n - 1)), evs
+    # rank 1 got rank 0's signal every step: rank 0 updated while the last bucket was not launched
+    assert got[1]["held"] == [True] * STEPS, "rank 0 did not update any bucket before the last bucket's collective"
+    assert got[0]["last_in_flight"] == [True] * STEPS
+
+
+def _split_steps(events: list[tuple]) -> list[list[tuple]]:
+    out: list[list[tuple]] = []
+    for e in events:
+        if e[0] == "begin":
+            out.append([])
+        else:
+            out[-1].append(e)
+    return out
+
+
+class _PerCallLR(torch.optim.SGD):
+    """Decays its learning rate per step() call, in param_groups: per-parameter state, yet stepping
+    it once per bucket would decay the rate once per bucket."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * 0.5
+        return super().step(closure)
+
+
+def test_optimizers_with_per_call_state_are_refused() -> None:
+    from canzona.distributed import check_per_parameter
+    from canzona.optim import Muon
+
+    check_per_parameter(Muon, MATRIX_KW)  # per bucket == all at once, bitwise
+    check_per_parameter(torch.optim.AdamW, EW_KW)
+    with pytest.raises(TypeError, match="stepped once per subset of its parameters"):
+        check_per_parameter(_PerCallLR, {"lr": 0.1})

@@ -12,13 +12,25 @@ group. Per iteration:
    - ``sc``, ``layerwise``: one all-reduce per bucket (``canzona/dp/all_reduce/bucket<i>``).
 
 2. *Optimizer step* (``canzona/optimizer/step``), orchestrated as gather -> compute -> scatter ->
-   apply, each a named method:
+   apply, each a named method. Gather and compute run *per bucket*, in the order the buckets'
+   collectives were launched, so the step waits only for what it needs next:
 
-   - :meth:`gather_grads`: wait for the bucket collectives, average (sum, then divide by the DP
-     size: exact for power-of-two DP sizes), point each owned master's ``.grad`` at its slice;
-   - :meth:`compute`: run the local optimizers on fp32 master copies of what this rank owns
-     (``canzona/dp/local_update``; no communication) and the TP micro-group engine for TP-split
-     matrix parameters (:mod:`canzona.runtime.tp`; it talks only over the TP group);
+   - :meth:`gather_bucket` (bucket ``i``): wait for that bucket's collective only (the wait is a
+     phase of its own, ``canzona/dp/reduce_scatter/bucket<i>`` or ``canzona/dp/all_reduce/bucket<i>``
+     inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
+     (sum, then divide by the DP size: exact for power-of-two DP sizes) and point each owned
+     master's ``.grad`` at its slice;
+   - :meth:`update_bucket` (bucket ``i``): run the local optimizers on the fp32 master copies of
+     what this rank owns *in that bucket* (``canzona/dp/local_update/bucket<i>``; no communication),
+     then clear those ``.grad`` so nothing is stepped twice. Per-parameter optimizers skip
+     parameters whose ``.grad`` is None, so stepping one instance once per bucket with only that
+     bucket's gradients set computes exactly what one step over all of them would (the TP engine
+     steps its micro-groups the same way);
+   - :meth:`compute_tp`: the TP micro-group engine for TP-split matrix parameters
+     (:mod:`canzona.runtime.tp`; it talks only over the TP group). It runs once, after every
+     bucket has arrived: its micro-groups mix parameters of several buckets, and the engine's
+     fused exchanges need all of a group's gradients, so waiting for the buckets of each group
+     separately would buy little and cost a second ordering contract;
    - :meth:`scatter_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
      parameter from its owner inside the step (``canzona/layerwise/broadcast``); the
      reduce-scatter strategies run one variable-size all-gather per bucket
@@ -29,6 +41,28 @@ group. Per iteration:
      overlap the next forward bucket by bucket (:meth:`finish_param_sync` forces them, e.g.
      before reading parameters outside a forward);
    - :meth:`apply_params`: copy the values into the model's parameters (``to_local()`` for DTensor).
+
+Overlap inside the step. While bucket ``i``'s update runs, the collectives of buckets ``> i`` are
+still in flight wherever backward left them unfinished (typically the last buckets: they are
+launched at the very end of backward).
+
+- gloo (CPU): an async collective runs on the process group's worker thread, so
+  ``work.wait()`` really blocks the calling thread and ``bucket_wait_s[i]`` is the time the step
+  spent blocked on bucket ``i``. Bucket ``i``'s update on the main thread and the transfers of later
+  buckets on the worker thread run concurrently as far as free CPU cores allow; with one core per
+  rank (the tests) they mostly interleave, so the gain is that no update waits for the *last*
+  bucket, not that communication becomes free.
+- NCCL (GPU): ``work.wait()`` does not block the host; it makes the current CUDA stream wait for
+  the collective's stream. Bucket ``i``'s update kernels are queued at once and start on the
+  compute stream as soon as bucket ``i``'s reduction lands, while later buckets' reductions keep
+  running on the NCCL stream: a true compute/communication overlap. The host-side wait phases are
+  then near zero; the real waiting shows as compute-stream idle time in nsys (an optimizer that
+  syncs the host, e.g. a finiteness check, moves that wait to its own bucket's update, never
+  earlier).
+
+A consequence: an error raised by a local optimizer in bucket ``k`` (a non-finite gradient, say)
+leaves the owned parameters of buckets ``< k`` already updated on this rank's masters; the model's
+parameters are untouched, since values return only after every bucket.
 
 Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
 rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
@@ -43,7 +77,8 @@ parameter goes to the element-wise optimizer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +228,15 @@ class DPRuntime:
 
         self.matrix_opt = build("matrix", matrix_factory)
         self.elementwise_opt = build("elementwise", elementwise_factory)
+        #: per bucket, the (optimizer, pieces) local steps :meth:`update_bucket` runs
+        self._local_steps: list[list[tuple[torch.optim.Optimizer, list[Piece]]]] = []
+        for pcs in self.pieces_by_bucket:
+            steps = []
+            for role, opt in (("matrix", self.matrix_opt), ("elementwise", self.elementwise_opt)):
+                mine = [pc for pc in pcs if pc.role == role]
+                if opt is not None and mine:
+                    steps.append((opt, mine))
+            self._local_steps.append(steps)
         tp_masters = {pc.name: self.masters[pc] for pc in self.pieces if pc.role == "tp"}
         self.tp_engine: Any = None
         if tp_masters:
@@ -203,6 +247,11 @@ class DPRuntime:
             self.tp_engine = tp_engine_factory(tp_masters)
         self._works: dict[int, Any] = {}
         self._shards: dict[int, torch.Tensor] = {}
+        self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
+        self._tp_grads: dict[str, torch.Tensor] = {}
+        self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
+        #: wall seconds the last step() spent blocked on each bucket's gradient collective
+        self.bucket_wait_s: dict[int, float] = {}
         #: ``lazy``: parameter all-gathers launched by step() and finished by forward pre-hooks
         self.lazy = param_sync == "lazy" and self.reduce_scatter
         self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -236,6 +285,7 @@ class DPRuntime:
             with phase(f"{DP_ALL_REDUCE}/bucket{i}"):
                 work = self.comm.all_reduce(flat, async_op=True)
         self._works[i] = work
+        self._launched.append(i)
 
     def wait_all(self) -> None:
         for i in sorted(self._works):
@@ -247,18 +297,23 @@ class DPRuntime:
         """Drop this iteration's gradients (zero_grad): finish in-flight collectives, zero the buffer."""
         self.wait_all()
         self._shards.clear()
+        self._launched.clear()
+        self._tp_grads.clear()
         for m in self.masters.values():
             m.grad = None
         self.buffer.reset()
 
     # --------------------------------------------------------------------------------- step
     def step(self) -> None:
-        """One optimizer step: gather -> compute -> scatter -> apply."""
+        """One optimizer step: per bucket gather -> compute, then the TP engine, scatter -> apply."""
         self.finish_param_sync()
         self.buffer.flush()
+        self.bucket_wait_s = {}
         with phase(OPTIMIZER_STEP):
-            self.gather_grads()
-            self.compute()
+            for i in self.launch_order():
+                self.gather_bucket(i)
+                self.update_bucket(i)
+            self.compute_tp()
             if self.strategy == "layerwise":
                 self.broadcast_params()
         if self.reduce_scatter:
@@ -271,38 +326,63 @@ class DPRuntime:
         self.discard_grads()
         self.steps += 1
 
+    def launch_order(self) -> list[int]:
+        """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""
+        order = list(self._launched)
+        if sorted(order) != list(range(len(self.plan.buckets))):
+            # the buffer launches every bucket exactly once per iteration; anything else would skip
+            # or double-step a bucket, so refuse rather than update from a partial gradient set
+            raise RuntimeError(f"bucket collectives launched {order}, expected each of {len(self.plan.buckets)} buckets once")
+        return order
+
     def _grad_source(self, i: int) -> torch.Tensor:
         return self._shards[i] if self.reduce_scatter else self.buffer.bucket(i)
 
-    def gather_grads(self) -> None:
-        """Wait for each bucket's collective, average it, and hand each owned master its gradient slice."""
-        for i in range(len(self.plan.buckets)):
-            w = self._works.pop(i, None)
+    def gather_bucket(self, i: int) -> None:
+        """Wait for bucket ``i``'s collective (only that one), average it, and hand each owned master
+        of the bucket its gradient slice (TP-split pieces are kept for :meth:`compute_tp`)."""
+        w = self._works.pop(i, None)
+        # The wait gets the collective's own phase name (inside the step), so traces show per
+        # bucket how long the step was blocked on it; on NCCL this is host time only (see module doc).
+        t0 = time.perf_counter()
+        with phase(f"{self._collective_phase}/bucket{i}"):
             if w is not None:
                 w.wait()
-            src = self._grad_source(i)
-            if self.grad_reduce == "mean" and self.dp > 1:
-                src.div_(self.dp)
-            for pc in self.pieces_by_bucket[i]:
-                m = self.masters[pc]
-                m.grad = src[pc.src : pc.src + pc.numel].view(m.shape)
+        self.bucket_wait_s[i] = time.perf_counter() - t0
+        src = self._grad_source(i)
+        if self.grad_reduce == "mean" and self.dp > 1:
+            src.div_(self.dp)
+        for pc in self.pieces_by_bucket[i]:
+            g = src[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)
+            if pc.role == "tp":
+                self._tp_grads[pc.name] = g
+            else:
+                self.masters[pc].grad = g
 
-    def compute(self) -> None:
-        """Local optimizer math on owned masters (no communication), then the TP engine."""
-        with phase(DP_LOCAL_UPDATE):
-            # Test-only fault hooks (canzona.runtime.faults) see whole parameters; cut pieces are skipped.
-            if self.matrix_opt is not None:
-                with faults.around_step(self.matrix_opt, self._named_masters("matrix")):
-                    self.matrix_opt.step()
-            if self.elementwise_opt is not None:
-                with faults.around_step(self.elementwise_opt, self._named_masters("elementwise")):
-                    self.elementwise_opt.step()
-        if self.tp_engine is not None:
-            grads = {pc.name: self.masters[pc].grad for pc in self.pieces if pc.role == "tp"}
-            self.tp_engine.step(grads)
+    def update_bucket(self, i: int) -> None:
+        """Local optimizer math on the masters this rank owns in bucket ``i`` (no communication).
 
-    def _named_masters(self, role: str) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((pc.name, self.masters[pc]) for pc in self.pieces if pc.role == role and pc.whole)
+        Only this bucket's masters hold a ``.grad`` (earlier buckets' were cleared, later ones' are
+        not set yet), and per-parameter optimizers skip parameters without one, so each instance
+        steps exactly this bucket's parameters; clearing the grads afterwards (also on error)
+        keeps a later bucket's step from stepping them again."""
+        with phase(f"{DP_LOCAL_UPDATE}/bucket{i}"):
+            for opt, mine in self._local_steps[i]:
+                try:
+                    # Test-only fault hooks (canzona.runtime.faults) see whole parameters; cut pieces are skipped.
+                    with faults.around_step(opt, ((pc.name, self.masters[pc]) for pc in mine if pc.whole)):
+                        opt.step()
+                finally:
+                    for pc in mine:
+                        self.masters[pc].grad = None
+
+    def compute_tp(self) -> None:
+        """The TP micro-group engine over the TP-split matrix parameters this rank updates, once every
+        bucket holding one has arrived (simplest: after all buckets; its groups span buckets)."""
+        if self.tp_engine is None:
+            return
+        grads, self._tp_grads = self._tp_grads, {}
+        self.tp_engine.step(grads)
 
     def broadcast_params(self) -> None:
         """``layerwise``: every owner sends its updated parameters to all DP ranks, inside the step."""
