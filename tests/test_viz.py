@@ -227,6 +227,7 @@ def test_sync_schedule_has_no_groups_but_a_makespan() -> None:
     fig = vm.fig_microgroup_gantt(plan, 0)
     _readable(fig)
     assert not _bars(fig) and "no micro-groups" in fig.layout.title.text
+    assert f"makespan {vm._num(s.at[0, 'makespan_sync'] / 1e9)} GFLOP" in fig.layout.title.text
 
 
 def test_gantt_draws_every_task() -> None:
@@ -688,3 +689,78 @@ def test_timeline_table_contract_matches_the_trace_summaries() -> None:
 
     assert vt.PHASE_COLUMNS == traces.PHASE_COLUMNS
     assert tuple(vt._META_KEYS) == tuple(traces.META_KEYS)
+
+
+# ------------------------------------------------------------------------------------------ legibility
+def test_partition_map_many_ranks_uses_a_colour_bar_and_labels() -> None:
+    from canzona.viz._style import LEGEND_MAX_RANKS
+
+    plan = _plan("qwen3-1.7b", dp=16, tp=2, strategy="zero1")
+    assert plan.inputs.dp > LEGEND_MAX_RANKS
+    fig = vp.fig_partition_map(plan, buckets=range(3))
+    _readable(fig)
+    bars = _bars(fig)
+    assert len(bars) == 1 and bars[0].showlegend is False  # no 16-entry legend
+    assert bars[0].marker.colorbar.title.text == "DP rank" and bars[0].marker.cmax == 15
+    pieces = vp.ownership_pieces(plan)
+    pieces = pieces[pieces["bucket"] < 3]
+    assert list(bars[0].text) == [str(o) for o in pieces["owner"]]
+    assert list(bars[0].marker.color) == list(pieces["owner"])
+    assert {c[6] for c in bars[0].customdata} == {f"DP rank {o}" for o in pieces["owner"]}
+    few = vp.fig_partition_map(_plan("qwen3-tiny", dp=4, tp=2, strategy="zero1", bucket_numel=3000))
+    assert all(b.showlegend is not False for b in _bars(few))
+
+
+def test_gantt_keeps_idle_hosts_on_the_chart() -> None:
+    plan = _plan("qwen3-32b", dp=32, tp=8, strategy="lb-asc", flops_shape="local")
+    worst = int(vm.microgroup_summary(plan)["makespan_sync"].idxmax())
+    t = vm.task_table(plan, worst)
+    assert t["host"].nunique() < 8  # the weak point of Algorithm 2 the chart must show
+    fig = vm.fig_microgroup_gantt(plan, worst)
+    _readable(fig)
+    shown = {y for tr in fig.data for y in tr.y}
+    assert shown == {f"TP rank {h}" for h in range(8)}
+    assert {s for b in _bars(fig) for s in b.text} == {f"g{k}" for k in t["group"]}
+
+
+def test_axis_helpers() -> None:
+    from canzona.viz._style import line_style, log_ticks, ratio_axis
+
+    assert log_ticks([64, 1024.0, 4096, 1.72057, float("nan")])["ticktext"] == ["1.72", "64", "1,024", "4,096"]
+    assert ratio_axis([1.0, 1.4, 3.9]) == {}
+    ax = ratio_axis([1.0, 22.6])
+    assert ax["type"] == "log" and ax["tickvals"][0] == 1 and max(ax["tickvals"]) <= 22.6 * 1.5
+    assert line_style(0)["dash"] != line_style(1)["dash"] and line_style(0)["symbol"] != line_style(1)["symbol"]
+
+
+def test_comparison_panels_have_their_own_scales() -> None:
+    plans = [_plan("qwen3-32b", dp=32, tp=8, strategy=s, flops_shape="local") for s in ("asc", "lb-asc")]
+    fig = vp.fig_strategy_comparison(plans, memory="numel")
+    _readable(fig)
+    layout = fig.layout.to_plotly_json()
+    assert not [k for k, ax in layout.items() if k.startswith("yaxis") and ax.get("matches")]
+    bal = vp.fig_balance_vs_paper(vp.strategy_summary(plans))
+    assert bal.layout.yaxis.type == "log"  # asc's ~20 must not flatten lb-asc's 1.1..1.4
+
+
+def test_critical_path_left_panel_shows_when_each_rank_ends() -> None:
+    df = vt.validate_phase_table(_phases())
+    cp = vt.optimizer_critical_path(df, step=1)
+    spans = cp.attrs["per_rank_span_us"]
+    assert {r: e - b for r, (b, e) in spans.items()} == cp.attrs["per_rank_us"]
+    assert max(spans, key=lambda r: spans[r][1]) == cp.attrs["critical_rank"]
+    fig = vt.fig_critical_path(df, step=1)
+    first = min(b for b, _ in spans.values())
+    np.testing.assert_allclose(fig.data[0].base, [(spans[r][0] - first) / 1e3 for r in sorted(spans)])
+    # one legend entry per base phase, not per group
+    assert {t.name for t in fig.data[1:]} == {"tp/gather", "tp/compute", "tp/scatter", "(untracked)"}
+
+
+def test_sweeps_record_their_flops_accounting() -> None:
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False, flops_shape="local")
+    full = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False)
+    assert df.attrs["flops_shape"] == "local" and full.attrs["flops_shape"] == "full"
+    assert df["makespan_sync"].iloc[0] < full["makespan_sync"].iloc[0]
+    assert "local shapes" in vm.fig_cmax_sweep(df).layout.title.text
+    tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt",), flops_shape="local")
+    assert "local shapes" in vm.fig_tp_sweep(tp).layout.title.text

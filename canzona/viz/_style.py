@@ -6,6 +6,7 @@ reader who has not seen the code can read it; tests check those three on every f
 
 from __future__ import annotations
 
+import math
 import re
 
 import plotly.colors as pc
@@ -17,9 +18,15 @@ __all__ = [
     "MEGA",
     "STRATEGY_COLORS",
     "PAPER_MARKER",
+    "RANK_COLORSCALE",
+    "LEGEND_MAX_RANKS",
     "rank_colors",
     "categorical_colors",
     "strategy_color",
+    "line_style",
+    "LOG_RATIO_ABOVE",
+    "ratio_axis",
+    "log_ticks",
     "finish",
     "figure_problems",
 ]
@@ -54,9 +61,57 @@ def categorical_colors(n: int) -> list[str]:
     return pc.sample_colorscale("Turbo", [i / max(n - 1, 1) for i in range(n)])
 
 
+#: continuous scale ranks are drawn with once there are too many for a legend (DP32, DP128)
+RANK_COLORSCALE = "Turbo"
+#: up to this many ranks get one legend entry each and a qualitative colour; beyond it figures
+#: colour ranks along RANK_COLORSCALE with a colour bar and print the rank number on the bars
+LEGEND_MAX_RANKS = 10
+
+
 def rank_colors(n: int) -> list[str]:
-    """Colour of each of ``n`` ranks (rank r -> element r)."""
-    return categorical_colors(n)
+    """Colour of each of ``n`` ranks (rank r -> element r): the qualitative palette up to
+    :data:`LEGEND_MAX_RANKS` ranks, else samples of :data:`RANK_COLORSCALE` (the same colours a
+    colour bar over ranks 0..n-1 shows)."""
+    if n < 0:
+        raise ValueError(f"need a non-negative number of colours, got {n}")
+    if n <= LEGEND_MAX_RANKS:
+        return categorical_colors(n)
+    return pc.sample_colorscale(RANK_COLORSCALE, [i / max(n - 1, 1) for i in range(n)])
+
+
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+_SYMBOLS = ("circle", "square", "triangle-up", "x", "star", "triangle-down")
+
+
+def line_style(i: int) -> dict:
+    """Dash pattern, marker symbol and size of the ``i``-th line of a figure: lines that coincide
+    (schedules or strategies with equal results) stay visible as dashes over solid, smaller
+    markers inside larger ones."""
+    return dict(dash=_DASHES[i % len(_DASHES)], symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(5, 10 - 1.5 * (i % 4)))
+
+
+#: a ratio axis (R_LB, max / mean >= 1) switches to a log scale above this value, so one badly
+#: balanced baseline does not flatten the ratios near 1 that a comparison is about
+LOG_RATIO_ABOVE = 4.0
+
+
+def ratio_axis(values) -> dict:
+    """``update_yaxes`` settings for an axis of max / mean ratios: linear while every value is at
+    most :data:`LOG_RATIO_ABOVE`, else log with readable ticks (1, 1.2, 1.5, 2, 3, 5, 10, ...)."""
+    vals = [float(v) for v in values if not math.isnan(float(v))]
+    top = max([1.0, *vals])
+    if top <= LOG_RATIO_ABOVE:
+        return {}
+    ticks = [t for t in (1, 1.2, 1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= top * 1.5]
+    return dict(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
+
+
+def log_ticks(values) -> dict:
+    """Tick values and short labels (3 significant digits below 100, whole numbers above) for a
+    log axis over ``values``, so the axis shows the swept points (16, 32, 64; 1.72, 4.02 B;
+    1,024 MiB) instead of minor log ticks and six-digit model sizes."""
+    vals = sorted({float(v) for v in values if not math.isnan(float(v))})
+    return dict(tickvals=vals, ticktext=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in vals])
 
 
 def strategy_color(strategy: str) -> str:
@@ -71,14 +126,24 @@ def finish(
     y_title: str | None = None,
     legend_title: str,
     height: int | None = None,
+    legend_below: bool = False,
 ) -> go.Figure:
     """Set title, axis titles (only the primary axes; subplot axes are titled by their builder)
-    and the legend title, with a white template so HTML exports read well in print."""
+    and the legend title, with a white template so HTML exports read well in print.
+    ``legend_below``: a horizontal legend under the plot, for figures whose legend entries are
+    long sentences that would otherwise take a third of the width from side-by-side panels."""
+    # a subtitle (<br><sup>...) needs room above subplot titles
+    top = 90 + 20 * min(title.count("<br>"), 3)
+    legend: dict = dict(title=dict(text=legend_title))
+    bottom = 60
+    if legend_below:
+        legend.update(orientation="h", yanchor="top", y=-0.2, x=0, xanchor="left")
+        bottom = 150
     fig.update_layout(
         title=dict(text=title, x=0.01, xanchor="left"),
-        legend=dict(title=dict(text=legend_title)),
+        legend=legend,
         template="plotly_white",
-        margin=dict(t=90, l=70, r=30, b=60),
+        margin=dict(t=top, l=70, r=30, b=bottom),
     )
     if x_title is not None:
         fig.update_xaxes(title_text=x_title)

@@ -268,10 +268,12 @@ def fig_validation_matrix(report: dict[str, Any]) -> go.Figure:
         go.Heatmap(
             z=z, x=optimizers, y=strategies, text=text, texttemplate="%{text}", zmin=0, zmax=1,
             colorscale=[[0, "#d62728"], [0.999, "#ffbf00"], [1, "#2ca02c"]],
-            colorbar=dict(title=dict(text="fraction passed")), name="cells passed",
+            colorbar=dict(title=dict(text="fraction passed"), tickvals=[0, 0.5, 1], ticktext=["0", "0.5", "1 (all)"]),
+            name="cells passed", xgap=2, ygap=2,
             hovertemplate="%{y} / %{x}: %{text} passed<extra></extra>",
         )
     )
+    fig.update_yaxes(autorange="reversed")  # strategies read top to bottom in table order
     bitwise = int(m["bitwise"].sum())
     bound = int(m["passed"].sum()) - bitwise
     how = f"{bitwise} bitwise equal" + (f", {bound} within a documented bound where bitwise is not expected" if bound else "")
@@ -311,8 +313,9 @@ def fig_loss_trajectories(report: dict[str, Any], *, reference: str | None = Non
     differ = [f"{k} (max {dev.at[k, 'max_abs_diff']:.2g})" for k in dev.index if not dev.at[k, "identical"]]
     fig.update_yaxes(title_text="loss (nats per token)", row=1, col=1)
     fig.update_yaxes(title_text="loss - reference (nats)", row=2, col=1)
+    # the top panel shares the bottom one's x axis: one title under the bottom panel, integer steps
     fig.update_xaxes(title_text="training step", row=2, col=1)
-    fig.update_xaxes(title_text="training step", row=1, col=1)
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=max(1, int(np.ceil(max(len(v) for v in losses.values()) / 12))))
     if all_same:
         verdict = "all trajectories bitwise identical"
     else:

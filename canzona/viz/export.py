@@ -102,8 +102,10 @@ def main_figures(
         "microgroup_gantt": lambda: fig_microgroup_gantt(
             plan("lb-asc"), int(microgroup_summary(plan("lb-asc"))["makespan_sync"].idxmax())
         ),
-        "cmax_sweep": lambda: fig_cmax_sweep(cmax_sweep(model, dp=16, tp=tp, optimizer=optimizer)),
-        "tp_sweep": lambda: fig_tp_sweep(tp_sweep(model, dp=dp, optimizer=optimizer, schedules=("round-robin", "lpt", "lpt-carry", "no-fuse"))),
+        "cmax_sweep": lambda: fig_cmax_sweep(cmax_sweep(model, dp=16, tp=tp, optimizer=optimizer, flops_shape=flops_shape)),
+        "tp_sweep": lambda: fig_tp_sweep(
+            tp_sweep(model, dp=dp, optimizer=optimizer, schedules=("round-robin", "lpt", "lpt-carry", "no-fuse"), flops_shape=flops_shape)
+        ),
         "dp_scaling": lambda: fig_sweep(
             plan_sweep(models=(model,), dps=(16, 32, 64, 128), tps=(tp,), strategies=("asc", "lb-asc", "lb-asc-joint", "layerwise"),
                        optimizer=optimizer, flops_shape=flops_shape),

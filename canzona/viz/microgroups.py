@@ -28,10 +28,11 @@ from canzona.paper import paper_value
 from canzona.plan.build import plan_model
 from canzona.plan.plan import Plan
 from canzona.specs import ParamSpec
-from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish
+from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish, line_style, log_ticks
 from canzona.viz.partition import load_ratio, plan_label, rank_loads
 
 __all__ = [
+    "LEGEND_MAX_GROUPS",
     "TASK_METRICS",
     "task_work",
     "task_table",
@@ -47,10 +48,14 @@ __all__ = [
 
 #: what a task's bar length measures: optimizer FLOPs, optimizer-state bytes, or elements
 TASK_METRICS: dict[str, tuple[float, str]] = {
-    "flops": (GFLOP, "GFLOP (multiply-adds)"),
+    "flops": (GFLOP, "GFLOP, multiply-adds"),
     "memory": (GIB, "GiB of optimizer state"),
     "numel": (MEGA, "million elements"),
 }
+
+
+#: a Gantt chart with more micro-groups than this alternates two shades instead of one colour each
+LEGEND_MAX_GROUPS = 10
 
 
 def _num(x: float) -> str:
@@ -237,6 +242,7 @@ def cmax_sweep(
     tp_schedule: str = "lpt",
     include_no_fuse: bool = True,
     metric: str = "flops",
+    flops_shape: str = "full",
 ) -> pd.DataFrame:
     """The fusion-capacity ablation (Appendix C.6, Figure 14) redone with the planner.
 
@@ -246,6 +252,8 @@ def cmax_sweep(
     ``all_to_alls`` (2 per group: gather and scatter), ``makespan_sync`` / ``makespan_free`` (worst
     DP rank, raw ``metric`` units), ``tp_flops_ratio``, ``tp_memory_ratio``,
     ``oversize_tasks_warned``, ``plan_ms``. The default DP16 x TP8 is the paper's configuration.
+    ``flops_shape``: task work on the full matrix a host processes (default) or on the shard
+    (``local``, the paper's accounting); it is recorded in ``attrs`` and the figure's title.
     """
     if not cmax_mb:
         raise ValueError("cmax_mb needs at least one capacity")
@@ -253,14 +261,14 @@ def cmax_sweep(
     for c in cmax_mb:
         if not c > 0:
             raise ValueError(f"C_max must be positive, got {c}")
-        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy,
+        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, flops_shape=flops_shape,
                                tp_schedule=tp_schedule, cmax_bytes=int(round(c * 2**20)))
         rows.append({"schedule": tp_schedule, "cmax_mb": float(c), **_sweep_row(plan, nw, metric)})
     if include_no_fuse:
-        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, tp_schedule="no-fuse")
+        plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, flops_shape=flops_shape, tp_schedule="no-fuse")
         rows.append({"schedule": "no-fuse", "cmax_mb": np.nan, **_sweep_row(plan, nw, metric)})
     df = pd.DataFrame(rows)
-    df.attrs.update(model=model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, metric=metric)
+    df.attrs.update(model=model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, metric=metric, flops_shape=flops_shape)
     return df
 
 
@@ -273,16 +281,18 @@ def tp_sweep(
     optimizer: str = "muon",
     strategy: str = "lb-asc",
     metric: str = "flops",
+    flops_shape: str = "full",
 ) -> pd.DataFrame:
     """TP scaling (Appendix C.3, Figure 8b) with the DP partition fixed to ``strategy`` so only the
-    TP schedule changes. One row per (tp, schedule); columns as in :func:`cmax_sweep` plus ``tp``."""
+    TP schedule changes. One row per (tp, schedule); columns as in :func:`cmax_sweep` plus ``tp``;
+    ``flops_shape`` as there."""
     rows = []
     for t in tps:
         for sch in schedules:
-            plan, nw = _quiet_plan(model, dp=dp, tp=int(t), optimizer=optimizer, strategy=strategy, tp_schedule=sch)
+            plan, nw = _quiet_plan(model, dp=dp, tp=int(t), optimizer=optimizer, strategy=strategy, tp_schedule=sch, flops_shape=flops_shape)
             rows.append({"tp": int(t), "schedule": sch, **_sweep_row(plan, nw, metric)})
     df = pd.DataFrame(rows)
-    df.attrs.update(model=model, dp=dp, optimizer=optimizer, strategy=strategy, metric=metric)
+    df.attrs.update(model=model, dp=dp, optimizer=optimizer, strategy=strategy, metric=metric, flops_shape=flops_shape)
     return df
 
 
@@ -300,8 +310,9 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     s_col, e_col = ("start", "end") if timeline == "sync" else ("start_free", "end_free")
     if len(t):
         groups = sorted(int(k) for k in t["group"].unique())
-        # beyond ~24 groups distinct colours stop being readable: alternate two shades instead
-        many = len(groups) > 24
+        # beyond a qualitative palette's worth of groups distinct colours stop being readable (and
+        # the legend scrolls): alternate two shades; the group number is printed on every bar
+        many = len(groups) > LEGEND_MAX_GROUPS
         palette = categorical_colors(2 if many else len(groups))
         if many:
             parity = t["group"].to_numpy() % 2
@@ -319,6 +330,10 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
                     base=(g[s_col] / scale).to_numpy(),
                     name=name,
                     marker=dict(color=color, line=dict(color="white", width=0.6)),
+                    text=[f"g{k}" for k in g["group"]],
+                    textposition="inside",
+                    insidetextanchor="middle",
+                    textangle=0,
                     customdata=np.stack(
                         [g["param"], g["shape"], g["group"], g["grad_bytes"] / 2**20, g[s_col] / scale, g[e_col] / scale], axis=-1
                     ),
@@ -335,22 +350,35 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
                 fig.add_vline(x=float(x), line_dash="dot", line_color="gray", line_width=1)
         span = float(t[e_col].max()) / scale
     else:
-        span = 0.0
+        # no micro-groups (TP schedule sync): every TP rank runs every task this DP rank owns,
+        # so the makespan is their total work, as microgroup_summary reports it
+        owned = _owned_tasks(plan)[dp_rank]
+        span = sum(task_work(p.spec, inp.optimizer, inp.flops_shape, metric) for p in owned) / scale
+        if span > 0:
+            fig.update_xaxes(range=[0, span * 1.05])
     host_loads = tp_host_loads(plan, dp_rank)
-    fig.update_layout(barmode="overlay", bargap=0.3)
-    fig.update_yaxes(categoryorder="array", categoryarray=[f"TP rank {h}" for h in range(inp.tp)][::-1])
-    what = "sum over micro-groups of the busiest host" if timeline == "sync" else "busiest host, hosts running free"
-    empty = "" if len(t) else " (no micro-groups: TP schedule sync or TP 1)"
+    rows = [f"TP rank {h}" for h in range(inp.tp)]
+    # an invisible point per TP rank keeps idle hosts on the chart: a category axis only shows
+    # categories that hold data, and an idle host is exactly what a bad schedule looks like
+    fig.add_trace(go.Scatter(x=[0.0] * inp.tp, y=rows, mode="markers", marker=dict(opacity=0), showlegend=False,
+                             hoverinfo="skip", name="TP ranks"))
+    fig.update_layout(barmode="overlay", bargap=0.3, showlegend=True, uniformtext=dict(minsize=8, mode="hide"))
+    fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
+    what = "sum over micro-groups of each group's busiest host" if timeline == "sync" else "busiest host, hosts running free"
+    empty = "" if len(t) else " (no micro-groups)"
+    if not len(t):
+        what = "TP schedule sync or TP 1, every TP rank runs every task this DP rank owns"
     return finish(
         fig,
         title=(
-            f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit} ({what})<br>"
-            f"<sup>{plan_label(plan)}, TP schedule {inp.tp_schedule}, C_max {inp.cmax_bytes / 2**20:.0f} MiB; "
-            f"this rank's TP R_LB FLOPs {load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}</sup>"
+            f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit}<br>"
+            f"<sup>{plan_label(plan)}, FLOPs on {inp.flops_shape} shapes, TP schedule {inp.tp_schedule}, "
+            f"C_max {inp.cmax_bytes / 2**20:.0f} MiB<br>makespan: {what}; this rank's TP R_LB FLOPs "
+            f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}</sup>"
         ),
         x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
         y_title="host TP rank",
-        legend_title="micro-group",
+        legend_title="micro-group (gK on bars)",
         height=max(360, 40 * inp.tp + 180),
     )
 
@@ -364,13 +392,15 @@ def fig_tp_host_loads(plan: Plan, dp_rank: int = 0) -> go.Figure:
     x = loads.index.to_numpy()
     for c, (key, scale, label) in enumerate((("flops", GFLOP, "FLOPs per TP rank"), ("memory_bytes", GIB, "memory per TP rank")), start=1):
         v = loads[key].to_numpy() / scale
-        fig.add_trace(go.Bar(x=x, y=v, name=label, marker_color=categorical_colors(2)[c - 1]), row=1, col=c)
+        unit = "GFLOP" if key == "flops" else "GiB"
+        fig.add_trace(go.Bar(x=x, y=v, name=label, marker_color=categorical_colors(2)[c - 1],
+                             hovertemplate=f"TP rank %{{x}}: %{{y:.4g}} {unit} (mean {v.mean():.4g})<extra></extra>"), row=1, col=c)
         fig.add_trace(
             go.Scatter(x=[x.min() - 0.5, x.max() + 0.5], y=[v.mean()] * 2, mode="lines", line=dict(dash="dash", color="black"),
                        name="mean over TP ranks", legendgroup="mean", showlegend=c == 1),
             row=1, col=c,
         )
-        fig.update_xaxes(title_text="TP rank", row=1, col=c)
+        fig.update_xaxes(title_text="TP rank", row=1, col=c, tickmode="array", tickvals=list(x))
     fig.update_yaxes(title_text="GFLOP per step", row=1, col=1)
     fig.update_yaxes(title_text="GiB", row=1, col=2)
     return finish(
@@ -409,15 +439,17 @@ def fig_cmax_sweep(df: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Scatter(x=[plateau.value] * 2, y=[0.0, top], mode="lines", line=dict(dash="dot", color="black"),
                                  name=f"{plateau.label}: plateau at C_max ~{plateau.value:.0f} MB", legendgroup="paper",
                                  showlegend=c == 1, hoverinfo="skip"), row=1, col=c)
-    fig.update_xaxes(type="log", title_text="C_max (MiB of full gradient per host per micro-group)")
+    fig.update_xaxes(type="log", title_text="C_max (MiB of full gradient per host per micro-group)", **log_ticks([*df["cmax_mb"], plateau.value]))
     fig.update_yaxes(title_text=f"makespan ({unit})", row=1, col=1)
     fig.update_yaxes(title_text="all-to-all calls per step", row=1, col=2)
     a = df.attrs
     return finish(
         fig,
-        title=f"Fusion capacity sweep: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')} x TP{a.get('tp')}, {a.get('strategy')}",
+        title=(f"Fusion capacity sweep: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')} x TP{a.get('tp')}, {a.get('strategy')}"
+               f"<br><sup>makespan in {unit} on {a.get('flops_shape', 'full')} shapes; hosts-run-free dotted under the sync line where they agree</sup>"),
         legend_title="schedule",
-        height=440,
+        legend_below=True,
+        height=540,
     )
 
 
@@ -428,14 +460,20 @@ def fig_tp_sweep(df: pd.DataFrame) -> go.Figure:
     schedules = list(dict.fromkeys(df["schedule"]))
     colors = categorical_colors(len(schedules))
     fig = make_subplots(rows=1, cols=2, subplot_titles=("TP FLOPs R_LB (worst DP rank)", "micro-group makespan (sync timeline)"))
-    for sch, col in zip(schedules, colors):
+    for i, (sch, col) in enumerate(zip(schedules, colors)):
+        st = line_style(i)
+        line = dict(color=col, dash=st["dash"])
+        marker = dict(symbol=st["symbol"], size=st["size"])
         d = df[df["schedule"] == sch].sort_values("tp")
-        fig.add_trace(go.Scatter(x=d["tp"], y=d["tp_flops_ratio"], mode="lines+markers", name=sch, legendgroup=sch, line_color=col), row=1, col=1)
+        fig.add_trace(go.Scatter(x=d["tp"], y=d["tp_flops_ratio"], mode="lines+markers", name=sch, legendgroup=sch, line=line,
+                                 marker=marker, hovertemplate=f"{sch}, TP%{{x}}: R_LB %{{y:.3f}}<extra></extra>"), row=1, col=1)
         fig.add_trace(go.Scatter(x=d["tp"], y=d["makespan_sync"] / scale, mode="lines+markers", name=sch, legendgroup=sch,
-                                 showlegend=False, line_color=col), row=1, col=2)
-    fig.update_xaxes(title_text="TP size (ranks per TP group)", type="log", tickvals=sorted(df["tp"].unique()))
+                                 showlegend=False, line=line, marker=marker,
+                                 hovertemplate=f"{sch}, TP%{{x}}: %{{y:,.0f}} {unit}<extra></extra>"), row=1, col=2)
+    fig.update_xaxes(title_text="TP size (ranks per TP group)", type="log", **log_ticks(df["tp"]))
     fig.update_yaxes(title_text="R_LB (max / mean)", row=1, col=1)
     fig.update_yaxes(title_text=f"makespan ({unit})", row=1, col=2)
     a = df.attrs
-    return finish(fig, title=f"TP scaling: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')}, DP strategy {a.get('strategy')}",
-                  legend_title="TP schedule", height=420)
+    return finish(fig, title=(f"TP scaling: {a.get('model')}, {a.get('optimizer')}, DP{a.get('dp')}, DP strategy {a.get('strategy')}"
+                              f"<br><sup>worst DP rank; work on {a.get('flops_shape', 'full')} shapes; coinciding schedules drawn dashed over solid</sup>"),
+                  legend_title="TP schedule", height=440)

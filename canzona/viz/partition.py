@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from canzona.cost import param_flops, param_memory
 from canzona.paper import PaperValue, paper_values
 from canzona.plan.plan import Plan
-from canzona.viz._style import GFLOP, GIB, MEGA, PAPER_MARKER, finish, rank_colors, strategy_color
+from canzona.viz._style import GFLOP, GIB, LEGEND_MAX_RANKS, MEGA, PAPER_MARKER, RANK_COLORSCALE, finish, rank_colors, ratio_axis, strategy_color
 
 __all__ = [
     "EVERY_RANK",
@@ -196,44 +196,69 @@ def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go
         if bad:
             raise ValueError(f"bucket indices {bad} out of range: the plan has {len(plan.buckets)} buckets")
         pieces = pieces[pieces["bucket"].isin(wanted)]
-    colors = rank_colors(plan.inputs.dp)
+    dp = plan.inputs.dp
+    colors = rank_colors(dp)
     # million elements for real models; plain elements / thousands for toy ones
     biggest = max(b.numel for b in plan.buckets)
     scale, unit = (MEGA, "million") if biggest >= MEGA else (1e3, "thousand") if biggest >= 1e4 else (1.0, "")
     fig = go.Figure()
-    for owner, grp in pieces.groupby("owner", sort=True):
-        owner = int(owner)
+    # few ranks: one legend entry per rank; many (DP32, DP128): one trace coloured along a
+    # continuous scale with a colour bar, since 32 legend entries of near-identical hues read as
+    # noise. Either way each segment carries its rank number, so neighbours on the scale stay
+    # distinguishable.
+    per_rank = dp <= LEGEND_MAX_RANKS
+    if per_rank:
+        series = [(int(o), g) for o, g in pieces.groupby("owner", sort=True)]
+    else:
+        everyone = pieces["owner"] == EVERY_RANK
+        series = [(owner, g) for owner, g in ((EVERY_RANK, pieces[everyone]), (None, pieces[~everyone])) if len(g)]
+    for owner, grp in series:
+        if owner is None:
+            name = f"DP ranks 0..{dp - 1} (colour bar)"
+            marker = dict(color=grp["owner"].to_numpy(), colorscale=RANK_COLORSCALE, cmin=0, cmax=max(dp - 1, 1),
+                          colorbar=dict(title=dict(text="DP rank")),
+                          line=dict(color="white", width=0.5))
+        else:
+            name = _owner_name(owner)
+            marker = dict(color="#999999" if owner == EVERY_RANK else colors[owner], line=dict(color="white", width=0.5))
+        labels = grp["owner"].map(lambda o: "all" if o == EVERY_RANK else str(o))
         fig.add_trace(
             go.Bar(
                 orientation="h",
                 y=[f"bucket {b}" for b in grp["bucket"]],
                 x=(grp["numel"] / scale).to_numpy(),
                 base=(grp["start"] / scale).to_numpy(),
-                name=_owner_name(owner),
-                marker=dict(color="#999999" if owner == EVERY_RANK else colors[owner], line=dict(color="white", width=0.5)),
+                name=name,
+                showlegend=owner is not None,
+                marker=marker,
+                text=labels.to_numpy(),
+                textposition="inside",
+                insidetextanchor="middle",
+                textangle=0,
                 customdata=np.stack(
-                    [grp["param"], grp["shape"], grp["start"], grp["end"], grp["param_start"], grp["whole"].map({True: "whole", False: "piece"})],
+                    [grp["param"], grp["shape"], grp["start"], grp["end"], grp["param_start"], grp["whole"].map({True: "whole", False: "piece"}),
+                     grp["owner"].map(_owner_name)],
                     axis=-1,
                 ),
                 hovertemplate=(
                     "%{customdata[0]}<br>shape %{customdata[1]} (%{customdata[5]})<br>"
                     "elements [%{customdata[2]}, %{customdata[3]}) of %{y}<br>"
-                    + _owner_name(owner)
-                    + "<extra></extra>"
+                    "%{customdata[6]}<extra></extra>"
                 ),
             )
         )
     n_b = pieces["bucket"].nunique()
     order = [f"bucket {b}" for b in sorted(pieces["bucket"].unique())]
-    fig.update_layout(barmode="overlay", bargap=0.25)
+    # rank numbers that do not fit their segment are hidden rather than shrunk to specks
+    fig.update_layout(barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"))
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
     loads = rank_loads(plan)
     return finish(
         fig,
         title=(
-            f"Partition map: {plan_label(plan)}<br><sup>{n_b} buckets; R_LB FLOPs {load_ratio(loads['flops']):.2f}, "
+            f"Partition map: {plan_label(plan)}<br><sup>{n_b} bucket{'s' if n_b != 1 else ''}; R_LB FLOPs {load_ratio(loads['flops']):.2f}, "
             f"state memory {load_ratio(loads['memory_bytes']):.2f}, elements {load_ratio(loads['numel']):.2f}; "
-            "hover a segment for its parameter</sup>"
+            "numbers on segments: DP rank; hover a segment for its parameter</sup>"
         ),
         x_title=f"offset inside the bucket ({unit + ' ' if unit else ''}TP-local elements)",
         y_title="ZeRO-1 bucket (buffer order)",
@@ -268,11 +293,12 @@ def fig_rank_loads(plan: Plan, *, memory: str = "state") -> go.Figure:
     )
     ranks = loads.index.to_numpy()
     color = strategy_color(plan.inputs.strategy)
-    for col, (key, scale, label) in enumerate(
-        (("flops", GFLOP, "FLOPs per rank"), (mkey, mscale, "memory per rank")), start=1
+    for col, (key, scale, label, unit) in enumerate(
+        (("flops", GFLOP, "FLOPs per rank", "GFLOP"), (mkey, mscale, "memory per rank", maxis)), start=1
     ):
         vals = loads[key].to_numpy() / scale
-        fig.add_trace(go.Bar(x=ranks, y=vals, name=label, marker_color=color, opacity=0.85 if col == 1 else 0.55), row=1, col=col)
+        fig.add_trace(go.Bar(x=ranks, y=vals, name=label, marker_color=color, opacity=0.85 if col == 1 else 0.55,
+                             hovertemplate=f"DP rank %{{x}}: %{{y:.4g}} {unit} (mean {vals.mean():.4g})<extra></extra>"), row=1, col=col)
         fig.add_trace(
             go.Scatter(
                 x=[ranks.min() - 0.5, ranks.max() + 0.5],
@@ -311,14 +337,18 @@ def fig_strategy_comparison(plans: Sequence[Plan], *, memory: str = "state") -> 
         titles.append(f"{p.inputs.strategy}: FLOPs R_LB {load_ratio(t['flops']):.2f}")
     for p, t in zip(plans, tables):
         titles.append(f"{p.inputs.strategy}: memory R_LB {load_ratio(t[mkey]):.2f}")
-    fig = make_subplots(rows=2, cols=n, subplot_titles=titles, shared_yaxes="rows", horizontal_spacing=0.03, vertical_spacing=0.16)
+    # each panel keeps its own y scale: one unbalanced strategy (asc at DP32 reaches R_LB ~20)
+    # would otherwise flatten every other panel to a line along the axis
+    fig = make_subplots(rows=2, cols=n, subplot_titles=titles, horizontal_spacing=0.06 if n > 1 else 0.03, vertical_spacing=0.16)
     for c, (p, t) in enumerate(zip(plans, tables), start=1):
         st = p.inputs.strategy
         ranks = t.index.to_numpy()
         for r, (key, scale) in enumerate((("flops", GFLOP), (mkey, mscale)), start=1):
             vals = t[key].to_numpy() / scale
+            unit = "GFLOP" if r == 1 else maxis
             fig.add_trace(
-                go.Bar(x=ranks, y=vals, name=st, legendgroup=st, showlegend=r == 1, marker_color=strategy_color(st)),
+                go.Bar(x=ranks, y=vals, name=st, legendgroup=st, showlegend=r == 1, marker_color=strategy_color(st),
+                       hovertemplate=f"{st}, DP rank %{{x}}: %{{y:.4g}} {unit} (mean {vals.mean():.4g})<extra></extra>"),
                 row=r,
                 col=c,
             )
@@ -332,12 +362,13 @@ def fig_strategy_comparison(plans: Sequence[Plan], *, memory: str = "state") -> 
                 col=c,
             )
             fig.update_xaxes(title_text="DP rank", row=r, col=c)
-    fig.update_yaxes(title_text="GFLOP per step", row=1, col=1)
-    fig.update_yaxes(title_text=maxis, row=2, col=1)
+        fig.update_yaxes(title_text="GFLOP per step", row=1, col=c)
+        fig.update_yaxes(title_text=maxis, row=2, col=c)
     i = plans[0].inputs
     return finish(
         fig,
-        title=f"Strategies side by side: {i.model}, {i.optimizer}, DP{i.dp} x TP{i.tp} (dashed: mean over ranks)",
+        title=(f"Strategies side by side: {i.model}, {i.optimizer}, DP{i.dp} x TP{i.tp}<br><sup>dashed: mean over ranks; "
+               "each panel has its own y scale, compare R_LB in the panel titles</sup>"),
         legend_title="strategy",
         height=620,
     )
@@ -359,9 +390,11 @@ def fig_balance_vs_paper(summary: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     for _, row in summary.iterrows():
         st = row["strategy"]
+        ys = [row[k] for k, _ in metrics]
         fig.add_trace(
-            go.Bar(x=[lab for _, lab in metrics], y=[row[k] for k, _ in metrics], name=f"canzona {st}",
-                   marker_color=strategy_color(st), offsetgroup=st)
+            go.Bar(x=[lab for _, lab in metrics], y=ys, name=f"canzona {st}", marker_color=strategy_color(st), offsetgroup=st,
+                   text=[f"{v:.2f}" for v in ys], textposition="outside", textfont=dict(size=10), cliponaxis=False,
+                   hovertemplate=f"canzona {st}, %{{x}}: %{{y:.3f}}<extra></extra>")
         )
     shown = False
     for _, row in summary.iterrows():
@@ -380,12 +413,15 @@ def fig_balance_vs_paper(summary: pd.DataFrame) -> go.Figure:
                 )
             )
             shown = True
-    fig.add_hline(y=1.0, line_dash="dot", line_color="gray", annotation_text="perfect balance", annotation_position="top left")
-    fig.update_layout(barmode="group", scattermode="group")
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    # log scale once a baseline is badly unbalanced (asc ~20 at DP32), so the ratios near 1 the
+    # comparison is about stay apart; the value labels give the exact numbers
+    fig.update_layout(barmode="group", scattermode="group", uniformtext=dict(minsize=8, mode="show"))
+    fig.update_yaxes(**ratio_axis([v for k, _ in metrics for v in summary[k]]))
     shapes = ", ".join(sorted(set(summary["flops_shape"]))) if "flops_shape" in summary else "?"
     return finish(
         fig,
-        title=f"Load-balance ratio R_LB = max / mean per strategy (lower is better; 1 = perfect)<br><sup>FLOPs on {shapes} shapes; "
+        title=f"Load-balance ratio R_LB = max / mean per strategy (lower is better; 1 = perfect, dotted)<br><sup>FLOPs on {shapes} shapes; "
               "diamonds: the paper's reported values where it reports them</sup>",
         x_title="quantity balanced across ranks",
         y_title="R_LB (max / mean, dimensionless)",

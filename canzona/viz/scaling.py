@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from canzona.paper import paper_values
 from canzona.plan.build import plan_model, resolve_model
 from canzona.specs import specs_from_config
-from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, strategy_color
+from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, line_style, log_ticks, ratio_axis, strategy_color
 from canzona.viz.partition import PAPER_COLUMNS
 
 __all__ = [
@@ -182,31 +182,35 @@ def fig_sweep(
         raise ValueError("the sweep table is empty")
     groups = list(dict.fromkeys(df[color]))
     colors = _color_of(color, groups)
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[METRIC_LABELS.get(m, m) for m in metrics], horizontal_spacing=0.08)
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[METRIC_LABELS.get(m, m) for m in metrics], horizontal_spacing=0.1)
     paper_shown = False
     for c, metric in enumerate(metrics, start=1):
-        for gval in groups:
+        for i, gval in enumerate(groups):
             d = df[df[color] == gval].sort_values(x)
+            st = line_style(i)
             fig.add_trace(
                 go.Scatter(x=d[x], y=d[metric], mode="lines+markers", name=str(gval), legendgroup=str(gval), showlegend=c == 1,
-                           line=dict(color=colors[gval]), customdata=d[["model", "dp", "tp"]].to_numpy(),
+                           line=dict(color=colors[gval], dash=st["dash"]), marker=dict(symbol=st["symbol"], size=st["size"]),
+                           customdata=d[["model", "dp", "tp"]].to_numpy(),
                            hovertemplate=f"{gval}<br>%{{customdata[0]}} DP%{{customdata[1]}} x TP%{{customdata[2]}}<br>{x} %{{x}}: %{{y:.3f}}<extra></extra>"),
                 row=1, col=c,
             )
         pts = paper_points(df, metric, x)
         if len(pts):
+            # each diamond names its strategy: at the paper's configuration several sit on one x
             fig.add_trace(
-                go.Scatter(x=pts[x], y=pts["value"], mode="markers", marker=PAPER_MARKER, name="paper (reported)",
-                           legendgroup="paper", showlegend=not paper_shown, text=pts["strategy"] + ", " + pts["label"],
-                           hovertemplate="%{text}: %{y:.2f}<extra></extra>"),
+                go.Scatter(x=pts[x], y=pts["value"], mode="markers+text", marker=PAPER_MARKER, name="paper (reported)",
+                           legendgroup="paper", showlegend=not paper_shown, text=pts["strategy"], textposition="middle right", cliponaxis=False,
+                           textfont=dict(size=10), customdata=pts[["label"]].to_numpy(),
+                           hovertemplate="paper, %{text} (%{customdata[0]}): %{y:.2f}<extra></extra>"),
                 row=1, col=c,
             )
             paper_shown = True
-        fig.update_yaxes(title_text=METRIC_LABELS.get(metric, metric), row=1, col=c)
+        fig.update_yaxes(title_text=METRIC_LABELS.get(metric, metric), row=1, col=c,
+                         **(ratio_axis([*df[metric], *pts["value"]]) if metric.endswith("_ratio") else {}))
         fig.update_xaxes(title_text=_X_LABELS.get(x, x), row=1, col=c)
         if log_x:
-            vals = sorted(set(df[x].dropna()))
-            fig.update_xaxes(type="log", tickvals=vals, ticktext=[f"{v:g}" for v in vals], row=1, col=c)
+            fig.update_xaxes(type="log", row=1, col=c, **log_ticks(df[x]))
     return finish(fig, title=title, legend_title=color.replace("_", " "), height=440)
 
 
@@ -231,7 +235,8 @@ def fig_alpha_tradeoff(df: pd.DataFrame) -> go.Figure:
                                      hovertemplate="paper %{text}: %{y:.2f}<extra></extra>"), row=1, col=1)
             shown = True
     fig.update_xaxes(title_text=_X_LABELS["alpha"])
-    fig.update_yaxes(title_text="R_LB (max / mean)", row=1, col=1)
+    fig.update_yaxes(title_text="R_LB (max / mean)", row=1, col=1,
+                     **ratio_axis(d[["dp_flops_ratio", "dp_numel_ratio", "dp_memory_ratio"]].to_numpy().ravel()))
     fig.update_yaxes(title_text="largest / mean shard", row=1, col=2)
     r = d.iloc[0]
     return finish(fig, title=f"alpha sweep: {r['model']}, {r['optimizer']}, DP{r['dp']} x TP{r['tp']}, cost {r['cost']}",
@@ -253,6 +258,7 @@ def fig_cost_models(df: pd.DataFrame, *, metrics: Sequence[str] = ("dp_flops_rat
         fig.add_trace(go.Bar(x=labels, y=vals, name=f"cost = {cost}", marker_color=colors[cost]))
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
     fig.update_layout(barmode="group")
+    fig.update_yaxes(**ratio_axis(df[list(metrics)].to_numpy().ravel()))
     r = df.iloc[0]
     return finish(fig, title=f"Planner cost model: numel vs FLOPs vs memory ({r['model']}, {r['optimizer']}, DP{r['dp']} x TP{r['tp']}, FLOPs on {r['flops_shape']} shapes)",
                   x_title="strategy: balanced quantity", y_title="R_LB (max / mean)", legend_title="planner cost W(p)", height=460)

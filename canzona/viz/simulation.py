@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from canzona.paper import paper_value, paper_values
-from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, strategy_color
+from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, line_style, log_ticks, strategy_color
 from canzona.viz.scaling import model_params_b
 
 __all__ = [
@@ -233,8 +233,10 @@ def fig_time_breakdown(df: pd.DataFrame) -> go.Figure:
     labels = list(TIME_COLUMNS.values())
     for _, row in df.iterrows():
         st = row["strategy"]
-        fig.add_trace(go.Bar(x=labels, y=[row[c] for c in TIME_COLUMNS], name=f"canzona sim: {st}", marker_color=strategy_color(st),
-                             offsetgroup=st, hovertemplate=f"{st} %{{x}}: %{{y:.3f}} s<extra></extra>"))
+        ys = [row[c] for c in TIME_COLUMNS]
+        fig.add_trace(go.Bar(x=labels, y=ys, name=f"canzona sim: {st}", marker_color=strategy_color(st),
+                             offsetgroup=st, hovertemplate=f"{st} %{{x}}: %{{y:.3f}} s<extra></extra>",
+                             text=[f"{v:.3g}" for v in ys], textposition="outside", textfont=dict(size=10), cliponaxis=False))
     shown = False
     for _, row in df.iterrows():
         xs, ys = [], []
@@ -267,25 +269,29 @@ def fig_time_sweep(df: pd.DataFrame, *, x: str | None = None, metrics: Sequence[
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[TIME_COLUMNS.get(m, m) for m in metrics])
     shown = False
     for c, m in enumerate(metrics, start=1):
-        for st in dict.fromkeys(df["strategy"]):
+        for i, st in enumerate(dict.fromkeys(df["strategy"])):
             d = df[df["strategy"] == st].sort_values(x)
+            ls = line_style(i)
             fig.add_trace(go.Scatter(x=d[x], y=d[m], mode="lines+markers", name=st, legendgroup=st, showlegend=c == 1,
-                                     line_color=strategy_color(st)), row=1, col=c)
-        px_, py_ = [], []
+                                     line=dict(color=strategy_color(st), dash=ls["dash"]), marker=dict(symbol=ls["symbol"], size=ls["size"]),
+                                     hovertemplate=f"{st}, {label} %{{x}}: %{{y:.3f}} s<extra></extra>"), row=1, col=c)
+        px_, py_, pt_ = [], [], []
         for _, row in df.iterrows():
             v = _paper_time(row, m)
             if v is not None:
                 px_.append(row[x])
                 py_.append(v)
+                pt_.append(row["strategy"])
         if px_:
-            fig.add_trace(go.Scatter(x=px_, y=py_, mode="markers", marker=PAPER_MARKER, name="paper (measured)", legendgroup="paper",
-                                     showlegend=not shown), row=1, col=c)
+            # diamonds name their strategy: several share the paper's x
+            fig.add_trace(go.Scatter(x=px_, y=py_, mode="markers+text", marker=PAPER_MARKER, name="paper (measured)", legendgroup="paper",
+                                     showlegend=not shown, text=pt_, textposition="middle right", textfont=dict(size=10), cliponaxis=False,
+                                     hovertemplate="paper, %{text}: %{y:.3f} s<extra></extra>"), row=1, col=c)
             shown = True
         fig.update_yaxes(title_text="seconds per iteration", row=1, col=c)
         fig.update_xaxes(title_text=label, row=1, col=c)
         if log_x and x in ("dp", "tp", "params_b"):
-            vals = sorted(set(df[x]))
-            fig.update_xaxes(type="log", tickvals=vals, ticktext=[f"{v:g}" for v in vals], row=1, col=c)
+            fig.update_xaxes(type="log", row=1, col=c, **log_ticks(df[x]))
     a = df.attrs
     return finish(fig, title=f"Predicted times vs {label}: {a.get('model', '')}, {a.get('optimizer', '')}, on {a.get('hardware', '')}",
                   legend_title="strategy", height=430)
@@ -306,7 +312,7 @@ def fig_cmax_time(df: pd.DataFrame) -> go.Figure:
     nf, fu, pl = paper_value("optimizer_s_no_fuse"), paper_value("optimizer_s_fused"), paper_value("cmax_plateau_mb")
     fig.add_trace(go.Scatter(x=xs, y=[nf.value] * 2, mode="lines", line=dict(dash="dot", color="black"), name=f"paper no-fuse ~{nf.value} s ({nf.source})"))
     fig.add_trace(go.Scatter(x=[pl.value], y=[fu.value], mode="markers", marker=PAPER_MARKER, name=f"paper fused ~{fu.value} s, plateau ~{pl.value:.0f} MB"))
-    fig.update_xaxes(type="log")
+    fig.update_xaxes(type="log", **log_ticks([*fused["cmax_mb"], pl.value]))
     a = df.attrs
     return finish(fig, title=f"Fusion capacity vs predicted optimizer step: {a.get('model')}, DP{a.get('dp')} x TP{a.get('tp')} on {a.get('hardware')}",
                   x_title="C_max (MiB of full gradient per host per micro-group)", y_title="optimizer step (s)", legend_title="schedule", height=430)
@@ -330,6 +336,20 @@ def fig_cost_time(df: pd.DataFrame) -> go.Figure:
                   x_title="planner cost W(p)", y_title="optimizer step (s)", legend_title="source", height=400)
 
 
+#: components coloured by family: forward/backward compute blues, communication of the
+#: fwd-bwd pass purples and teal, optimizer work reds/oranges, optimizer communication browns
+_COMPONENT_COLORS: dict[str, str] = {
+    "fwd_compute": "#1f77b4",
+    "bwd_compute": "#9ecae1",
+    "tp_activation_comm": "#17becf",
+    "dp_grad_exposed": "#6a3d9a",
+    "dp_param_exposed": "#cab2d6",
+    "opt_elementwise": "#fdbf6f",
+    "opt_matrix_compute": "#d62728",
+    "opt_tp_comm_exposed": "#ff7f0e",
+    "opt_dp_comm": "#8c564b",
+}
+
 _COMPONENT_LABELS: dict[str, str] = {
     "fwd_compute": "forward compute",
     "bwd_compute": "backward compute",
@@ -351,7 +371,8 @@ def fig_time_components(df: pd.DataFrame) -> go.Figure:
         raise ValueError("empty component table")
     strategies = list(dict.fromkeys(df["strategy"]))
     comps = list(dict.fromkeys(df["component"]))
-    colors = dict(zip(comps, categorical_colors(len(comps))))
+    spare = iter(categorical_colors(len(comps)))
+    colors = {c: _COMPONENT_COLORS.get(c) or next(spare) for c in comps}
     fig = go.Figure()
     for comp in comps:
         d = df[df["component"] == comp].groupby("strategy")["seconds"].sum().reindex(strategies, fill_value=0.0)

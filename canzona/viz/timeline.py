@@ -267,7 +267,7 @@ def optimizer_critical_path(phases: pd.DataFrame, *, step: int | None = None, ph
     outside any recorded child: waiting or untracked work) as ``(untracked)`` segments.
     Columns: ``rank``, ``segment`` (label), ``phase``, ``part``, ``start_us``, ``dur_us``, ``kind``
     ("phase" or "gap"); ``attrs``: ``critical_rank``, ``step``, ``total_us``, ``per_rank_us``
-    (optimizer-phase duration of every rank).
+    (optimizer-phase duration of every rank) and ``per_rank_span_us`` (its start and end).
     """
     phase = phase or _optimizer_phase()
     s = _pick_step(phases, step)
@@ -295,6 +295,7 @@ def optimizer_critical_path(phases: pd.DataFrame, *, step: int | None = None, ph
     out.attrs.update(
         critical_rank=crit, step=s, total_us=hi - lo, phase=phase,
         per_rank_us={int(r): float(e - b) for r, b, e in zip(spans.index, spans["start"], spans["end"])},
+        per_rank_span_us={int(r): (float(b), float(e)) for r, b, e in zip(spans.index, spans["start"], spans["end"])},
     )
     return out
 
@@ -302,10 +303,35 @@ def optimizer_critical_path(phases: pd.DataFrame, *, step: int | None = None, ph
 # ------------------------------------------------------------------------------------------ figures
 _DEPTH_WIDTH = (0.8, 0.55, 0.34, 0.2)
 
+#: the runtime's phases (canzona.runtime.phases names, copied so that plotting never imports
+#: torch) in pipeline order, each with a fixed colour shared by every timeline figure: outer
+#: phases light, the phases nested inside them saturated so they stand out on their parent
+PHASE_COLORS: dict[str, str] = {
+    "canzona/forward": "#1f77b4",
+    "canzona/backward": "#9ecae1",
+    "canzona/dp/reduce_scatter": "#6a3d9a",
+    "canzona/dp/all_reduce": "#b15928",
+    "canzona/optimizer/step": "#fdd0a2",
+    "canzona/dp/local_update": "#2ca02c",
+    "canzona/tp/gather": "#e377c2",
+    "canzona/tp/compute": "#e6550d",
+    "canzona/tp/scatter": "#17becf",
+    "canzona/tp/apply": "#8c6d31",
+    "canzona/dp/all_gather": "#7f7f7f",
+    "canzona/layerwise/broadcast": "#bcbd22",
+}
+
+
+def _phase_order(names) -> list[str]:
+    """Known phases in pipeline order, then any others alphabetically."""
+    known = [n for n in PHASE_COLORS if n in set(names)]
+    return known + sorted(set(names) - set(known))
+
 
 def _phase_colors(names: list[str]) -> dict[str, str]:
-    pal = categorical_colors(len(names))
-    return dict(zip(names, pal))
+    others = [n for n in names if n not in PHASE_COLORS]
+    spare = dict(zip(others, categorical_colors(len(others))))
+    return {n: PHASE_COLORS.get(n) or spare[n] for n in names}
 
 
 def fig_timeline(phases: pd.DataFrame, *, step: int | None = None, max_depth: int | None = None, title: str = "") -> go.Figure:
@@ -320,7 +346,7 @@ def fig_timeline(phases: pd.DataFrame, *, step: int | None = None, max_depth: in
     if df.empty:
         raise ValueError("no phases to draw (empty table after the step / depth filter)")
     t0 = float(df["start_us"].min())
-    names = sorted(df["phase"].unique())
+    names = _phase_order(df["phase"].unique())
     colors = _phase_colors(names)
     fig = go.Figure()
     for name in names:
@@ -349,7 +375,8 @@ def fig_timeline(phases: pd.DataFrame, *, step: int | None = None, max_depth: in
         x_title="time since the first phase shown (ms, common clock)",
         y_title="rank",
         legend_title="phase (canzona/...)",
-        height=max(320, 46 * len(ranks) + 170),
+        # tall enough for one row per rank and for the legend without a scroll bar
+        height=max(320, 46 * len(ranks) + 170, 22 * len(names) + 190),
     )
 
 
@@ -360,7 +387,7 @@ def fig_phase_breakdown(breakdown: pd.DataFrame, *, paper: Mapping[str, Mapping[
     if "strategy" not in breakdown:
         raise ValueError("expected a table from breakdown_by_strategy (a 'strategy' column)")
     strategies = list(dict.fromkeys(breakdown["strategy"]))
-    names = sorted(breakdown["phase"].unique())
+    names = _phase_order(breakdown["phase"].unique())
     colors = _phase_colors(names)
     fig = go.Figure()
     for name in names:
@@ -388,37 +415,49 @@ def fig_phase_breakdown(breakdown: pd.DataFrame, *, paper: Mapping[str, Mapping[
 
 
 def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: str | None = None) -> go.Figure:
-    """Left: each rank's optimizer-step duration, the critical (slowest-ending) rank highlighted.
-    Right: the critical rank's optimizer step as a waterfall of its child phases and gaps."""
+    """Left: each rank's optimizer phase as a bar from its start to its end (ms since the first
+    rank entered it), the critical rank -- the one that ends last, not necessarily the longest --
+    in red. Right: the critical rank's optimizer step as a waterfall of its child phases and the
+    gaps between them, coloured by base phase as in :func:`fig_timeline`."""
     cp = optimizer_critical_path(phases, step=step, phase=phase)
     a = cp.attrs
     per = a["per_rank_us"]
+    spans = a["per_rank_span_us"]
     ranks = sorted(per)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.4, 0.6],
-                        subplot_titles=("optimizer phase per rank", f"critical path: rank {a['critical_rank']}"))
+    first = min(b for b, _ in spans.values())
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=0.16,
+                        subplot_titles=("optimizer phase per rank (red: ends last)", f"critical path: rank {a['critical_rank']}"))
     colors = ["#d62728" if r == a["critical_rank"] else "#7f7f7f" for r in ranks]
-    fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=[per[r] / 1e3 for r in ranks], marker_color=colors,
-                         name="optimizer phase duration (red: critical rank)"), row=1, col=1)
+    fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=[per[r] / 1e3 for r in ranks], base=[(spans[r][0] - first) / 1e3 for r in ranks],
+                         marker_color=colors, name="optimizer phase of each rank (red: critical rank)",
+                         customdata=[[per[r] / 1e3, (spans[r][1] - first) / 1e3] for r in ranks],
+                         hovertemplate="%{x}: %{base:.3f} .. %{customdata[1]:.3f} ms (lasts %{customdata[0]:.3f} ms)<extra></extra>"),
+                  row=1, col=1)
     segs = cp["segment"].tolist()
-    names = sorted(set(segs))
-    col = _phase_colors(names)
+    # one colour and legend entry per base phase; the rows name each part (group0, bucket1, ...)
+    base_of = {seg: (ph or "(untracked)") for seg, ph in zip(cp["segment"], cp["phase"])}
+    bases = _phase_order([b for b in dict.fromkeys(base_of.values()) if b != "(untracked)"])
+    col = _phase_colors(bases)
+    col["(untracked)"] = "#cccccc"
+    if "(untracked)" in base_of.values():
+        bases.append("(untracked)")
     t0 = float(cp["start_us"].min()) if len(cp) else 0.0
-    for name in names:
-        g = cp[cp["segment"] == name]
+    for b in bases:
+        g = cp[cp["segment"].map(base_of) == b]
         start = ((g["start_us"] - t0) / 1e3).to_numpy()
-        fig.add_trace(go.Bar(orientation="h", y=[name] * len(g), x=(g["dur_us"] / 1e3).to_numpy(), base=start, customdata=start,
-                             name=_short(name), marker_color="#cccccc" if name == "(untracked)" else col[name],
-                             hovertemplate=name + ": %{x:.3f} ms from %{customdata:.3f} ms<extra></extra>"), row=1, col=2)
+        fig.add_trace(go.Bar(orientation="h", y=[_short(x) for x in g["segment"]], x=(g["dur_us"] / 1e3).to_numpy(), base=start,
+                             customdata=start, name=_short(b), marker_color=col[b],
+                             hovertemplate="%{y}: %{x:.3f} ms from %{customdata:.3f} ms<extra></extra>"), row=1, col=2)
     fig.update_layout(barmode="overlay")
-    fig.update_yaxes(categoryorder="array", categoryarray=list(dict.fromkeys(segs))[::-1], row=1, col=2)
+    fig.update_yaxes(categoryorder="array", categoryarray=[_short(x) for x in dict.fromkeys(segs)][::-1], row=1, col=2)
     fig.update_xaxes(title_text="rank", row=1, col=1)
-    fig.update_yaxes(title_text="duration (ms)", row=1, col=1)
+    fig.update_yaxes(title_text="ms since the first rank entered the phase", row=1, col=1)
     fig.update_xaxes(title_text="time since the rank entered the optimizer phase (ms)", row=1, col=2)
     fig.update_yaxes(title_text="child phase", row=1, col=2)
     return finish(
         fig,
-        title=f"Optimizer critical path, step {a['step']}: {a['total_us'] / 1e3:.3f} ms on rank {a['critical_rank']} ({_short(a['phase'])})",
-        legend_title="segment",
-        height=max(380, 30 * len(names) + 220),
+        title=(f"Optimizer critical path, step {a['step']}: {a['total_us'] / 1e3:.3f} ms on rank {a['critical_rank']} ({_short(a['phase'])})"
+               "<br><sup>the step ends when the last rank leaves its optimizer phase; gaps between child phases are (untracked)</sup>"),
+        legend_title="phase (canzona/...)",
+        height=max(400, 24 * len(set(segs)) + 240),
     )
-
