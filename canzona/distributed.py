@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.plan.plan import STRATEGIES, Plan, PlanInputs
+from canzona.runtime.buffer import local_tensor
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory
 from canzona.runtime.phases import PhaseTimer, timing
@@ -230,7 +231,7 @@ class DistributedOptimizer:
         first = next(iter(model.parameters()), None)
         if first is None:
             raise ValueError("the model has no parameters")
-        device = _local(first).device
+        device = local_tensor(first).device
         mesh = self._check_mesh(mesh, world, device)
         self.mesh = mesh
         names = mesh.mesh_dim_names or ("dp",)
@@ -365,10 +366,8 @@ class DistributedOptimizer:
     def _tp_engine_factory(self) -> Any:
         if self.tp == 1:
             return None
-        try:
-            from canzona.runtime.tp import TPEngine
-        except ImportError:
-            return None
+        from canzona.runtime.tp import TPEngine
+
         factory = self._factory(self.matrix_cls, self.optimizer_kwargs)
         plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
         return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
@@ -448,8 +447,3 @@ class DistributedOptimizer:
             f"DistributedOptimizer({self.matrix_cls.__name__} + {self.elementwise_cls.__name__}, strategy={self.strategy!r}, "
             f"dp={self.dp}, tp={self.tp}, plan={self.plan.fingerprint})"
         )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from canzona.runtime.buffer import local_tensor as _local
 from canzona.specs import is_matrix_param
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "pack",
     "params_of",
     "tensors_equal",
+    "tp_cut",
     "tp_local",
     "unpack",
 ]
@@ -86,11 +88,6 @@ class ToyModel(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def integer_grads(
     shapes: Mapping[str, Sequence[int]] | nn.Module,
     *,
@@ -119,24 +116,40 @@ def integer_grads(
     return out
 
 
+def tp_cut(
+    full: Mapping[str, torch.Tensor],
+    tp_dims: Mapping[str, int],
+    tp_rank: int,
+    tp: int,
+    *,
+    partial: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
+    """This TP rank's part of every full-shape gradient in ``full``: parameters named in ``tp_dims``
+    get their contiguous shard along that dim (Megatron's and DTensor's ``Shard`` layout alike);
+    replicated ones the whole tensor, except names in ``partial``, whose gradients the model
+    all-reduces over TP in backward (each rank holds a partial sum, e.g. the tiny Qwen3's per-head
+    q/k norms): those get ``full / tp`` (exact for a power-of-two ``tp`` and dyadic values), so the
+    all-reduce restores ``full``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        dim = tp_dims.get(name)
+        if dim is not None and tp > 1:
+            out[name] = t.chunk(tp, dim=dim)[tp_rank].contiguous()
+        elif name in partial:
+            out[name] = t / tp
+        else:
+            out[name] = t
+    return out
+
+
 def tp_local(
     full: Mapping[str, torch.Tensor], specs: Sequence[Any], tp_rank: int, *, partial: Collection[str] = ()
 ) -> dict[str, torch.Tensor]:
-    """This TP rank's part of full-shape gradients, to inject into a TP model (``specs``: ParamSpec
-    objects). Split parameters get their shard; replicated ones the whole tensor, except names in
-    ``partial``, whose gradients the model all-reduces over TP in backward (each rank holds a
-    partial sum, e.g. the tiny Qwen3's per-head q/k norms): those get ``full / tp`` (exact for a
-    power-of-two ``tp`` and dyadic values), so the all-reduce restores ``full``."""
-    out: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        t = full[spec.name]
-        if spec.tp_split:
-            out[spec.name] = t.chunk(spec.tp, dim=spec.tp_dim)[tp_rank].contiguous()
-        elif spec.name in partial:
-            out[spec.name] = t / spec.tp
-        else:
-            out[spec.name] = t
-    return out
+    """:func:`tp_cut` with the split dims and TP size read from ``specs`` (ParamSpec objects), for
+    the parameters ``specs`` names."""
+    tp = max((spec.tp for spec in specs), default=1)
+    dims = {spec.name: spec.tp_dim for spec in specs if spec.tp_split}
+    return tp_cut({spec.name: full[spec.name] for spec in specs}, dims, tp_rank, tp, partial=partial)
 
 
 def mean_grads(per_rank: Sequence[Mapping[str, torch.Tensor]], *, dtype: torch.dtype = torch.float32, reduce: str = "mean") -> dict[str, torch.Tensor]:
@@ -223,6 +236,16 @@ class ReferenceRunner:
 
     def master_values(self) -> dict[str, torch.Tensor]:
         return {n: m.detach().clone() for n, m in self.masters.items()}
+
+    def states(self) -> dict[str, Mapping[str, Any]]:
+        """Each parameter's optimizer state (live, not copied), keyed by name; parameters no
+        optimizer has stepped yet are absent."""
+        out: dict[str, Mapping[str, Any]] = {}
+        for n, m in self.masters.items():
+            for opt in self.optimizers:
+                if m in opt.state:
+                    out[n] = opt.state[m]
+        return out
 
 
 def pack(obj: Any) -> bytes:

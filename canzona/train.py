@@ -297,8 +297,9 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
             after = opt.phase_times.as_dict()
             on_step(step, value, {k: v["wall_s"] - before.get(k, 0.0) for k, v in after.items()})
     fp = params_fingerprint(model, tp_dims=tp_dims, tp_group=mesh.get_group("tp") if tp_dims else None)
-    engine = getattr(opt.runtime, "tp_engine", None)
-    mine = torch.tensor([int(opt.state_bytes()), int(engine.peak_exchange_bytes) if engine is not None else 0], dtype=torch.int64, device=device)
+    engine = opt.runtime.tp_engine
+    state_bytes = int(opt.state_bytes())
+    mine = torch.tensor([state_bytes, int(engine.peak_exchange_bytes) if engine is not None else 0], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return TrainResult(
@@ -310,7 +311,7 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
         step_seconds=tuple(step_seconds),
         phase_times={k: dict(v) for k, v in opt.phase_times.as_dict().items()},
         comm_bytes={k: dict(v) for k, v in opt.comm_stats.as_dict().items()},
-        state_bytes=int(opt.state_bytes()),
+        state_bytes=state_bytes,
         state_bytes_per_rank=tuple(int(t[0]) for t in every),
         peak_exchange_bytes_per_rank=tuple(int(t[1]) for t in every),
         plan_fingerprint=opt.plan.fingerprint,

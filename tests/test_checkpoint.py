@@ -103,6 +103,17 @@ def resume_worker(rank: int, world: int, folder: str) -> bytes:
             load_checkpoint(wrong, junk)
         except CheckpointError as exc:
             out["junk"] = str(exc)
+        # a mis-shaped state of the last parameter is refused before any master is written
+        fresh = _opt(ToyModel(seed=7), "zero1", "adamw")
+        before = [m.clone() for m in fresh.runtime.masters.values()]
+        bad = torch.load(Path(folder) / "zero1.pt", weights_only=True)
+        last = list(fresh.plan.buffer_order())[-1].name
+        bad["state"][last]["exp_avg"] = bad["state"][last]["exp_avg"].reshape(-1)[1:]
+        try:
+            fresh.load_state_dict(bad)
+        except CheckpointError as exc:
+            out["bad_state"] = str(exc)
+        out["bad_state_untouched"] = all(torch.equal(a, m) for a, m in zip(before, fresh.runtime.masters.values()))
     return pack(out)
 
 
@@ -215,3 +226,5 @@ def test_save_dp2_resume_dp1_and_dp4_bitwise(tmp_path: Path) -> None:
         if resume_world == 1:
             assert "written by matrix_optimizer 'Muon'" in res[0]["wrong_optimizer"]
             assert "not a canzona optimizer checkpoint" in res[0]["junk"]
+            assert "state 'exp_avg' has shape" in res[0]["bad_state"]
+            assert res[0]["bad_state_untouched"], "a refused checkpoint overwrote masters"

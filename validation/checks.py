@@ -46,7 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.runtime import faults
-from canzona.testing import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, unpack
+from canzona.runtime.buffer import local_tensor
+from canzona.testing import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, params_of, tp_cut, unpack
+from canzona.train import DTYPES
 from validation.compare import Comparator, Mismatch
 from validation.matrix import Cell, parse_mesh, strategy_args
 from validation.models import build_model
@@ -115,21 +117,12 @@ def optimizer_setup(optimizer: str) -> tuple[type[torch.optim.Optimizer], dict[s
     return cls, kw, ew
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
 def _make_mesh(dp: int, tp: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp == 1:
         return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _result(cell: Cell, cmp: Comparator | None, seconds: float, **extra: Any) -> dict[str, Any]:
@@ -163,18 +156,10 @@ def _full_grads(shapes: Mapping[str, tuple[int, ...]], step: int, dp_rank: int, 
     return integer_grads(shapes, step=step, rank=dp_rank, seed=GRAD_SEED, exponent=GRAD_EXPONENT, dtype=dtype)
 
 
-def _cut(full: Mapping[str, torch.Tensor], tp_dims: Mapping[str, int], tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, g in full.items():
-        d = tp_dims.get(n)
-        out[n] = g.chunk(tp, dim=d)[tp_rank].contiguous() if d is not None and tp > 1 else g
-    return out
-
-
 def _post_step_fault(model: nn.Module, fault: faults.Fault, tp_dims: Mapping[str, int], full_shape: tuple[int, ...], tp_rank: int, tp: int) -> None:
     """``post-step`` fault mode: one ulp added to the model's copy of element ``index`` (full flat
     index) of ``param`` on every rank holding it, after the optimizer step (a corrupted value return)."""
-    p = _local(dict(model.named_parameters())[fault.param].detach())
+    p = local_tensor(dict(model.named_parameters())[fault.param].detach())
     idx = list(torch.unravel_index(torch.tensor(fault.index), full_shape))
     d = tp_dims.get(fault.param)
     if d is not None and tp > 1:
@@ -191,7 +176,7 @@ def _injected_cell(cell: Cell, mesh: Any, rank: int, dp_rank: int, tp_rank: int,
     from canzona.distributed import DistributedOptimizer
 
     t0 = time.perf_counter()
-    dtype = _dtype(cell.dtype)
+    dtype = DTYPES[cell.dtype]
     model, full, tp_dims, bucket_numel = build_model(cell.model, dtype, tp_rank=tp_rank, tp=tp)
     shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
     cls, kw, ew = optimizer_setup(cell.optimizer)
@@ -215,7 +200,7 @@ def _injected_cell(cell: Cell, mesh: Any, rank: int, dp_rank: int, tp_rank: int,
         )
         for step in range(1, cell.steps + 1):
             g_full = _full_grads(shapes, step, dp_rank, dtype)
-            inject_grads(model, _cut(g_full, tp_dims, tp_rank, tp))
+            inject_grads(model, tp_cut(g_full, tp_dims, tp_rank, tp))
             dopt.step()
             dopt.zero_grad()
             if mode == "post-step" and step == f.step:
@@ -227,7 +212,7 @@ def _injected_cell(cell: Cell, mesh: Any, rank: int, dp_rank: int, tp_rank: int,
         if mode == "runtime":
             faults.disarm()
     sd = dopt.state_dict()
-    local = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+    local = params_of(model)
     shares: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(pack({"local": local, "fired": fired, "dp_rank": dp_rank, "tp_rank": tp_rank}), shares, dst=0)
     dopt.runtime.detach()
@@ -244,11 +229,7 @@ def _injected_cell(cell: Cell, mesh: Any, rank: int, dp_rank: int, tp_rank: int,
         runner.step(mean_grads([_full_grads(shapes, step, d, dtype) for d in range(dp)]))
     ref_params = runner.params()
     ref_masters = runner.master_values()
-    ref_state: dict[str, Mapping[str, Any]] = {}
-    for n, m in runner.masters.items():
-        for opt in runner.optimizers:
-            if m in opt.state:
-                ref_state[n] = opt.state[m]
+    ref_state = runner.states()
 
     cmp = Comparator()
     for name in shapes:
@@ -332,7 +313,7 @@ def _single_process_losses(optimizer: str, dtype_name: str, steps: int) -> torch
     from canzona.train import DEFAULT_ELEMENTWISE_LR, DEFAULT_LR
 
     cfg = load_model_config("qwen3-tiny")
-    model = Qwen3(cfg, seed=0, dtype=_dtype(dtype_name))
+    model = Qwen3(cfg, seed=0, dtype=DTYPES[dtype_name])
     lr = _train_lr(optimizer) or DEFAULT_LR[optimizer]
     runner = ReferenceRunner(
         model, resolve_optimizer(optimizer), {"lr": lr}, torch.optim.AdamW, {"lr": DEFAULT_ELEMENTWISE_LR}, master_dtype=torch.float32

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime.buffer import local_tensor
+from canzona.runtime.dp import elementwise_role
 
 if TYPE_CHECKING:  # pragma: no cover
     from canzona.distributed import DistributedOptimizer
@@ -88,12 +89,11 @@ def _hyper(opt: torch.optim.Optimizer | None) -> dict[str, Any]:
 def _exports(dopt: DistributedOptimizer) -> dict[str, Any]:
     """This rank's share of the consolidated document (canonical copies only)."""
     rt = dopt.runtime
-    sc = rt.strategy == "sc"
+    # every DP rank holds the same values under sc: DP rank 0's copy is canonical
+    replica = rt.strategy == "sc" and rt.dp_rank != 0
     pieces: list[dict[str, Any]] = []
-    for pc in rt.pieces:
+    for pc in () if replica else rt.pieces:
         spec = rt.specs[pc.name]
-        if sc and rt.dp_rank != 0:
-            continue  # every DP rank holds the same values under sc
         if not spec.tp_split and dopt.tp_rank != 0:
             continue  # replicated across TP: TP rank 0's copy is canonical
         master = rt.masters[pc]
@@ -126,7 +126,7 @@ def _exports(dopt: DistributedOptimizer) -> dict[str, Any]:
     tp_state: dict[str, Any] = {}
     eng = rt.tp_engine
     # TP hosts hold each task's state once; under the sync schedule every TP rank holds it: take TP rank 0's
-    if eng is not None and not (sc and rt.dp_rank != 0) and (not eng.sync or dopt.tp_rank == 0):
+    if eng is not None and not replica and (not eng.sync or dopt.tp_rank == 0):
         tp_state = {n: {k: (_cpu(v) if torch.is_tensor(v) else v) for k, v in st.items()} for n, st in eng.state_dict().items()}
     matrix_opt = rt.matrix_opt if rt.matrix_opt is not None else (eng.optimizer if eng is not None else None)
     return {
@@ -243,6 +243,21 @@ def _check_document(dopt: DistributedOptimizer, doc: Any) -> None:
         t = have[name]
         if not torch.is_tensor(t) or tuple(t.shape) != spec.shape:
             raise CheckpointError(f"{name}: checkpoint holds shape {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}, the model {spec.shape}")
+        # Checked here for every parameter, not only for the pieces this rank loads: a rank that
+        # failed half-way through the load would leave its masters half-written and the other ranks
+        # waiting in the TP hosts' collective.
+        st = doc["state"].get(name, {})
+        if not isinstance(st, Mapping):
+            raise CheckpointError(f"{name}: optimizer state is a {type(st).__name__}, not a mapping")
+        if elementwise_role(dopt.plan, name):
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != spec.shape:
+                    raise CheckpointError(f"{name}: state {k!r} has shape {tuple(v.shape)}, expected {spec.shape}")
+    for key in ("matrix", "elementwise"):
+        if not isinstance(doc["hyper"].get(key, {}), Mapping):
+            raise CheckpointError(f"checkpoint's {key!r} hyperparameters are not a mapping")
+    if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool):
+        raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not an integer")
 
 
 def _local_flat(spec: Any, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
@@ -274,9 +289,7 @@ def load_consolidated_state_dict(dopt: DistributedOptimizer, doc: Mapping[str, A
             if pc.role == "elementwise" and rt.elementwise_opt is not None:
                 new: dict[str, Any] = {}
                 for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        if tuple(v.shape) != spec.shape:
-                            raise CheckpointError(f"{pc.name}: state {k!r} has shape {tuple(v.shape)}, expected {spec.shape}")
+                    if torch.is_tensor(v) and v.dim() > 0:  # full-shape: _check_document checked it
                         new[k] = _local_flat(spec, v, tp_rank)[pc.start : pc.end].reshape(m.shape).to(m.device, copy=True)
                     else:
                         new[k] = v.clone().to(m.device) if torch.is_tensor(v) else v

@@ -100,7 +100,15 @@ from canzona.runtime.phases import (
     timing,
 )
 
-__all__ = ["ALL_REDUCE_STRATEGIES", "REDUCE_SCATTER_STRATEGIES", "DPRuntime", "OptimizerFactory", "Piece", "pieces_for_rank"]
+__all__ = [
+    "ALL_REDUCE_STRATEGIES",
+    "REDUCE_SCATTER_STRATEGIES",
+    "DPRuntime",
+    "OptimizerFactory",
+    "Piece",
+    "elementwise_role",
+    "pieces_for_rank",
+]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -132,11 +140,16 @@ class Piece:
         return self.end - self.start
 
 
+def elementwise_role(plan: Plan, name: str) -> bool:
+    """Whether parameter ``name`` goes to the element-wise optimizer under ``plan`` (every parameter
+    under ``zero1``, which cuts matrices)."""
+    return plan.inputs.strategy == "zero1" or plan.param(name).spec.kind == "elementwise"
+
+
 def _role(plan: Plan, name: str) -> str:
-    pp = plan.param(name)
-    if plan.inputs.strategy == "zero1" or pp.spec.kind == "elementwise":
+    if elementwise_role(plan, name):
         return "elementwise"
-    return "tp" if pp.spec.tp_split else "matrix"
+    return "tp" if plan.param(name).spec.tp_split else "matrix"
 
 
 def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
@@ -196,7 +209,9 @@ class DPRuntime:
         self.master_dtype = master_dtype
         self.params = dict(params)
         self.specs = {pp.name: pp.spec for pp in plan.params}
-        self._by_name = plan.by_name()
+        # fixed by the plan, so computed once rather than per step
+        self._order = list(plan.buffer_order())
+        self._shard_sizes = [b.shard_sizes() for b in plan.buckets]
         #: phase timer the hook-launched collectives report to (the front end's ``phase_times``)
         self.timer: PhaseTimer | None = None
         self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self._launch_bucket)
@@ -270,16 +285,14 @@ class DPRuntime:
 
     def _launch_bucket(self, i: int) -> None:
         """Start bucket ``i``'s gradient collective without waiting (called by the buffer)."""
-        b = self.plan.buckets[i]
-        flat = self.buffer.bucket(i)
         ctx = timing(self.timer) if self.timer is not None else contextlib.nullcontext()
         with ctx:
-            self._start_collective(i, b, flat)
+            self._start_collective(i, self.buffer.bucket(i))
 
-    def _start_collective(self, i: int, b: Any, flat: torch.Tensor) -> None:
+    def _start_collective(self, i: int, flat: torch.Tensor) -> None:
         if self.reduce_scatter:
             with phase(f"{DP_REDUCE_SCATTER}/bucket{i}"):
-                out, work = self.comm.reduce_scatter_v(flat, b.shard_sizes(), async_op=True)
+                out, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], async_op=True)
             self._shards[i] = out
         else:
             with phase(f"{DP_ALL_REDUCE}/bucket{i}"):
@@ -388,21 +401,17 @@ class DPRuntime:
         """``layerwise``: every owner sends its updated parameters to all DP ranks, inside the step."""
         works = []
         with phase(LAYERWISE_BROADCAST), torch.no_grad():
-            for pp in self.plan.buffer_order():
+            for pp in self._order:
                 local = local_tensor(self.params[pp.name].detach())
                 if pp.dp_owner == self.dp_rank:
-                    local.copy_(self.masters[self._whole(pp.name)])
+                    local.copy_(self.masters[self._whole_pieces[pp.name]])
                 works.append(self.comm.broadcast(local, pp.dp_owner, async_op=True))
         for w in works:
             if w is not None:
                 w.wait()
 
-    def _whole(self, name: str) -> Piece:
-        return self._whole_pieces[name]
-
     def _pack_and_launch(self, i: int) -> tuple[torch.Tensor, Any]:
-        b = self.plan.buckets[i]
-        sizes = b.shard_sizes()
+        sizes = self._shard_sizes[i]
         send = torch.empty(sizes[self.dp_rank], dtype=self.gather_dtype[i], device=self.buffer.data.device)
         with torch.no_grad():
             for pc in self.pieces_by_bucket[i]:
@@ -480,7 +489,7 @@ class DPRuntime:
                 return
             for i, flat in gathered.items():
                 for n in self.plan.buckets[i].params:
-                    pp = self._by_name[n]
+                    pp = self.plan.param(n)
                     local = local_tensor(self.params[n].detach())
                     local.copy_(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
 

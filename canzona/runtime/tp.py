@@ -136,9 +136,16 @@ def unpack_gather(recv: torch.Tensor, tasks: Sequence[TPTask], rank: int, tp: in
     block = sum(t.local_numel for t in mine)
     if recv.numel() != block * tp:
         raise ValueError(f"gather receive buffer has {recv.numel()} elements, expected {block * tp}")
+    return _assemble(recv, mine, tp)
+
+
+def _assemble(recv: torch.Tensor, tasks: Sequence[TPTask], tp: int) -> dict[str, torch.Tensor]:
+    """Full tensors of ``tasks`` from ``tp`` equal blocks of ``recv``, block ``s`` holding rank ``s``'s
+    shards in task order (the gather's hosted tasks, or every task of a ``sync`` all-gather)."""
+    block = sum(t.local_numel for t in tasks)
     out: dict[str, torch.Tensor] = {}
     off = 0
-    for t in mine:
+    for t in tasks:
         pieces = [recv[s * block + off : s * block + off + t.local_numel].view(t.local_shape) for s in range(tp)]
         out[t.name] = torch.cat(pieces, dim=t.tp_dim)
         off += t.local_numel
@@ -256,6 +263,8 @@ class TPEngine:
             raise ValueError(f"dp_rank must be in [0, {inp.dp}), got {dp_rank!r}")
         by_name = plan.by_name()
         self._dtype = self._check_masters(by_name)
+        # device of the exchange buffers (masters live on the model's device; none: nothing to exchange)
+        self._device = next(iter(local_masters.values())).device if local_masters else torch.device("cpu")
         order = {p.name: i for i, p in enumerate(plan.params)}
         names = sorted(local_masters, key=order.__getitem__)
         es = torch.empty(0, dtype=self._dtype).element_size()
@@ -317,13 +326,12 @@ class TPEngine:
         return dtypes.pop() if dtypes else torch.float32
 
     def _describe(self, k: int, tasks: list[TPTask], es: int) -> _Group:
+        send = sum(t.local_numel for t in tasks) * es
         if self.sync:
             hosted = tuple(t.name for t in tasks)
-            send = sum(t.local_numel for t in tasks) * es
             recv = send * self.tp
         else:
             hosted = tuple(t.name for t in _hosted(tasks, self.tp_rank))
-            send = sum(t.local_numel for t in tasks) * es
             recv = gather_recv_sizes(tasks, self.tp_rank, self.tp)[0] * self.tp * es
         return _Group(k, tuple(tasks), hosted, send, recv)
 
@@ -377,7 +385,7 @@ class TPEngine:
 
     def _launch_gather(self, g: _Group, shards: Mapping[str, torch.Tensor]) -> tuple[_Group, torch.Tensor, Any]:
         """Start the group's gather (async): all-to-all to hosts, or an all-gather under ``sync``."""
-        device = next(iter(self.local_masters.values())).device
+        device = self._device
         if self.sync:
             flat = _flat_cat([shards[t.name].to(self._dtype) for t in g.tasks], self._dtype, device)
             out, work = self.comm.all_gather_equal(flat, async_op=True)
@@ -392,16 +400,9 @@ class TPEngine:
         g, out, work = pending
         if work is not None:
             work.wait()
-        if not self.sync:
-            return unpack_gather(out, g.tasks, self.tp_rank, self.tp)
-        block = sum(t.local_numel for t in g.tasks)
-        full: dict[str, torch.Tensor] = {}
-        off = 0
-        for t in g.tasks:
-            pieces = [out[s * block + off : s * block + off + t.local_numel].view(t.local_shape) for s in range(self.tp)]
-            full[t.name] = torch.cat(pieces, dim=t.tp_dim)
-            off += t.local_numel
-        return full
+        if self.sync:
+            return _assemble(out, g.tasks, self.tp)
+        return unpack_gather(out, g.tasks, self.tp_rank, self.tp)
 
     def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host side: run the optimizer on this group's full masters only. Other hosted params have
@@ -421,7 +422,7 @@ class TPEngine:
 
     def _scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return updated slices (values) from hosts to every TP rank with one fused all-to-all."""
-        device = next(iter(self.local_masters.values())).device
+        device = self._device
         send, send_sizes = pack_scatter(g.tasks, updated, self.tp_rank, self.tp, dtype=self._dtype, device=device)
         recv_sizes = scatter_recv_sizes(g.tasks, self.tp_rank, self.tp)
         out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes)
