@@ -101,7 +101,7 @@ def _act_train(optimizer: str, steps: int, out: Path) -> None:
     )
     print(
         f"  optimizer step outside the TP exchanges moved {_fmt_bytes(step_bytes)}; fwd-bwd moved one reduce-scatter "
-        f"({_fmt_bytes(rs)}), half of what sc's all-reduce of the same buckets moves"
+        f"({_fmt_bytes(rs)}); sc's all-reduce of the same buckets moves twice that (tests/test_runtime_accounting.py)"
     )
     print(f"traces: {out / 'traces'} (tensorboard --logdir {out / 'traces'}); phase table: {out / 'summary'}")
 
