@@ -67,3 +67,37 @@ def test_readme_names_the_two_commands() -> None:
     assert "make demo" in readme and "make test" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "x", "1.5"])
+def test_positive_int_refuses(text: str) -> None:
+    import argparse
+
+    from canzona.commands._args import positive_int
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_int(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-1e-3", "nan", "inf", "x"])
+def test_positive_float_refuses(text: str) -> None:
+    import argparse
+
+    from canzona.commands._args import positive_float
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_float(text)
+
+
+def test_positive_values_pass() -> None:
+    from canzona.commands._args import positive_float, positive_int
+
+    assert positive_int("4") == 4 and positive_float("0.25") == 0.25
+
+
+def test_bad_number_on_the_command_line_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "nan"])
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "positive integer" in err[0]

@@ -15,20 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from canzona.commands._args import positive_int
 from canzona.commands.plan import one_line_errors
 from canzona.config import available_models
 
 __all__ = ["add_arguments", "run"]
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser)
     parser.add_argument("--out", required=True, type=Path, help="directory to write <figure>.html files and index.html into")
     parser.add_argument("--model", default="qwen3-32b", help=f"shipped model ({', '.join(available_models())}) or config JSON path")
-    parser.add_argument("--dp", type=_positive, default=32, help="DP size (default 32, the paper's)")
-    parser.add_argument("--tp", type=_positive, default=8, help="TP size (default 8, the paper's)")
+    parser.add_argument("--dp", type=positive_int, default=32, help="DP size (default 32, the paper's)")
+    parser.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8, the paper's)")
     parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
     parser.add_argument("--flops-shape", choices=("local", "full"), default="local",
                         help="FLOPs of TP-split matrices on the shard (the paper's accounting, default) or the full shape")

@@ -20,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from canzona.commands._args import positive_float
 from canzona.plan.plan import STRATEGIES, TP_SCHEDULES
 
 __all__ = ["add_arguments", "run", "spec_from_args"]
@@ -36,16 +37,6 @@ def _int_at_least(lo: int):
         return v
 
     return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=_int_at_least(1), default=64, help="tokens per sequence (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     parser.add_argument("--bucket-numel", type=_int_at_least(1), default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
-    parser.add_argument("--cmax-mb", type=_positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
+    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="collective backend (default: nccl with CUDA, else gloo)")
     parser.add_argument("--summary", metavar="OUT", default=None, help="also write the phase table + statistics + meta.json here")
     parser.add_argument("--no-parquet", action="store_true", help="--summary writes CSV only (no phases.parquet even with pyarrow)")

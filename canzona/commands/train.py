@@ -16,36 +16,24 @@ from __future__ import annotations
 import argparse
 import os
 
+from canzona.commands._args import positive_float, positive_int
 from canzona.plan.plan import STRATEGIES, TP_SCHEDULES
 
 __all__ = ["add_arguments", "config_from_args", "run"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> None:
     """Options of ``canzona train`` (``launcher=False``: without ``--nproc``/``--timeout-s``, for
     ``python -m canzona.train`` under torchrun)."""
     from canzona.commands.plan import one_line_errors
-    from canzona.train import BACKENDS, DEFAULT_ELEMENTWISE_LR, DEFAULT_LR, DTYPES, OPTIMIZERS, TP_STYLES
+    from canzona.train import (
+        BACKENDS,
+        DEFAULT_ELEMENTWISE_LR,
+        DEFAULT_LR,
+        DTYPES,
+        OPTIMIZERS,
+        TP_STYLES,
+    )
 
     one_line_errors(parser)
 
@@ -53,22 +41,22 @@ def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> 
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (adamw: only for zero1)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="lb-asc", help="DP strategy (default: lb-asc)")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP micro-group schedule (default: the strategy's)")
-    parser.add_argument("--dp", type=_positive_int, default=1, help="data-parallel degree")
-    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
-    parser.add_argument("--steps", type=_positive_int, default=10, help="training steps (default: 10)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="global batch size in sequences (default: 8)")
-    parser.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: 64)")
+    parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--steps", type=positive_int, default=10, help="training steps (default: 10)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size in sequences (default: 8)")
+    parser.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default: 64)")
     parser.add_argument(
-        "--lr", type=_positive_float, default=None,
+        "--lr", type=positive_float, default=None,
         help="matrix-optimizer learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
     )
     parser.add_argument(
-        "--elementwise-lr", type=_positive_float, default=DEFAULT_ELEMENTWISE_LR,
+        "--elementwise-lr", type=positive_float, default=DEFAULT_ELEMENTWISE_LR,
         help=f"AdamW lr for embeddings, head, norms (default: {DEFAULT_ELEMENTWISE_LR:g})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the synthetic data (default: 0)")
-    parser.add_argument("--bucket-numel", type=_positive_int, default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
-    parser.add_argument("--cmax-mb", type=_positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
+    parser.add_argument("--bucket-numel", type=positive_int, default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
+    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model parameter dtype (masters stay fp32)")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="collective backend (default: nccl with CUDA, else gloo)")
     parser.add_argument(
@@ -77,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> 
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-step lines")
     if launcher:
-        parser.add_argument("--nproc", type=_positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
-        parser.add_argument("--timeout-s", type=_positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
+        parser.add_argument("--nproc", type=positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
+        parser.add_argument("--timeout-s", type=positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
 
 
 def config_from_args(args: argparse.Namespace):  # -> canzona.train.TrainConfig
@@ -108,8 +96,8 @@ def config_from_args(args: argparse.Namespace):  # -> canzona.train.TrainConfig
 
 
 def _check_model(config) -> None:
-    from canzona.plan import resolve_model
     from canzona.models import check_tp
+    from canzona.plan import resolve_model
 
     cfg = resolve_model(config.model)
     if cfg.moe is not None:
