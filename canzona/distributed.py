@@ -35,6 +35,25 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
 - Gradients are averaged over DP (``grad_reduce="mean"``: sum, then divide by the DP size, exact
   when it is a power of two) or summed (``"sum"``).
 
+Learning-rate schedules: ``DistributedOptimizer`` is a ``torch.optim.Optimizer`` with two
+parameter groups, ``opt.param_groups[0]`` (``"name": "matrix"``) and ``opt.param_groups[1]``
+(``"name": "elementwise"``), so ``torch.optim.lr_scheduler`` (``LambdaLR``, ``CosineAnnealingLR``,
+``LinearLR``, ``SequentialLR`` ...) drives it as it drives any torch optimizer::
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [matrix_schedule, elementwise_schedule])
+    ...
+    opt.step(); sched.step(); opt.zero_grad()
+
+The groups hold the model's trainable parameters by role (``"param_names"`` lists their names) and
+carry ``lr`` and, where the optimizer class has one, ``weight_decay``; at the start of every
+``step()`` those values are written into every inner optimizer of the role: the DP owner's matrix
+and element-wise optimizers and the TP hosts' matrix optimizer. Other hyperparameters (betas,
+momentum ...) are fixed at construction (schedulers that cycle momentum refuse this optimizer,
+since its ``defaults`` name none). ``zero1`` runs the element-wise optimizer on every parameter, so
+its ``"matrix"`` group is empty and its values reach no optimizer. The scheduler's own state
+(``sched.state_dict()``) is the user's to save; ``opt.state_dict()`` holds the groups' current
+``lr``/``weight_decay`` (in its ``"hyper"`` section) and ``opt.load_state_dict`` restores them.
+
 ``optimizer`` is a name (``muon``, ``shampoo``, ``soap``: :mod:`canzona.optim`; ``adamw``) or any
 per-parameter ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Muon``); element-wise
 parameters (embeddings, output head, norms, biases) get ``elementwise_optimizer`` (AdamW by
@@ -57,22 +76,29 @@ from torch import nn
 from canzona.plan.plan import STRATEGIES, Plan, PlanInputs
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.comm import Comm, CommStats
-from canzona.runtime.dp import DPRuntime, OptimizerFactory
+from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
 from canzona.runtime.phases import PhaseTimer, timing
 from canzona.specs import ParamSpec, specs_from_module
 
 __all__ = [
+    "GROUP_NAMES",
     "NAMED_OPTIMIZERS",
+    "SCHEDULED_KEYS",
     "DistributedOptimizer",
     "check_per_parameter",
     "exchange_fingerprints",
     "resolve_optimizer",
+    "scheduled_hyperparams",
 ]
 
 #: Optimizers known not to keep per-parameter state (they cannot run on a subset of parameters).
 _NOT_PER_PARAMETER: tuple[str, ...] = ("LBFGS",)
 _PLAN_OPTIMIZER = {"Muon": "muon", "Shampoo": "shampoo", "SOAP": "soap", "AdamW": "adamw", "Adam": "adamw"}
 FINGERPRINT_TIMEOUT_S = 60.0
+#: the front end's parameter groups, in ``param_groups`` order (one per inner-optimizer role)
+GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
+#: group hyperparameters that schedulers may change and ``step()`` pushes into the inner optimizers
+SCHEDULED_KEYS: tuple[str, ...] = ("lr", "weight_decay")
 
 
 def _named() -> dict[str, type[torch.optim.Optimizer]]:
@@ -149,6 +175,13 @@ def check_per_parameter(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, A
         )
 
 
+def scheduled_hyperparams(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`SCHEDULED_KEYS` values ``cls(params, **kwargs)`` puts in its param group (its own
+    defaults filled in), read from a throw-away instance over one small tensor."""
+    group = cls([torch.zeros(4, 3)], **dict(kwargs)).param_groups[0]
+    return {k: group[k] for k in SCHEDULED_KEYS if k in group}
+
+
 def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[str | None]:
     """All-gather every rank's 16-hex plan fingerprint (None: that rank failed to plan) on the world
     group, waiting at most ``timeout_s``; returns them by rank."""
@@ -169,10 +202,30 @@ def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, time
     return fps
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Run a per-parameter optimizer under ZeRO-1 DP (and TP) exactly, with a Canzona plan.
 
-    See the module docstring for the semantics. Attributes: ``plan`` (the frozen
+    See the module docstring for the semantics.
+
+    Why a ``torch.optim.Optimizer`` subclass rather than a duck type: every torch LR scheduler
+    checks ``isinstance(optimizer, torch.optim.Optimizer)`` in its constructor, and ``Optimizer``
+    is a plain class (no ABC registration, no ``__subclasshook__``), so a duck type would have to
+    fake ``__class__``. Subclassing is the honest way, and ``Optimizer.__init__`` builds exactly the
+    ``param_groups`` schedulers edit. What it brings and how it is used:
+
+    - ``param_groups``: two groups, ``"matrix"`` and ``"elementwise"`` (see the module docstring);
+      ``step()`` pushes their ``lr``/``weight_decay`` into the inner optimizers before updating.
+      ``add_param_group`` is refused: the parameters are fixed by the plan.
+    - ``step`` is wrapped by ``Optimizer`` (``profile_hook_step``: a ``record_function`` named
+      ``Optimizer.step#DistributedOptimizer.step`` around it, and the step pre/post hooks of
+      ``register_step_pre_hook``/``register_step_post_hook``); a scheduler additionally wraps it per
+      instance to set ``_opt_called``, which only records that ``step()`` ran (its "step order"
+      warning). Neither touches what ``step()`` computes.
+    - ``state`` stays empty: the optimizer state lives in the inner optimizers, per owner;
+      ``state_dict``/``load_state_dict``/``zero_grad`` are this class's own (consolidated,
+      plan-independent documents; the ``Optimizer`` state-dict hooks are not called).
+    - ``defaults`` is empty: each group carries its own values.
+     Attributes: ``plan`` (the frozen
     :class:`~canzona.plan.plan.Plan`), ``comm_stats`` (:class:`~canzona.runtime.comm.CommStats`,
     bytes per rank per phase; cleared after construction), ``phase_times``
     (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this object opens, accumulated
@@ -273,6 +326,7 @@ class DistributedOptimizer:
             raise RuntimeError(f"plan fingerprints differ across ranks: {groups}; every rank must plan the same model with the same inputs")
         assert plan is not None
         self.plan = plan
+        self._init_param_groups(model, plan, matrix_cls, ew_cls)
 
         # ---- runtime
         self.comm_stats = CommStats()
@@ -301,6 +355,46 @@ class DistributedOptimizer:
         self.comm_stats.reset()
 
     # ------------------------------------------------------------------------------ construction
+    def _init_param_groups(
+        self, model: nn.Module, plan: Plan, matrix_cls: type[torch.optim.Optimizer], ew_cls: type[torch.optim.Optimizer]
+    ) -> None:
+        """``Optimizer.__init__`` over the plan's parameters, split by the role their inner
+        optimizer has (under ``zero1`` every parameter is element-wise, the matrix group empty)."""
+        planned = {pp.name for pp in plan.params}
+        hyper = {
+            "matrix": scheduled_hyperparams(matrix_cls, self.optimizer_kwargs),
+            "elementwise": scheduled_hyperparams(ew_cls, self.elementwise_kwargs),
+        }
+        members: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name in GROUP_NAMES}
+        for n, p in model.named_parameters():
+            if n in planned:
+                members["elementwise" if elementwise_role(plan, n) else "matrix"].append((n, p))
+        groups = [{"name": name, "params": [p for _, p in members[name]], **hyper[name]} for name in GROUP_NAMES]
+        self._groups_fixed = False
+        super().__init__(groups, {})
+        self._groups_fixed = True
+        # set here, not through (name, tensor) pairs: Optimizer refuses to mix a named group with an
+        # empty (hence unnamed) one, and zero1's matrix group is empty
+        for group in self.param_groups:
+            group["param_names"] = [n for n, _ in members[group["name"]]]
+        self._scheduled = {name: tuple(hyper[name]) for name in GROUP_NAMES}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the plan fixed who owns which parameter."""
+        if getattr(self, "_groups_fixed", False):
+            raise TypeError(
+                "DistributedOptimizer's parameter groups are fixed by its plan (\"matrix\", \"elementwise\"); "
+                "build a new DistributedOptimizer for other parameters"
+            )
+        super().add_param_group(param_group)
+
+    def _push_hyperparams(self) -> None:
+        """Write each group's scheduled hyperparameters into the inner optimizers of its role (a few
+        dict writes; every rank holds the same groups, so every inner optimizer sees the same values)."""
+        for group in self.param_groups:
+            name = group["name"]
+            self.runtime.set_hyperparams(name, {k: group[k] for k in self._scheduled[name]})
+
     @staticmethod
     def _check_mesh(mesh: Any, world: int, device: torch.device) -> Any:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -396,6 +490,7 @@ class DistributedOptimizer:
         if closure is not None:
             raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
         self._check_params_unchanged()
+        self._push_hyperparams()
         with timing(self.phase_times):
             self.runtime.step()
         return None
@@ -429,18 +524,34 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated optimizer state (collective: call on every rank; rank 0 gets it, other
-        ranks an empty dict). Format: :mod:`canzona.runtime.checkpoint`."""
+        ranks an empty dict). Format: :mod:`canzona.runtime.checkpoint`.
+
+        The groups' current ``lr``/``weight_decay`` (a scheduler may have changed them since the last
+        ``step()``) are pushed into the inner optimizers first, so the document's ``"hyper"`` section
+        holds them. A scheduler's own state is not included: save ``sched.state_dict()`` beside it.
+        ``canzona.runtime.checkpoint.save_checkpoint`` / ``load_checkpoint`` go through these methods."""
         from canzona.runtime.checkpoint import consolidated_state_dict
 
         self.finish_param_sync()
+        self._push_hyperparams()
         return consolidated_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a consolidated state (every rank passes the whole document); re-shards to this plan."""
+        """Load a consolidated state (every rank passes the whole document); re-shards to this plan.
+
+        The groups' ``lr``/``weight_decay`` are restored from the document's ``"hyper"`` section as
+        well (the next ``step()`` pushes them again); a group the document has no values for (the
+        empty ``"matrix"`` group of ``zero1``) keeps its own. Load a scheduler's state after this."""
         from canzona.runtime.checkpoint import load_consolidated_state_dict
 
         self.finish_param_sync()
         load_consolidated_state_dict(self, state)
+        hyper = state["hyper"]  # load_consolidated_state_dict checked it is a mapping of mappings
+        for group in self.param_groups:
+            saved = hyper.get(group["name"], {})
+            for k in self._scheduled[group["name"]]:
+                if k in saved:
+                    group[k] = saved[k]
 
     def __repr__(self) -> str:
         return (

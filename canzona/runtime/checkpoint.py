@@ -317,8 +317,9 @@ def load_consolidated_state_dict(dopt: DistributedOptimizer, doc: Mapping[str, A
 
 
 def save_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
-    """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename)."""
-    doc = consolidated_state_dict(dopt)
+    """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename).
+    Goes through ``dopt.state_dict()``, so a scheduler's latest lr is what is saved."""
+    doc = dopt.state_dict()
     if dist.get_rank() == 0:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
@@ -335,4 +336,4 @@ def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
-    load_consolidated_state_dict(dopt, doc)
+    dopt.load_state_dict(doc)  # restores the groups' lr / weight_decay too

@@ -493,6 +493,25 @@ class DPRuntime:
                     local = local_tensor(self.params[n].detach())
                     local.copy_(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
 
+    # --------------------------------------------------------------------------------- hyperparameters
+    def set_hyperparams(self, role: str, values: Mapping[str, Any]) -> None:
+        """Write ``values`` (e.g. a scheduled ``lr``) into every param group of the inner optimizers
+        of ``role``: ``"matrix"`` (the local matrix optimizer and the TP hosts' optimizer) or
+        ``"elementwise"``. Ranks without such an optimizer (``zero1`` has no matrix role) do nothing.
+        Called by the front end at the start of each step; a few dict writes."""
+        if role == "matrix":
+            opts = (self.matrix_opt,)
+        elif role == "elementwise":
+            opts = (self.elementwise_opt,)
+        else:
+            raise ValueError(f"role must be 'matrix' or 'elementwise', got {role!r}")
+        for opt in opts:
+            if opt is not None:
+                for group in opt.param_groups:
+                    group.update(values)
+        if role == "matrix" and self.tp_engine is not None:
+            self.tp_engine.set_hyperparams(values)
+
     # --------------------------------------------------------------------------------- introspection
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.matrix_opt, self.elementwise_opt) if o is not None]

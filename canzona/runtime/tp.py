@@ -438,6 +438,14 @@ class TPEngine:
         for name, s in shards.items():
             self.local_masters[name].copy_(s)
 
+    # ------------------------------------------------------------------------- hyperparameters
+    def set_hyperparams(self, values: Mapping[str, Any]) -> None:
+        """Write ``values`` (e.g. a scheduled ``lr``) into the host optimizer's param groups (nothing
+        when this rank hosts no task)."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group.update(values)
+
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Full-shape optimizer state of the parameters hosted here, keyed by parameter name
