@@ -311,7 +311,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._check_given_plan(plan, specs, strategy)
             fp = plan.fingerprint
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange below
+            # Whatever went wrong here, this rank enters the fingerprint exchange (with None) before
+            # re-raising: skipping it would leave the other ranks waiting, or pair their exchange with
+            # a later collective of this rank.
             err = exc
         fps = exchange_fingerprints(fp, device=device)
         if err is not None:

@@ -64,6 +64,18 @@ def errors_worker(rank: int, world: int) -> dict:
     out["fingerprint"] = _catch(lambda: D(ToyModel(), "muon", bucket_numel=40 + 10 * rank))
     # a planning failure on one rank only: that rank raises its ValueError, the other a RuntimeError
     out["one_rank_fails"] = _catch(lambda: D(ToyModel(), "muon", tp_dims={"no.such.param": 0} if rank == 1 else None))
+    # an unexpected kind of error while planning on one rank: the others still learn of it at once
+    original = D._make_plan
+
+    def _explode(self, *args, **kwargs):
+        raise RuntimeError("planner exploded")
+
+    if rank == 1:
+        D._make_plan = _explode
+    try:
+        out["one_rank_crashes"] = _catch(lambda: D(ToyModel(), "muon"))
+    finally:
+        D._make_plan = original
 
     # parameters changed after the plan was made
     model = ToyModel()
@@ -116,6 +128,8 @@ def test_bad_input_raises_on_every_rank_without_hanging() -> None:
     # one rank's planning failure: its own ValueError there, a RuntimeError naming it elsewhere
     assert res[1]["one_rank_fails"][0] == "ValueError" and "no.such.param" in res[1]["one_rank_fails"][1]
     assert res[0]["one_rank_fails"] == ("RuntimeError", "rank(s) [1] failed to build the plan (their error says why); no rank proceeds")
+    assert res[1]["one_rank_crashes"] == ("RuntimeError", "planner exploded")
+    assert res[0]["one_rank_crashes"] == res[0]["one_rank_fails"]
     assert all("recovered" in r for r in res)
 
 
