@@ -110,6 +110,16 @@ _DP_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TP_CHOICES = (1, 2, 4, 8)
 
 
+def _plan_controls(model: str, dp: int, tp: int, optimizer: str) -> dict[str, W.Widget]:
+    """The controls every planning explorer starts with: model, DP size, TP size, matrix optimizer."""
+    return {
+        "model": model_control(model),
+        "dp": _dropdown("dp", _DP_CHOICES, dp),
+        "tp": _dropdown("tp", _TP_CHOICES, tp),
+        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+    }
+
+
 def _alpha(value: float) -> W.FloatSlider:
     return W.FloatSlider(value=value, min=0.0, max=1.0, step=0.05, description="alpha", continuous_update=False, layout=_LAYOUT, style=_STYLE)
 
@@ -126,10 +136,7 @@ def partition_explorer(
         return [fig_partition_map(plan), fig_rank_loads(plan, memory=memory)]
 
     return Explorer(build, {
-        "model": model_control(model),
-        "dp": _dropdown("dp", _DP_CHOICES, dp),
-        "tp": _dropdown("tp", _TP_CHOICES, tp),
-        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        **_plan_controls(model, dp, tp, optimizer),
         "alpha": _alpha(alpha),
         "strategy": _dropdown("strategy", STRATEGIES, strategy),
         "cost": _dropdown("cost", COSTS, cost),
@@ -153,10 +160,7 @@ def strategy_explorer(
         return [fig_strategy_comparison(plans, memory=memory), fig_balance_vs_paper(strategy_summary(plans))]
 
     return Explorer(build, {
-        "model": model_control(model),
-        "dp": _dropdown("dp", _DP_CHOICES, dp),
-        "tp": _dropdown("tp", _TP_CHOICES, tp),
-        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        **_plan_controls(model, dp, tp, optimizer),
         "alpha": _alpha(alpha),
         "cost": _dropdown("cost", COSTS, cost),
         "flops_shape": _dropdown("flops shape", FLOPS_SHAPES, flops_shape),
@@ -182,10 +186,7 @@ def microgroup_explorer(
         return [fig_microgroup_gantt(plan, r, timeline=timeline), fig_tp_host_loads(plan, r)]
 
     return Explorer(build, {
-        "model": model_control(model),
-        "dp": _dropdown("dp", _DP_CHOICES, dp),
-        "tp": _dropdown("tp", _TP_CHOICES, tp),
-        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        **_plan_controls(model, dp, tp, optimizer),
         "strategy": _dropdown("strategy", STRATEGIES, strategy),
         "tp_schedule": _dropdown("TP schedule", TP_SCHEDULES, tp_schedule),
         "cmax_mb": W.BoundedIntText(value=cmax_mb, min=1, max=1 << 20, description="C_max MiB", layout=_LAYOUT, style=_STYLE),
