@@ -48,41 +48,22 @@ __all__ = [
     "base_phase",
 ]
 
-FORWARD = "canzona/forward"
-BACKWARD = "canzona/backward"
-DP_REDUCE_SCATTER = "canzona/dp/reduce_scatter"
-DP_ALL_REDUCE = "canzona/dp/all_reduce"
-OPTIMIZER_STEP = "canzona/optimizer/step"
-DP_LOCAL_UPDATE = "canzona/dp/local_update"
-TP_GATHER = "canzona/tp/gather"
-TP_COMPUTE = "canzona/tp/compute"
-TP_SCATTER = "canzona/tp/scatter"
-TP_APPLY = "canzona/tp/apply"
-DP_ALL_GATHER = "canzona/dp/all_gather"
-LAYERWISE_BROADCAST = "canzona/layerwise/broadcast"
-
-PHASES: tuple[str, ...] = (
-    FORWARD,
+from canzona.phase_names import (  # noqa: E402  (names live in one torch-free module)
     BACKWARD,
-    DP_REDUCE_SCATTER,
-    DP_ALL_REDUCE,
-    OPTIMIZER_STEP,
-    DP_LOCAL_UPDATE,
-    TP_GATHER,
-    TP_COMPUTE,
-    TP_SCATTER,
-    TP_APPLY,
     DP_ALL_GATHER,
+    DP_ALL_REDUCE,
+    DP_LOCAL_UPDATE,
+    DP_REDUCE_SCATTER,
+    FORWARD,
     LAYERWISE_BROADCAST,
+    OPTIMIZER_STEP,
+    PHASES,
+    TP_APPLY,
+    TP_COMPUTE,
+    TP_GATHER,
+    TP_SCATTER,
+    base_phase,
 )
-
-
-def base_phase(name: str) -> str:
-    """The fixed phase name without a ``/bucket<i>`` or ``/group<k>`` suffix."""
-    head, _, tail = name.rpartition("/")
-    if head and (tail.startswith("bucket") or tail.startswith("group")) and tail[-1:].isdigit():
-        return head
-    return name
 
 
 @dataclass
