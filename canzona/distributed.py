@@ -73,7 +73,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from canzona.plan.plan import STRATEGIES, Plan, PlanInputs
+from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class, get_optimizer, optimizer_names
+from canzona.plan.plan import Plan, PlanInputs
+from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
@@ -93,7 +95,6 @@ __all__ = [
 
 #: Optimizers known not to keep per-parameter state (they cannot run on a subset of parameters).
 _NOT_PER_PARAMETER: tuple[str, ...] = ("LBFGS",)
-_PLAN_OPTIMIZER = {"Muon": "muon", "Shampoo": "shampoo", "SOAP": "soap", "AdamW": "adamw", "Adam": "adamw"}
 FINGERPRINT_TIMEOUT_S = 60.0
 #: the front end's parameter groups, in ``param_groups`` order (one per inner-optimizer role)
 GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
@@ -101,23 +102,19 @@ GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
 SCHEDULED_KEYS: tuple[str, ...] = ("lr", "weight_decay")
 
 
-def _named() -> dict[str, type[torch.optim.Optimizer]]:
-    from canzona.optim import SOAP, Muon, Shampoo
-
-    return {"muon": Muon, "shampoo": Shampoo, "soap": SOAP, "adamw": torch.optim.AdamW}
-
-
-NAMED_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+#: the registered optimizer names (:mod:`canzona.optimizers`) at import time
+NAMED_OPTIMIZERS: tuple[str, ...] = optimizer_names()
 
 
 def resolve_optimizer(optimizer: Any, what: str = "optimizer") -> type[torch.optim.Optimizer]:
     """The optimizer class for a name or class; TypeError for instances and non-optimizers."""
     if isinstance(optimizer, str):
-        table = _named()
-        key = optimizer.lower()
-        if key not in table:
-            raise ValueError(f"unknown {what} {optimizer!r}; choose one of {', '.join(NAMED_OPTIMIZERS)} or pass a torch.optim.Optimizer subclass")
-        return table[key]
+        try:
+            return get_optimizer(optimizer).load()
+        except ValueError:
+            raise ValueError(
+                f"unknown {what} {optimizer!r}; choose one of {', '.join(optimizer_names())} or pass a torch.optim.Optimizer subclass"
+            ) from None
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"{what} must be an optimizer class or name, not an instance ({type(optimizer).__name__}): "
@@ -257,8 +254,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        try:
+            record = get_strategy(strategy)
+        except ValueError as exc:  # a PlanError: a user's bad argument is a plain ValueError here
+            raise ValueError(str(exc)) from None
         if grad_reduce not in ("mean", "sum"):
             raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
         if param_sync not in ("eager", "lazy"):
@@ -269,11 +268,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ew_cls = resolve_optimizer(elementwise_optimizer, "elementwise_optimizer")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.elementwise_kwargs = dict(elementwise_kwargs or {})
-        if strategy == "zero1" and matrix_cls is not ew_cls and matrix_cls is not torch.optim.AdamW:
+        if record.elementwise_only and matrix_cls is not ew_cls and matrix_cls is not torch.optim.AdamW:
+            others = ", ".join(n for n in strategy_names() if not get_strategy(n).elementwise_only)
             raise ValueError(
-                f"zero1 cuts matrices at equal chunks, so it can only run an element-wise optimizer; got {matrix_cls.__name__}. "
-                "Use optimizer='adamw' (zero1 is the paper's communication reference) or a Canzona strategy "
-                "(asc, lb-asc, lb-asc-joint, layerwise, sc) for matrix optimizers"
+                f"{strategy} cuts matrices at equal chunks, so it can only run an element-wise optimizer; got {matrix_cls.__name__}. "
+                f"Use optimizer='adamw' or a strategy that keeps matrices whole ({others}) for matrix optimizers"
             )
         check_per_parameter(matrix_cls, self.optimizer_kwargs, "optimizer")
         if ew_cls is not matrix_cls or self.elementwise_kwargs != self.optimizer_kwargs:
@@ -434,8 +433,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             layout="module",
             dp=self.dp,
             tp=self.tp,
-            # the plan's cost model knows muon/shampoo/soap/adamw; other classes are costed as Muon
-            optimizer=_PLAN_OPTIMIZER.get(matrix_cls.__name__, "muon") if strategy != "zero1" else "adamw",
+            # the registry's cost key of the class (classes it does not know are costed as Muon); an
+            # element-wise-only strategy runs every parameter through the element-wise optimizer
+            optimizer=ELEMENTWISE_DEFAULT if get_strategy(strategy).elementwise_only else cost_key_for_class(matrix_cls),
             strategy=strategy,
             tp_schedule=tp_schedule or default_tp_schedule(strategy),
             bucket_numel=bucket_numel if bucket_numel is not None else default_bucket_numel(self.dp),

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona.plan.plan import STRATEGIES
+from canzona.optimizers import check_strategy_optimizer, get_optimizer, optimizer_names
+from canzona.plan.strategies import strategy_names
 
 __all__ = [
     "DEFAULT_LR",
@@ -50,9 +51,11 @@ __all__ = [
     "main",
 ]
 
-OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
-#: Matrix-optimizer learning rates that train the tiny model well in a few dozen steps.
-DEFAULT_LR: dict[str, float] = {"muon": 0.02, "shampoo": 0.003, "soap": 0.003, "adamw": 0.003}
+#: the registered optimizer names (:mod:`canzona.optimizers`)
+OPTIMIZERS: tuple[str, ...] = optimizer_names()
+#: Matrix-optimizer learning rates that train the tiny model well in a few dozen steps (each
+#: registry entry's ``defaults["lr"]``).
+DEFAULT_LR: dict[str, float] = {n: float(get_optimizer(n).defaults["lr"]) for n in OPTIMIZERS if "lr" in get_optimizer(n).defaults}
 #: AdamW learning rate of the element-wise parameters (embedding, head, norms).
 DEFAULT_ELEMENTWISE_LR = 1e-2
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,15 +92,13 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.strategy == "zero1" and self.optimizer != "adamw":
-            raise ValueError(
-                f"zero1 cuts matrices at equal chunks, so it runs only an element-wise optimizer: use --optimizer adamw "
-                f"with zero1, or a Canzona strategy (sc, layerwise, asc, lb-asc, lb-asc-joint) for {self.optimizer}"
-            )
+        if self.optimizer not in optimizer_names():
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(optimizer_names())}")
+        if self.strategy not in strategy_names():
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(strategy_names())}")
+        check_strategy_optimizer(self.strategy, self.optimizer)
+        if self.lr is None and "lr" not in get_optimizer(self.optimizer).defaults:
+            raise ValueError(f"optimizer {self.optimizer!r} has no default lr in the registry: pass lr")
         for name in ("dp", "tp", "steps", "batch_size", "seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -127,7 +128,7 @@ class TrainConfig:
 
     @property
     def matrix_lr(self) -> float:
-        return float(self.lr if self.lr is not None else DEFAULT_LR[self.optimizer])
+        return float(self.lr if self.lr is not None else get_optimizer(self.optimizer).defaults["lr"])
 
     @property
     def resolved_backend(self) -> str:

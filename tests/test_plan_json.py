@@ -31,12 +31,12 @@ def test_round_trip(strategy, tmp_path):
 
 def test_document_keys():
     doc = json.loads(_plan().to_json())
-    assert doc["schema"] == "canzona.plan" and doc["version"] == 1
+    assert doc["schema"] == "canzona.plan" and doc["version"] == 2
     assert {"model", "layout", "dp", "tp", "optimizer", "strategy", "alpha", "cost", "cmax_bytes", "bucket_numel"} <= set(doc["inputs"])
     p = doc["params"][0]
     assert {"name", "shape", "local_shape", "tp_dim", "kind", "bucket", "offset", "numel", "dp_owner", "dp_ranges",
-            "tp_host", "micro_group"} <= set(p)
-    assert {"index", "numel", "cuts"} <= set(doc["buckets"][0])
+            "tp_host", "micro_group", "role"} <= set(p)
+    assert {"index", "numel", "cuts", "collective", "param_return"} <= set(doc["buckets"][0])
     assert set(doc["micro_groups"]) == {"0", "1"}
     assert {"index", "params", "hosts", "loads"} <= set(doc["micro_groups"]["0"][0])
     assert {"dp_memory_ratio", "dp_flops_ratio", "tp_memory_ratio", "tp_flops_ratio", "j_dp", "j_comm",
@@ -58,9 +58,65 @@ def test_tampered_documents_rejected():
     bad["params"][0]["dp_owner"] = 1 - (bad["params"][0]["dp_owner"] or 0)
     with pytest.raises(PlanError):
         Plan.from_dict(bad)
-    wrong = dict(doc, version=2)
-    with pytest.raises(PlanError, match="version"):
-        Plan.from_dict(wrong)
+    for version in (3, 0, "2", True):
+        with pytest.raises(PlanError, match=r"unsupported plan version .* \(this canzona reads 2, and migrates 1\)"):
+            Plan.from_dict(dict(doc, version=version))
+    # the contract fields are checked against the strategy's record, not trusted
+    bad = json.loads(json.dumps(doc))
+    bad["buckets"][0]["collective"] = "all-reduce"
+    with pytest.raises(PlanError, match="bucket 0: collective 'all-reduce'"):
+        Plan.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["params"][0]["role"] = "tp-task" if bad["params"][0]["role"] != "tp-task" else "matrix"
+    with pytest.raises(PlanError, match="role"):
+        Plan.from_dict(bad)
+
+
+def _as_version_1(plan):
+    """The document canzona wrote before version 2: no roles, no bucket collectives, and the
+    fingerprint of that format."""
+    doc = plan.to_dict()
+    doc["version"] = 1
+    doc["fingerprint"] = plan._digest(1)
+    for q in doc["params"]:
+        del q["role"]
+    for b in doc["buckets"]:
+        del b["collective"], b["param_return"]
+    return doc
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_version_1_documents_migrate(strategy):
+    plan = _plan(strategy)
+    old = _as_version_1(plan)
+    back = Plan.from_dict(old)
+    assert back == plan and back.fingerprint == plan.fingerprint
+    assert back.to_dict()["version"] == 2 and plan.fingerprint != old["fingerprint"]
+    tampered = json.loads(json.dumps(old))
+    tampered["fingerprint"] = plan.fingerprint  # a version-1 document is checked with its own formula
+    with pytest.raises(PlanError, match="fingerprint does not match"):
+        Plan.from_dict(tampered)
+
+
+def test_plan_equality_ignores_timing_and_hashes():
+    from dataclasses import replace
+
+    a, b = _plan(), _plan()
+    b = Plan(b.inputs, b.params, b.buckets, b.micro_groups, replace(b.metrics, plan_seconds=b.metrics.plan_seconds + 1.0))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    c = _plan(alpha=0.5)
+    assert a != c and len({a, c}) == 2
+    other_metrics = replace(a.metrics, dp_flops_ratio=a.metrics.dp_flops_ratio + 1.0)
+    assert Plan(a.inputs, a.params, a.buckets, a.micro_groups, other_metrics) != a
+
+
+def test_fingerprint_is_computed_once(monkeypatch):
+    plan = _plan()
+    calls = []
+    digest = Plan._digest
+    monkeypatch.setattr(Plan, "_digest", lambda self, v: calls.append(v) or digest(self, v))
+    first = plan.fingerprint
+    assert plan.fingerprint == first and hash(plan) == hash(first) and calls == [2]
 
 
 # ------------------------------------------------------------------------------------------ validate

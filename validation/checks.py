@@ -83,6 +83,9 @@ TRAIN_SEQ = 16
 #: How the training check tensor-parallelizes the model (``canzona.train`` tp_style): ``dtensor``
 #: (canzona.models.parallelize) or ``megatron`` (plain shards, canzona.models.shard_megatron).
 TRAIN_TP = "dtensor"
+#: the training check's reference run on each mesh: every other cell's losses are compared with its
+#: losses, and its own cell with a single process
+BASELINE = "sc"
 #: Relative tolerance where bitwise equality is not expected (see the module docstring for when):
 #: |loss - reference| <= LOSS_RTOL[dtype][optimizer] * max |reference loss|.
 #: Why these values. The trajectories then differ only because sums are associated differently:
@@ -223,7 +226,7 @@ def _injected_cell(cell: Cell, mesh: Any, rank: int, dp_rank: int, tp_rank: int,
 
     # ---- reference: the single-device optimizer on full tensors with the DP-mean gradients
     runner = ReferenceRunner(
-        full, cls, kw, torch.optim.AdamW, ew, all_elementwise=(strategy == "zero1"), master_dtype=torch.float32
+        full, cls, kw, torch.optim.AdamW, ew, all_elementwise=dopt.plan.strategy.elementwise_only, master_dtype=torch.float32
     )
     for step in range(1, cell.steps + 1):
         runner.step(mean_grads([_full_grads(shapes, step, d, dtype) for d in range(dp)]))
@@ -357,7 +360,7 @@ def _training_cells(cells: Sequence[Cell], rank: int, dp: int, tp: int) -> list[
         group = [c for c in cells if (c.optimizer, c.dtype, c.steps) == (optimizer, dtype_name, steps)]
         t0 = time.perf_counter()
         try:
-            baseline, base_fp = _train(optimizer, "sc", dtype_name, steps, dp, tp)
+            baseline, base_fp = _train(optimizer, BASELINE, dtype_name, steps, dp, tp)
         except Exception as exc:  # noqa: BLE001 - without the baseline no cell of the group can be judged
             out.extend(_error(c, exc, time.perf_counter() - t0) for c in group)
             continue
@@ -366,7 +369,7 @@ def _training_cells(cells: Sequence[Cell], rank: int, dp: int, tp: int) -> list[
             t1 = time.perf_counter()
             fp_same: bool | None = None
             try:
-                if cell.strategy == "sc":
+                if cell.strategy == BASELINE:
                     expected = _single_process_losses(optimizer, dtype_name, steps) if rank == 0 else baseline
                     got = baseline
                     bitwise = False

@@ -33,6 +33,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from canzona.optimizers import get_optimizer, optimizer_names
+from canzona.plan.strategies import get_strategy
+
 __all__ = [
     "CHECKS",
     "MODELS",
@@ -53,7 +56,7 @@ __all__ = [
 
 CHECKS: tuple[str, ...] = ("injected", "training")
 MODELS: tuple[str, ...] = ("awkward", "qwen3")
-OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+OPTIMIZERS: tuple[str, ...] = optimizer_names()
 STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 STANDARD_MESHES: tuple[str, ...] = ("dp2", "tp2", "dp2xtp2", "dp4")
@@ -199,27 +202,33 @@ _STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training
 def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     if strategy == "no-fuse" and mesh.tp == 1:
         return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
-    if strategy == "zero1" and optimizer != "adamw":
-        return False  # equal chunks cut matrices: element-wise optimizers only
+    if get_strategy(strategy_args(strategy)[0]).elementwise_only and get_optimizer(optimizer).matrix:
+        return False  # the strategy cuts matrices: element-wise optimizers only
     if check == "training" and model != "qwen3":
         return False  # only the Qwen3 model has a language-model forward and data
     return True
+
+
+#: the quick (CI) subset, as data: strategies it leaves out unless named (the full matrix covers
+#: them), and the pair it runs with bf16 masters and the Qwen3 model (the baseline and Canzona)
+_QUICK_SKIPS: tuple[str, ...] = ("zero1", "lb-asc-joint")
+_QUICK_PAIR: tuple[str, ...] = ("sc", "lb-asc")
 
 
 def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     """The CI subset: every optimizer x strategy x mesh once on the awkward model in fp32 (the bulk
     of the exactness promise), bf16 masters and the Qwen3 model on the two-process meshes, and the
     training check for Muon on every mesh."""
-    if strategy in ("zero1", "lb-asc-joint"):
+    if strategy in _QUICK_SKIPS:
         return False
     if check == "training":
         return optimizer == "muon" and dtype == "float32"
     if model == "awkward":
         if dtype == "float32":
             return True
-        return mesh.name in ("dp2", "tp2") and strategy in ("lb-asc", "sc")
+        return mesh.name in ("dp2", "tp2") and strategy in _QUICK_PAIR
     # qwen3 injected
-    return dtype == "float32" and mesh.name in ("dp2xtp2",) and optimizer in ("muon", "soap") and strategy in ("sc", "lb-asc")
+    return dtype == "float32" and mesh.name in ("dp2xtp2",) and optimizer in ("muon", "soap") and strategy in _QUICK_PAIR
 
 
 def build_matrix(sel: Selection) -> list[Cell]:
@@ -250,7 +259,7 @@ def build_matrix(sel: Selection) -> list[Cell]:
                                 continue
                             if sel.level == "quick" and not explicit and not _quick_keep(check, model, optimizer, strategy, mesh, dtype):
                                 continue
-                            if sel.level == "quick" and explicit and strategy in ("zero1", "lb-asc-joint") and sel.strategies is None:
+                            if sel.level == "quick" and explicit and strategy in _QUICK_SKIPS and sel.strategies is None:
                                 continue
                             steps = sel.steps or _STEPS[(sel.level, check)]
                             cells.append(Cell(check, model, optimizer, strategy, mesh.name, dtype, steps))

@@ -20,12 +20,14 @@ import time
 import warnings
 from pathlib import Path
 
+from canzona.optimizers import optimizer_names
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="active profiled training steps (default 4)")
-    parser.add_argument("--optimizer", default="muon", choices=("muon", "shampoo", "soap"), help="matrix optimizer (default muon)")
+    parser.add_argument("--optimizer", default="muon", choices=optimizer_names(matrix=True), help="matrix optimizer (default muon)")
     parser.add_argument("--out", default="runs/demo", help="directory for the traces and the phase table (default runs/demo)")
     parser.add_argument("--skip-train", action="store_true", help="only plan and verify (no profiled training run)")
     parser.add_argument("--skip-verify", action="store_true", help="skip the exactness check")

@@ -18,6 +18,7 @@ from pathlib import Path
 from canzona.commands._args import positive_int
 from canzona.commands.plan import one_line_errors
 from canzona.config import available_models
+from canzona.optimizers import optimizer_names
 
 __all__ = ["add_arguments", "run"]
 
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3-32b", help=f"shipped model ({', '.join(available_models())}) or config JSON path")
     parser.add_argument("--dp", type=positive_int, default=32, help="DP size (default 32, the paper's)")
     parser.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8, the paper's)")
-    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
+    parser.add_argument("--optimizer", choices=optimizer_names(matrix=True), default="muon")
     parser.add_argument("--flops-shape", choices=("local", "full"), default="local",
                         help="FLOPs of TP-split matrices on the shard (the paper's accounting, default) or the full shape")
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE_DIR,

@@ -21,17 +21,17 @@ from canzona.config import available_models
 from canzona.cost import COST_MODELS
 from canzona.plan import (
     FLOPS_SHAPES,
-    STRATEGIES,
     TP_SCHEDULES,
     Plan,
     default_tp_schedule,
     plan_model,
 )
+from canzona.optimizers import optimizer_names
+from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS
 
 __all__ = ["add_arguments", "run", "one_line_errors", "format_plan", "format_compare"]
 
-_CLI_OPTIMIZERS = ("muon", "shampoo", "soap")
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=_int, default=None, help="data-parallel size (ZeRO-1 ranks)")
     parser.add_argument("--tp", type=_int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--layout", choices=LAYOUTS, default="megatron", help="parameter layout (default megatron)")
-    parser.add_argument("--optimizer", choices=_CLI_OPTIMIZERS, default="muon", help="matrix optimizer (default muon)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="lb-asc", help="DP strategy (default lb-asc)")
+    parser.add_argument("--optimizer", choices=optimizer_names(matrix=True), default="muon", help="matrix optimizer (default muon)")
+    parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default lb-asc)")
     parser.add_argument("--alpha", type=_float, default=1.0, help="Algorithm 1 balance factor in [0, 1] (default 1.0)")
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default="full",
@@ -165,7 +165,7 @@ def _check_json_path(path: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     if args.list_strategies:
-        print("\n".join(STRATEGIES))
+        print("\n".join(strategy_names()))
         return 0
     if args.model is None:
         raise UserError("--model is required (a shipped model name or a config JSON path)")
@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
         if json_path is not None:
             raise UserError("--json writes one plan; drop --compare or --json")
         rows = []
-        for st in STRATEGIES:
+        for st in strategy_names():
             sched = args.tp_schedule
-            if sched is None or (st in ("sc", "zero1") and sched != "sync"):
+            if sched is None or (get_strategy(st).sync_tp_only and sched != "sync"):
                 sched = default_tp_schedule(st)
             rows.append(_plan(args, st, sched))
         print(format_compare(rows))

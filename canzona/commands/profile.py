@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from canzona.commands._args import positive_float
-from canzona.plan.plan import STRATEGIES, TP_SCHEDULES
+from canzona.plan.plan import TP_SCHEDULES
+from canzona.plan.strategies import strategy_names
 
 __all__ = ["add_arguments", "run", "spec_from_args"]
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=_int_at_least(1), default=2, help="data-parallel degree (default: 2)")
     parser.add_argument("--tp", type=_int_at_least(1), default=2, help="tensor-parallel degree (default: 2)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (default: muon)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="lb-asc", help="DP strategy (default: lb-asc)")
+    parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default: lb-asc)")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP micro-group schedule (default: the strategy's)")
     parser.add_argument("--model", default="qwen3-tiny", help="model config (default: qwen3-tiny)")
     parser.add_argument("--batch-size", type=_int_at_least(1), default=8, help="global batch size (default: 8)")

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
     g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
     g.add_argument("--hardware", default="h800-ib400", help="profile name in data/hardware or a profile JSON path (default h800-ib400)")
-    g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list from {', '.join(SIM_STRATEGIES)}")
+    g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
     g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
     g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
     g.add_argument("--cmax-mb", type=float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
@@ -214,7 +214,8 @@ def _print_assumptions(hw, setup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canzona.cost import OPTIMIZERS
+    from canzona.optimizers import optimizer_names
+    from canzona.plan.strategies import strategy_names
     from canzona.sim.analysis import (
         PAPER_CONFIG,
         alpha_report,
@@ -223,18 +224,18 @@ def run(args: argparse.Namespace) -> int:
         paper_comparison,
         resolve_sim_model,
     )
-    from canzona.sim.model import SETUP_SOURCES, SIM_STRATEGIES, plan_for, simulate_plan
+    from canzona.sim.model import SETUP_SOURCES, plan_for, simulate_plan
 
     if args.dp < 1 or args.tp < 1:
         raise ValueError("--dp and --tp must be >= 1")
-    if args.optimizer not in OPTIMIZERS or args.optimizer == "adamw":
-        raise ValueError(f"--optimizer must be a matrix optimizer: {', '.join(o for o in OPTIMIZERS if o != 'adamw')}")
+    if args.optimizer not in optimizer_names(matrix=True):
+        raise ValueError(f"--optimizer must be a matrix optimizer: {', '.join(optimizer_names(matrix=True))}")
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in SIM_STRATEGIES]
+    bad = [s for s in strategies if s not in strategy_names()]
     if bad or not strategies:
-        raise ValueError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from {', '.join(SIM_STRATEGIES)}")
+        raise ValueError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from {', '.join(strategy_names())}")
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
     setup = _setup(args)

@@ -17,7 +17,8 @@ import argparse
 import os
 
 from canzona.commands._args import positive_float, positive_int
-from canzona.plan.plan import STRATEGIES, TP_SCHEDULES
+from canzona.plan.plan import TP_SCHEDULES
+from canzona.plan.strategies import strategy_names
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> 
 
     parser.add_argument("--model", default="qwen3-tiny", help="model config name or path (default: qwen3-tiny)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (adamw: only for zero1)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="lb-asc", help="DP strategy (default: lb-asc)")
+    parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default: lb-asc)")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP micro-group schedule (default: the strategy's)")
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")

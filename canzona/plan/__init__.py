@@ -2,7 +2,8 @@
 (Section 4) as one frozen, validated, serialisable :class:`Plan`.
 
 ``make_plan(specs, inputs)`` plans any list of :class:`canzona.specs.ParamSpec`;
-``plan_model("qwen3-32b", dp=32, tp=8)`` plans a shipped model config. Pure Python + numpy: no
+``plan_model("qwen3-32b", dp=32, tp=8)`` plans a shipped model config. Strategies are records in
+a registry (:mod:`canzona.plan.strategies`); ``register_strategy`` adds one. Pure Python + numpy: no
 torch.distributed, no devices, milliseconds for a 32B model.
 """
 
@@ -16,6 +17,17 @@ from canzona.plan.build import (
     plan_model,
     resolve_model,
 )
+from canzona.plan.errors import PlanError
+from canzona.plan.strategies import (
+    ROLES,
+    PartitionInput,
+    Strategy,
+    get_strategy,
+    paper_strategy_names,
+    register_strategy,
+    strategy_names,
+    unregister_strategy,
+)
 from canzona.plan.plan import (
     COSTS,
     FLOPS_SHAPES,
@@ -27,7 +39,6 @@ from canzona.plan.plan import (
     MicroGroup,
     ParamPlan,
     Plan,
-    PlanError,
     PlanInputs,
 )
 
@@ -50,4 +61,12 @@ __all__ = [
     "default_bucket_numel",
     "default_tp_schedule",
     "resolve_model",
+    "Strategy",
+    "PartitionInput",
+    "ROLES",
+    "register_strategy",
+    "unregister_strategy",
+    "get_strategy",
+    "strategy_names",
+    "paper_strategy_names",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from canzona.config import MODELS_DIR, ModelConfig, available_models, load_model_config
 from canzona.cost import OPTIMIZERS, cost_arrays, matrix_flops, state_bytes
 from canzona.plan import dp as dpmod
-from canzona.plan.buckets import default_bucket_numel, layout_buffer
+from canzona.plan.buckets import BufferLayout, default_bucket_numel, layout_buffer
 from canzona.plan.metrics import LoadVectors, compute_metrics
 from canzona.plan.plan import (
     Bucket,
@@ -27,6 +27,7 @@ from canzona.plan.plan import (
     PlanError,
     PlanInputs,
 )
+from canzona.plan.strategies import PartitionInput, Strategy, get_strategy, param_role
 from canzona.plan.tp import Group, Task, schedule_tasks
 from canzona.specs import ParamSpec, specs_from_config
 
@@ -42,25 +43,13 @@ __all__ = [
 #: Section 4.2 / Appendix C.6: fused all-to-all performance plateaus around C_max = 512 MB
 DEFAULT_CMAX_BYTES = 512 * 2**20
 
-_DEFAULT_SCHEDULE = {
-    "lb-asc": "lpt",
-    "lb-asc-joint": "lpt-carry",  # beyond the paper: host loads carried across groups
-    "asc": "round-robin",
-    "sc": "sync",
-    "layerwise": "sync",
-    "zero1": "sync",
-}
-
-
 def default_tp_schedule(strategy: str) -> str:
-    """The TP schedule each DP strategy runs with in the paper's comparison: Canzona (lb-asc) uses
-    Algorithm 2 micro-groups, ASC round-robin hosts, SC / NV-layerwise / ZeRO-1 synchronous TP.
-    canzona's own ``lb-asc-joint`` carries host loads across groups (``lpt-carry``): with Algorithm
-    2's zero-start heap every one-task group (a matrix larger than C_max) lands on TP rank 0."""
-    try:
-        return _DEFAULT_SCHEDULE[strategy]
-    except KeyError:
-        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(_DEFAULT_SCHEDULE)}") from None
+    """The TP schedule each DP strategy runs with in the paper's comparison (its record's
+    ``default_tp_schedule``): Canzona (lb-asc) uses Algorithm 2 micro-groups, ASC round-robin hosts,
+    SC / NV-layerwise / ZeRO-1 synchronous TP. canzona's own ``lb-asc-joint`` carries host loads
+    across groups (``lpt-carry``): with Algorithm 2's zero-start heap every one-task group (a matrix
+    larger than C_max) lands on TP rank 0."""
+    return get_strategy(strategy).default_tp_schedule
 
 
 def resolve_model(model: str | Path | ModelConfig) -> ModelConfig:
@@ -86,6 +75,25 @@ def _task_metric(spec: ParamSpec, optimizer: str, flops_shape: str) -> tuple[flo
 _TASK_COST_INDEX = {"flops": 0, "memory": 1, "numel": 2}
 
 
+def _check_assignment(a: object, layout: BufferLayout, dp: int, record: Strategy) -> None:
+    """A partitioner's answer has the shape its record promises (a registered partitioner is user
+    code: a wrong answer should name the strategy, not fail later in the metrics)."""
+    name = record.name
+    cuts, owner = getattr(a, "cuts", None), getattr(a, "owner", None)
+    if not isinstance(cuts, tuple) or len(cuts) != len(layout.bounds):
+        raise PlanError(f"strategy {name}: partitioner must return one cut tuple per bucket ({len(layout.bounds)})")
+    if not isinstance(owner, np.ndarray) or owner.shape != (layout.n_params,):
+        raise PlanError(f"strategy {name}: partitioner must return one owner per parameter ({layout.n_params})")
+    if owner.size and (owner.min() < -1 or owner.max() >= dp):
+        raise PlanError(f"strategy {name}: partitioner returned an owner outside -1..{dp - 1}")
+    if not record.reduce_scatter and any(cuts):
+        raise PlanError(f"strategy {name}: an all-reduce strategy has no cut points")
+    if record.every_rank_updates and owner.size and owner.max() >= 0:
+        raise PlanError(f"strategy {name}: every rank updates every parameter, so no parameter has an owner (-1)")
+    if not record.every_rank_updates and not record.reduce_scatter and owner.size and owner.min() < 0:
+        raise PlanError(f"strategy {name}: without cut points every parameter needs an owner")
+
+
 def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
 
@@ -103,7 +111,8 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     for s in specs:
         if s.tp_dim is not None and s.tp != inp.tp:
             raise PlanError(f"{s.name}: spec built for tp={s.tp} but the plan has tp={inp.tp}")
-    if inp.strategy in ("sc", "zero1") and inp.tp_schedule != "sync" and inp.tp > 1:
+    record = get_strategy(inp.strategy)
+    if record.sync_tp_only and inp.tp_schedule != "sync" and inp.tp > 1:
         raise PlanError(
             f"strategy {inp.strategy} recomputes or cuts every update, so its TP schedule must be 'sync', got {inp.tp_schedule!r}"
         )
@@ -121,43 +130,45 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
         cost = memory
     loads = LoadVectors(cost=cost, flops=flops, memory=memory, numel=numel)
 
-    # ---- DP partition (Section 3)
+    # ---- DP partition (Section 3), by the strategy's partitioner
     st = inp.strategy
-    if st == "zero1":
-        a = dpmod.zero1(layout, dp)
-    elif st == "asc":
-        a = dpmod.asc(layout, dp)
-    elif st == "lb-asc":
-        a = dpmod.lb_asc(layout, dp, cost, float(inp.alpha))
-    elif st == "layerwise":
-        a = dpmod.layerwise(layout, dp, cost, [s.name for s in sp])
-    elif st == "sc":
-        a = dpmod.sc(layout, dp)
-    else:
-        a = dpmod.lb_asc_joint(layout, dp, flops, memory, np.array([s.kind == "elementwise" for s in sp]))
+    a = record.partition(
+        PartitionInput(
+            layout=layout,
+            dp=dp,
+            cost=cost,
+            flops=flops,
+            memory=memory,
+            alpha=float(inp.alpha),
+            names=[s.name for s in sp],
+            elementwise=np.array([s.kind == "elementwise" for s in sp]),
+        )
+    )
+    _check_assignment(a, layout, dp, record)
+    roles = [param_role(record, s.kind, s.tp_split) for s in sp]
     owner = a.owner
     ranges: dict[int, tuple[tuple[int, int, int], ...]] = {}
-    if st != "sc":
+    if not record.every_rank_updates:
         for i in np.flatnonzero(owner < 0).tolist():
             b = int(layout.bucket[i])
             ranges[i] = dpmod.cut_ranges(a.cuts[b], int(layout.offset[i]), int(layout.numel[i]))
-            if sp[i].kind == "matrix" and st != "zero1":
+            if roles[i] != "elementwise":
                 raise PlanError(f"{sp[i].name}: {st} cut a matrix parameter (planner bug)")
 
     # ---- TP micro-groups (Section 4), per DP rank
-    grouped = tp > 1 and inp.tp_schedule != "sync" and st != "zero1"
+    grouped = tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
     owner_l = owner.tolist()
     cost_at = _TASK_COST_INDEX[inp.cost]
     task_avg: dict[str, tuple[float, float, float]] = {}
     task_full: dict[str, tuple[float, float, float]] = {}
     per_rank_tasks: list[list[Task]] = [[] for _ in range(dp)]
     for i, s in enumerate(sp):
-        if not (s.kind == "matrix" and s.tp_split):
+        if roles[i] != "tp-task":
             continue
         full = task_full[s.name] = _task_metric(s, opt, shape)
         task_avg[s.name] = (float(flops[i]), float(memory[i]), float(numel[i]))
         task = Task(s.name, full[cost_at], inp.grad_bytes * s.numel)
-        if st == "sc":
+        if record.every_rank_updates:
             for r in range(dp):
                 per_rank_tasks[r].append(task)
         elif owner_l[i] >= 0:
@@ -191,14 +202,26 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     for s, i in zip(specs, pos_of.tolist()):
         o = owner_l[i]
         h, k = host_of.get(s.name, no_host)
-        # positional: ParamPlan(spec, bucket, offset, dp_owner, dp_ranges, tp_host, micro_group)
-        params.append(ParamPlan(s, bucket_l[i], offset_l[i], o if o >= 0 else None, ranges.get(i, ()), h, k))
+        params.append(
+            ParamPlan(
+                spec=s,
+                bucket=bucket_l[i],
+                offset=offset_l[i],
+                dp_owner=o if o >= 0 else None,
+                role=roles[i],
+                dp_ranges=ranges.get(i, ()),
+                tp_host=h,
+                micro_group=k,
+            )
+        )
     buckets = tuple(
         Bucket(
             index=b,
             start=int(layout.bucket_start[b]),
             numel=int(layout.bucket_numel[b]),
             params=tuple(sp[i].name for i in range(i0, i1)),
+            collective=record.grad_collective,
+            param_return=record.param_return,
             cuts=a.cuts[b],
         )
         for b, (i0, i1) in enumerate(layout.bounds)
@@ -219,7 +242,7 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
         loads=loads,
         dp=dp,
         tp=tp,
-        everyone=(st == "sc"),
+        everyone=record.every_rank_updates,
         groups=groups,
         sync_tasks=sync_tasks,
         task_avg=task_avg,

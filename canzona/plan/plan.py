@@ -1,8 +1,14 @@
 """The frozen Plan: what the offline planner decides and the runtime executes.
 
 A plan is pure data, deterministic for its inputs, validates itself on construction, round-trips
-through a versioned JSON document (``schema`` = ``canzona.plan``, ``version`` = 1) and carries a
-fingerprint that every rank compares before the first step.
+through a versioned JSON document (``schema`` = ``canzona.plan``, ``version`` = 2; version-1
+documents are migrated on load) and carries a fingerprint that every rank compares before the
+first step.
+
+The plan is the whole contract between planner and runtime: besides the geometry it carries what
+the strategy means for each bucket (``Bucket.collective``, ``Bucket.param_return``) and each
+parameter (``ParamPlan.role``), copied from the strategy's record (:mod:`canzona.plan.strategies`),
+so the runtime, the simulator and validation never branch on a strategy's name.
 
 Geometry conventions (all sizes in elements of the TP-local shard, which is what a TP rank's
 ZeRO-1 buffer holds):
@@ -10,12 +16,15 @@ ZeRO-1 buffer holds):
 - ``Bucket.start`` is the bucket's offset in the flat buffer, ``Bucket.numel`` its size.
 - ``Bucket.cuts`` has ``dp + 1`` monotone cut points relative to the bucket start
   (``cuts[0] == 0``, ``cuts[-1] == numel``); DP rank ``r`` owns ``[cuts[r], cuts[r+1])`` and the
-  bucket's reduce-scatter / all-gather use those split sizes (Section 3.1). Strategies that
-  all-reduce whole buckets (``sc``, ``layerwise``) have no cuts (an empty tuple).
+  bucket's reduce-scatter / all-gather use those split sizes (Section 3.1). Buckets whose
+  ``collective`` is ``all-reduce`` (``sc``, ``layerwise``) have no cuts (an empty tuple).
 - ``ParamPlan.offset`` is the parameter's offset inside its bucket.
 - ``ParamPlan.dp_owner`` is the DP rank that updates the whole parameter; it is None when the
   parameter is cut (then ``dp_ranges`` lists ``(rank, start, end)`` element ranges of the flattened
-  local shard) and for ``sc`` (every rank updates every parameter; ``dp_ranges`` is empty).
+  local shard) and when every rank updates every parameter (``sc``; ``dp_ranges`` is empty too:
+  ``ParamPlan.replicated``).
+- ``ParamPlan.role`` is ``matrix`` (updated whole by its owner), ``tp-task`` (a TP-split matrix) or
+  ``elementwise`` (may be cut; every parameter under an element-wise-only strategy such as ``zero1``).
 - ``ParamPlan.tp_host`` is the TP rank hosting a TP-split matrix parameter's full update and its
   optimizer state (Section 4.1), ``micro_group`` the index of its group in
   ``micro_groups[dp_owner]``. Both are None for parameters not handled by micro-groups
@@ -32,6 +41,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from canzona.plan.errors import PlanError
+from canzona.plan.strategies import GRAD_COLLECTIVES, PARAM_RETURNS, ROLES, Strategy, get_strategy, param_role, paper_strategy_names, strategy_names
 from canzona.specs import ParamSpec
 
 __all__ = [
@@ -49,14 +60,18 @@ __all__ = [
     "MicroGroup",
     "Metrics",
     "Plan",
+    "ROLES",
+    "GRAD_COLLECTIVES",
+    "PARAM_RETURNS",
 ]
 
 SCHEMA = "canzona.plan"
-VERSION = 1
-#: DP strategy names, one name per strategy everywhere (CLI, JSON, NVTX ranges, notebooks).
-#: ``lb-asc-joint`` is canzona's planner beyond the paper (FLOPs and memory balanced together).
-STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc", "lb-asc-joint")
-PAPER_STRATEGIES: tuple[str, ...] = ("zero1", "sc", "layerwise", "asc", "lb-asc")
+VERSION = 2
+#: the shipped DP strategy names (the registry, :func:`canzona.plan.strategies.strategy_names`,
+#: also holds any registered later), one name per strategy everywhere (CLI, JSON, NVTX ranges,
+#: notebooks). ``lb-asc-joint`` is canzona's planner beyond the paper.
+STRATEGIES: tuple[str, ...] = strategy_names()
+PAPER_STRATEGIES: tuple[str, ...] = paper_strategy_names()
 #: TP schedules: ``lpt`` (Algorithm 2 micro-groups), ``round-robin`` (ASC baseline hosts),
 #: ``no-fuse`` (one task per group, the fusion ablation), ``sync`` (all-gather, every TP rank
 #: recomputes: the SC baseline), ``lpt-carry`` (canzona's variant of Algorithm 2 whose
@@ -66,8 +81,9 @@ COSTS: tuple[str, ...] = ("numel", "memory", "flops")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
 
 
-class PlanError(ValueError):
-    """An inconsistent plan or plan document; the message says which invariant broke."""
+def _untimed(m: Metrics) -> tuple:
+    """A metrics record without its wall-clock field, for plan equality."""
+    return tuple(getattr(m, f.name) for f in fields(m) if f.name != "plan_seconds")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -96,7 +112,7 @@ class PlanInputs:
     def __post_init__(self) -> None:
         _check(isinstance(self.dp, int) and self.dp >= 1, f"dp must be an integer >= 1, got {self.dp!r}")
         _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be an integer >= 1, got {self.tp!r}")
-        _check(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        get_strategy(self.strategy)  # PlanError naming the registered strategies
         _check(self.tp_schedule in TP_SCHEDULES, f"unknown TP schedule {self.tp_schedule!r}; choose one of {', '.join(TP_SCHEDULES)}")
         _check(self.cost in COSTS, f"unknown cost model {self.cost!r}; choose one of {', '.join(COSTS)}")
         _check(self.flops_shape in FLOPS_SHAPES, f"flops_shape must be one of {', '.join(FLOPS_SHAPES)}")
@@ -117,6 +133,7 @@ class ParamPlan:
     bucket: int
     offset: int
     dp_owner: int | None
+    role: str
     dp_ranges: tuple[tuple[int, int, int], ...] = ()
     tp_host: int | None = None
     micro_group: int | None = None
@@ -124,6 +141,11 @@ class ParamPlan:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def replicated(self) -> bool:
+        """Every DP rank updates this parameter (no owner, no cut): the ``sc`` baseline."""
+        return self.dp_owner is None and not self.dp_ranges
 
     @property
     def numel(self) -> int:
@@ -139,13 +161,22 @@ class ParamPlan:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One ZeRO-1 bucket: a contiguous slice of the flat buffer, its parameters and its DP cut points."""
+    """One ZeRO-1 bucket: a contiguous slice of the flat buffer, its parameters, its DP cut points,
+    the collective that combines its gradients (``reduce-scatter`` / ``all-reduce``) and how its
+    updated values return (``all-gather`` / ``broadcast`` / ``none``)."""
 
     index: int
     start: int
     numel: int
     params: tuple[str, ...]
+    collective: str
+    param_return: str
     cuts: tuple[int, ...] = ()
+
+    @property
+    def reduce_scatter(self) -> bool:
+        """Gradients are reduce-scattered on the cut points (else all-reduced whole)."""
+        return self.collective == "reduce-scatter"
 
     def shard_sizes(self) -> tuple[int, ...]:
         """Elements each DP rank receives from this bucket's reduce-scatter (empty without cuts)."""
@@ -180,9 +211,13 @@ class Metrics:
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Plan:
-    """A validated, deterministic partition plan for one (model, dp, tp, optimizer, strategy)."""
+    """A validated, deterministic partition plan for one (model, dp, tp, optimizer, strategy).
+
+    Two plans are equal when they make the same decisions with the same metrics, whatever the time
+    planning took (``metrics.plan_seconds`` is ignored); ``hash`` is the fingerprint's.
+    """
 
     inputs: PlanInputs
     params: tuple[ParamPlan, ...]
@@ -193,10 +228,49 @@ class Plan:
     #: name -> ParamPlan, built once on construction (not an input: excluded from __init__,
     #: equality and repr; to_dict and the fingerprint never read it)
     _index: dict[str, ParamPlan] = field(init=False, repr=False, compare=False)
+    #: the fingerprint, computed once on first use (a plan is immutable)
+    _fingerprint: str | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {p.spec.name: p for p in self.params})
         self.validate()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        if self is other:
+            return True
+        return (
+            self.inputs == other.inputs
+            and self.params == other.params
+            and self.buckets == other.buckets
+            and self.micro_groups == other.micro_groups
+            and _untimed(self.metrics) == _untimed(other.metrics)
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    @property
+    def strategy(self) -> Strategy:
+        """The record of the plan's strategy (for reports and the planner; the runtime reads the
+        per-bucket and per-parameter fields instead)."""
+        return get_strategy(self.inputs.strategy)
+
+    @property
+    def reduce_scatter(self) -> bool:
+        """Whether the buckets reduce-scatter gradients (a plan's buckets all share one collective)."""
+        return self.buckets[0].reduce_scatter
+
+    @property
+    def param_return(self) -> str:
+        """How updated values return: ``all-gather``, ``broadcast`` or ``none`` (shared by all buckets)."""
+        return self.buckets[0].param_return
+
+    @property
+    def every_rank_updates(self) -> bool:
+        """Every DP rank updates every parameter (nothing returns; ``ParamPlan.replicated`` holds for all)."""
+        return self.buckets[0].param_return == "none"
 
     # ----------------------------------------------------------------------------- lookups
     def param(self, name: str) -> ParamPlan:
@@ -227,9 +301,11 @@ class Plan:
         """Check the invariants every runtime relies on; raise :class:`PlanError` naming the first broken one.
 
         - buckets tile the buffer contiguously and hold exactly their parameters, back to back;
-        - cut points are monotone, span the bucket and exist exactly for reduce-scatter strategies;
-        - every element of every bucket is covered exactly once by its owners;
-        - matrix parameters are atomic (one owner) under every strategy but ``zero1`` and ``sc``;
+        - buckets and parameters carry the collective and role their strategy's record implies;
+        - cut points are monotone, span the bucket and exist exactly for reduce-scatter buckets;
+        - every element of every bucket is covered exactly once by its owners (or every rank
+          updates every parameter, when the strategy says so);
+        - only element-wise-role parameters are cut;
         - each TP-split matrix parameter of a micro-group schedule is in exactly one group of its
           owner, hosted on a valid TP rank.
 
@@ -239,6 +315,7 @@ class Plan:
         """
         inp = self.inputs
         dp, tp, strategy = inp.dp, inp.tp, inp.strategy
+        record = get_strategy(strategy)
         params, buckets = self.params, self.buckets
         by_name = self._index
         if len(by_name) != len(params):
@@ -246,12 +323,17 @@ class Plan:
         # local_numel (a product over the shape) once per parameter, as the bucket walk meets it; every
         # parameter is met there before the checks below read it
         size: dict[str, int] = {}
-        reduce_scatter = strategy not in ("sc", "layerwise")
+        reduce_scatter = record.reduce_scatter
         pos = 0
         placed: set[str] = set()
         for i, b in enumerate(buckets):
             if b.index != i:
                 raise PlanError(f"bucket {i} has index {b.index}")
+            if b.collective != record.grad_collective or b.param_return != record.param_return:
+                raise PlanError(
+                    f"bucket {i}: collective {b.collective!r} / params return {b.param_return!r}, but strategy "
+                    f"{strategy} uses {record.grad_collective!r} / {record.param_return!r}"
+                )
             if b.start != pos:
                 raise PlanError(f"bucket {i} starts at {b.start}, expected {pos}")
             if not (b.numel >= 1 and b.params):
@@ -261,6 +343,11 @@ class Plan:
                 p = by_name.get(n)
                 if p is None:
                     raise PlanError(f"bucket {i} lists unknown parameter {n!r}")
+                if p.role != param_role(record, p.spec.kind, p.spec.tp_split):
+                    raise PlanError(
+                        f"{n}: role {p.role!r}, expected {param_role(record, p.spec.kind, p.spec.tp_split)!r} "
+                        f"for a {p.spec.kind} parameter under {strategy}"
+                    )
                 if p.bucket != i or p.offset != off:
                     raise PlanError(f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
                 if n in placed:
@@ -285,10 +372,10 @@ class Plan:
         if len(placed) != len(by_name):  # placed only holds known names, so this is set equality
             raise PlanError("some parameters are in no bucket")
 
-        if strategy == "sc":
+        if record.every_rank_updates:
             for p in params:
-                if p.dp_owner is not None or p.dp_ranges:
-                    raise PlanError(f"{p.name}: sc plans have no owners")
+                if not p.replicated:
+                    raise PlanError(f"{p.name}: every rank updates every parameter under {strategy}, so it has no owner")
         else:
             for p in params:
                 n = p.spec.name
@@ -311,7 +398,7 @@ class Plan:
                     raise PlanError(f"{n}: {strategy} needs one owner per parameter")
                 if not p.dp_ranges:
                     raise PlanError(f"{n}: no owner and no ranges")
-                if not (strategy == "zero1" or p.spec.kind == "elementwise"):
+                if p.role != "elementwise":
                     raise PlanError(f"{n}: matrix parameters must be atomic under {strategy}")
                 c = buckets[p.bucket].cuts
                 expect = 0
@@ -327,7 +414,7 @@ class Plan:
                 if expect != numel:
                     raise PlanError(f"{n}: ranges cover {expect} of {numel} elements")
 
-        grouped = tp > 1 and inp.tp_schedule != "sync" and strategy != "zero1"
+        grouped = tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
         if len(self.micro_groups) not in ((dp,) if grouped else (0, dp)):
             raise PlanError(f"micro_groups must have one entry per DP rank ({dp})")
         seen: set[str] = set()
@@ -348,11 +435,11 @@ class Plan:
                         raise PlanError(f"{n}: host {h} outside tp={tp}")
                     if p.tp_host != h or p.micro_group != k:
                         raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
-                    if strategy != "sc" and p.dp_owner != r:
+                    if not p.replicated and p.dp_owner != r:
                         raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
         for p in params:
             spec = p.spec
-            if grouped and spec.kind == "matrix" and spec.tp_split:
+            if grouped and p.role == "tp-task":
                 if spec.name not in seen:
                     raise PlanError(f"{spec.name}: TP-split matrix parameter in no micro-group")
             elif p.tp_host is not None or p.micro_group is not None:
@@ -378,6 +465,7 @@ class Plan:
                     "offset": p.offset,
                     "numel": p.numel,
                     "dp_owner": p.dp_owner,
+                    "role": p.role,
                     "dp_ranges": [list(r) for r in p.dp_ranges],
                     "tp_host": p.tp_host,
                     "micro_group": p.micro_group,
@@ -385,7 +473,8 @@ class Plan:
                 for p in self.params
             ],
             "buckets": [
-                {"index": b.index, "start": b.start, "numel": b.numel, "cuts": list(b.cuts), "params": list(b.params)}
+                {"index": b.index, "start": b.start, "numel": b.numel, "collective": b.collective,
+                 "param_return": b.param_return, "cuts": list(b.cuts), "params": list(b.params)}
                 for b in self.buckets
             ],
             "micro_groups": {
@@ -403,8 +492,18 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over the plan's decisions (inputs, geometry, owners, hosts); metrics excluded."""
-        doc = {
+        """sha256 over the plan's decisions (inputs, geometry, owners, roles, collectives, hosts);
+        metrics excluded. Computed once per plan."""
+        fp = self._fingerprint
+        if fp is None:
+            fp = self._digest(VERSION)
+            object.__setattr__(self, "_fingerprint", fp)
+        return fp
+
+    def _digest(self, version: int) -> str:
+        """The fingerprint as document ``version`` defined it (version 1 had no roles or collectives:
+        a migrated version-1 document is checked against the fingerprint it was written with)."""
+        doc: dict[str, Any] = {
             "inputs": {f.name: getattr(self.inputs, f.name) for f in fields(self.inputs)},
             "params": [
                 [p.name, list(p.spec.shape), p.spec.tp_dim, p.spec.tp, p.spec.kind, p.bucket, p.offset, p.dp_owner,
@@ -414,6 +513,9 @@ class Plan:
             "buckets": [[b.start, b.numel, list(b.cuts), list(b.params)] for b in self.buckets],
             "groups": [[[list(g.params), list(g.hosts)] for g in gs] for gs in self.micro_groups],
         }
+        if version >= 2:
+            doc["roles"] = [p.role for p in self.params]
+            doc["collectives"] = [[b.collective, b.param_return] for b in self.buckets]
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -425,29 +527,46 @@ class Plan:
 
     @classmethod
     def from_dict(cls, doc: Any) -> Plan:
-        """Rebuild a plan from its document, strictly: wrong schema, version or shape is a PlanError."""
+        """Rebuild a plan from its document, strictly: wrong schema, version or shape is a PlanError.
+
+        A version-1 document (no roles, no bucket collectives) is migrated: the missing fields are
+        derived from its strategy's record, and its fingerprint is checked with the version-1 formula.
+        """
         _check(isinstance(doc, dict), "a plan document must be a JSON object")
         _check(doc.get("schema") == SCHEMA, f"not a plan document (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
-        _check(doc.get("version") == VERSION, f"unsupported plan version {doc.get('version')!r} (this canzona reads {VERSION})")
+        version = doc.get("version")
+        _check(
+            version in (1, VERSION) and not isinstance(version, bool),
+            f"unsupported plan version {version!r} (this canzona reads {VERSION}, and migrates 1)",
+        )
         try:
             inputs = PlanInputs(**doc["inputs"])
             tp = inputs.tp
+            record = get_strategy(inputs.strategy)
+            specs = [ParamSpec(q["name"], tuple(q["shape"]), q["kind"], q["tp_dim"], tp) for q in doc["params"]]
             params = tuple(
                 ParamPlan(
-                    spec=ParamSpec(
-                        q["name"], tuple(q["shape"]), q["kind"], q["tp_dim"], tp
-                    ),
+                    spec=spec,
                     bucket=int(q["bucket"]),
                     offset=int(q["offset"]),
                     dp_owner=q["dp_owner"],
+                    role=q["role"] if version >= 2 else param_role(record, spec.kind, spec.tp_split),
                     dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
                     tp_host=q["tp_host"],
                     micro_group=q["micro_group"],
                 )
-                for q in doc["params"]
+                for spec, q in zip(specs, doc["params"])
             )
             buckets = tuple(
-                Bucket(int(b["index"]), int(b["start"]), int(b["numel"]), tuple(b["params"]), tuple(int(c) for c in b["cuts"]))
+                Bucket(
+                    index=int(b["index"]),
+                    start=int(b["start"]),
+                    numel=int(b["numel"]),
+                    params=tuple(b["params"]),
+                    collective=b["collective"] if version >= 2 else record.grad_collective,
+                    param_return=b["param_return"] if version >= 2 else record.param_return,
+                    cuts=tuple(int(c) for c in b["cuts"]),
+                )
                 for b in doc["buckets"]
             )
             mg = doc["micro_groups"]
@@ -466,7 +585,7 @@ class Plan:
             raise PlanError(f"malformed plan document: {type(exc).__name__}: {exc}") from None
         plan = cls(inputs, params, buckets, groups, metrics)
         if "fingerprint" in doc:
-            _check(doc["fingerprint"] == plan.fingerprint, "plan document fingerprint does not match its contents")
+            _check(doc["fingerprint"] == plan._digest(version), "plan document fingerprint does not match its contents")
         return plan
 
     @classmethod

@@ -50,7 +50,6 @@ __all__ = [
     "profile_worker",
 ]
 
-_REDUCE_SCATTER = ("zero1", "asc", "lb-asc", "lb-asc-joint")
 
 
 def _nonneg(name: str, v: Any, lo: int) -> None:
@@ -128,18 +127,19 @@ def expected_phases(strategy: str, *, dp: int, tp: int, tp_schedule: str | None 
     layerwise: bucket all-reduces, layerwise adds the owners' broadcast. With tp > 1 the TP engine
     runs gather / compute / apply per micro-group, plus the scatter of updated shards unless the
     schedule is ``sync`` (all TP ranks compute: sc, layerwise, zero1)."""
-    from canzona.plan import default_tp_schedule
+    from canzona.plan.strategies import get_strategy
 
+    record = get_strategy(strategy)
     out = {FORWARD, BACKWARD, OPTIMIZER_STEP, DP_LOCAL_UPDATE}
-    if strategy in _REDUCE_SCATTER:
+    if record.reduce_scatter:
         out |= {DP_REDUCE_SCATTER, DP_ALL_GATHER}
     else:
         out.add(DP_ALL_REDUCE)
-    if strategy == "layerwise":
+    if record.param_return == "broadcast":
         out.add(LAYERWISE_BROADCAST)
-    if tp > 1 and strategy != "zero1":
+    if tp > 1 and not record.elementwise_only:
         out |= {TP_GATHER, TP_COMPUTE, TP_APPLY}
-        if (tp_schedule or default_tp_schedule(strategy)) != "sync":
+        if (tp_schedule or record.default_tp_schedule) != "sync":
             out.add(TP_SCATTER)
     return frozenset(out)
 

@@ -90,7 +90,7 @@ def _exports(dopt: DistributedOptimizer) -> dict[str, Any]:
     """This rank's share of the consolidated document (canonical copies only)."""
     rt = dopt.runtime
     # every DP rank holds the same values under sc: DP rank 0's copy is canonical
-    replica = rt.strategy == "sc" and rt.dp_rank != 0
+    replica = rt.plan.every_rank_updates and rt.dp_rank != 0
     pieces: list[dict[str, Any]] = []
     for pc in () if replica else rt.pieces:
         spec = rt.specs[pc.name]

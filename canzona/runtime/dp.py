@@ -101,8 +101,6 @@ from canzona.runtime.phases import (
 )
 
 __all__ = [
-    "ALL_REDUCE_STRATEGIES",
-    "REDUCE_SCATTER_STRATEGIES",
     "DPRuntime",
     "OptimizerFactory",
     "Piece",
@@ -112,8 +110,8 @@ __all__ = [
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
-REDUCE_SCATTER_STRATEGIES: tuple[str, ...] = ("zero1", "asc", "lb-asc", "lb-asc-joint")
-ALL_REDUCE_STRATEGIES: tuple[str, ...] = ("sc", "layerwise")
+#: a plan role (canzona.plan.strategies.ROLES) -> the role of a runtime piece (and of checkpoint entries)
+_PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,26 +139,19 @@ class Piece:
 
 
 def elementwise_role(plan: Plan, name: str) -> bool:
-    """Whether parameter ``name`` goes to the element-wise optimizer under ``plan`` (every parameter
-    under ``zero1``, which cuts matrices)."""
-    return plan.inputs.strategy == "zero1" or plan.param(name).spec.kind == "elementwise"
-
-
-def _role(plan: Plan, name: str) -> str:
-    if elementwise_role(plan, name):
-        return "elementwise"
-    return "tp" if plan.param(name).spec.tp_split else "matrix"
+    """Whether parameter ``name`` goes to the element-wise optimizer under ``plan`` (its plan role;
+    every parameter under an element-wise-only strategy such as ``zero1``, which cuts matrices)."""
+    return plan.param(name).role == "elementwise"
 
 
 def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
     """What DP rank ``dp_rank`` updates under ``plan``, in buffer order."""
-    strategy = plan.inputs.strategy
-    rs = strategy in REDUCE_SCATTER_STRATEGIES
     out: list[Piece] = []
     for pp in plan.buffer_order():
-        base = plan.buckets[pp.bucket].cuts[dp_rank] if rs else 0
-        role = _role(plan, pp.name)
-        if strategy == "sc" or pp.dp_owner == dp_rank:
+        bucket = plan.buckets[pp.bucket]
+        base = bucket.cuts[dp_rank] if bucket.reduce_scatter else 0
+        role = _PIECE_ROLE[pp.role]
+        if pp.replicated or pp.dp_owner == dp_rank:
             out.append(Piece(pp.name, pp.bucket, 0, pp.numel, True, role, pp.offset - base))
             continue
         for r, s, e in pp.dp_ranges:
@@ -200,8 +191,9 @@ class DPRuntime:
         if dp_comm.size != plan.inputs.dp:
             raise ValueError(f"the plan is for dp={plan.inputs.dp} but the DP group has {dp_comm.size} ranks")
         self.plan = plan
-        self.strategy = plan.inputs.strategy
-        self.reduce_scatter = self.strategy in REDUCE_SCATTER_STRATEGIES
+        self.reduce_scatter = plan.reduce_scatter
+        #: how updated values return: all-gather (reduce-scatter buckets), broadcast, none (every rank updates)
+        self.param_return = plan.param_return
         self.comm = dp_comm
         self.dp_rank = dp_comm.rank
         self.dp = dp_comm.size
@@ -327,14 +319,14 @@ class DPRuntime:
                 self.gather_bucket(i)
                 self.update_bucket(i)
             self.compute_tp()
-            if self.strategy == "layerwise":
+            if self.param_return == "broadcast":
                 self.broadcast_params()
         if self.reduce_scatter:
             if self.lazy:
                 self.launch_param_gather()
             else:
                 self.apply_params(self.scatter_params())
-        elif self.strategy == "sc":
+        elif self.param_return == "none":
             self.apply_params({})
         self.discard_grads()
         self.steps += 1
@@ -398,7 +390,8 @@ class DPRuntime:
         self.tp_engine.step(grads)
 
     def broadcast_params(self) -> None:
-        """``layerwise``: every owner sends its updated parameters to all DP ranks, inside the step."""
+        """Params return by ``broadcast`` (``layerwise``): every owner sends its updated parameters to
+        all DP ranks, inside the step."""
         works = []
         with phase(LAYERWISE_BROADCAST), torch.no_grad():
             for pp in self._order:
@@ -483,7 +476,7 @@ class DPRuntime:
     def apply_params(self, gathered: Mapping[int, torch.Tensor]) -> None:
         """Write updated values into the model's parameters (in place; DTensor: the local shard)."""
         with torch.no_grad():
-            if self.strategy == "sc":
+            if self.param_return == "none":
                 for pc in self.pieces:
                     local_tensor(self.params[pc.name].detach()).copy_(self.masters[pc])
                 return

@@ -311,9 +311,9 @@ class TPEngine:
                 raise ValueError(f"{name!r} is not a parameter of the plan")
             p = by_name[name]
             spec = p.spec
-            if spec.kind != "matrix" or not spec.tp_split:
+            if p.role != "tp-task":
                 raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters only")
-            if self.plan.inputs.strategy != "sc" and p.dp_owner != self.dp_rank:
+            if not p.replicated and p.dp_owner != self.dp_rank:
                 raise ValueError(f"{name}: owned by dp rank {p.dp_owner}, not by this rank ({self.dp_rank})")
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from canzona.config import DATA_DIR
-from canzona.cost import OPTIMIZERS, matrix_flops
+from canzona.cost import matrix_flops
+from canzona.optimizers import get_optimizer, optimizer_names
 
 __all__ = [
     "HARDWARE_DIR",
@@ -290,6 +291,7 @@ def read_timings_csv(path: str | Path) -> list[tuple[str, int, int, str, float]]
     header = next(reader, None)
     if header is None or tuple(h.strip() for h in header) != _CSV_COLUMNS:
         raise HardwareError(f"{p}: header must be {','.join(_CSV_COLUMNS)}")
+    matrix_keys = tuple(get_optimizer(n).cost_key for n in optimizer_names(matrix=True))
     rows = []
     for i, rec in enumerate(reader, start=2):
         if not rec or all(not c.strip() for c in rec):
@@ -297,8 +299,8 @@ def read_timings_csv(path: str | Path) -> list[tuple[str, int, int, str, float]]
         if len(rec) != len(_CSV_COLUMNS):
             raise HardwareError(f"{p}:{i}: expected {len(_CSV_COLUMNS)} fields, got {len(rec)}")
         opt, m, n, dt, sec = (c.strip() for c in rec)
-        if opt not in OPTIMIZERS or opt == "adamw":
-            raise HardwareError(f"{p}:{i}: optimizer must be a matrix optimizer (muon, shampoo, soap), got {opt!r}")
+        if opt not in matrix_keys:
+            raise HardwareError(f"{p}:{i}: optimizer must be a matrix optimizer ({', '.join(matrix_keys)}), got {opt!r}")
         if dt not in DTYPES:
             raise HardwareError(f"{p}:{i}: dtype must be one of {', '.join(DTYPES)}, got {dt!r}")
         try:

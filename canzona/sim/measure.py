@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from canzona.optimizers import get_optimizer, optimizer_names
+
 __all__ = ["QWEN3_32B_SHAPES", "measure_matrix_timings", "write_timings_csv", "main"]
 
 #: the full matrix shapes a Qwen3-32B host updates at TP=8 (Megatron layout), plus the KV size
@@ -28,14 +30,13 @@ QWEN3_32B_SHAPES: tuple[tuple[int, int], ...] = ((10240, 5120), (5120, 8192), (5
 def _optimizer(name: str, param, dtype: str):
     import torch
 
-    from canzona.optim import SOAP, Muon, Shampoo
-
-    if name == "muon":
+    cls = get_optimizer(name).load()
+    if name == "muon":  # the one optimizer whose Newton-Schulz iterations run in a chosen dtype
         ns = {"bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}[dtype]
-        return Muon([param], ns_dtype=ns)
+        return cls([param], ns_dtype=ns)
     if dtype != "fp32":
         raise ValueError(f"{name} runs in fp32 here; dtype must be fp32")
-    return Shampoo([param]) if name == "shampoo" else SOAP([param])
+    return cls([param])
 
 
 def measure_matrix_timings(
@@ -51,8 +52,8 @@ def measure_matrix_timings(
     """Median seconds of one optimizer step per shape, as calibration rows."""
     import torch
 
-    if optimizer not in ("muon", "shampoo", "soap"):
-        raise ValueError(f"optimizer must be muon, shampoo or soap, got {optimizer!r}")
+    if optimizer not in optimizer_names(matrix=True):
+        raise ValueError(f"optimizer must be one of {', '.join(optimizer_names(matrix=True))}, got {optimizer!r}")
     if dtype not in ("bf16", "tf32", "fp32"):
         raise ValueError(f"dtype must be bf16, tf32 or fp32, got {dtype!r}")
     if repeats < 1 or warmup < 0:
@@ -95,7 +96,7 @@ def write_timings_csv(rows: Iterable[tuple[str, int, int, str, float]], path: st
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m canzona.sim.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="CSV path to write")
-    ap.add_argument("--optimizer", default="muon", choices=("muon", "shampoo", "soap"))
+    ap.add_argument("--optimizer", default="muon", choices=optimizer_names(matrix=True))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "tf32", "fp32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=5)

@@ -37,7 +37,9 @@ import numpy as np
 
 from canzona.config import ModelConfig
 from canzona.cost import matrix_flops, state_bytes
+from canzona.optimizers import ELEMENTWISE_DEFAULT, get_optimizer, optimizer_names
 from canzona.plan import Plan, plan_model
+from canzona.plan.strategies import get_strategy
 from canzona.sim.comm import (
     Link,
     Op,
@@ -262,10 +264,12 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
     """Predict one iteration of ``plan`` (see the module docstring for the model)."""
     inp = plan.inputs
     dp, tp, strategy, opt = inp.dp, inp.tp, inp.strategy, inp.optimizer
-    if strategy not in ("zero1", "sc", "layerwise", "asc", "lb-asc", "lb-asc-joint"):
-        raise ValueError(f"cannot simulate strategy {strategy!r}")
-    if strategy == "zero1" and opt != "adamw":
-        raise ValueError("zero1 equal-chunk partitioning is exact only for element-wise optimizers; simulate it with optimizer adamw")
+    # the plan's record (for what the plan does not spell out per bucket or parameter)
+    elementwise_only = plan.strategy.elementwise_only
+    if elementwise_only and opt != ELEMENTWISE_DEFAULT:
+        raise ValueError(
+            f"{strategy} equal-chunk partitioning is exact only for element-wise optimizers; simulate it with optimizer {ELEMENTWISE_DEFAULT}"
+        )
     dp_link, tp_link = _links(hw, dp, tp)
     hbm = hw.hbm_bytes_per_s
     ns_peak = peak_flops(hw, setup.ns_dtype)
@@ -295,7 +299,7 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
     bucket_work = np.array([work[[index[x] for x in b.params]].sum() for b in plan.buckets])
     share = bucket_work / bucket_work.sum() if bucket_work.sum() > 0 else np.full(len(plan.buckets), 1 / len(plan.buckets))
 
-    reduce_scatter = strategy not in ("sc", "layerwise")
+    reduce_scatter = plan.reduce_scatter
     if reduce_scatter:
         vs = setup.varsize_collective
         grad_comm = [reduce_scatter_time(dp_link, dp, shard_bytes=[s * setup.grad_bytes for s in b.shard_sizes()], varsize=vs) for b in plan.buckets]
@@ -321,7 +325,7 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
     is_matrix = np.array([p.spec.kind == "matrix" for p in params])
     tp_split = np.array([p.spec.tp_split for p in params])
 
-    matrix_opt = "adamw" if strategy == "zero1" else opt
+    matrix_opt = ELEMENTWISE_DEFAULT if elementwise_only else opt
     ns_time = np.zeros(n)
     for i, p in enumerate(params):
         if is_matrix[i] and matrix_opt != "adamw":
@@ -338,7 +342,7 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
     dp_comm_step = 0.0
     n_groups = 0
 
-    if strategy == "zero1":
+    if elementwise_only:
         # every element of the rank's equal chunk gets AdamW
         owned = np.zeros(dp)
         for b in plan.buckets:
@@ -350,7 +354,7 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
         for i, p in enumerate(params):
             if is_matrix[i] and tp_split[i] and matrix_opt != "adamw":
                 sync_ag[i] = all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
-        if strategy == "sc":
+        if plan.every_rank_updates:
             # every DP rank all-reduced the gradients and updates everything, every TP rank the full matrix
             e = float(adamw_local[~is_matrix].sum())
             m = float(ns_time[is_matrix].sum())
@@ -388,7 +392,7 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
                 tpc_rank[r] += comm
                 mat_rank[r] += comp
                 total_rank[r] = pipe
-            if strategy == "layerwise":
+            if plan.param_return == "broadcast":
                 # Megatron LayerWiseDistributedOptimizer.broadcast_params: after the step, a loop
                 # of one broadcast per parameter from its owner (bf16 model weights), serialized.
                 dp_comm_step = float(sum(broadcast_time(dp_link, dp, ln * setup.param_bytes) for ln in local_numel))
@@ -450,7 +454,7 @@ def _memory_bytes(plan: Plan, opt: str, setup: Setup) -> float:
                 cell = np.full(tp, float(full))
         else:
             cell = np.full(tp, float(state_bytes("adamw", sp.local_shape) + 4 * sp.local_numel))
-        if inp.strategy == "sc":
+        if p.replicated:
             per += cell
         elif p.dp_owner is not None:
             per[p.dp_owner] += cell
@@ -556,7 +560,7 @@ def plan_for(
             model,
             dp=dp,
             tp=tp,
-            optimizer="adamw" if strategy == "zero1" else optimizer,
+            optimizer=ELEMENTWISE_DEFAULT if get_strategy(strategy).elementwise_only else optimizer,
             strategy=strategy,
             alpha=alpha,
             **plan_kwargs,
@@ -578,12 +582,14 @@ def simulate(
 ) -> dict[str, StepBreakdown]:
     """Predict one iteration per strategy. ``plans`` reuses already built plans (by strategy)."""
     cfg = resolve_sim_model(model)
-    if optimizer == "adamw" and any(s != "zero1" for s in strategies):
-        raise ValueError("optimizer adamw needs no matrix strategies; use muon, shampoo or soap (zero1 is always AdamW)")
+    records = [get_strategy(s) for s in strategies]  # PlanError (a ValueError) for an unknown name
+    if not get_optimizer(optimizer).matrix and any(not r.elementwise_only for r in records):
+        matrix = ", ".join(optimizer_names(matrix=True))
+        raise ValueError(
+            f"optimizer {optimizer} needs no matrix strategies; use {matrix} (element-wise-only strategies always run {ELEMENTWISE_DEFAULT})"
+        )
     out: dict[str, StepBreakdown] = {}
     for s in strategies:
-        if s not in SIM_STRATEGIES and s != "lb-asc-joint":
-            raise ValueError(f"unknown strategy {s!r}; choose from {', '.join(SIM_STRATEGIES)}")
         plan = plans[s] if plans and s in plans else plan_for(cfg, s, dp=dp, tp=tp, optimizer=optimizer, alpha=alpha, **plan_kwargs)
         out[s] = simulate_plan(plan, cfg, hardware, setup)
     return out

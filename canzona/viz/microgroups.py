@@ -123,7 +123,7 @@ def _owned_tasks(plan: Plan) -> dict[int, list]:
     under ``sc``; a matrix cut by ``zero1`` belongs to no single rank and is no task)."""
     inp = plan.inputs
     tasks = [p for p in plan.params if p.spec.kind == "matrix" and p.spec.tp_split]
-    if inp.strategy == "sc":
+    if plan.every_rank_updates:
         return {r: list(tasks) for r in range(inp.dp)}
     out: dict[int, list] = {r: [] for r in range(inp.dp)}
     for p in tasks:

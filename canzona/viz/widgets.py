@@ -17,7 +17,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from canzona.config import available_models
-from canzona.cost import OPTIMIZERS
+from canzona.optimizers import optimizer_names
 from canzona.plan.plan import COSTS, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
 
 __all__ = [
@@ -116,7 +116,7 @@ def _plan_controls(model: str, dp: int, tp: int, optimizer: str) -> dict[str, W.
         "model": model_control(model),
         "dp": _dropdown("dp", _DP_CHOICES, dp),
         "tp": _dropdown("tp", _TP_CHOICES, tp),
-        "optimizer": _dropdown("optimizer", [o for o in OPTIMIZERS if o != "adamw"], optimizer),
+        "optimizer": _dropdown("optimizer", list(optimizer_names(matrix=True)), optimizer),
     }
 
 
