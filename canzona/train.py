@@ -10,9 +10,10 @@ the seeded synthetic Markov data (:mod:`canzona.models.data`) for ``steps`` step
 tqdm progress bar and one line per step (loss, per-phase wall times); every rank returns a
 :class:`TrainResult` (losses, phase times, bytes per phase, a fingerprint of the final parameters).
 
-Run it as ``canzona train`` (``--nproc N`` spawns the workers itself), under torchrun as
-``torchrun --nproc-per-node 4 -m canzona.train --dp 2 --tp 2`` (reads RANK / WORLD_SIZE /
-MASTER_ADDR / MASTER_PORT), or call :func:`train` from a worker (demo, profiling, validation).
+The command line (``canzona train``, :mod:`canzona.commands.train`) builds a :class:`TrainConfig`
+and calls :func:`train_worker` in spawned workers or :func:`train_from_env` under torchrun
+(``torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2``); this module never imports the
+command line. Library callers (demo, profiling, validation) call :func:`train` from a worker.
 
 Because a layout with dp <= 2 sums at most two gradient contributions per element (a + b == b + a
 in IEEE arithmetic) and the optimizer steps are exact, runs with the same dp x tp and different
@@ -27,7 +28,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ __all__ = [
     "train_worker",
     "params_fingerprint",
     "format_summary",
-    "main",
+    "train_from_env",
 ]
 
 #: the registered optimizer names (:mod:`canzona.optimizers`)
@@ -412,36 +413,20 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     return result
 
 
-# ----------------------------------------------------------------------------- torchrun entry
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m canzona.train [options]``: one rank of a torchrun job (or a single process)."""
-    import argparse
-
-    from canzona.commands.train import add_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(prog="python -m canzona.train", description="train the tiny Qwen3 model (one rank; use torchrun for more)")
-    add_arguments(parser, launcher=False)
-    args = parser.parse_args(list(argv) if argv is not None else None)
+def train_from_env(config: TrainConfig) -> TrainResult:
+    """Train as one rank of a job described by torchrun's environment (``WORLD_SIZE``, ``RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT``): joins the ``env://`` group, runs :func:`train_worker`, leaves
+    the group. Without those variables it is a single process (``dp = tp = 1``). Raises ValueError
+    before any collective when ``dp * tp`` is not ``WORLD_SIZE``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != config.world_size:
+        raise ValueError(f"dp*tp = {config.dp}*{config.tp} = {config.world_size} must equal WORLD_SIZE ({world})")
+    rank = int(os.environ.get("RANK", "0"))
+    owns_group = not dist.is_initialized() and (world > 1 or "MASTER_ADDR" in os.environ)
+    if owns_group:
+        dist.init_process_group(backend=config.resolved_backend, init_method="env://")
     try:
-        config = config_from_args(args)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != config.world_size:
-            raise ValueError(f"dp*tp = {config.dp}*{config.tp} = {config.world_size} must equal WORLD_SIZE ({world})")
-        rank = int(os.environ.get("RANK", "0"))
-        if world > 1 or "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend=config.resolved_backend, init_method="env://")
-        try:
-            train_worker(rank, world, config)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    except ValueError as exc:
-        print(f"canzona.train: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+        return train_worker(rank, world, config)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()

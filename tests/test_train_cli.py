@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from canzona.cli import main
 from canzona.runtime.launch import run_workers
@@ -117,12 +118,18 @@ def test_train_rejects_bad_config() -> None:
 
 
 def test_torchrun_entry_single_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from canzona.train import main as torchrun_main
+    """``torchrun -m canzona train`` is the command line with WORLD_SIZE set: one rank joins via env://."""
+    from canzona.runtime.launch import free_port
 
     for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    assert torchrun_main(["--steps", "1", "--batch-size", "2", "--seq-len", "8", "--no-progress"]) == 0
-    assert "loss: first" in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert torchrun_main(["--dp", "2", "--no-progress"]) == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert main(["train", "--steps", "1", "--batch-size", "2", "--seq-len", "8", "--no-progress"]) == 0
+    assert "loss: first" in capsys.readouterr().out
+    assert not torch.distributed.is_initialized()
+    assert main(["train", "--dp", "2", "--no-progress"]) == 2
     assert "must equal WORLD_SIZE (1)" in capsys.readouterr().err
+

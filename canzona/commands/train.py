@@ -4,11 +4,12 @@ Examples::
 
     canzona train --nproc 4 --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20
     canzona train --steps 30                              # one process, dp = tp = 1
-    torchrun --nproc-per-node 4 -m canzona.train --dp 2 --tp 2
+    torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2
 
 Rank 0 prints one line per step (global loss, wall time per phase), a tqdm bar on stderr and a
 final summary: first/last loss, per-phase times (``DistributedOptimizer.phase_times``) and bytes
-per phase (``DistributedOptimizer.comm_stats``). ``--nproc`` must equal ``dp * tp``.
+per phase (``DistributedOptimizer.comm_stats``). ``--nproc`` must equal ``dp * tp``. Under torchrun
+(``WORLD_SIZE`` set) this process is one rank and :func:`canzona.train.train_from_env` joins the job.
 """
 
 from __future__ import annotations
@@ -19,25 +20,23 @@ import os
 from canzona.commands._args import positive_float, positive_int
 from canzona.plan.plan import TP_SCHEDULES
 from canzona.plan.strategies import strategy_names
+from canzona.train import (
+    BACKENDS,
+    DEFAULT_ELEMENTWISE_LR,
+    DEFAULT_LR,
+    DTYPES,
+    OPTIMIZERS,
+    TP_STYLES,
+    TrainConfig,
+    train_from_env,
+    train_worker,
+)
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> None:
-    """Options of ``canzona train`` (``launcher=False``: without ``--nproc``/``--timeout-s``, for
-    ``python -m canzona.train`` under torchrun)."""
-    from canzona.commands.plan import one_line_errors
-    from canzona.train import (
-        BACKENDS,
-        DEFAULT_ELEMENTWISE_LR,
-        DEFAULT_LR,
-        DTYPES,
-        OPTIMIZERS,
-        TP_STYLES,
-    )
-
-    one_line_errors(parser)
-
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``canzona train``."""
     parser.add_argument("--model", default="qwen3-tiny", help="model config name or path (default: qwen3-tiny)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (adamw: only for zero1)")
     parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default: lb-asc)")
@@ -65,15 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, launcher: bool = True) -> 
         help="dtensor: DTensor parallelize_module; megatron: plain local shards + declared split dims (default: dtensor)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-step lines")
-    if launcher:
-        parser.add_argument("--nproc", type=positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
-        parser.add_argument("--timeout-s", type=positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
+    parser.add_argument("--timeout-s", type=positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
 
 
-def config_from_args(args: argparse.Namespace):  # -> canzona.train.TrainConfig
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Build a validated :class:`canzona.train.TrainConfig` (ValueError on a bad combination)."""
-    from canzona.train import TrainConfig
-
     return TrainConfig(
         model=args.model,
         optimizer=args.optimizer,
@@ -96,7 +92,7 @@ def config_from_args(args: argparse.Namespace):  # -> canzona.train.TrainConfig
     )
 
 
-def _check_model(config) -> None:
+def _check_model(config: TrainConfig) -> None:
     from canzona.models import check_tp
     from canzona.plan import resolve_model
 
@@ -107,8 +103,6 @@ def _check_model(config) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canzona.train import train_worker
-
     config = config_from_args(args)
     _check_model(config)
     world_env = os.environ.get("WORLD_SIZE")
@@ -129,26 +123,12 @@ def run(args: argparse.Namespace) -> int:
             raise
         return 0
     if world_env is not None:
-        return _torchrun(config)  # under torchrun: this process is one rank
+        train_from_env(config)  # under torchrun: this process is one rank
+        return 0
     if config.world_size != 1:
         raise ValueError(
-            f"dp*tp = {config.world_size} needs {config.world_size} processes: add --nproc {config.world_size} (or use torchrun -m canzona.train)"
+            f"dp*tp = {config.world_size} needs {config.world_size} processes: add --nproc {config.world_size} (or use torchrun -m canzona train)"
         )
     train_worker(0, 1, config)
     return 0
 
-
-def _torchrun(config) -> int:
-    import torch.distributed as dist
-
-    from canzona.train import train_worker
-
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.world_size:
-        raise ValueError(f"dp*tp = {config.world_size} must equal WORLD_SIZE ({world})")
-    dist.init_process_group(backend=config.resolved_backend, init_method="env://")
-    try:
-        train_worker(int(os.environ.get("RANK", "0")), world, config)
-    finally:
-        dist.destroy_process_group()
-    return 0
