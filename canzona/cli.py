@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from canzona.commands._args import one_line_errors
+
 __all__ = ["COMMANDS", "main", "UserError"]
 
 #: name -> (module, one-line help)
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"canzona {name}", description=COMMANDS[name][1])
+    one_line_errors(parser)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     try:

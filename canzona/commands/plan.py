@@ -11,12 +11,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from pathlib import Path
-from typing import NoReturn
 
 from canzona.cli import UserError
+from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
 from canzona.config import available_models
 from canzona.cost import COST_MODELS
 from canzona.plan import (
@@ -31,18 +30,6 @@ from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS
 
 __all__ = ["add_arguments", "run", "one_line_errors", "format_plan", "format_compare"]
-
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Make argparse report a bad option as one line (``canzona <cmd>: error: ...``), exit 2."""
-    prog = parser.prog
-
-    def error(message: str) -> NoReturn:
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    parser.error = error  # type: ignore[method-assign]
 
 
 def _int(text: str) -> int:
@@ -60,7 +47,6 @@ def _float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     parser.add_argument("--model", help=f"shipped model ({', '.join(available_models())}) or a config JSON path")
     parser.add_argument("--dp", type=_int, default=None, help="data-parallel size (ZeRO-1 ranks)")
     parser.add_argument("--tp", type=_int, default=1, help="tensor-parallel size (default 1)")
