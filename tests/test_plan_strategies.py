@@ -213,3 +213,13 @@ def test_a_registered_strategy_runs_exactly():
     for rank, res in enumerate(got):
         assert res["owners"] == [0, 1], f"rank {rank}: both ranks should own parameters"
         assert tensors_equal(want, res["params"]) == [], f"rank {rank}: differs from the single-process run"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_uses_alpha_says_whether_alpha_moves_the_plan(name: str) -> None:
+    """``Strategy.uses_alpha`` is what front ends read to offer the alpha knob: it must be true
+    exactly for the partitioners whose decisions alpha changes (lb-asc on Qwen3-0.6B at DP 8)."""
+    kw = {"dp": 8, "tp": 2, "optimizer": "adamw" if get_strategy(name).elementwise_only else "muon", "strategy": name}
+    a0, a1 = plan_model("qwen3-0.6b", alpha=0.0, **kw), plan_model("qwen3-0.6b", alpha=1.0, **kw)
+    moved = a0.params != a1.params or a0.buckets != a1.buckets
+    assert moved == get_strategy(name).uses_alpha

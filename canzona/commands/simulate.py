@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from canzona.paper import paper_value
+from canzona.plan.strategies import get_strategy
 
 __all__ = ["add_arguments", "run"]
 
@@ -272,9 +273,10 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for s in strategies:
         kw = dict(plan_kw)
-        if s == "lb-asc" and args.lb_tp_schedule:
+        tuned = get_strategy(s).uses_alpha  # --alpha and --lb-tp-schedule tune the alpha-balanced strategy
+        if tuned and args.lb_tp_schedule:
             kw["tp_schedule"] = args.lb_tp_schedule
-        alpha = args.alpha if s == "lb-asc" else 1.0
+        alpha = args.alpha if tuned else 1.0
         results[s] = simulate_plan(plan_for(cfg, s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=alpha, **kw), cfg, hw, setup)
 
     _print_results(cfg, args, hw, setup, results)

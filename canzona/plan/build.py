@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from canzona.config import MODELS_DIR, ModelConfig, available_models, load_model
 from canzona.cost import OPTIMIZERS, cost_arrays, matrix_flops, state_bytes
 from canzona.plan import dp as dpmod
 from canzona.plan.buckets import BufferLayout, default_bucket_numel, layout_buffer
+from canzona.plan.dp import DPAssignment
 from canzona.plan.metrics import LoadVectors, compute_metrics
 from canzona.plan.plan import (
     Bucket,
@@ -94,16 +96,8 @@ def _check_assignment(a: object, layout: BufferLayout, dp: int, record: Strategy
         raise PlanError(f"strategy {name}: without cut points every parameter needs an owner")
 
 
-def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
-    """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
-
-    Raises :class:`PlanError` for inconsistent inputs (unknown optimizer, specs built for another
-    tp, a TP schedule the strategy cannot run). A task whose full gradient alone exceeds C_max gets
-    a micro-group of its own and one warning per plan names it.
-    """
-    t0 = time.perf_counter()
-    inp = inputs
-    specs = list(specs)
+def _check_inputs(specs: Sequence[ParamSpec], inp: PlanInputs, record: Strategy) -> None:
+    """Inputs the planner refuses before doing any work (each a PlanError naming the problem)."""
     if not specs:
         raise PlanError("cannot plan a model without parameters")
     if inp.optimizer not in OPTIMIZERS:
@@ -111,96 +105,119 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     for s in specs:
         if s.tp_dim is not None and s.tp != inp.tp:
             raise PlanError(f"{s.name}: spec built for tp={s.tp} but the plan has tp={inp.tp}")
-    record = get_strategy(inp.strategy)
     if record.sync_tp_only and inp.tp_schedule != "sync" and inp.tp > 1:
         raise PlanError(
             f"strategy {inp.strategy} recomputes or cuts every update, so its TP schedule must be 'sync', got {inp.tp_schedule!r}"
         )
-    dp, tp = inp.dp, inp.tp
-    layout = layout_buffer(specs, inp.bucket_numel)
-    sp = [specs[i] for i in layout.order.tolist()]
-    opt, shape = inp.optimizer, inp.flops_shape
-    flops, memory = cost_arrays(sp, opt, shape)
-    numel = layout.numel.astype(np.float64)
-    if inp.cost == "numel":
-        cost = numel
-    elif inp.cost == "flops":
-        cost = flops
-    else:
-        cost = memory
-    loads = LoadVectors(cost=cost, flops=flops, memory=memory, numel=numel)
 
-    # ---- DP partition (Section 3), by the strategy's partitioner
-    st = inp.strategy
+
+def _load_vectors(layout: BufferLayout, sp: Sequence[ParamSpec], inp: PlanInputs) -> LoadVectors:
+    """Per-parameter loads in buffer order; ``cost`` is the plan's cost model W(p)."""
+    flops, memory = cost_arrays(sp, inp.optimizer, inp.flops_shape)
+    numel = layout.numel.astype(np.float64)
+    cost = {"numel": numel, "flops": flops, "memory": memory}[inp.cost]
+    return LoadVectors(cost=cost, flops=flops, memory=memory, numel=numel)
+
+
+def _partition(
+    record: Strategy, layout: BufferLayout, sp: Sequence[ParamSpec], loads: LoadVectors, inp: PlanInputs, roles: Sequence[str]
+) -> tuple[DPAssignment, dict[int, tuple[tuple[int, int, int], ...]]]:
+    """Section 3: the strategy's partitioner places parameters on DP ranks; returns its answer and
+    the ``(rank, start, end)`` ranges of each cut parameter (buffer index -> ranges)."""
     a = record.partition(
         PartitionInput(
             layout=layout,
-            dp=dp,
-            cost=cost,
-            flops=flops,
-            memory=memory,
+            dp=inp.dp,
+            cost=loads.cost,
+            flops=loads.flops,
+            memory=loads.memory,
             alpha=float(inp.alpha),
             names=[s.name for s in sp],
             elementwise=np.array([s.kind == "elementwise" for s in sp]),
         )
     )
-    _check_assignment(a, layout, dp, record)
-    roles = [param_role(record, s.kind, s.tp_split) for s in sp]
-    owner = a.owner
+    _check_assignment(a, layout, inp.dp, record)
     ranges: dict[int, tuple[tuple[int, int, int], ...]] = {}
     if not record.every_rank_updates:
-        for i in np.flatnonzero(owner < 0).tolist():
+        for i in np.flatnonzero(a.owner < 0).tolist():
             b = int(layout.bucket[i])
             ranges[i] = dpmod.cut_ranges(a.cuts[b], int(layout.offset[i]), int(layout.numel[i]))
             if roles[i] != "elementwise":
-                raise PlanError(f"{sp[i].name}: {st} cut a matrix parameter (planner bug)")
+                raise PlanError(f"{sp[i].name}: {record.name} cut a matrix parameter (planner bug)")
+    return a, ranges
 
-    # ---- TP micro-groups (Section 4), per DP rank
-    grouped = tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
-    owner_l = owner.tolist()
+
+@dataclass(frozen=True, slots=True)
+class _TPTasks:
+    """The TP tasks each DP rank hands to its TP group, with their costs for the metrics."""
+
+    per_rank: list[list[Task]]
+    avg: dict[str, tuple[float, float, float]]  # (flops, memory, numel) as the DP loads count them
+    full: dict[str, tuple[float, float, float]]  # as the host runs them (:func:`_task_metric`)
+
+
+def _tp_tasks(
+    sp: Sequence[ParamSpec], roles: Sequence[str], owner: Sequence[int], loads: LoadVectors, record: Strategy, inp: PlanInputs
+) -> _TPTasks:
+    """Every ``tp-task`` parameter becomes a task of its owner (of every rank when all update)."""
     cost_at = _TASK_COST_INDEX[inp.cost]
-    task_avg: dict[str, tuple[float, float, float]] = {}
-    task_full: dict[str, tuple[float, float, float]] = {}
-    per_rank_tasks: list[list[Task]] = [[] for _ in range(dp)]
+    tasks = _TPTasks(per_rank=[[] for _ in range(inp.dp)], avg={}, full={})
     for i, s in enumerate(sp):
         if roles[i] != "tp-task":
             continue
-        full = task_full[s.name] = _task_metric(s, opt, shape)
-        task_avg[s.name] = (float(flops[i]), float(memory[i]), float(numel[i]))
+        full = tasks.full[s.name] = _task_metric(s, inp.optimizer, inp.flops_shape)
+        tasks.avg[s.name] = (float(loads.flops[i]), float(loads.memory[i]), float(loads.numel[i]))
         task = Task(s.name, full[cost_at], inp.grad_bytes * s.numel)
         if record.every_rank_updates:
-            for r in range(dp):
-                per_rank_tasks[r].append(task)
-        elif owner_l[i] >= 0:
-            per_rank_tasks[owner_l[i]].append(task)
+            for ranks in tasks.per_rank:
+                ranks.append(task)
+        elif owner[i] >= 0:
+            tasks.per_rank[owner[i]].append(task)
+    return tasks
+
+
+def _schedule(per_rank: list[list[Task]], inp: PlanInputs, grouped: bool) -> tuple[list[list[Group]], list[list[str]], dict[str, tuple[int, int]]]:
+    """Section 4: micro-groups per DP rank (``grouped``), else the tasks every TP rank recomputes
+    (``sync``). Returns (groups per rank, sync task names per rank, name -> (host, group index))."""
+    dp, tp = inp.dp, inp.tp
     groups: list[list[Group]] = [[] for _ in range(dp)]
     sync_tasks: list[list[str]] = [[] for _ in range(dp)]
     host_of: dict[str, tuple[int, int]] = {}
     if grouped:
-        oversize = sorted({t.name for ts in per_rank_tasks for t in ts if t.nbytes > inp.cmax_bytes})
+        oversize = sorted({t.name for ts in per_rank for t in ts if t.nbytes > inp.cmax_bytes})
         if oversize:
             warnings.warn(
                 f"{len(oversize)} task(s) exceed C_max = {inp.cmax_bytes} bytes of gathered gradient on their own "
                 f"(e.g. {oversize[0]}); each gets a micro-group of its own",
-                stacklevel=2,
+                stacklevel=3,
             )
         for r in range(dp):
-            groups[r] = schedule_tasks(per_rank_tasks[r], tp, inp.tp_schedule, inp.cmax_bytes)
+            groups[r] = schedule_tasks(per_rank[r], tp, inp.tp_schedule, inp.cmax_bytes)
             for k, g in enumerate(groups[r]):
                 for n, h in zip(g.names, g.hosts):
                     host_of[n] = (h, k)
     elif tp > 1:
         for r in range(dp):
-            sync_tasks[r] = [t.name for t in per_rank_tasks[r]]
+            sync_tasks[r] = [t.name for t in per_rank[r]]
+    return groups, sync_tasks, host_of
 
-    # ---- assemble
+
+def _param_plans(
+    specs: Sequence[ParamSpec],
+    layout: BufferLayout,
+    owner: Sequence[int],
+    roles: Sequence[str],
+    ranges: dict[int, tuple[tuple[int, int, int], ...]],
+    host_of: dict[str, tuple[int, int]],
+) -> tuple[ParamPlan, ...]:
+    """One ParamPlan per spec, in registration order (the planner works in buffer order)."""
     pos_of = np.empty(len(specs), dtype=np.int64)
     pos_of[layout.order] = np.arange(len(specs))
     bucket_l, offset_l = layout.bucket.tolist(), layout.offset.tolist()
     params = []
     no_host = (None, None)
     for s, i in zip(specs, pos_of.tolist()):
-        o = owner_l[i]
+        o = owner[i]
         h, k = host_of.get(s.name, no_host)
         params.append(
             ParamPlan(
@@ -214,7 +231,11 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
                 micro_group=k,
             )
         )
-    buckets = tuple(
+    return tuple(params)
+
+
+def _buckets(layout: BufferLayout, sp: Sequence[ParamSpec], record: Strategy, cuts: tuple[tuple[int, ...], ...]) -> tuple[Bucket, ...]:
+    return tuple(
         Bucket(
             index=b,
             start=int(layout.bucket_start[b]),
@@ -222,34 +243,60 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
             params=tuple(sp[i].name for i in range(i0, i1)),
             collective=record.grad_collective,
             param_return=record.param_return,
-            cuts=a.cuts[b],
+            cuts=cuts[b],
         )
         for b, (i0, i1) in enumerate(layout.bounds)
     )
-    micro_groups = (
-        tuple(
-            tuple(MicroGroup(k, g.names, g.hosts, g.loads) for k, g in enumerate(groups[r])) for r in range(dp)
-        )
-        if grouped
-        else ()
+
+
+def _micro_groups(groups: list[list[Group]]) -> tuple[tuple[MicroGroup, ...], ...]:
+    return tuple(
+        tuple(MicroGroup(index=k, params=g.names, hosts=g.hosts, loads=g.loads) for k, g in enumerate(rank_groups))
+        for rank_groups in groups
     )
+
+
+def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
+    """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
+
+    Raises :class:`PlanError` for inconsistent inputs (unknown optimizer, specs built for another
+    tp, a TP schedule the strategy cannot run). A task whose full gradient alone exceeds C_max gets
+    a micro-group of its own and one warning per plan names it.
+    """
+    t0 = time.perf_counter()
+    inp = inputs
+    specs = list(specs)
+    record = get_strategy(inp.strategy)
+    _check_inputs(specs, inp, record)
+    layout = layout_buffer(specs, inp.bucket_numel)
+    sp = [specs[i] for i in layout.order.tolist()]  # buffer order
+    loads = _load_vectors(layout, sp, inp)
+    roles = [param_role(record, s.kind, s.tp_split) for s in sp]
+    assignment, ranges = _partition(record, layout, sp, loads, inp, roles)
+    owner = assignment.owner.tolist()
+    tasks = _tp_tasks(sp, roles, owner, loads, record, inp)
+    grouped = inp.tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
+    groups, sync_tasks, host_of = _schedule(tasks.per_rank, inp, grouped)
+    params = _param_plans(specs, layout, owner, roles, ranges, host_of)
+    buckets = _buckets(layout, sp, record, assignment.cuts)
+    micro_groups = _micro_groups(groups) if grouped else ()
     plan_seconds = time.perf_counter() - t0
     metrics = compute_metrics(
         layout=layout,
-        cuts=a.cuts,
-        owner=owner,
+        cuts=assignment.cuts,
+        owner=assignment.owner,
         ranges=ranges,
         loads=loads,
-        dp=dp,
-        tp=tp,
+        dp=inp.dp,
+        tp=inp.tp,
         everyone=record.every_rank_updates,
         groups=groups,
         sync_tasks=sync_tasks,
-        task_avg=task_avg,
-        task_full=task_full,
+        task_avg=tasks.avg,
+        task_full=tasks.full,
         plan_seconds=plan_seconds,
     )
-    return Plan(inp, tuple(params), buckets, micro_groups, metrics)
+    return Plan(inputs=inp, params=params, buckets=buckets, micro_groups=micro_groups, metrics=metrics)
 
 
 def plan_model(

@@ -300,121 +300,143 @@ class Plan:
     def validate(self) -> None:
         """Check the invariants every runtime relies on; raise :class:`PlanError` naming the first broken one.
 
-        - buckets tile the buffer contiguously and hold exactly their parameters, back to back;
-        - buckets and parameters carry the collective and role their strategy's record implies;
-        - cut points are monotone, span the bucket and exist exactly for reduce-scatter buckets;
-        - every element of every bucket is covered exactly once by its owners (or every rank
-          updates every parameter, when the strategy says so);
-        - only element-wise-role parameters are cut;
-        - each TP-split matrix parameter of a micro-group schedule is in exactly one group of its
-          owner, hosted on a valid TP rank.
+        Each check is a named method, run in this order:
+
+        - :meth:`_check_buckets`: buckets tile the buffer contiguously and hold exactly their
+          parameters, back to back, with the collective and roles their strategy's record implies;
+          cut points are monotone, span the bucket and exist exactly for reduce-scatter buckets;
+        - :meth:`_check_owners`: every element of every bucket is covered exactly once by its
+          owners (or every rank updates every parameter, when the strategy says so); only
+          element-wise-role parameters are cut;
+        - :meth:`_check_micro_groups` and :meth:`_check_tp_hosts`: each TP-split matrix parameter of
+          a micro-group schedule is in exactly one group of its owner, hosted on a valid TP rank.
 
         Linear in the plan's size: a 1T-parameter MoE at DP 1024 has ~70k parameters and ~1M cut
         points, so every check is a dict lookup or a comparison, and an error message is only
         formatted once its check has failed (``if not ...: raise``, never an eager f-string).
         """
-        inp = self.inputs
-        dp, tp, strategy = inp.dp, inp.tp, inp.strategy
-        record = get_strategy(strategy)
-        params, buckets = self.params, self.buckets
-        by_name = self._index
-        if len(by_name) != len(params):
+        if len(self._index) != len(self.params):
             raise PlanError("duplicate parameter names in plan")
-        # local_numel (a product over the shape) once per parameter, as the bucket walk meets it; every
-        # parameter is met there before the checks below read it
+        record = get_strategy(self.inputs.strategy)
+        size = self._check_buckets(record)
+        self._check_owners(record, size)
+        grouped = self.inputs.tp > 1 and self.inputs.tp_schedule != "sync" and not record.sync_tp_only
+        seen = self._check_micro_groups(grouped)
+        self._check_tp_hosts(grouped, seen)
+
+    def _check_buckets(self, record: Strategy) -> dict[str, int]:
+        """Buckets tile the buffer and hold every parameter once; returns each parameter's local
+        numel (a product over the shape, computed once here and read by the later checks)."""
         size: dict[str, int] = {}
-        reduce_scatter = record.reduce_scatter
         pos = 0
-        placed: set[str] = set()
-        for i, b in enumerate(buckets):
+        for i, b in enumerate(self.buckets):
             if b.index != i:
                 raise PlanError(f"bucket {i} has index {b.index}")
             if b.collective != record.grad_collective or b.param_return != record.param_return:
                 raise PlanError(
                     f"bucket {i}: collective {b.collective!r} / params return {b.param_return!r}, but strategy "
-                    f"{strategy} uses {record.grad_collective!r} / {record.param_return!r}"
+                    f"{record.name} uses {record.grad_collective!r} / {record.param_return!r}"
                 )
             if b.start != pos:
                 raise PlanError(f"bucket {i} starts at {b.start}, expected {pos}")
             if not (b.numel >= 1 and b.params):
                 raise PlanError(f"bucket {i} is empty")
-            off = 0
-            for n in b.params:
-                p = by_name.get(n)
-                if p is None:
-                    raise PlanError(f"bucket {i} lists unknown parameter {n!r}")
-                if p.role != param_role(record, p.spec.kind, p.spec.tp_split):
-                    raise PlanError(
-                        f"{n}: role {p.role!r}, expected {param_role(record, p.spec.kind, p.spec.tp_split)!r} "
-                        f"for a {p.spec.kind} parameter under {strategy}"
-                    )
-                if p.bucket != i or p.offset != off:
-                    raise PlanError(f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
-                if n in placed:
-                    raise PlanError(f"{n} appears in two buckets")
-                placed.add(n)
-                pn = size[n] = p.spec.local_numel
-                off += pn
-            if off != b.numel:
-                raise PlanError(f"bucket {i}: parameters hold {off} elements, bucket says {b.numel}")
+            self._check_bucket_params(i, b, record, size)
+            self._check_cuts(i, b, record)
             pos += b.numel
-            if reduce_scatter:
-                c = b.cuts
-                if len(c) != dp + 1:
-                    raise PlanError(f"bucket {i}: {len(c)} cut points, expected dp + 1 = {dp + 1}")
-                if c[0] != 0 or c[-1] != b.numel:
-                    raise PlanError(f"bucket {i}: cuts must start at 0 and end at {b.numel}")
-                # non-decreasing <=> already sorted (ints); timsort checks a sorted run in C
-                if sorted(c) != list(c):
-                    raise PlanError(f"bucket {i}: cut points are not monotone: {c}")
-            elif b.cuts != ():
-                raise PlanError(f"bucket {i}: strategy {strategy} all-reduces whole buckets and has no cuts")
-        if len(placed) != len(by_name):  # placed only holds known names, so this is set equality
+        if len(size) != len(self._index):  # size only holds known names, so this is set equality
             raise PlanError("some parameters are in no bucket")
+        return size
 
+    def _check_bucket_params(self, i: int, b: Bucket, record: Strategy, size: dict[str, int]) -> None:
+        """Bucket ``i``'s parameters are known, placed back to back, met once, with their record's role."""
+        off = 0
+        for n in b.params:
+            p = self._index.get(n)
+            if p is None:
+                raise PlanError(f"bucket {i} lists unknown parameter {n!r}")
+            if p.role != param_role(record, p.spec.kind, p.spec.tp_split):
+                raise PlanError(
+                    f"{n}: role {p.role!r}, expected {param_role(record, p.spec.kind, p.spec.tp_split)!r} "
+                    f"for a {p.spec.kind} parameter under {record.name}"
+                )
+            if p.bucket != i or p.offset != off:
+                raise PlanError(f"{n}: placed at bucket {p.bucket} offset {p.offset}, expected bucket {i} offset {off}")
+            if n in size:
+                raise PlanError(f"{n} appears in two buckets")
+            pn = size[n] = p.spec.local_numel
+            off += pn
+        if off != b.numel:
+            raise PlanError(f"bucket {i}: parameters hold {off} elements, bucket says {b.numel}")
+
+    def _check_cuts(self, i: int, b: Bucket, record: Strategy) -> None:
+        """Reduce-scatter buckets have dp + 1 monotone cut points spanning the bucket; others none."""
+        if not record.reduce_scatter:
+            if b.cuts != ():
+                raise PlanError(f"bucket {i}: strategy {record.name} all-reduces whole buckets and has no cuts")
+            return
+        c, dp = b.cuts, self.inputs.dp
+        if len(c) != dp + 1:
+            raise PlanError(f"bucket {i}: {len(c)} cut points, expected dp + 1 = {dp + 1}")
+        if c[0] != 0 or c[-1] != b.numel:
+            raise PlanError(f"bucket {i}: cuts must start at 0 and end at {b.numel}")
+        # non-decreasing <=> already sorted (ints); timsort checks a sorted run in C
+        if sorted(c) != list(c):
+            raise PlanError(f"bucket {i}: cut points are not monotone: {c}")
+
+    def _check_owners(self, record: Strategy, size: dict[str, int]) -> None:
+        """Every parameter is updated by exactly the ranks its record says: all of them, one owner
+        whose cut holds it, or (element-wise role only) ranges that tile it inside the owners' cuts."""
         if record.every_rank_updates:
-            for p in params:
+            for p in self.params:
                 if not p.replicated:
-                    raise PlanError(f"{p.name}: every rank updates every parameter under {strategy}, so it has no owner")
-        else:
-            for p in params:
-                n = p.spec.name
-                numel = size[n]
-                owner = p.dp_owner
-                if owner is not None:
-                    if not 0 <= owner < dp:
-                        raise PlanError(f"{n}: owner {owner} outside dp={dp}")
-                    if p.dp_ranges:
-                        raise PlanError(f"{n}: has both an owner and ranges")
-                    if reduce_scatter:
-                        c = buckets[p.bucket].cuts
-                        lo, hi = c[owner], c[owner + 1]
-                        if not (lo <= p.offset and p.offset + numel <= hi):
-                            raise PlanError(
-                                f"{n}: owner {owner} holds [{lo}, {hi}) but the parameter spans [{p.offset}, {p.offset + numel})"
-                            )
-                    continue
-                if not reduce_scatter:
-                    raise PlanError(f"{n}: {strategy} needs one owner per parameter")
-                if not p.dp_ranges:
-                    raise PlanError(f"{n}: no owner and no ranges")
-                if p.role != "elementwise":
-                    raise PlanError(f"{n}: matrix parameters must be atomic under {strategy}")
-                c = buckets[p.bucket].cuts
-                expect = 0
-                for r, s, e in p.dp_ranges:
-                    if not (s == expect and e > s):
-                        raise PlanError(f"{n}: ranges {p.dp_ranges} do not tile the parameter")
-                    if not 0 <= r < dp:
-                        raise PlanError(f"{n}: range owner {r} outside dp={dp}")
-                    lo, hi = c[r], c[r + 1]
-                    if not (lo <= p.offset + s and p.offset + e <= hi):
-                        raise PlanError(f"{n}: range {(r, s, e)} outside rank {r}'s cut")
-                    expect = e
-                if expect != numel:
-                    raise PlanError(f"{n}: ranges cover {expect} of {numel} elements")
+                    raise PlanError(f"{p.name}: every rank updates every parameter under {record.name}, so it has no owner")
+            return
+        for p in self.params:
+            if p.dp_owner is not None:
+                self._check_whole_owner(p, record, size[p.spec.name])
+            else:
+                self._check_ranges(p, record, size[p.spec.name])
 
-        grouped = tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
+    def _check_whole_owner(self, p: ParamPlan, record: Strategy, numel: int) -> None:
+        n, owner, dp = p.spec.name, p.dp_owner, self.inputs.dp
+        assert owner is not None
+        if not 0 <= owner < dp:
+            raise PlanError(f"{n}: owner {owner} outside dp={dp}")
+        if p.dp_ranges:
+            raise PlanError(f"{n}: has both an owner and ranges")
+        if record.reduce_scatter:
+            c = self.buckets[p.bucket].cuts
+            lo, hi = c[owner], c[owner + 1]
+            if not (lo <= p.offset and p.offset + numel <= hi):
+                raise PlanError(f"{n}: owner {owner} holds [{lo}, {hi}) but the parameter spans [{p.offset}, {p.offset + numel})")
+
+    def _check_ranges(self, p: ParamPlan, record: Strategy, numel: int) -> None:
+        n, dp = p.spec.name, self.inputs.dp
+        if not record.reduce_scatter:
+            raise PlanError(f"{n}: {record.name} needs one owner per parameter")
+        if not p.dp_ranges:
+            raise PlanError(f"{n}: no owner and no ranges")
+        if p.role != "elementwise":
+            raise PlanError(f"{n}: matrix parameters must be atomic under {record.name}")
+        c = self.buckets[p.bucket].cuts
+        expect = 0
+        for r, s, e in p.dp_ranges:
+            if not (s == expect and e > s):
+                raise PlanError(f"{n}: ranges {p.dp_ranges} do not tile the parameter")
+            if not 0 <= r < dp:
+                raise PlanError(f"{n}: range owner {r} outside dp={dp}")
+            lo, hi = c[r], c[r + 1]
+            if not (lo <= p.offset + s and p.offset + e <= hi):
+                raise PlanError(f"{n}: range {(r, s, e)} outside rank {r}'s cut")
+            expect = e
+        if expect != numel:
+            raise PlanError(f"{n}: ranges cover {expect} of {numel} elements")
+
+    def _check_micro_groups(self, grouped: bool) -> set[str]:
+        """One list of groups per DP rank (when grouped), each task once, hosted on a valid TP rank
+        and agreeing with its parameter's plan; returns the grouped parameter names."""
+        dp, tp = self.inputs.dp, self.inputs.tp
         if len(self.micro_groups) not in ((dp,) if grouped else (0, dp)):
             raise PlanError(f"micro_groups must have one entry per DP rank ({dp})")
         seen: set[str] = set()
@@ -425,25 +447,31 @@ class Plan:
                 if len(g.loads) != tp:
                     raise PlanError(f"dp rank {r} group {k}: loads must have one entry per TP rank")
                 for n, h in zip(g.params, g.hosts):
-                    p = by_name.get(n)
-                    if p is None:
-                        raise PlanError(f"micro-group lists unknown parameter {n!r}")
-                    if n in seen:
-                        raise PlanError(f"{n} is in two micro-groups")
-                    seen.add(n)
-                    if not 0 <= h < tp:
-                        raise PlanError(f"{n}: host {h} outside tp={tp}")
-                    if p.tp_host != h or p.micro_group != k:
-                        raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
-                    if not p.replicated and p.dp_owner != r:
-                        raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
-        for p in params:
-            spec = p.spec
+                    self._check_task(r, k, n, h, seen)
+        return seen
+
+    def _check_task(self, r: int, k: int, n: str, h: int, seen: set[str]) -> None:
+        p = self._index.get(n)
+        if p is None:
+            raise PlanError(f"micro-group lists unknown parameter {n!r}")
+        if n in seen:
+            raise PlanError(f"{n} is in two micro-groups")
+        seen.add(n)
+        if not 0 <= h < self.inputs.tp:
+            raise PlanError(f"{n}: host {h} outside tp={self.inputs.tp}")
+        if p.tp_host != h or p.micro_group != k:
+            raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
+        if not p.replicated and p.dp_owner != r:
+            raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
+
+    def _check_tp_hosts(self, grouped: bool, seen: set[str]) -> None:
+        """Every TP task of a grouped schedule is in a group; nothing else has a host."""
+        for p in self.params:
             if grouped and p.role == "tp-task":
-                if spec.name not in seen:
-                    raise PlanError(f"{spec.name}: TP-split matrix parameter in no micro-group")
+                if p.spec.name not in seen:
+                    raise PlanError(f"{p.spec.name}: TP-split matrix parameter in no micro-group")
             elif p.tp_host is not None or p.micro_group is not None:
-                raise PlanError(f"{spec.name}: has a TP host but needs none")
+                raise PlanError(f"{p.spec.name}: has a TP host but needs none")
 
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -543,7 +571,7 @@ class Plan:
             inputs = PlanInputs(**doc["inputs"])
             tp = inputs.tp
             record = get_strategy(inputs.strategy)
-            specs = [ParamSpec(q["name"], tuple(q["shape"]), q["kind"], q["tp_dim"], tp) for q in doc["params"]]
+            specs = [ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp) for q in doc["params"]]
             params = tuple(
                 ParamPlan(
                     spec=spec,
@@ -572,7 +600,12 @@ class Plan:
             mg = doc["micro_groups"]
             groups = tuple(
                 tuple(
-                    MicroGroup(int(g["index"]), tuple(g["params"]), tuple(int(h) for h in g["hosts"]), tuple(float(x) for x in g["loads"]))
+                    MicroGroup(
+                        index=int(g["index"]),
+                        params=tuple(g["params"]),
+                        hosts=tuple(int(h) for h in g["hosts"]),
+                        loads=tuple(float(x) for x in g["loads"]),
+                    )
                     for g in mg[str(r)]
                 )
                 for r in range(len(mg))
@@ -583,7 +616,7 @@ class Plan:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed plan document: {type(exc).__name__}: {exc}") from None
-        plan = cls(inputs, params, buckets, groups, metrics)
+        plan = cls(inputs=inputs, params=params, buckets=buckets, micro_groups=groups, metrics=metrics)
         if "fingerprint" in doc:
             _check(doc["fingerprint"] == plan._digest(version), "plan document fingerprint does not match its contents")
         return plan

@@ -90,6 +90,9 @@ class Strategy:
     in_paper: bool
     description: str
     partition: Partitioner = field(compare=False, repr=False)
+    #: the partitioner reads ``PlanInputs.alpha`` (Algorithm 1's blend of load and communication
+    #: balance); front ends offer the alpha knob (and sweeps) only for such strategies
+    uses_alpha: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -196,18 +199,79 @@ def _lb_asc_joint(x: PartitionInput) -> DPAssignment:
 
 
 _SHIPPED = (
-    Strategy("zero1", "reduce-scatter", "all-gather", False, False, True, "sync", True,
-             "ZeRO-1 reference: equal chunks cut anywhere, so only an element-wise optimizer (AdamW) can run", _zero1),
-    Strategy("sc", "all-reduce", "none", True, True, False, "sync", True,
-             "synchronous compute: all-reduce gradients, every rank recomputes every update", _sc),
-    Strategy("layerwise", "all-reduce", "broadcast", False, True, False, "sync", True,
-             "NV-layerwise: LPT of whole layers to ranks, all-reduce gradients, owners broadcast parameters", _layerwise),
-    Strategy("asc", "reduce-scatter", "all-gather", False, True, False, "round-robin", True,
-             "ASC: cut points snapped to parameter boundaries without load balancing", _asc),
-    Strategy("lb-asc", "reduce-scatter", "all-gather", False, True, False, "lpt", True,
-             "LB-ASC (Canzona): alpha-balanced static partitioning (Algorithm 1) and micro-groups (Algorithm 2)", _lb_asc),
-    Strategy("lb-asc-joint", "reduce-scatter", "all-gather", False, True, False, "lpt-carry", False,
-             "beyond the paper: FLOPs and memory balanced together, element-wise parameters cut, host loads carried", _lb_asc_joint),
+    Strategy(
+        name="zero1",
+        grad_collective="reduce-scatter",
+        param_return="all-gather",
+        every_rank_updates=False,
+        atomic_matrices=False,
+        elementwise_only=True,
+        default_tp_schedule="sync",
+        in_paper=True,
+        description="ZeRO-1 reference: equal chunks cut anywhere, so only an element-wise optimizer (AdamW) can run",
+        partition=_zero1,
+    ),
+    Strategy(
+        name="sc",
+        grad_collective="all-reduce",
+        param_return="none",
+        every_rank_updates=True,
+        atomic_matrices=True,
+        elementwise_only=False,
+        default_tp_schedule="sync",
+        in_paper=True,
+        description="synchronous compute: all-reduce gradients, every rank recomputes every update",
+        partition=_sc,
+    ),
+    Strategy(
+        name="layerwise",
+        grad_collective="all-reduce",
+        param_return="broadcast",
+        every_rank_updates=False,
+        atomic_matrices=True,
+        elementwise_only=False,
+        default_tp_schedule="sync",
+        in_paper=True,
+        description="NV-layerwise: LPT of whole layers to ranks, all-reduce gradients, owners broadcast parameters",
+        partition=_layerwise,
+    ),
+    Strategy(
+        name="asc",
+        grad_collective="reduce-scatter",
+        param_return="all-gather",
+        every_rank_updates=False,
+        atomic_matrices=True,
+        elementwise_only=False,
+        default_tp_schedule="round-robin",
+        in_paper=True,
+        description="ASC: cut points snapped to parameter boundaries without load balancing",
+        partition=_asc,
+    ),
+    Strategy(
+        name="lb-asc",
+        grad_collective="reduce-scatter",
+        param_return="all-gather",
+        every_rank_updates=False,
+        atomic_matrices=True,
+        elementwise_only=False,
+        default_tp_schedule="lpt",
+        in_paper=True,
+        description="LB-ASC (Canzona): alpha-balanced static partitioning (Algorithm 1) and micro-groups (Algorithm 2)",
+        partition=_lb_asc,
+        uses_alpha=True,
+    ),
+    Strategy(
+        name="lb-asc-joint",
+        grad_collective="reduce-scatter",
+        param_return="all-gather",
+        every_rank_updates=False,
+        atomic_matrices=True,
+        elementwise_only=False,
+        default_tp_schedule="lpt-carry",
+        in_paper=False,
+        description="beyond the paper: FLOPs and memory balanced together, element-wise parameters cut, host loads carried",
+        partition=_lb_asc_joint,
+    ),
 )
 for _s in _SHIPPED:
     register_strategy(_s)

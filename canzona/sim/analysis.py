@@ -18,6 +18,7 @@ from canzona.config import ModelConfig
 from canzona.paper import paper_value
 from canzona.plan import Plan
 from canzona.plan.build import resolve_model
+from canzona.plan.strategies import get_strategy
 from canzona.sim.configs import MOE_1T_NAME, moe_1t_config, resolve_sim_model
 from canzona.sim.hardware import Constant, HardwareProfile
 from canzona.sim.model import SIM_STRATEGIES, Setup, StepBreakdown, plan_for, simulate_plan
@@ -249,12 +250,13 @@ def dp_sweep(
     **plan_kwargs: Any,
 ) -> pd.DataFrame:
     """Breakdowns per (DP size, strategy): one row each, ready to plot against ``dp``.
-    ``alpha`` and ``lb_tp_schedule`` apply to lb-asc only (the other strategies have no such knob)."""
+    ``alpha`` and ``lb_tp_schedule`` apply to the strategies whose partitioner reads alpha
+    (``Strategy.uses_alpha``: lb-asc); the others have no such knob."""
     cfg = resolve_sim_model(model)
     frames = []
 
     def kw(s: str) -> dict[str, Any]:
-        if s != "lb-asc":
+        if not get_strategy(s).uses_alpha:
             return dict(plan_kwargs)
         extra = {"tp_schedule": lb_tp_schedule} if lb_tp_schedule else {}
         return {**plan_kwargs, "alpha": alpha, **extra}
