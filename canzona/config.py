@@ -93,10 +93,6 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
-    @property
-    def is_moe(self) -> bool:
-        return self.moe is not None
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("moe", "sources")}
         if self.moe is not None:

@@ -7,8 +7,8 @@ small pure function of a shape; the FLOP and byte formulas are written out besid
 
 Conventions
 -----------
-* A "flop" is one multiply-add of a matrix product, as in the issue's Muon count (``2`` products
-  of ``max * min^2`` per Newton-Schulz step); element-wise work counts one per arithmetic op.
+* A "flop" is one multiply-add of a matrix product, so Muon counts ``2`` products
+  of ``max * min^2`` per Newton-Schulz step; element-wise work counts one per arithmetic op.
 * A matrix parameter of shape ``(m, n)`` is costed by the matrix optimizer; an element-wise
   parameter (norms, biases, embedding, output head, router) by AdamW, whatever the optimizer.
 * ``flops_shape`` chooses which shape a TP-split matrix is costed on: ``local`` (the TP shard,
@@ -77,7 +77,7 @@ def muon_flops(shape: Sequence[int]) -> int:
 
     With a = max(m, n), b = min(m, n), each Newton-Schulz step forms A = X X^T (b*b*a multiply-
     adds) and A X-type products (b*b*a): 2 products of a*b^2. The b x b product A @ A (b^3) and
-    the element-wise momentum are lower order for a >= b and left out, as the issue's count does:
+    the element-wise momentum are lower order for a >= b and left out:
 
         flops = NS_STEPS * 2 * a * b^2 = 10 * a * b^2
     """

@@ -499,11 +499,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard gradients: the buffer's (and any ``p.grad`` a user set directly)."""
+        """Discard gradients: the buffer's, and every ``p.grad`` of the model, which becomes None or,
+        with ``set_to_none=False``, is zeroed in place as ``torch.optim.Optimizer.zero_grad`` does
+        (detached from its graph first)."""
         with timing(self.phase_times):
             self.runtime.discard_grads()
         for p in self.model.parameters():
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
 
     def finish_param_sync(self) -> None:
         """``param_sync="lazy"``: wait for the pending parameter all-gathers now (the forward does it

@@ -128,9 +128,6 @@ class ParamSpec:
         m = _LAYER_RE.search(self.name)
         return int(m.group(1)) if m else None
 
-    def with_tp(self, tp: int) -> ParamSpec:
-        return ParamSpec(self.name, self.shape, self.kind, self.tp_dim, tp)
-
 
 def _spec(name: str, shape: tuple[int, ...], tp_dim: int | None, tp: int) -> ParamSpec:
     kind: Kind = "matrix" if is_matrix_param(name, shape) else "elementwise"

@@ -14,14 +14,23 @@ Importing this module has no side effects (no process groups, no global seeds, n
 - :class:`ReferenceRunner`: the single-process ground truth: the same optimizers on the same
   reduced gradients, matrix parameters to the matrix optimizer, element-wise ones to the
   element-wise optimizer, optional fp32 masters for low-precision models.
+- :func:`attempt` / :func:`case_results`: a worker that runs many cases records each outcome, and
+  each test reads its own case (a failure names the case and the rank, not the whole run).
+- :func:`file_init_method` / :func:`process_group`: a ``file://`` rendezvous in a fresh directory
+  and a bounded, self-destroying process group around it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import os
+import traceback
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +42,10 @@ from canzona.specs import is_matrix_param
 __all__ = [
     "ReferenceRunner",
     "ToyModel",
+    "attempt",
+    "case_results",
+    "file_init_method",
+    "process_group",
     "inject_grads",
     "integer_grads",
     "mean_grads",
@@ -262,3 +275,55 @@ def pack(obj: Any) -> bytes:
 def unpack(data: bytes) -> Any:
     """Inverse of :func:`pack` (``weights_only=True``: data, not code)."""
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# ----------------------------------------------------------------------------- harness
+def attempt(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """Run one case inside a worker and record its outcome instead of letting it end the run:
+    ``{"result": value}`` or ``{"error": "<type>: <message>\\n<traceback>"}``. A worker that runs
+    many cases wraps each, so one broken case fails its own test (:func:`case_results`). A case
+    that raises on one rank can leave its peers waiting in a collective until the group's timeout;
+    the cases after it then fail on their own too, each naming itself."""
+    try:
+        return {"result": fn(*args)}
+    except Exception as exc:  # noqa: BLE001 - recorded and re-raised in the parent as a test failure
+        return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+
+
+def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: object = None) -> list[Any]:
+    """Every rank's result of case ``key`` in ``section`` of a multi-case run (each rank returned
+    ``{section: {key: attempt(...)}}``); AssertionError naming the case and the first failing rank
+    with its traceback when the case raised there."""
+    out = []
+    for rank, res in enumerate(per_rank):
+        outcome = res[section][key]
+        if "error" in outcome:
+            name = section if key is None else f"{section} {key}"
+            raise AssertionError(f"case {name} failed on rank {rank}: {outcome['error']}")
+        out.append(outcome["result"])
+    return out
+
+
+def file_init_method(directory: str | os.PathLike[str]) -> str:
+    """A ``file://`` rendezvous for ``torch.distributed.init_process_group`` in ``directory`` (a
+    fresh temporary directory per group, e.g. pytest's ``tmp_path``): unlike a port that was free a
+    moment ago, no other process can take it before the group forms. A file left by an earlier
+    group that did not end cleanly would be joined as if it were fresh, so an existing file is
+    refused."""
+    path = Path(directory).resolve() / "rendezvous"
+    if path.exists():
+        raise ValueError(f"{path} exists: a file rendezvous needs a fresh file per process group")
+    return path.as_uri()
+
+
+@contextlib.contextmanager
+def process_group(init_method: str, rank: int = 0, world_size: int = 1, *, backend: str = "gloo", timeout_s: float = 60.0) -> Iterator[None]:
+    """Join the default process group at ``init_method`` (see :func:`file_init_method`) with a
+    bounded timeout for the duration of the block, then destroy it."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -95,7 +95,7 @@ def bench_family() -> None:
                 ra = (a.metrics.dp_flops_ratio, a.metrics.dp_memory_ratio)
                 rb = (b.metrics.dp_flops_ratio, b.metrics.dp_memory_ratio)
                 print(f"{model:<15}{tp:>3}  {ra[0]:>12.3f}{ra[1]:>8.3f}{max(ra):>7.3f}  {rb[0]:>12.3f}{rb[1]:>8.3f}{max(rb):>7.3f}{ms:>7.1f}")
-    print("targets (issue 2): lb-asc-joint max ratio <= 1.10 for qwen3-32b, <= 1.15 for qwen3-14b at DP32 x TP8")
+    print("targets (canzona's planner beyond the paper): lb-asc-joint max ratio <= 1.10 for qwen3-32b, <= 1.15 for qwen3-14b at DP32 x TP8")
 
 
 def main() -> None:

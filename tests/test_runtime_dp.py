@@ -14,6 +14,8 @@ Bitwise (torch.equal) throughout:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -21,6 +23,8 @@ from canzona.runtime.launch import run_workers
 from canzona.testing import (
     ReferenceRunner,
     ToyModel,
+    attempt,
+    case_results,
     inject_grads,
     integer_grads,
     mean_grads,
@@ -88,26 +92,33 @@ def _has_cut_piece(opt) -> bool:
 
 def world_worker(rank: int, world: int, bucket_numel: int) -> bytes:
     """One spawned run per world size: every strategy, then the real-backward (world 2) or the
-    DP2 x TP2 (world 4) checks, so the process start-up cost is paid once."""
-    out: dict = {"strategies": {case: _run_case(rank, case, bucket_numel) for case in CASES}}
+    DP2 x TP2 (world 4) checks, so the process start-up cost is paid once. Each case's outcome is
+    recorded on its own (:func:`canzona.testing.attempt`), so a failing case fails its own test."""
+    out: dict = {"strategies": {case: attempt(_run_case, rank, case, bucket_numel) for case in CASES}}
     if world == 2:
-        out["backward"] = {st: _backward_case(rank, st) for st in BACKWARD_STRATEGIES}
-        out["lazy"] = _lazy_case(rank)
-        out["frozen"] = _frozen_case(rank)
-        out["bf16"] = {case: _bf16_case(rank, *case) for case in BF16_CASES}
+        out["backward"] = {st: attempt(_backward_case, rank, st) for st in BACKWARD_STRATEGIES}
+        out["lazy"] = {None: attempt(_lazy_case, rank)}
+        out["frozen"] = {None: attempt(_frozen_case, rank)}
+        out["bf16"] = {case: attempt(_bf16_case, rank, *case) for case in BF16_CASES}
         out["per_bucket"] = _per_bucket_cases(rank)
     if world == 4:
-        out["tp"] = {key: _tp_case(rank, *key) for key in TP_CASES}
+        out["tp"] = {key: attempt(_tp_case, rank, *key) for key in TP_CASES}
     return pack(out)
 
 
-_RUNS: dict[int, list[dict]] = {}
+@pytest.fixture(scope="module")
+def runs() -> Callable[..., list]:
+    """``runs(world, section, key)``: every rank's result of one case, from one spawned run per
+    world size (started on first use); a case that raised on a rank fails the asking test only,
+    naming the case, the rank and the worker's traceback."""
+    cache: dict[int, list[dict]] = {}
 
+    def get(world: int, section: str, key: object = None) -> list:
+        if world not in cache:
+            cache[world] = [unpack(r) for r in run_workers(world_worker, world, 40, timeout_s=240)]
+        return case_results(cache[world], section, key)
 
-def _results(world: int) -> list[dict]:
-    if world not in _RUNS:
-        _RUNS[world] = [unpack(r) for r in run_workers(world_worker, world, 40, timeout_s=240)]
-    return _RUNS[world]
+    return get
 
 
 def _reference(case: tuple[str, str, str, str], world: int) -> dict[str, torch.Tensor]:
@@ -120,21 +131,18 @@ def _reference(case: tuple[str, str, str, str], world: int) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_strategy_matches_single_process_bitwise(world: int) -> None:
-    results = [r["strategies"] for r in _results(world)]
-    cut_somewhere = False
-    for case in CASES:
-        want = _reference(case, world)
-        for rank, res in enumerate(results):
-            got = res[case]
-            assert tensors_equal(want, got["params"]) == [], f"{case} rank {rank}: differs from the single-process run"
-            if case[3] == "hook":
-                # every bucket's collective was launched by the backward hooks, before step()
-                assert all(got["launched"]), f"{case}: some bucket waited for step() to launch"
-        cut_somewhere |= results[0][case]["cut"]
-    # zero1 with 40-element buckets must cut parameters, so the flat-piece path is exercised
-    assert results[0][("zero1", "adamw", "mean", "hook")]["cut"]
-    assert cut_somewhere
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_every_strategy_matches_single_process_bitwise(runs, world: int, case: tuple[str, str, str, str]) -> None:
+    results = runs(world, "strategies", case)
+    want = _reference(case, world)
+    for rank, got in enumerate(results):
+        assert tensors_equal(want, got["params"]) == [], f"{case} rank {rank}: differs from the single-process run"
+        if case[3] == "hook":
+            # every bucket's collective was launched by the backward hooks, before step()
+            assert all(got["launched"]), f"{case}: some bucket waited for step() to launch"
+    if case[0] == "zero1":
+        # zero1 with 40-element buckets must cut parameters, so the flat-piece path is exercised
+        assert results[0]["cut"], "zero1 cut no parameter"
 
 
 # ------------------------------------------------------------------------------ real backward
@@ -170,10 +178,10 @@ def _backward_case(rank: int, strategy: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("strategy", BACKWARD_STRATEGIES)
-def test_real_backward_dp2_bitwise(strategy: str) -> None:
+def test_real_backward_dp2_bitwise(runs, strategy: str) -> None:
     from canzona.optim import Muon
 
-    got = [r["backward"][strategy] for r in _results(2)]
+    got = runs(2, "backward", strategy)
     model = ToyModel(seed=3)
     ref = ReferenceRunner(model, Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
     for s in range(STEPS):
@@ -250,10 +258,10 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
 
 
 @pytest.mark.parametrize("key", [k for k in TP_CASES if k[1] != "backward"])
-def test_dp2_tp2_tiny_qwen3_injected_bitwise(key: tuple[str, str]) -> None:
+def test_dp2_tp2_tiny_qwen3_injected_bitwise(runs, key: tuple[str, str]) -> None:
     from canzona.optim import Muon
 
-    got = [r["tp"][key] for r in _results(4)]
+    got = runs(4, "tp", key)
     _, model = _tiny()
     ref = ReferenceRunner(model, Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -286,11 +294,11 @@ TP_BACKWARD_EW_KW = {**EW_KW, "eps": 1e-3}
 TP_BACKWARD_MATRIX_KW = {**MATRIX_KW, "ns_dtype": torch.float32}
 
 
-def test_dp2_tp2_tiny_qwen3_real_backward() -> None:
+def test_dp2_tp2_tiny_qwen3_real_backward(runs) -> None:
     from canzona.models.qwen3 import lm_loss
     from canzona.optim import Muon
 
-    got = [r["tp"][("lb-asc", "backward")] for r in _results(4)]
+    got = runs(4, "tp", ("lb-asc", "backward"))
     # DP replicas hold bitwise-identical parameters after every step (values, not deltas, return)
     for a, b in ((0, 2), (1, 3)):
         assert tensors_equal(got[a]["params"], got[b]["params"]) == []
@@ -337,12 +345,12 @@ def _bf16_case(rank: int, strategy: str, optname: str) -> dict:
 
 
 @pytest.mark.parametrize("case", BF16_CASES)
-def test_bf16_params_fp32_masters_bitwise(case: tuple[str, str]) -> None:
+def test_bf16_params_fp32_masters_bitwise(runs, case: tuple[str, str]) -> None:
     """bf16 model parameters, fp32 masters and optimizer state on the owners: the model holds the
     fp32 masters rounded to bf16, bitwise as a single-process fp32-master run does; gradients are
     reduced in fp32 and updated values return in bf16 (half the all-gather bytes of fp32)."""
     strategy, optname = case
-    got = [r["bf16"][case] for r in _results(2)]
+    got = runs(2, "bf16", case)
     model = ToyModel(dtype=torch.bfloat16)
     ref = ReferenceRunner(
         model, _cls(optname), MATRIX_KW, torch.optim.AdamW, EW_KW, all_elementwise=strategy == "zero1", master_dtype=torch.float32
@@ -432,9 +440,9 @@ def _lazy_run(rank: int, model: torch.nn.Module, eager_too: bool = False) -> dic
     return out
 
 
-def test_lazy_param_sync_overlaps_forward_and_stays_bitwise() -> None:
-    got = [r["lazy"] for r in _results(2)]
-    eager = [r["backward"]["lb-asc"] for r in _results(2)]
+def test_lazy_param_sync_overlaps_forward_and_stays_bitwise(runs) -> None:
+    got = runs(2, "lazy")
+    eager = runs(2, "backward", "lb-asc")
     for r, e in zip(got, eager):
         # ToyModel reads its children's parameters without calling them: the root hook covers that
         assert r["toy"]["pending"] == [r["toy"]["buckets"]] * STEPS, "step() must leave every bucket's all-gather to the forward"
@@ -463,7 +471,7 @@ def _frozen_case(rank: int) -> dict:
     return {"params": params_of(model), "planned": [p.name for p in opt.plan.params]}
 
 
-def test_frozen_parameters_are_left_alone() -> None:
+def test_frozen_parameters_are_left_alone(runs) -> None:
     from canzona.optim import Muon
 
     model = ToyModel()
@@ -477,8 +485,7 @@ def test_frozen_parameters_are_left_alone() -> None:
         ref.step(mean_grads(per_rank))  # no gradient: the reference optimizers skip the embedding
     want = ref.params()
     assert torch.equal(want["embed.weight"], model.embed.weight.detach())
-    for r in _results(2):
-        got = r["frozen"]
+    for got in runs(2, "frozen"):
         assert "embed.weight" not in got["planned"]
         assert tensors_equal(want, got["params"]) == []
 
@@ -502,7 +509,7 @@ def _per_bucket_cases(rank: int) -> dict:
     box = [tempfile.mkdtemp(prefix="canzona-per-bucket-") if rank == 0 else None]
     dist.broadcast_object_list(box)
     try:
-        return {case: _per_bucket_case(rank, case, box[0]) for case in PER_BUCKET_CASES}
+        return {case: attempt(_per_bucket_case, rank, case, box[0]) for case in PER_BUCKET_CASES}
     finally:
         dist.barrier()
         if rank == 0:
@@ -599,11 +606,11 @@ def _per_bucket_case(rank: int, case: tuple[str, str, str, str], signal_dir: str
 
 
 @pytest.mark.parametrize("case", PER_BUCKET_CASES, ids=lambda c: c[0])
-def test_step_updates_each_bucket_as_its_collective_arrives(case: tuple[str, str, str, str]) -> None:
+def test_step_updates_each_bucket_as_its_collective_arrives(runs, case: tuple[str, str, str, str]) -> None:
     """The step waits bucket by bucket (in launch order) and updates a bucket's parameters right
     after its own collective: rank 0 runs a local update while rank 1 has not even launched the
     last bucket's collective, and the result stays bitwise equal to the single-process run."""
-    got = [r["per_bucket"][case] for r in _results(2)]
+    got = runs(2, "per_bucket", case)
     want = _reference(case, 2)
     n = got[0]["buckets"]
     assert n >= 3, "the case needs several buckets"

@@ -1,4 +1,4 @@
-"""Tests for the cluster-scale step-time simulator (issue 9): hand-computed alpha-beta costs and
+"""Tests for the cluster-scale step-time simulator: hand-computed alpha-beta costs and
 overlap rule, strict hardware profiles, calibration, monotonicity in bandwidth, the paper
 configuration's ratios as the command prints them, and the CLI's error handling."""
 

@@ -1,4 +1,4 @@
-"""``canzona simulate``: predict one training iteration per strategy at cluster scale (issue 9).
+"""``canzona simulate``: predict one training iteration per strategy at cluster scale.
 
     canzona simulate --model qwen3-32b --dp 32 --tp 8 --optimizer muon --hardware h800-ib400
 

@@ -201,6 +201,3 @@ class Qwen3(nn.Module):
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy of ``forward(input_ids)`` against ``labels``."""
         return lm_loss(self(input_ids), labels)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())

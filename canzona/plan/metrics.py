@@ -152,7 +152,7 @@ def compute_metrics(
             spread[f"tp_{key}_ratio_mean"] = float(np.mean([ratio(h) for h in hs]))
     wf, tp_flops = _worst_group(hosts["flops"])
     wm, tp_memory = _worst_group(hosts["memory"])
-    wn, tp_numel = _worst_group(hosts["numel"])
+    _, tp_numel = _worst_group(hosts["numel"])
 
     group_sum = 0.0
     host_max = 0.0

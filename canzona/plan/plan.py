@@ -152,12 +152,6 @@ class ParamPlan:
         """Elements in the buffer (the TP-local shard)."""
         return self.spec.local_numel
 
-    def owners(self) -> tuple[int, ...]:
-        """DP ranks that update some part of this parameter (empty for ``sc``: all of them)."""
-        if self.dp_owner is not None:
-            return (self.dp_owner,)
-        return tuple(sorted({r for r, _, _ in self.dp_ranges}))
-
 
 @dataclass(frozen=True, slots=True)
 class Bucket:

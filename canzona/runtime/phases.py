@@ -9,7 +9,7 @@ Every phase is opened with :func:`phase`, which enters, with the identical strin
 - a :class:`PhaseTimer` when one is active (:func:`timing`): wall time and this thread's CPU
   time per phase name, and the current phase name that communication accounting files bytes under.
 
-Names are fixed by DESIGN.md; suffixes ``/bucket<i>`` and ``/group<k>`` are appended where useful.
+Names are defined once in :mod:`canzona.phase_names` (listed in docs/profiling.md); suffixes ``/bucket<i>`` and ``/group<k>`` are appended where useful.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cluster-scale step-time simulator (issue 9).
+"""Cluster-scale step-time simulator.
 
 Predicts one training iteration per strategy (sc, layerwise, asc, lb-asc, zero1-AdamW) from a
 canzona :class:`~canzona.plan.Plan`, a model config and a hardware profile:

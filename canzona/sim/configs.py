@@ -1,4 +1,4 @@
-"""Model configurations the simulator knows beyond the shipped ``data/models`` (the issue's 1T MoE)."""
+"""Model configurations the simulator knows beyond the shipped ``data/models`` (a hypothetical 1T-parameter MoE)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MOE_1T_NAME = "qwen3-moe-1t"
 
 
 def moe_1t_config() -> ModelConfig:
-    """A 1.04T-parameter MoE in the Qwen3-MoE architecture (hypothetical; the issue's scale case).
+    """A 1.04T-parameter MoE in the Qwen3-MoE architecture (hypothetical: the scale case for the planner and the simulator).
 
     assumption: Kimi K2's published dimensions (hidden 7168, 61 layers, 64 query heads, 384
     experts, top-8, expert width 2048, vocabulary 163840) mapped onto Qwen3-MoE blocks (GQA with 8

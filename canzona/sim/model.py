@@ -1,4 +1,4 @@
-"""Step-time model of one training iteration at cluster scale, per strategy (issue 9).
+"""Step-time model of one training iteration at cluster scale, per strategy.
 
 What it predicts, for one (model, DP, TP, optimizer, strategy) plan on one hardware profile:
 
@@ -122,10 +122,6 @@ class Setup:
                 raise ValueError(f"{k} must be 1, 2, 4 or 8 bytes, got {getattr(self, k)!r}")
         if not 0 < self.causal_attention_factor <= 1:
             raise ValueError("causal_attention_factor must be in (0, 1]")
-
-    @property
-    def tokens_per_dp_rank(self) -> int:
-        return self.seq_len * self.micro_batch * self.grad_accum
 
 
 SETUP_SOURCES: dict[str, str] = {

@@ -1,7 +1,7 @@
 """TP micro-groups of a plan (Section 4, Algorithm 2): Gantt charts, makespans and sweeps.
 
 Inside one DP rank every TP-split matrix parameter is a task whose host TP rank runs the full
-update. Two readings of a schedule's length (DESIGN.md, "measured weak points"):
+update. Two readings of a schedule's length:
 
 * ``sync``: micro-groups run one after the other, each ending when its busiest host finishes
   (every group is bracketed by its fused all-to-alls): makespan = sum over groups of max host load;
