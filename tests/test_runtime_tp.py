@@ -27,6 +27,7 @@ from canzona.runtime.tp import (
     unpack_scatter,
 )
 from canzona.specs import specs_from_config
+from canzona.testing import attempt, case_results
 
 CFG = load_model_config("qwen3-tiny")
 STEPS = 3
@@ -196,52 +197,54 @@ def _run_case(plan: Plan, optimizer: str, dp_rank: int, tp_group) -> dict:
     }
 
 
-def _engine_worker(rank: int, world: int, cases: list[tuple[str, Plan, str]]) -> list[dict]:
+def _engine_worker(rank: int, world: int, cases: list[tuple[str, Plan, str]]) -> dict[str, dict[str, dict]]:
+    """Every case in one spawned run; each case's outcome is recorded on its own, by label."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    out = []
+    out = {}
     mesh2d = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if world > 2 else None
     for label, plan, optimizer in cases:
         if plan.inputs.dp == 1:
-            res = _run_case(plan, optimizer, 0, None)  # TP over the whole world
+            res = _attempt_case(plan, optimizer, 0, None)  # TP over the whole world
         else:
             assert mesh2d is not None
-            res = _run_case(plan, optimizer, mesh2d.get_local_rank("dp"), mesh2d["tp"].get_group())
-        res["label"] = label
-        out.append(res)
+            res = _attempt_case(plan, optimizer, mesh2d.get_local_rank("dp"), mesh2d["tp"].get_group())
+        out[label] = res
         dist.barrier()
-    return out
+    return {"cases": out}
 
 
-def _check(results: list[list[dict]], cases: list[tuple[str, Plan, str]]) -> None:
-    for i, (label, plan, _) in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        grouped = plan.inputs.tp_schedule != "sync"
-        for r in per_rank:
-            assert r["label"] == label
-            assert r["owned"], f"{label}: rank owns nothing (the comparison would be vacuous)"
-            assert not r["mismatched"], f"{label}: rank {r['dp_rank']}/{r['tp_rank']} differs from single-device on {r['mismatched']}"
-            assert not r["state_mismatch"], f"{label}: optimizer state differs on {r['state_mismatch']}"
-            assert r["changed"], f"{label}: the step left some master unchanged"
-            # Optimizer math never communicates.
-            assert r["stats"].get("canzona/tp/compute", {"sent": 0})["sent"] == 0
-            assert ("canzona/tp/scatter" in r["stats"]) == grouped
-        by_dp: dict[int, list[dict]] = {}
-        for r in per_rank:
-            by_dp.setdefault(r["dp_rank"], []).append(r)
-        for d, ranks in by_dp.items():
-            hosted = [n for r in ranks for n in r["hosted"]]
-            if grouped:
-                # Each TP-split parameter's state lives on exactly one TP rank: its planned host.
-                assert sorted(hosted) == ranks[0]["owned"], label
-                for r in ranks:
-                    assert all(plan.param(n).tp_host == r["tp_rank"] for n in r["hosted"]), label
-                    assert (r["state_bytes"] > 0) == bool(r["hosted"]), label
-            else:
-                # sync (SC baseline): every TP rank holds the full state of everything it updates.
-                for r in ranks:
-                    assert r["hosted"] == r["owned"], label
+def _attempt_case(plan: Plan, optimizer: str, dp_rank: int, tp_group) -> dict:
+    return attempt(_run_case, plan, optimizer, dp_rank, tp_group)
+
+
+def _check(per_rank: list[dict], label: str, plan: Plan) -> None:
+    """One case's results on every rank: bitwise against single-device, state where the plan puts it."""
+    grouped = plan.inputs.tp_schedule != "sync"
+    for r in per_rank:
+        assert r["owned"], f"{label}: rank owns nothing (the comparison would be vacuous)"
+        assert not r["mismatched"], f"{label}: rank {r['dp_rank']}/{r['tp_rank']} differs from single-device on {r['mismatched']}"
+        assert not r["state_mismatch"], f"{label}: optimizer state differs on {r['state_mismatch']}"
+        assert r["changed"], f"{label}: the step left some master unchanged"
+        # Optimizer math never communicates.
+        assert r["stats"].get("canzona/tp/compute", {"sent": 0})["sent"] == 0
+        assert ("canzona/tp/scatter" in r["stats"]) == grouped
+    by_dp: dict[int, list[dict]] = {}
+    for r in per_rank:
+        by_dp.setdefault(r["dp_rank"], []).append(r)
+    for ranks in by_dp.values():
+        hosted = [n for r in ranks for n in r["hosted"]]
+        if grouped:
+            # Each TP-split parameter's state lives on exactly one TP rank: its planned host.
+            assert sorted(hosted) == ranks[0]["owned"], label
+            for r in ranks:
+                assert all(plan.param(n).tp_host == r["tp_rank"] for n in r["hosted"]), label
+                assert (r["state_bytes"] > 0) == bool(r["hosted"]), label
+        else:
+            # sync (SC baseline): every TP rank holds the full state of everything it updates.
+            for r in ranks:
+                assert r["hosted"] == r["owned"], label
 
 
 def _cases_tp2() -> list[tuple[str, Plan, str]]:
@@ -254,58 +257,112 @@ def _cases_tp2() -> list[tuple[str, Plan, str]]:
     return cases
 
 
-@pytest.mark.slow
-def test_tp2_matches_single_device_all_optimizers_and_schedules() -> None:
-    cases = _cases_tp2()
-    results = run_workers(_engine_worker, 2, cases, timeout_s=170)
-    _check(results, cases)
-    for label, plan, _ in cases:
-        i = [c[0] for c in cases].index(label)
-        if plan.inputs.tp_schedule == "no-fuse":
-            assert results[0][i]["n_groups"] == len(results[0][i]["owned"]) == 14  # one task per group
-
-
-@pytest.mark.slow
-def test_dp2_tp2_and_uneven_hosts() -> None:
+def _uneven_plans() -> dict[str, Plan]:
     base = _plan(1, 2, "lb-asc", "lpt", "muon")
     tasks = [n for g in base.micro_groups[0] for n in g.params]
-    # Every task on host 0 (rank 1 idle) in one group, then a group holding a single task on host 1.
-    uneven = _rehost(base, 0, [[(n, 0) for n in tasks[:-1]], [(tasks[-1], 1)]])
-    # C_max below the largest task: the planner gives it its own group and warns.
-    largest = max(p.spec.numel for p in base.params if p.spec.kind == "matrix") * 4
-    with pytest.warns(UserWarning, match="C_max"):
-        small = _plan(1, 2, "lb-asc", "lpt", "shampoo", cmax=largest - 4)
-    # World 4: dp2 x tp2 plans run on the TP groups of a ("dp", "tp") mesh; a dp1 x tp4 plan with
-    # hand-placed hosts (rank 1 idle) runs with the whole world as its TP group.
+    # C_max below the largest task: the planner gives it its own group (and warns: see below).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        small = _plan(1, 2, "lb-asc", "lpt", "shampoo", cmax=_largest_task_bytes(base) - 4)
+    # dp1 x tp4 with hand-placed hosts (rank 1 idle) runs with the whole world as its TP group.
     base4 = _plan(1, 4, "lb-asc", "lpt", "muon")
     t4 = [n for g in base4.micro_groups[0] for n in g.params]
-    idle4 = _rehost(base4, 0, [[(n, 0 if i % 2 else 2) for i, n in enumerate(t4[:6])], [(n, 3) for n in t4[6:]]])
+    return {
+        # every task on host 0 (rank 1 idle) in one group, then a group holding a single task on host 1
+        "uneven": _rehost(base, 0, [[(n, 0) for n in tasks[:-1]], [(tasks[-1], 1)]]),
+        "small": small,
+        "bounded": _plan(1, 2, "lb-asc", "lpt", "muon", cmax=50_000),  # the largest task is 45,056 bytes
+        "idle4": _rehost(base4, 0, [[(n, 0 if i % 2 else 2) for i, n in enumerate(t4[:6])], [(n, 3) for n in t4[6:]]]),
+    }
+
+
+def _largest_task_bytes(plan: Plan) -> int:
+    return max(p.spec.numel for p in plan.params if p.spec.kind == "matrix") * 4
+
+
+def _engine_cases() -> dict[int, list[tuple[str, Plan, str]]]:
+    """Cases by world size (2: TP over the whole world; 4: dp2 x tp2 on a ("dp", "tp") mesh, and
+    one dp1 x tp4 plan); labels are unique across worlds."""
+    tp2 = []
+    for opt in ("muon", "shampoo", "soap"):
+        tp2.append((f"{opt}/sc/sync", _plan(1, 2, "sc", "sync", opt), opt))
+        tp2.append((f"{opt}/asc/round-robin", _plan(1, 2, "asc", "round-robin", opt), opt))
+        tp2.append((f"{opt}/lb-asc/lpt", _plan(1, 2, "lb-asc", "lpt", opt), opt))
+        tp2.append((f"{opt}/lb-asc/no-fuse", _plan(1, 2, "lb-asc", "no-fuse", opt), opt))
+    hand = _uneven_plans()
+    tp2 += [("muon/tp2/uneven", hand["uneven"], "muon"), ("shampoo/tp2/small-cmax", hand["small"], "shampoo"),
+            ("muon/tp2/bounded", hand["bounded"], "muon")]
     world4 = [
         ("muon/dp2/lb-asc/lpt", _plan(2, 2, "lb-asc", "lpt", "muon"), "muon"),
         ("soap/dp2/asc/round-robin", _plan(2, 2, "asc", "round-robin", "soap"), "soap"),
         ("shampoo/dp2/sc/sync", _plan(2, 2, "sc", "sync", "shampoo"), "shampoo"),
         ("muon/dp2/layerwise/sync", _plan(2, 2, "layerwise", "sync", "muon"), "muon"),
         ("shampoo/dp2/lb-asc/no-fuse", _plan(2, 2, "lb-asc", "no-fuse", "shampoo"), "shampoo"),
-        ("soap/tp4/idle-hosts", idle4, "soap"),
+        ("soap/tp4/idle-hosts", hand["idle4"], "soap"),
     ]
-    results = run_workers(_engine_worker, 4, world4, timeout_s=170)
-    _check(results, world4)
-    i = [c[0] for c in world4].index("soap/tp4/idle-hosts")
-    assert [bool(r[i]["hosted"]) for r in results] == [True, False, True, True]
+    return {2: tp2, 4: world4}
 
-    bounded = _plan(1, 2, "lb-asc", "lpt", "muon", cmax=50_000)  # the largest task is 45,056 bytes
-    world2 = [("muon/tp2/uneven", uneven, "muon"), ("shampoo/tp2/small-cmax", small, "shampoo"), ("muon/tp2/bounded", bounded, "muon")]
-    results = run_workers(_engine_worker, 2, world2, timeout_s=120)
-    _check(results, world2)
-    assert results[1][0]["hosted"] == [tasks[-1]] and results[1][0]["state_bytes"] > 0
-    assert results[0][0]["n_groups"] == 2
-    # Peak exchange buffer: bounded by C_max, except for a group that holds one oversize task.
+
+#: (world, label) of every engine case (tiny plans: building them at collection takes milliseconds)
+ENGINE_LABELS = [(world, label) for world, cases in _engine_cases().items() for label, _, _ in cases]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """``engine(world, label) -> (per-rank results, plan)``: one spawned run per world size for all
+    of its cases (started on first use); a case that raised fails only the tests that read it."""
+    cases = _engine_cases()
+    runs: dict[int, list[dict]] = {}
+
+    def get(world: int, label: str) -> tuple[list[dict], Plan]:
+        if world not in runs:
+            runs[world] = run_workers(_engine_worker, world, cases[world], timeout_s=170)
+        plan = next(p for lab, p, _ in cases[world] if lab == label)
+        return case_results(runs[world], "cases", label), plan
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,label", ENGINE_LABELS, ids=[f"world{w}-{lab}" for w, lab in ENGINE_LABELS])
+def test_engine_matches_single_device(engine, world: int, label: str) -> None:
+    per_rank, plan = engine(world, label)
+    _check(per_rank, label, plan)
+    if plan.inputs.tp_schedule == "no-fuse" and world == 2:
+        assert per_rank[0]["n_groups"] == len(per_rank[0]["owned"]) == 14  # one task per group
+
+
+@pytest.mark.slow
+def test_idle_hosts_hold_no_state(engine) -> None:
+    per_rank, _ = engine(4, "soap/tp4/idle-hosts")
+    assert [bool(r["hosted"]) for r in per_rank] == [True, False, True, True]
+
+
+@pytest.mark.slow
+def test_uneven_hosts_run_two_groups(engine) -> None:
+    per_rank, plan = engine(2, "muon/tp2/uneven")
+    last = plan.micro_groups[0][-1].params[0]
+    assert per_rank[1]["hosted"] == [last] and per_rank[1]["state_bytes"] > 0
+    assert per_rank[0]["n_groups"] == 2
+
+
+def test_cmax_below_the_largest_task_warns() -> None:
+    base = _plan(1, 2, "lb-asc", "lpt", "muon")
+    with pytest.warns(UserWarning, match="C_max"):
+        _plan(1, 2, "lb-asc", "lpt", "shampoo", cmax=_largest_task_bytes(base) - 4)
+
+
+@pytest.mark.slow
+def test_peak_exchange_is_bounded_by_cmax(engine) -> None:
+    """Peak exchange buffer: bounded by C_max, except for a group that holds one oversize task."""
+    small_ranks, small = engine(2, "shampoo/tp2/small-cmax")
+    bounded_ranks, _ = engine(2, "muon/tp2/bounded")
+    largest = _largest_task_bytes(_plan(1, 2, "lb-asc", "lpt", "muon"))
     cmax = small.inputs.cmax_bytes
     assert any(len(g.params) == 1 and small.param(g.params[0]).spec.numel * 4 > cmax for g in small.micro_groups[0])
-    assert cmax < max(r[1]["peak"] for r in results) <= largest  # hosts of oversize tasks exceed C_max
-    for r in results:
-        assert r[1]["peak"] <= largest
-        assert 0 < r[2]["peak"] <= 50_000 and r[2]["n_groups"] > 1
+    assert cmax < max(r["peak"] for r in small_ranks) <= largest  # hosts of oversize tasks exceed C_max
+    for r in bounded_ranks:
+        assert 0 < r["peak"] <= 50_000 and r["n_groups"] > 1
 
 
 # =========================================================================== bad input (no processes)

@@ -1,35 +1,13 @@
 """The frozen Plan: what the offline planner decides and the runtime executes.
 
-A plan is pure data, deterministic for its inputs, validates itself on construction, round-trips
-through a versioned JSON document (``schema`` = ``canzona.plan``, ``version`` = 2; version-1
+A plan is pure data, deterministic for its inputs, validates itself on construction
+(:meth:`Plan.validate`), round-trips through a versioned JSON document (version 2; version-1
 documents are migrated on load) and carries a fingerprint that every rank compares before the
-first step.
-
-The plan is the whole contract between planner and runtime: besides the geometry it carries what
-the strategy means for each bucket (``Bucket.collective``, ``Bucket.param_return``) and each
-parameter (``ParamPlan.role``), copied from the strategy's record (:mod:`canzona.plan.strategies`),
-so the runtime, the simulator and validation never branch on a strategy's name.
-
-Geometry conventions (all sizes in elements of the TP-local shard, which is what a TP rank's
-ZeRO-1 buffer holds):
-
-- ``Bucket.start`` is the bucket's offset in the flat buffer, ``Bucket.numel`` its size.
-- ``Bucket.cuts`` has ``dp + 1`` monotone cut points relative to the bucket start
-  (``cuts[0] == 0``, ``cuts[-1] == numel``); DP rank ``r`` owns ``[cuts[r], cuts[r+1])`` and the
-  bucket's reduce-scatter / all-gather use those split sizes (Section 3.1). Buckets whose
-  ``collective`` is ``all-reduce`` (``sc``, ``layerwise``) have no cuts (an empty tuple).
-- ``ParamPlan.offset`` is the parameter's offset inside its bucket.
-- ``ParamPlan.dp_owner`` is the DP rank that updates the whole parameter; it is None when the
-  parameter is cut (then ``dp_ranges`` lists ``(rank, start, end)`` element ranges of the flattened
-  local shard) and when every rank updates every parameter (``sc``; ``dp_ranges`` is empty too:
-  ``ParamPlan.replicated``).
-- ``ParamPlan.role`` is ``matrix`` (updated whole by its owner), ``tp-task`` (a TP-split matrix) or
-  ``elementwise`` (may be cut; every parameter under an element-wise-only strategy such as ``zero1``).
-- ``ParamPlan.tp_host`` is the TP rank hosting a TP-split matrix parameter's full update and its
-  optimizer state (Section 4.1), ``micro_group`` the index of its group in
-  ``micro_groups[dp_owner]``. Both are None for parameters not handled by micro-groups
-  (replicated parameters, element-wise parameters, and TP schedule ``sync`` where every TP rank
-  recomputes every update).
+first step. Besides the geometry (buckets, cut points, owners, TP hosts) it carries what the
+strategy means per bucket (``Bucket.collective``, ``Bucket.param_return``) and per parameter
+(``ParamPlan.role``), so nothing downstream branches on a strategy's name. Every field and its
+conventions (sizes in elements of the TP-local shard, cut points relative to the bucket start):
+``docs/plan-format.md``.
 """
 
 from __future__ import annotations
