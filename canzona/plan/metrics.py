@@ -99,6 +99,70 @@ def _worst_group(hosts: Sequence[np.ndarray]) -> tuple[int, float]:
     return worst, ratio(hosts[worst])
 
 
+def _comm_balance(layout: BufferLayout, cuts: Sequence[Sequence[int]], dp: int) -> tuple[float, list[float]]:
+    """J_Comm (Section 3.2: total deviation of the reduce-scatter shard sizes from equal shares, in
+    elements) and, per cut bucket, its largest shard over the equal share."""
+    j_comm = 0.0
+    comm_balance: list[float] = []
+    for b, c in enumerate(cuts):
+        if not c:
+            continue
+        s = np.diff(np.asarray(c, dtype=np.int64)).astype(np.float64)
+        ideal = float(layout.bucket_numel[b]) / dp
+        j_comm += float(np.abs(s - ideal).sum())
+        comm_balance.append(float(s.max()) / ideal)
+    return j_comm, comm_balance
+
+
+def _tp_host_loads(
+    per_rank: Mapping[str, np.ndarray],
+    dp: int,
+    tp: int,
+    groups: Sequence[Sequence[Group]],
+    sync_tasks: Sequence[Sequence[str]],
+    task_avg: Mapping[str, tuple[float, float, float]],
+    task_full: Mapping[str, tuple[float, float, float]],
+) -> dict[str, list[np.ndarray]]:
+    """Per measure (flops, memory, numel), per DP rank: the load of each of its TP ranks (empty
+    lists without TP tasks)."""
+    hosts: dict[str, list[np.ndarray]] = {"flops": [], "memory": [], "numel": []}
+    if not (tp > 1 and (any(groups) or any(sync_tasks))):
+        return hosts
+    for j, key in enumerate(("flops", "memory", "numel")):
+        avg = {n: v[j] for n, v in task_avg.items()}
+        full = {n: v[j] for n, v in task_full.items()}
+        for r in range(dp):
+            rank_groups = groups[r] if r < len(groups) else ()
+            sync = sync_tasks[r] if r < len(sync_tasks) else ()
+            hosts[key].append(tp_host_loads(float(per_rank[key][r]), rank_groups, avg, full, tp, sync))
+    return hosts
+
+
+def _tp_spread(hosts: Mapping[str, list[np.ndarray]]) -> dict[str, float]:
+    """Over all GPUs (``_global``) and averaged over TP groups (``_mean``), per measure."""
+    spread: dict[str, float] = {}
+    for key, hs in hosts.items():
+        if hs:
+            spread[f"tp_{key}_ratio_global"] = ratio(np.concatenate(hs))
+            spread[f"tp_{key}_ratio_mean"] = float(np.mean([ratio(h) for h in hs]))
+    return spread
+
+
+def _makespans(groups: Sequence[Sequence[Group]]) -> tuple[float, float, int]:
+    """(worst DP rank's sum over groups of the busiest host, worst DP rank's busiest host total,
+    number of micro-groups): the two readings of a schedule's length, in the planning cost."""
+    group_sum = 0.0
+    host_max = 0.0
+    n_groups = 0
+    for gs in groups:
+        n_groups += len(gs)
+        if gs:
+            group_sum = max(group_sum, sum(max(g.loads) for g in gs))
+            tot = np.sum([g.loads for g in gs], axis=0)
+            host_max = max(host_max, float(tot.max()))
+    return group_sum, host_max, n_groups
+
+
 def compute_metrics(
     *,
     layout: BufferLayout,
@@ -118,51 +182,18 @@ def compute_metrics(
     """All metrics of a plan. ``task_avg`` / ``task_full`` map a task name to its (flops, memory,
     numel) at per-rank average and at full (host) cost; ``groups[r]`` / ``sync_tasks[r]`` are DP
     rank r's micro-groups and recomputed-everywhere tasks."""
-    numel = loads.numel
     per_rank = {
-        k: dp_loads(getattr(loads, k), owner, ranges, numel, dp, everyone) for k in ("cost", "flops", "memory", "numel")
+        k: dp_loads(getattr(loads, k), owner, ranges, loads.numel, dp, everyone) for k in ("cost", "flops", "memory", "numel")
     }
     mu = float(per_rank["cost"].mean())
     j_dp = float(np.max(np.abs(per_rank["cost"] - mu)))
-    j_comm = 0.0
-    comm_balance: list[float] = []
-    for b, c in enumerate(cuts):
-        if not c:
-            continue
-        s = np.diff(np.asarray(c, dtype=np.int64)).astype(np.float64)
-        ideal = float(layout.bucket_numel[b]) / dp
-        j_comm += float(np.abs(s - ideal).sum())
-        comm_balance.append(float(s.max()) / ideal)
-
-    hosts: dict[str, list[np.ndarray]] = {"flops": [], "memory": [], "numel": []}
-    have_tp = tp > 1 and (any(groups) or any(sync_tasks))
-    if have_tp:
-        for j, key in enumerate(("flops", "memory", "numel")):
-            avg = {n: v[j] for n, v in task_avg.items()}
-            full = {n: v[j] for n, v in task_full.items()}
-            for r in range(dp):
-                g = groups[r] if r < len(groups) else ()
-                st = sync_tasks[r] if r < len(sync_tasks) else ()
-                hosts[key].append(tp_host_loads(float(per_rank[key][r]), g, avg, full, tp, st))
-    spread: dict[str, float] = {}
-    for key, hs in hosts.items():
-        if hs:
-            allh = np.concatenate(hs)
-            spread[f"tp_{key}_ratio_global"] = ratio(allh)
-            spread[f"tp_{key}_ratio_mean"] = float(np.mean([ratio(h) for h in hs]))
+    j_comm, comm_balance = _comm_balance(layout, cuts, dp)
+    hosts = _tp_host_loads(per_rank, dp, tp, groups, sync_tasks, task_avg, task_full)
+    spread = _tp_spread(hosts)
     wf, tp_flops = _worst_group(hosts["flops"])
     wm, tp_memory = _worst_group(hosts["memory"])
     _, tp_numel = _worst_group(hosts["numel"])
-
-    group_sum = 0.0
-    host_max = 0.0
-    n_groups = 0
-    for gs in groups:
-        n_groups += len(gs)
-        if gs:
-            group_sum = max(group_sum, sum(max(g.loads) for g in gs))
-            tot = np.sum([g.loads for g in gs], axis=0)
-            host_max = max(host_max, float(tot.max()))
+    group_sum, host_max, n_groups = _makespans(groups)
 
     details: dict[str, Any] = {
         "dp_numel_ratio": ratio(per_rank["numel"]),

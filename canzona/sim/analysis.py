@@ -183,8 +183,8 @@ def paper_comparison(
     if fit_fwd_bwd:
         hw = fit_fwd_bwd_mfu(lb_plan, cfg, hw, setup, PAPER_FIGURE4["lb-asc"]["fwd_bwd_s"])
 
-    def run(h: HardwareProfile, st: Setup, lbp: Plan = lb_plan) -> tuple[StepBreakdown, StepBreakdown]:
-        return simulate_plan(lw_plan, cfg, h, st), simulate_plan(lbp, cfg, h, st)
+    def run(hardware: HardwareProfile, run_setup: Setup, lbp: Plan = lb_plan) -> tuple[StepBreakdown, StepBreakdown]:
+        return simulate_plan(lw_plan, cfg, hardware, run_setup), simulate_plan(lbp, cfg, hardware, run_setup)
 
     lw, lb = run(hw, setup)
     sens: list[Sensitivity] = []
