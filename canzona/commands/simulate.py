@@ -214,18 +214,10 @@ def _print_assumptions(hw, setup) -> None:
         print("  fitted / overridden: " + ", ".join(f"{k} = {hw.constants()[k].value:.4g} ({hw.constants()[k].source})" for k in fitted))
 
 
-def run(args: argparse.Namespace) -> int:
+def _strategies(args: argparse.Namespace) -> list[str]:
+    """Check the numeric options and parse ``--strategies`` (ValueError naming the bad value)."""
     from canzona.optimizers import optimizer_names
     from canzona.plan.strategies import strategy_names
-    from canzona.sim.analysis import (
-        PAPER_CONFIG,
-        alpha_report,
-        alpha_sweep,
-        dp_sweep,
-        paper_comparison,
-        resolve_sim_model,
-    )
-    from canzona.sim.model import SETUP_SOURCES, plan_for, simulate_plan
 
     if args.dp < 1 or args.tp < 1:
         raise ValueError("--dp and --tp must be >= 1")
@@ -237,12 +229,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in strategies if s not in strategy_names()]
     if bad or not strategies:
         raise ValueError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from {', '.join(strategy_names())}")
-    sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
-    sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
-    setup = _setup(args)
-    hw = _hardware(args)
-    cfg = resolve_sim_model(args.model)
+    return strategies
 
+
+def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Planner overrides shared by every strategy (C_max, bucket size)."""
     plan_kw: dict[str, Any] = {}
     if args.cmax_mb is not None:
         if not args.cmax_mb > 0:
@@ -250,25 +241,29 @@ def run(args: argparse.Namespace) -> int:
         plan_kw["cmax_bytes"] = int(args.cmax_mb * 2**20)
     if args.bucket_numel is not None:
         plan_kw["bucket_numel"] = args.bucket_numel
-    is_paper = (cfg.name == PAPER_CONFIG["model"] and args.dp == PAPER_CONFIG["dp"] and args.tp == PAPER_CONFIG["tp"]
-                and args.optimizer == PAPER_CONFIG["optimizer"] and not plan_kw and args.alpha == 1.0)
-    if (args.paper or args.fit_fwd_bwd) and not is_paper:
-        raise ValueError("--paper / --fit-fwd-bwd need the paper configuration: --model qwen3-32b --dp 32 --tp 8 --optimizer muon, default alpha, C_max and buckets")
+    return plan_kw
 
-    pc = None
+
+def _paper(args: argparse.Namespace, hw: Any, setup: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """The Figure 4 comparison and, unless ``--no-sensitivity``, its variants (lb-asc host
+    schedule x fitted or profiled fwd-bwd MFU)."""
+    from canzona.sim.analysis import paper_comparison
+
+    pc = paper_comparison(hw, setup, lb_schedule=args.lb_tp_schedule, fit_fwd_bwd=args.fit_fwd_bwd, sensitivity=not args.no_sensitivity)
     variants = []
-    hw0 = hw
-    if is_paper:
-        pc = paper_comparison(hw, setup, lb_schedule=args.lb_tp_schedule, fit_fwd_bwd=args.fit_fwd_bwd, sensitivity=not args.no_sensitivity)
-        hw = pc.hardware
-        if not args.no_sensitivity:
-            for sched in ("lpt", "lpt-carry"):
-                for fit in (False, True):
-                    label = f"lb-asc hosts {sched}, fwd-bwd MFU " + (f"fitted to {_FIT_TARGET_S:g} s" if fit else "from profile")
-                    if sched == pc.lb_schedule and fit == pc.fitted:
-                        variants.append((label + "  <- table above", pc))
-                    else:
-                        variants.append((label, paper_comparison(hw0, setup, lb_schedule=sched, fit_fwd_bwd=fit, sensitivity=False)))
+    if not args.no_sensitivity:
+        for sched in ("lpt", "lpt-carry"):
+            for fit in (False, True):
+                label = f"lb-asc hosts {sched}, fwd-bwd MFU " + (f"fitted to {_FIT_TARGET_S:g} s" if fit else "from profile")
+                if sched == pc.lb_schedule and fit == pc.fitted:
+                    variants.append((label + "  <- table above", pc))
+                else:
+                    variants.append((label, paper_comparison(hw, setup, lb_schedule=sched, fit_fwd_bwd=fit, sensitivity=False)))
+    return pc, variants
+
+
+def _simulate_strategies(args: argparse.Namespace, cfg: Any, hw: Any, setup: Any, strategies: list[str], plan_kw: dict[str, Any]) -> dict[str, Any]:
+    from canzona.sim.model import plan_for, simulate_plan
 
     results = {}
     for s in strategies:
@@ -278,7 +273,69 @@ def run(args: argparse.Namespace) -> int:
             kw["tp_schedule"] = args.lb_tp_schedule
         alpha = args.alpha if tuned else 1.0
         results[s] = simulate_plan(plan_for(cfg, s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=alpha, **kw), cfg, hw, setup)
+    return results
 
+
+def _dp_sweep(args: argparse.Namespace, cfg: Any, hw: Any, setup: Any, strategies: list[str], plan_kw: dict[str, Any], sweep_dp: list[int]) -> list[dict]:
+    """Print iteration / optimizer seconds per (DP size, strategy); return the rows."""
+    from canzona.sim.analysis import dp_sweep
+
+    frame = dp_sweep(cfg, sweep_dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, strategies=strategies, alpha=args.alpha, lb_tp_schedule=args.lb_tp_schedule, **plan_kw)
+    print()
+    print(f"DP sweep (TP{args.tp}): iteration / optimizer seconds per strategy")
+    piv = frame.pivot(index="dp", columns="strategy", values="iteration_s")
+    opt = frame.pivot(index="dp", columns="strategy", values="optimizer_s")
+    print(f"{'dp':>6} " + " ".join(f"{s:>18}" for s in strategies))
+    for dp in sweep_dp:
+        print(f"{dp:>6} " + " ".join(f"{piv.loc[dp, s]:8.3f} / {opt.loc[dp, s]:7.3f}" for s in strategies))
+    return frame.to_dict(orient="records")
+
+
+def _alpha_sweep(args: argparse.Namespace, cfg: Any, hw: Any, setup: Any, plan_kw: dict[str, Any], dps: list[int], sweep_alpha: list[float]) -> dict[str, Any]:
+    """Print, per DP size, whether alpha = 1's communication imbalance hides under the overlap
+    window and which alpha is best; return the report and rows per DP size."""
+    from canzona.sim.analysis import alpha_report, alpha_sweep
+
+    out: dict[str, Any] = {}
+    print()
+    print("alpha sweep (lb-asc): does alpha = 1's communication imbalance still hide under the overlap window?")
+    print(f"{'dp':>6} {'exposed DP comm: zero1':>23} {'alpha=1':>8} {'extra':>8} {'hidden':>7} {'best alpha':>10} {'iteration':>10}")
+    for dp in dps:
+        kw = dict(plan_kw)
+        if args.lb_tp_schedule:
+            kw["tp_schedule"] = args.lb_tp_schedule
+        a = sorted(set(sweep_alpha) | {1.0})
+        frame = alpha_sweep(cfg, a, dp=dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, **kw)
+        rep = alpha_report(frame)
+        print(
+            f"{dp:>6} {rep['zero1_exposed_dp_comm_s']:23.3f} {rep['alpha1_exposed_dp_comm_s']:8.3f} "
+            f"{rep['alpha1_imbalance_exposed_s']:8.3f} {str(rep['alpha1_imbalance_hidden']):>7} {rep['recommended_alpha']:10.2f} "
+            f"{rep['iteration_at_recommended_s']:10.3f}"
+        )
+        out[str(dp)] = {"report": rep, "rows": frame.to_dict(orient="records")}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from canzona.sim.analysis import PAPER_CONFIG, resolve_sim_model
+    from canzona.sim.model import SETUP_SOURCES
+
+    strategies = _strategies(args)
+    sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
+    sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
+    setup = _setup(args)
+    hw = _hardware(args)
+    cfg = resolve_sim_model(args.model)
+    plan_kw = _plan_kwargs(args)
+    is_paper = (cfg.name == PAPER_CONFIG["model"] and args.dp == PAPER_CONFIG["dp"] and args.tp == PAPER_CONFIG["tp"]
+                and args.optimizer == PAPER_CONFIG["optimizer"] and not plan_kw and args.alpha == 1.0)
+    if (args.paper or args.fit_fwd_bwd) and not is_paper:
+        raise ValueError("--paper / --fit-fwd-bwd need the paper configuration: --model qwen3-32b --dp 32 --tp 8 --optimizer muon, default alpha, C_max and buckets")
+
+    pc, variants = _paper(args, hw, setup) if is_paper else (None, [])
+    if pc is not None:
+        hw = pc.hardware  # fitted when --fit-fwd-bwd
+    results = _simulate_strategies(args, cfg, hw, setup, strategies, plan_kw)
     _print_results(cfg, args, hw, setup, results)
     if pc is not None:
         _print_paper(pc, variants)
@@ -301,38 +358,10 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None:
         doc["paper_comparison"] = pc.to_dict()
         doc["paper_variants"] = {label: v.to_dict() for label, v in variants}
-
     if sweep_dp:
-        kw = dict(plan_kw)
-        frame = dp_sweep(cfg, sweep_dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, strategies=strategies, alpha=args.alpha, lb_tp_schedule=args.lb_tp_schedule, **kw)
-        print()
-        print(f"DP sweep (TP{args.tp}): iteration / optimizer seconds per strategy")
-        piv = frame.pivot(index="dp", columns="strategy", values="iteration_s")
-        opt = frame.pivot(index="dp", columns="strategy", values="optimizer_s")
-        print(f"{'dp':>6} " + " ".join(f"{s:>18}" for s in strategies))
-        for dp in sweep_dp:
-            print(f"{dp:>6} " + " ".join(f"{piv.loc[dp, s]:8.3f} / {opt.loc[dp, s]:7.3f}" for s in strategies))
-        doc["dp_sweep"] = frame.to_dict(orient="records")
-
+        doc["dp_sweep"] = _dp_sweep(args, cfg, hw, setup, strategies, plan_kw, sweep_dp)
     if sweep_alpha:
-        dps = sweep_dp or [args.dp]
-        doc["alpha_sweep"] = {}
-        print()
-        print("alpha sweep (lb-asc): does alpha = 1's communication imbalance still hide under the overlap window?")
-        print(f"{'dp':>6} {'exposed DP comm: zero1':>23} {'alpha=1':>8} {'extra':>8} {'hidden':>7} {'best alpha':>10} {'iteration':>10}")
-        for dp in dps:
-            kw = dict(plan_kw)
-            if args.lb_tp_schedule:
-                kw["tp_schedule"] = args.lb_tp_schedule
-            a = sorted(set(sweep_alpha) | {1.0})
-            frame = alpha_sweep(cfg, a, dp=dp, tp=args.tp, optimizer=args.optimizer, hardware=hw, setup=setup, **kw)
-            rep = alpha_report(frame)
-            print(
-                f"{dp:>6} {rep['zero1_exposed_dp_comm_s']:23.3f} {rep['alpha1_exposed_dp_comm_s']:8.3f} "
-                f"{rep['alpha1_imbalance_exposed_s']:8.3f} {str(rep['alpha1_imbalance_hidden']):>7} {rep['recommended_alpha']:10.2f} "
-                f"{rep['iteration_at_recommended_s']:10.3f}"
-            )
-            doc["alpha_sweep"][str(dp)] = {"report": rep, "rows": frame.to_dict(orient="records")}
+        doc["alpha_sweep"] = _alpha_sweep(args, cfg, hw, setup, plan_kw, sweep_dp or [args.dp], sweep_alpha)
 
     _print_assumptions(hw, setup)
 
