@@ -131,7 +131,7 @@ class ParamSpec:
 
 def _spec(name: str, shape: tuple[int, ...], tp_dim: int | None, tp: int) -> ParamSpec:
     kind: Kind = "matrix" if is_matrix_param(name, shape) else "elementwise"
-    return ParamSpec(name, shape, kind, tp_dim, tp)
+    return ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=tp)
 
 
 def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron") -> list[ParamSpec]:
@@ -253,7 +253,7 @@ def specs_from_module(
                 s[tp_dim] *= tp
                 shape = tuple(s)
         kind = kinds.get(name) or ("matrix" if is_matrix_param(name, shape) else "elementwise")
-        out.append(ParamSpec(name, shape, kind, tp_dim, ptp))
+        out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp))
     return out
 
 

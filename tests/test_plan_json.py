@@ -102,12 +102,12 @@ def test_plan_equality_ignores_timing_and_hashes():
     from dataclasses import replace
 
     a, b = _plan(), _plan()
-    b = Plan(b.inputs, b.params, b.buckets, b.micro_groups, replace(b.metrics, plan_seconds=b.metrics.plan_seconds + 1.0))
+    b = replace(b, metrics=replace(b.metrics, plan_seconds=b.metrics.plan_seconds + 1.0))
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     c = _plan(alpha=0.5)
     assert a != c and len({a, c}) == 2
     other_metrics = replace(a.metrics, dp_flops_ratio=a.metrics.dp_flops_ratio + 1.0)
-    assert Plan(a.inputs, a.params, a.buckets, a.micro_groups, other_metrics) != a
+    assert replace(a, metrics=other_metrics) != a
 
 
 def test_fingerprint_is_computed_once(monkeypatch):
@@ -122,9 +122,13 @@ def test_fingerprint_is_computed_once(monkeypatch):
 # ------------------------------------------------------------------------------------------ validate
 def _corrupt(plan, *, params=None, buckets=None, micro_groups=None):
     """A Plan built from ``plan`` with some parts replaced (validated on construction)."""
-    return Plan(plan.inputs, plan.params if params is None else tuple(params),
-                plan.buckets if buckets is None else tuple(buckets),
-                plan.micro_groups if micro_groups is None else tuple(micro_groups), plan.metrics)
+    return Plan(
+        inputs=plan.inputs,
+        params=plan.params if params is None else tuple(params),
+        buckets=plan.buckets if buckets is None else tuple(buckets),
+        micro_groups=plan.micro_groups if micro_groups is None else tuple(micro_groups),
+        metrics=plan.metrics,
+    )
 
 
 def test_param_lookup_is_the_plan_index():

@@ -106,10 +106,15 @@ def _rehost(plan: Plan, dp_rank: int, groups: list[list[tuple[str, int]]]) -> Pl
     )
     mgs = list(plan.micro_groups)
     mgs[dp_rank] = tuple(
-        MicroGroup(k, tuple(n for n, _ in g), tuple(h for _, h in g), tuple(float(sum(1 for _, h in g if h == r)) for r in range(tp)))
+        MicroGroup(
+            index=k,
+            params=tuple(n for n, _ in g),
+            hosts=tuple(h for _, h in g),
+            loads=tuple(float(sum(1 for _, h in g if h == r)) for r in range(tp)),
+        )
         for k, g in enumerate(groups)
     )
-    return Plan(plan.inputs, params, plan.buckets, tuple(mgs), plan.metrics)
+    return replace(plan, params=params, micro_groups=tuple(mgs))
 
 
 # =========================================================================== distributed worker
