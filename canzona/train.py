@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -220,9 +221,10 @@ def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float
                 f"dp*tp = {config.world_size} needs {config.world_size} processes: use `canzona train --nproc "
                 f"{config.world_size}` or torchrun"
             )
-        from canzona.runtime.launch import free_port, init_process_group
-
-        init_process_group(0, 1, free_port(), backend=config.resolved_backend)
+        # one rank: an in-process store, so there is no port to pick (and lose to another process)
+        dist.init_process_group(
+            backend=config.resolved_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60)
+        )
         owns_group = True
     try:
         _check_world(config)
