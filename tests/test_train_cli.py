@@ -132,4 +132,3 @@ def test_torchrun_entry_single_process(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert not torch.distributed.is_initialized()
     assert main(["train", "--dp", "2", "--no-progress"]) == 2
     assert "must equal WORLD_SIZE (1)" in capsys.readouterr().err
-

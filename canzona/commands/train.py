@@ -131,4 +131,3 @@ def run(args: argparse.Namespace) -> int:
         )
     train_worker(0, 1, config)
     return 0
-
