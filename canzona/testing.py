@@ -298,7 +298,7 @@ def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: objec
     for rank, res in enumerate(per_rank):
         outcome = res[section][key]
         if "error" in outcome:
-            name = section if key is None else f"{section} {key}"
+            name = section if key is None else f"{section}[{key!r}]"
             raise AssertionError(f"case {name} failed on rank {rank}: {outcome['error']}")
         out.append(outcome["result"])
     return out

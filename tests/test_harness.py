@@ -19,7 +19,7 @@ def test_attempt_records_each_case_and_case_results_names_the_failing_one() -> N
     per_rank = [{"cases": {k: attempt(_div, 1, k) for k in (1, 0, 2)}} for _ in range(2)]
     assert case_results(per_rank, "cases", 1) == [1.0, 1.0]
     assert case_results(per_rank, "cases", 2) == [0.5, 0.5]  # the broken case leaves the others alone
-    with pytest.raises(AssertionError, match=r"case cases 0 failed on rank 0: ZeroDivisionError") as exc:
+    with pytest.raises(AssertionError, match=r"case cases\[0\] failed on rank 0: ZeroDivisionError") as exc:
         case_results(per_rank, "cases", 0)
     assert "Traceback" in str(exc.value)
 
