@@ -288,12 +288,7 @@ def _largest_task_bytes(plan: Plan) -> int:
 def _engine_cases() -> dict[int, list[tuple[str, Plan, str]]]:
     """Cases by world size (2: TP over the whole world; 4: dp2 x tp2 on a ("dp", "tp") mesh, and
     one dp1 x tp4 plan); labels are unique across worlds."""
-    tp2 = []
-    for opt in ("muon", "shampoo", "soap"):
-        tp2.append((f"{opt}/sc/sync", _plan(1, 2, "sc", "sync", opt), opt))
-        tp2.append((f"{opt}/asc/round-robin", _plan(1, 2, "asc", "round-robin", opt), opt))
-        tp2.append((f"{opt}/lb-asc/lpt", _plan(1, 2, "lb-asc", "lpt", opt), opt))
-        tp2.append((f"{opt}/lb-asc/no-fuse", _plan(1, 2, "lb-asc", "no-fuse", opt), opt))
+    tp2 = _cases_tp2()
     hand = _uneven_plans()
     tp2 += [("muon/tp2/uneven", hand["uneven"], "muon"), ("shampoo/tp2/small-cmax", hand["small"], "shampoo"),
             ("muon/tp2/bounded", hand["bounded"], "muon")]
