@@ -211,8 +211,17 @@ class AuthorsPlan:
         return _ratio(self.group_loads(0, group, metric))
 
     def tp_ratios_per_rank(self, metric: str, shape: str = "local") -> np.ndarray:
-        """Each DP rank's TP-group ratio (cumulative over its groups)."""
-        return np.array([_ratio(self.host_loads(r, metric, shape)) for r in range(self.dp)])
+        """Each DP rank's TP-group ratio (cumulative over its groups); NaN for a DP rank that owns
+        no TP-split parameter (its TP group has nothing to balance)."""
+        return np.array([_ratio(self.host_loads(r, metric, shape)) if self.groups[r] else np.nan for r in range(self.dp)])
+
+    def tp_bounds_per_rank(self, metric: str, shape: str = "local") -> np.ndarray:
+        """Each DP rank's lower bound on its TP-group ratio: max(1, largest task / mean host load)."""
+        out = []
+        for r in range(self.dp):
+            tasks = [self._task(i, metric, shape) for g in self.groups[r] for i, _ in g]
+            out.append(max(1.0, max(tasks) / (sum(tasks) / self.tp)) if tasks and sum(tasks) > 0 else np.nan)
+        return np.array(out)
 
     def gpu_loads(self, metric: str, shape: str = "full") -> np.ndarray:
         """Load of every GPU (dp x tp) from the matrix tasks it runs: a hosted TP-split task at its
@@ -239,8 +248,8 @@ class AuthorsPlan:
             "dp_memory_ratio": self.dp_ratio("memory"),
             "tp_flops_ratio_dp_rank0": self.tp_ratio_rank0("flops"),
             "tp_memory_ratio_dp_rank0": self.tp_ratio_rank0("memory"),
-            "tp_flops_ratio_per_rank_max": float(per.max()),
-            "tp_flops_ratio_per_rank_median": float(np.median(per)),
+            "tp_flops_ratio_per_rank_max": float(np.nanmax(per)) if np.isfinite(per).any() else 1.0,
+            "tp_flops_ratio_per_rank_median": float(np.nanmedian(per)) if np.isfinite(per).any() else 1.0,
             "tp_flops_ratio_all_gpus_full": self.all_gpu_ratio("flops", "full"),
             "tp_flops_lower_bound_full": lower_bound(self.params, self.dp, self.tp, self.optimizer),
             "n_buckets": len(self.bounds),
@@ -265,8 +274,9 @@ def lower_bound(specs: Sequence[ParamSpec], dp: int, tp: int, optimizer: str = "
         return 1.0
     task = [_flops(optimizer, s.shape) for s in mats]
     total = sum(t if s.tp_split else t * s.tp for t, s in zip(task, mats))
-    # a replicated matrix (not TP-split) is computed by every TP rank of its owner: tp copies
-    return max(task) / (total / (dp * tp))
+    # a replicated matrix (not TP-split) is computed by every TP rank of its owner: tp copies.
+    # max / mean is at least 1 whatever the tasks
+    return max(1.0, max(task) / (total / (dp * tp)))
 
 
 def _buckets(numel: np.ndarray, bucket_numel: int) -> list[tuple[int, int]]:
