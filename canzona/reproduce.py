@@ -271,7 +271,10 @@ def fig4() -> Figure:
     lb = _sim("qwen3-32b", "lb-asc", dp=dp, tp=tp, **kw)
     lb_serial = _sim("qwen3-32b", "lb-asc", dp=dp, tp=tp, setup=Setup(tp_overlap="serial"), **kw)
     lb_free = _sim("qwen3-32b", "lb-asc", dp=dp, tp=tp, setup=Setup(tp_overlap="free"), **kw)
-    miss = "simulated with assumed hardware constants (h800-ib400, fwd-bwd MFU 0.35 not fitted); see the notes"
+    miss = (f"simulated with assumed constants (h800-ib400): layerwise's step includes {lw.opt_dp_comm_s * 1e3:.0f} ms of "
+            f"per-parameter broadcast loop whose latency part rests on the assumed net_alpha_us, and fwd-bwd uses the "
+            f"assumed MFU 0.35 (lb-asc fwd-bwd {lb.fwd_bwd_s:.3f} s vs the paper's 0.811 s); "
+            "`canzona simulate --fit-fwd-bwd` fits that one constant")
     rows = []
     for phase in ("optimizer_s", "fwd_bwd_s", "iteration_s"):
         for st, b in (("layerwise", lw), ("lb-asc", lb)):
@@ -565,7 +568,10 @@ def fig14() -> Figure:
     nf = cost["no_fuse"][512]
     fu = cost["fused"][512]
     plateau = {u: _plateau(s["fused"]) for u, s in sweeps.items()}
-    miss = "simulated with assumed NVLink latency/launch constants and canzona's pipelined overlap"
+    miss = ("without fusion each exchange carries one host's task, and with one exchange in flight each way (the "
+            "runtime's pipelined overlap) the hosts of a TP group compute one after another: the step approaches the "
+            "sum of the rank's tasks instead of the busiest host's share; the paper's executor pays it less, which "
+            "the simulator's launch/latency constants (assumed) do not capture")
     rows = (
         _value_row("no_fuse", "no-fuse optimizer seconds", "optimizer_s_no_fuse", nf, tol=TIME_TOLERANCE, relative=True, miss=miss),
         _value_row("fused", "fused optimizer seconds at C_max = 512", "optimizer_s_fused", fu, tol=TIME_TOLERANCE, relative=True, miss=miss),
