@@ -94,6 +94,13 @@ class Figure:
             out[r.verdict] = out.get(r.verdict, 0) + 1
         return out
 
+    def frame(self) -> Any:
+        """The rows as a pandas DataFrame (label, paper, ours, canzona, verdict, reason), for notebooks."""
+        import pandas as pd
+
+        return pd.DataFrame([{"row": r.label, "paper": r.paper, "ours": r.ours, "canzona": r.canzona,
+                              "verdict": r.verdict, "tolerance": r.tolerance, "why not": r.reason} for r in self.rows])
+
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "title": self.title, "config": self.config,
                 "rows": [asdict(r) for r in self.rows], "notes": list(self.notes), "verdicts": self.counts()}
