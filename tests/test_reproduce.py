@@ -243,3 +243,51 @@ def test_plan_cli_pp_and_paper_convention(capsys):
     assert "1.434" in out and "2.455" in out
     assert main(["plan", "--model", "qwen3-32b", "--dp", "4", "--pp", "3"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------ split buffers
+@pytest.mark.parametrize("strategy", ["asc", "lb-asc", "lb-asc-joint", "layerwise", "sc"])
+def test_split_buffers_keep_kinds_apart(strategy):
+    import warnings
+
+    from canzona.plan import Plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan_model("qwen3-32b", dp=32, tp=8, strategy=strategy, buffers="split", bucket_numel=PAPER.bucket_numel)
+    kinds = [{p.param(n).spec.kind for n in b.params} for b in p.buckets]
+    assert all(len(k) == 1 for k in kinds)
+    first_ew = next(i for i, k in enumerate(kinds) if k == {"elementwise"})
+    assert all(k == {"matrix"} for k in kinds[:first_ew]) and all(k == {"elementwise"} for k in kinds[first_ew:])
+    if strategy in ("asc", "lb-asc", "lb-asc-joint"):
+        for b in p.buckets[first_ew:]:  # element-wise buckets: ZeRO-1's equal chunks
+            sizes = b.shard_sizes()
+            assert max(sizes) - min(sizes) <= 1
+    assert Plan.from_dict(p.to_dict()).fingerprint == p.fingerprint and p.inputs.buffers == "split"
+
+
+def test_split_lb_asc_matches_the_authors_matrix_buffer():
+    # canzona's planner with split buffers and the authors' buckets partitions the matrix buffer as
+    # the paper convention does when both list qkv first (the registration order is the only other difference)
+    from dataclasses import replace
+    p = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", buffers="split", bucket_numel=PAPER.bucket_numel)
+    a = authors_plan(specs_from_config(resolve_model("qwen3-32b"), tp=8), dp=32, tp=8,
+                     convention=replace(PAPER, registration="canzona"))
+    numel = np.zeros(32)
+    for q in p.params:
+        if q.spec.kind == "matrix":
+            numel[q.dp_owner] += q.spec.local_numel
+    assert np.array_equal(numel, a.dp_loads("memory"))
+
+
+def test_joint_fingerprint_unchanged_by_the_buffers_field():
+    from canzona.plan import Plan
+    p = plan_model("qwen3-tiny", dp=2, tp=2, bucket_numel=20_000)
+    doc = p.to_dict()
+    del doc["inputs"]["buffers"]  # a document written before the field existed
+    assert Plan.from_dict(doc).fingerprint == p.fingerprint == doc["fingerprint"]
+
+
+def test_plan_cli_buffers_split(capsys):
+    assert main(["plan", "--model", "qwen3-32b", "--dp", "32", "--tp", "8", "--buffers", "split", "--bucket-numel", "400000000"]) == 0
+    assert "buckets" in capsys.readouterr().out
+

@@ -30,7 +30,7 @@ from canzona.plan import (
 )
 from canzona.optimizers import optimizer_names
 from canzona.plan.build import resolve_model
-from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan
+from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, lower_bound
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS, specs_from_config
@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-bytes", type=_int, choices=(2, 4), default=4,
                         help="bytes per gradient element that C_max counts (default 4: fp32, as Megatron's bf16 "
                              "training holds its main gradients; 2: bf16)")
+    parser.add_argument("--buffers", choices=("joint", "split"), default="joint",
+                        help="'split': matrix-optimizer and element-wise parameters in buffers of their own (the paper "
+                             "authors' layout; element-wise buckets in equal chunks); default one joint buffer")
     parser.add_argument("--pp", type=_int, default=1,
                         help="pipeline stages: layers split evenly as Megatron does, embedding on the first stage, "
                              "output layer on the last; each stage planned on its own (default 1)")
@@ -116,6 +119,7 @@ def _plan(args: argparse.Namespace, strategy: str, schedule: str | None) -> tupl
             bucket_numel=args.bucket_numel,
             tp_schedule=schedule,
             grad_bytes=args.grad_bytes,
+            buffers=args.buffers,
         )
     return plan, [str(w.message) for w in caught]
 
@@ -165,6 +169,9 @@ def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assig
         f"  {'DP memory ratio':<24}{m.dp_memory_ratio:.3f}   (numel ratio {d['dp_numel_ratio']:.3f})",
         f"  {'TP FLOPs ratio':<24}{m.tp_flops_ratio:.3f}   (worst DP rank's TP group)",
         f"  {'TP memory ratio':<24}{m.tp_memory_ratio:.3f}",
+        *([f"  {'TP FLOPs, all GPUs':<24}{d['tp_flops_ratio_global']:.3f}   (over all {i.dp * i.tp} GPUs; atomic lower bound "
+           f"{lower_bound(plan.specs, i.dp, i.tp, i.optimizer):.3f} = largest full-shape task / mean)"]
+          if "tp_flops_ratio_global" in d and i.flops_shape == "full" else []),
         f"  {'J_DP':<24}{m.j_dp:.4g}   ({i.cost} units)",
         f"  {'J_Comm':<24}{m.j_comm:.4g}   (elements; worst bucket shard {d['max_bucket_comm_balance']:.2f}x mean)",
         f"  {'TP makespan':<24}groups in step {d['makespan_group_sum']:.4g}, hosts free {d['makespan_host_total']:.4g} ({i.cost} units)",
@@ -244,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
             staged = plan_stages(args.model, pp=args.pp, dp=args.dp, tp=args.tp, layout=args.layout,
                                  optimizer=args.optimizer, strategy=args.strategy, alpha=args.alpha, cost=args.cost,
                                  flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args.cmax_mb),
-                                 bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes)
+                                 bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes,
+                                 buffers=args.buffers)
         print(format_stages(staged))
         return 0
     if args.compare:

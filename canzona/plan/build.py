@@ -71,6 +71,16 @@ def _task_metric(spec: ParamSpec, optimizer: str, flops_shape: str) -> tuple[flo
     return float(matrix_flops(optimizer, shape)), float(state_bytes(optimizer, shape)), float(numel)
 
 
+def _equal_elementwise_buckets(layout, a: dpmod.DPAssignment, sp: Sequence[ParamSpec], dp: int) -> dpmod.DPAssignment:
+    """``a`` with every element-wise-only bucket cut into ZeRO-1's equal chunks (split buffers)."""
+    equal = dpmod.zero1(layout, dp).cuts
+    cuts = tuple(
+        equal[b] if all(sp[i].kind == "elementwise" for i in range(i0, i1)) else a.cuts[b]
+        for b, (i0, i1) in enumerate(layout.bounds)
+    )
+    return dpmod.DPAssignment(cuts, dpmod.owners_from_cuts(layout, cuts))
+
+
 #: where each cost model's W(p) of a TP task (Algorithm 2) sits in :func:`_task_metric`'s triple
 _TASK_COST_INDEX = {"flops": 0, "memory": 1, "numel": 2}
 
@@ -117,7 +127,8 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
             f"strategy {inp.strategy} recomputes or cuts every update, so its TP schedule must be 'sync', got {inp.tp_schedule!r}"
         )
     dp, tp = inp.dp, inp.tp
-    layout = layout_buffer(specs, inp.bucket_numel)
+    split = inp.buffers == "split"
+    layout = layout_buffer(specs, inp.bucket_numel, separate=split)
     sp = [specs[i] for i in layout.order.tolist()]
     opt, shape = inp.optimizer, inp.flops_shape
     flops, memory = cost_arrays(sp, opt, shape)
@@ -132,18 +143,25 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
 
     # ---- DP partition (Section 3), by the strategy's partitioner
     st = inp.strategy
+    elementwise = np.array([s.kind == "elementwise" for s in sp])
+    split_geometry = split and record.reduce_scatter
     a = record.partition(
         PartitionInput(
             layout=layout,
             dp=dp,
-            cost=cost,
+            # split buffers: a geometric partitioner balances the matrix buffer; element-wise loads
+            # leave the planning cost and their buckets are cut into equal chunks below, as the
+            # ordinary distributed optimizer does
+            cost=np.where(elementwise, 0.0, cost) if split_geometry else cost,
             flops=flops,
             memory=memory,
             alpha=float(inp.alpha),
             names=[s.name for s in sp],
-            elementwise=np.array([s.kind == "elementwise" for s in sp]),
+            elementwise=elementwise,
         )
     )
+    if split_geometry:
+        a = _equal_elementwise_buckets(layout, a, sp, dp)
     _check_assignment(a, layout, dp, record)
     roles = [param_role(record, s.kind, s.tp_split) for s in sp]
     owner = a.owner
@@ -267,6 +285,7 @@ def plan_model(
     bucket_numel: int | None = None,
     tp_schedule: str | None = None,
     grad_bytes: int = 4,
+    buffers: str = "joint",
 ) -> Plan:
     """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`."""
     cfg = resolve_model(model)
@@ -289,5 +308,6 @@ def plan_model(
         flops_shape=flops_shape,
         cmax_bytes=cmax_bytes,
         grad_bytes=grad_bytes,
+        buffers=buffers,
     )
     return make_plan(specs, inputs)
