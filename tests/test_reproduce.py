@@ -291,3 +291,15 @@ def test_plan_cli_buffers_split(capsys):
     assert main(["plan", "--model", "qwen3-32b", "--dp", "32", "--tp", "8", "--buffers", "split", "--bucket-numel", "400000000"]) == 0
     assert "buckets" in capsys.readouterr().out
 
+
+
+def test_simulate_cli_pipeline(capsys, tmp_path):
+    out = tmp_path / "pp.json"
+    assert main(["simulate", "--model", "qwen3-14b", "--pp", "2", "--dp", "32", "--tp", "4", "--optimizer", "shampoo",
+                 "--strategies", "sc,lb-asc", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PP2 x DP32 x TP4" in text and "bubble" in text
+    doc = json.loads(out.read_text())
+    assert doc["strategies"]["lb-asc"]["optimizer_s"] < doc["strategies"]["sc"]["optimizer_s"]
+    assert main(["simulate", "--pp", "3"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
