@@ -303,3 +303,26 @@ def test_simulate_cli_pipeline(capsys, tmp_path):
     assert doc["strategies"]["lb-asc"]["optimizer_s"] < doc["strategies"]["sc"]["optimizer_s"]
     assert main(["simulate", "--pp", "3"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------ mesh load view
+@pytest.mark.filterwarnings("ignore:.*exceed C_max")
+def test_gpu_load_view_with_lower_bound():
+    from canzona.viz import meshload
+    from canzona.viz._style import figure_problems
+
+    plan = plan_model("qwen3-32b", dp=32, tp=8)
+    df = meshload.gpu_loads(plan)
+    assert len(df) == 256
+    ratio = df["flops"].max() / df["flops"].mean()
+    assert round(ratio, 2) == round(plan.metrics.details["tp_flops_ratio_global"], 2)
+    assert ratio >= meshload.mesh_lower_bound(plan) - 1e-9
+    r = meshload.illustrative_dp_rank(plan)
+    assert len(plan.micro_groups[r]) > 1
+    reasons = meshload.one_host_groups(plan, r)
+    assert reasons and "C_max" in reasons[0] and "linear_fc1" in reasons[0]
+    assert figure_problems(meshload.fig_gpu_loads(plan)) == []
+    # with lpt-carry the busiest GPU sits at the bound
+    carry = plan_model("qwen3-32b", dp=32, tp=8, tp_schedule="lpt-carry")
+    c = meshload.gpu_loads(carry)["flops"]
+    assert c.max() / c.mean() <= meshload.mesh_lower_bound(carry) * 1.01
