@@ -177,6 +177,12 @@ def test_every_row_has_a_verdict_and_every_miss_a_reason(figures):
         json.dumps(fig.to_dict())
 
 
+def test_every_paper_number_and_trend_has_a_row(figures):
+    cited = {r.paper_key for f in figures.values() for r in f.rows}
+    assert {v.key for v in paper.PAPER_VALUES} <= cited
+    assert {t.key for t in paper.PAPER_TRENDS} - {"fig14_plateau"} <= cited
+
+
 def test_fig3_rows(figures):
     rows = _rows(figures["fig3"])
     for k in ("dp_flops_before", "dp_memory_before", "dp_flops_after", "dp_memory_after", "tp_flops_after", "tp_memory_after"):
