@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from canzona.cost import matrix_flops, state_bytes
+from canzona.cost import matrix_flops
 from canzona.plan.plan import PlanError
 from canzona.specs import ParamSpec
 
@@ -150,7 +150,7 @@ def _lpt(costs: Sequence[float], tp: int) -> list[int]:
     return hosts
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class AuthorsPlan:
     """The authors' plan of one (pipeline stage of a) model: buffer, buckets, owners, groups.
 
