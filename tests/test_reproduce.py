@@ -238,6 +238,8 @@ def test_reproduce_cli_all_and_json(capsys, tmp_path):
     assert exc.value.code == 2
     assert main(["reproduce", "fig9", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["figures"][0]["key"] == "fig9"
+    assert main(["reproduce", "fig9", "--json", str(tmp_path / "missing" / "r.json")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_plan_cli_pp_and_paper_convention(capsys):
@@ -271,6 +273,7 @@ def test_split_buffers_keep_kinds_apart(strategy):
     assert Plan.from_dict(p.to_dict()).fingerprint == p.fingerprint and p.inputs.buffers == "split"
 
 
+@pytest.mark.filterwarnings("ignore:.*exceed C_max")
 def test_split_lb_asc_matches_the_authors_matrix_buffer():
     # canzona's planner with split buffers and the authors' buckets partitions the matrix buffer as
     # the paper convention does when both list qkv first (the registration order is the only other difference)
