@@ -153,13 +153,21 @@ def _sim(model: str, strategy: str, *, dp: int, tp: int, optimizer: str = "muon"
     return simulate_plan(plan, cfg, _hw(), setup or Setup())
 
 
+def _strategy_optimizer(strategy: str, optimizer: str) -> str:
+    """The optimizer a strategy's plan is costed with: an element-wise-only strategy (zero1) runs
+    the element-wise default, as :func:`canzona.sim.plan_for` does."""
+    from canzona.optimizers import ELEMENTWISE_DEFAULT
+    from canzona.plan.strategies import get_strategy
+    return ELEMENTWISE_DEFAULT if get_strategy(strategy).elementwise_only else optimizer
+
+
 def _sim_pp(model: str, strategy: str, *, pp: int, dp: int, tp: int, optimizer: str = "muon", setup: Any = None, **plan_kw: Any):
     from canzona.sim import Setup, simulate_pipeline
     cfg = resolve_model(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         staged = plan_stages(cfg, pp=pp, dp=dp, tp=tp, strategy=strategy,
-                             optimizer="adamw" if strategy == "zero1" else optimizer, **plan_kw)
+                             optimizer=_strategy_optimizer(strategy, optimizer), **plan_kw)
     return simulate_pipeline(staged.stages, cfg, _hw(), setup or Setup())
 
 

@@ -219,7 +219,9 @@ def _run_pipeline(cfg, args, hw, setup, strategies, plan_kw) -> int:
     """``--pp N``: every strategy planned per stage and simulated under 1F1B."""
     import warnings
 
+    from canzona.optimizers import ELEMENTWISE_DEFAULT
     from canzona.plan.pipeline import plan_stages
+    from canzona.plan.strategies import get_strategy
     from canzona.sim.model import simulate_pipeline
 
     out = {}
@@ -230,7 +232,7 @@ def _run_pipeline(cfg, args, hw, setup, strategies, plan_kw) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             staged = plan_stages(cfg, pp=args.pp, dp=args.dp, tp=args.tp, strategy=st,
-                                 optimizer="adamw" if st == "zero1" else args.optimizer,
+                                 optimizer=ELEMENTWISE_DEFAULT if get_strategy(st).elementwise_only else args.optimizer,
                                  alpha=args.alpha if st == "lb-asc" else 1.0, **kw)
         out[st] = simulate_pipeline(staged.stages, cfg, hw, setup, microbatches=args.microbatches)
     m = next(iter(out.values())).microbatches
