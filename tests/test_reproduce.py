@@ -93,6 +93,30 @@ def test_balanced_plan_kept_only_if_strictly_better():
         authors_plan(specs, dp=2, tp=2, convention=replace(PAPER, cmax=1))
 
 
+@pytest.mark.filterwarnings("ignore:.*exceed C_max")
+def test_paper_convention_as_a_runnable_plan(specs32, tmp_path, capsys):
+    from canzona.plan import Plan
+    from canzona.plan.convention import _flops, convention_plan
+    p = convention_plan("qwen3-32b", dp=32, tp=8)
+    assert (p.inputs.buffers, p.inputs.bucket_numel, p.inputs.cmax_bytes) == ("split", 400_000_000, paper_cmax_bytes(8))
+    numel = np.zeros(32)
+    for q in p.params:
+        if q.spec.kind == "matrix":
+            numel[q.dp_owner] += q.spec.local_numel
+    assert np.array_equal(numel, authors_plan(specs32, dp=32, tp=8).dp_loads("memory"))  # the authors' DP partition
+    f, m = np.zeros(8), np.zeros(8)
+    for g in p.micro_groups[0]:
+        for n, h in zip(g.params, g.hosts):
+            s = p.param(n).spec
+            f[h] += _flops("muon", s.local_shape)
+            m[h] += s.local_numel
+    assert (round(f.max() / f.mean(), 3), round(m.max() / m.mean(), 3)) == (2.455, 1.162)
+    out = tmp_path / "paper.json"
+    assert main(["plan", "--model", "qwen3-32b", "--dp", "32", "--tp", "8", "--convention", "paper", "--json", str(out)]) == 0
+    assert "runnable plan" in capsys.readouterr().out
+    assert Plan.from_json(out).fingerprint == p.fingerprint
+
+
 def test_paper_cmax_in_bytes_matches_the_cost_units():
     # a canzona plan with the authors' C_max in gradient bytes makes one micro-group per DP rank, as theirs
     plan = plan_model("qwen3-32b", dp=32, tp=8, bucket_numel=PAPER.bucket_numel, cmax_bytes=paper_cmax_bytes(8))

@@ -30,7 +30,7 @@ from canzona.plan import (
 )
 from canzona.optimizers import optimizer_names
 from canzona.plan.build import resolve_model
-from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, lower_bound
+from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS, specs_from_config
@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if args.pp < 1:
         raise UserError(f"--pp must be >= 1, got {args.pp}")
     json_path = _check_json_path(args.json) if args.json else None
-    if (args.pp > 1 or args.convention == "paper") and (json_path is not None or args.compare):
-        raise UserError("--json and --compare describe one canzona plan; drop them with --pp > 1 or --convention paper")
+    if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
+        raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
     if args.convention == "paper":
         cfg = resolve_model(args.model)
         specs = specs_from_config(cfg, tp=args.tp, layout=args.layout)
@@ -244,6 +244,18 @@ def run(args: argparse.Namespace) -> int:
         plans = [authors_plan(s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=args.alpha,
                               cost="flops" if args.cost == "flops" else "numel") for s in stages]
         print(format_authors(plans, cfg.name))
+        if json_path is not None:
+            # the same conventions as a plan canzona's runtime executes (split buffers, the authors'
+            # buckets and C_max, Megatron-Core order)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runnable = convention_plan(cfg, dp=args.dp, tp=args.tp, layout=args.layout, optimizer=args.optimizer,
+                                           strategy=args.strategy, alpha=args.alpha, cost=args.cost, grad_bytes=args.grad_bytes)
+            try:
+                runnable.to_json(json_path)
+            except OSError as exc:
+                raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+            print(f"note: runnable plan under the paper convention written to {json_path} (fingerprint {runnable.fingerprint})")
         return 0
     if args.pp > 1:
         with warnings.catch_warnings():

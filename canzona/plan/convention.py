@@ -59,6 +59,7 @@ __all__ = [
     "AuthorsPlan",
     "authors_plan",
     "lower_bound",
+    "convention_plan",
 ]
 
 #: name fragments that keep a 2-D weight out of the authors' matrix buffer
@@ -409,3 +410,51 @@ def authors_plan(
         groups.append(tuple(tuple(zip(g, _lpt([costv[x] for x in g], tp))) for g in closed))
     return AuthorsPlan(buf, dp, tp, optimizer, tuple(bounds), tuple(owner), tuple(groups), kept, dp_mode, tp_mode,
                        flops, numel)
+
+
+def convention_plan(
+    model: Any,
+    *,
+    dp: int,
+    tp: int = 1,
+    convention: Convention = PAPER,
+    **kwargs: Any,
+) -> Any:
+    """A canzona :class:`~canzona.plan.Plan` (runnable by the runtime) under ``convention``.
+
+    ``PAPER``: split buffers (the matrix buffer first), Megatron-Core registration order, the
+    authors' 400M-element buckets, C_max equal to their 400 x 2^20 TP-local elements per host
+    (``400 * 2^20 * tp * grad_bytes`` bytes of gathered gradient: the same capacity test) and FLOPs
+    on TP-local shapes. Algorithm 1 runs on the matrix buffer in element loads (the numel cost);
+    the authors' keep-only-if-better rule and their snapping tie rule are not part of canzona's
+    ``lb-asc`` (:func:`authors_plan` has both). ``CANZONA``: :func:`canzona.plan.plan_model`'s
+    defaults. ``kwargs`` (strategy, optimizer, alpha, cost, ...) pass through.
+    """
+    from canzona.plan.build import make_plan, plan_model, resolve_model
+    from canzona.plan.plan import PlanInputs
+    from canzona.plan.strategies import get_strategy
+    from canzona.specs import specs_from_config
+
+    if convention.name == "canzona":
+        return plan_model(model, dp=dp, tp=tp, **kwargs)
+    if convention.name != "paper":
+        raise PlanError(f"unknown convention {convention.name!r}; choose one of {', '.join(CONVENTIONS)}")
+    cfg = resolve_model(model)
+    layout = kwargs.pop("layout", "megatron")
+    specs = specs_from_config(cfg, tp=tp, layout=layout)
+    if convention.registration == "megatron-core":
+        specs = megatron_core_order(specs)
+    strategy = kwargs.pop("strategy", "lb-asc")
+    grad_bytes = kwargs.pop("grad_bytes", 4)
+    inputs = PlanInputs(
+        model=cfg.name, layout=layout, dp=dp, tp=tp, strategy=strategy,
+        optimizer=kwargs.pop("optimizer", "muon"),
+        tp_schedule=kwargs.pop("tp_schedule", None) or get_strategy(strategy).default_tp_schedule,
+        bucket_numel=kwargs.pop("bucket_numel", None) or convention.bucket_numel or 400_000_000,
+        cmax_bytes=kwargs.pop("cmax_bytes", None) or convention.cmax * tp * grad_bytes,
+        grad_bytes=grad_bytes,
+        flops_shape=kwargs.pop("flops_shape", convention.flops_shape),
+        buffers="split" if convention.buffers == "matrix-only" else "joint",
+        **kwargs,
+    )
+    return make_plan(specs, inputs)
