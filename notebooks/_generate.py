@@ -386,6 +386,19 @@ display(reproduce("fig16").frame())
 viz.fig_cost_models(costs)
 """),
     md("""
+## Shampoo and SOAP (Appendix C.4, Figures 10a, 11a, 12)
+
+Qwen3-14B at PP2 x DP32 x TP4, the paper's configuration: each pipeline stage planned on its own,
+the optimizer step simulated per stage (the slowest stage sets it), the load balance under the
+paper convention. `canzona reproduce fig10a` prints the same rows.
+"""),
+    code("""
+for key in ("fig10a", "fig11a", "fig12"):
+    fig = reproduce(key)
+    print(f"{fig.title} [{fig.config}]")
+    display(fig.frame())
+"""),
+    md("""
 ## Predicted times (simulator)
 
 `canzona.sim` predicts forward+backward, optimizer step and iteration time per strategy from the
