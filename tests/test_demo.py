@@ -11,7 +11,7 @@ def test_demo_plan_act_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--skip-train", "--skip-verify"]) == 0
     out = capsys.readouterr().out
     assert "1. Plan: Qwen3-32B" in out
-    assert "DP FLOPs ratio, after (lb-asc, Algorithm 1)" in out and "1.43" in out
+    assert "DP FLOPs ratio, after (Algorithm 1, alpha = 1)" in out and "1.43" in out
     assert "lb-asc-joint" in out and "lpt-carry" in out
     assert "2. Train" not in out and "3. Verify" not in out
 

@@ -89,6 +89,20 @@ def test_round_robin_and_no_fuse():
     assert [(g.names, g.hosts) for g in nf] == [(("a",), (0,)), (("c",), (1,)), (("b",), (1,))]
 
 
+def test_no_fuse_differs_from_lpt_in_fusion_only():
+    # same hosts and order as the fused schedule, one task per group, whatever C_max does
+    tasks = [Task(f"t{i}", float(c), b) for i, (c, b) in enumerate([(9, 6), (7, 3), (7, 3), (4, 2), (2, 1), (1, 9)])]
+    for cmax in (5, 9, 12, 100):
+        fused = schedule_tasks(tasks, 3, "lpt", cmax)
+        nf = schedule_tasks(tasks, 3, "no-fuse", cmax)
+        assert [n for g in nf for n in g.names] == [n for g in fused for n in g.names]
+        assert [h for g in nf for h in g.hosts] == [h for g in fused for h in g.hosts]
+        assert all(len(g.names) == 1 for g in nf)
+    # one-task groups under the zero-start heap: every host 0, in both
+    small = schedule_tasks(tasks, 3, "no-fuse", 1)
+    assert {g.hosts for g in small} == {(0,)}
+
+
 def test_unknown_schedule():
     with pytest.raises(ValueError, match="schedule"):
         schedule_tasks([], 2, "fifo", 1)

@@ -212,7 +212,8 @@ def _tiny():
 
 #: (strategy, feed): "inject" DTensor TP with injected integer gradients, "megatron" the same on
 #: plain-tensor shards with declared ``tp_dims``, "backward" DTensor TP with real backward passes
-TP_CASES = (("lb-asc", "inject"), ("sc", "inject"), ("lb-asc-joint", "megatron"), ("lb-asc", "backward"))
+#: "split": as "inject", planned with separate matrix / element-wise buffers (the paper authors' layout)
+TP_CASES = (("lb-asc", "inject"), ("sc", "inject"), ("lb-asc-joint", "megatron"), ("lb-asc", "backward"), ("lb-asc", "split"))
 
 
 def _tp_case(rank: int, strategy: str, feed: str) -> dict:
@@ -232,9 +233,20 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
     else:
         parallelize(model, mesh["tp"])
     mat_kw, ew_kw = (TP_BACKWARD_MATRIX_KW, TP_BACKWARD_EW_KW) if feed == "backward" else (MATRIX_KW, EW_KW)
+    plan = None
+    if feed == "split":
+        from canzona.plan import PlanInputs, make_plan
+        from canzona.specs import specs_from_module
+
+        inputs = PlanInputs(model="qwen3-tiny", layout="module", dp=2, tp=2, optimizer="muon", strategy=strategy,
+                            tp_schedule="lpt", bucket_numel=4096, buffers="split")
+        plan = make_plan(specs_from_module(model, tp=2), inputs)
     opt = canzona.DistributedOptimizer(
-        model, "muon", strategy=strategy, mesh=mesh, optimizer_kwargs=mat_kw, elementwise_kwargs=ew_kw, bucket_numel=4096, tp_dims=tp_dims
+        model, "muon", strategy=strategy, mesh=mesh, optimizer_kwargs=mat_kw, elementwise_kwargs=ew_kw, bucket_numel=4096, tp_dims=tp_dims,
+        plan=plan,
     )
+    if feed == "split":  # the runtime ran the split geometry: no bucket mixes the two kinds
+        assert all(len({opt.plan.param(n).spec.kind for n in b.params}) == 1 for b in opt.plan.buckets)
     for s in range(STEPS):
         if feed != "backward":
             full = integer_grads(full_shapes, step=s, rank=dp_rank, seed=7)

@@ -5,6 +5,8 @@ Examples::
     canzona plan --model qwen3-32b --dp 32 --tp 8
     canzona plan --model qwen3-32b --dp 32 --tp 8 --compare --flops-shape full
     canzona plan --model path/to/config.json --dp 8 --tp 2 --strategy lb-asc-joint --json plan.json
+    canzona plan --model qwen3-32b --dp 4 --tp 8 --pp 4
+    canzona plan --model qwen3-32b --dp 32 --tp 8 --convention paper
     canzona plan --list-strategies
 """
 
@@ -26,10 +28,13 @@ from canzona.plan import (
     plan_model,
 )
 from canzona.optimizers import optimizer_names
+from canzona.plan.build import resolve_model
+from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound
+from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
 from canzona.plan.strategies import get_strategy, strategy_names
-from canzona.specs import LAYOUTS
+from canzona.specs import LAYOUTS, specs_from_config
 
-__all__ = ["add_arguments", "run", "one_line_errors", "format_plan", "format_compare"]
+__all__ = ["add_arguments", "run", "one_line_errors", "format_plan", "format_compare", "format_stages", "format_authors"]
 
 
 def _int(text: str) -> int:
@@ -60,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cmax-mb", type=_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")
+    parser.add_argument("--grad-bytes", type=_int, choices=(2, 4), default=4,
+                        help="bytes per gradient element that C_max counts (default 4: fp32, as Megatron's bf16 "
+                             "training holds its main gradients; 2: bf16)")
+    parser.add_argument("--buffers", choices=("joint", "split"), default="joint",
+                        help="'split': matrix-optimizer and element-wise parameters in buffers of their own (the paper "
+                             "authors' layout; element-wise buckets in equal chunks); default one joint buffer")
+    parser.add_argument("--pp", type=_int, default=1,
+                        help="pipeline stages: layers split evenly as Megatron does, embedding on the first stage, "
+                             "output layer on the last; each stage planned on its own (default 1)")
+    parser.add_argument("--convention", choices=("canzona", "paper"), default="canzona",
+                        help="'paper': the authors' planning and measuring rules (matrix-only buffer, Megatron-Core "
+                             "order, 400M-element buckets, C_max in cost units, DP rank 0's TP ratios); default canzona")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the plan document (docs/plan-format.md) to PATH")
     parser.add_argument("--compare", action="store_true", help="plan every strategy and print one row each")
     parser.add_argument("--list-strategies", action="store_true", help="print the DP strategy names, one per line")
@@ -87,8 +104,41 @@ def _plan(args: argparse.Namespace, strategy: str, schedule: str | None) -> tupl
             cmax_bytes=_cmax_bytes(args.cmax_mb),
             bucket_numel=args.bucket_numel,
             tp_schedule=schedule,
+            grad_bytes=args.grad_bytes,
+            buffers=args.buffers,
         )
     return plan, [str(w.message) for w in caught]
+
+
+def format_stages(staged: StagedPlan) -> str:
+    """Per-stage ratios and the worst stage (``canzona plan --pp N``)."""
+    i = staged.stages[0].inputs
+    head = f"{'stage':<7}{'params':>7}{'buckets':>8}{'groups':>7}{'DP flops':>9}{'DP mem':>8}{'TP flops':>9}{'TP mem':>8}"
+    out = [f"{i.model} ({i.layout}), PP {staged.pp} x DP {i.dp} x TP {i.tp}, {i.optimizer}, strategy {i.strategy}, "
+           f"TP schedule {i.tp_schedule}", head, "-" * len(head)]
+    for k, p in enumerate(staged.stages):
+        m, d = p.metrics, p.metrics.details
+        out.append(f"{k:<7}{len(p.params):>7}{d['n_buckets']:>8}{d['n_micro_groups']:>7}{m.dp_flops_ratio:>9.3f}"
+                   f"{m.dp_memory_ratio:>8.3f}{m.tp_flops_ratio:>9.3f}{m.tp_memory_ratio:>8.3f}")
+    w = {k: staged.worst(k) for k in ("dp_flops_ratio", "dp_memory_ratio", "tp_flops_ratio", "tp_memory_ratio")}
+    out.append(f"{'worst':<7}{'':>7}{'':>8}{'':>7}" + "".join(
+        f"{v:>{n}.3f}" for (_, v), n in zip(w.values(), (9, 8, 9, 8))))
+    out.append("worst stage: " + ", ".join(f"{k} stage {s}" for k, (s, _) in w.items()))
+    return "\n".join(out)
+
+
+def format_authors(plans: list[AuthorsPlan], model: str) -> str:
+    """The paper convention's view of a plan (``canzona plan --convention paper``), per stage."""
+    p0 = plans[0]
+    out = [f"{model}, PP {len(plans)} x DP {p0.dp} x TP {p0.tp}, {p0.optimizer}: paper convention ({PAPER.description})"]
+    keys = ("dp_flops_ratio", "dp_memory_ratio", "tp_flops_ratio_dp_rank0", "tp_memory_ratio_dp_rank0",
+            "tp_flops_ratio_per_rank_max", "tp_flops_ratio_all_gpus_full", "tp_flops_lower_bound_full")
+    for k, p in enumerate(plans):
+        s = p.summary()
+        out.append(f"stage {k}: {len(p.params)} matrices, {s['n_buckets']} buckets, Algorithm 1 kept: {s['kept_balanced']}, "
+                   f"DP rank 0 micro-groups: {s['micro_groups_dp_rank0']}")
+        out += [f"  {key:<32}{s[key]:.3f}" for key in keys]
+    return "\n".join(out)
 
 
 def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assignment]
@@ -105,6 +155,9 @@ def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assig
         f"  {'DP memory ratio':<24}{m.dp_memory_ratio:.3f}   (numel ratio {d['dp_numel_ratio']:.3f})",
         f"  {'TP FLOPs ratio':<24}{m.tp_flops_ratio:.3f}   (worst DP rank's TP group)",
         f"  {'TP memory ratio':<24}{m.tp_memory_ratio:.3f}",
+        *([f"  {'TP FLOPs, all GPUs':<24}{d['tp_flops_ratio_global']:.3f}   (over all {i.dp * i.tp} GPUs; atomic lower bound "
+           f"{lower_bound(plan.specs, i.dp, i.tp, i.optimizer):.3f} = largest full-shape task / mean)"]
+          if "tp_flops_ratio_global" in d and i.flops_shape == "full" else []),
         f"  {'J_DP':<24}{m.j_dp:.4g}   ({i.cost} units)",
         f"  {'J_Comm':<24}{m.j_comm:.4g}   (elements; worst bucket shard {d['max_bucket_comm_balance']:.2f}x mean)",
         f"  {'TP makespan':<24}groups in step {d['makespan_group_sum']:.4g}, hosts free {d['makespan_host_total']:.4g} ({i.cost} units)",
@@ -165,7 +218,41 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.bucket_numel is not None and args.bucket_numel < 1:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
+    if args.pp < 1:
+        raise UserError(f"--pp must be >= 1, got {args.pp}")
     json_path = _check_json_path(args.json) if args.json else None
+    if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
+        raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
+    if args.convention == "paper":
+        cfg = resolve_model(args.model)
+        specs = specs_from_config(cfg, tp=args.tp, layout=args.layout)
+        stages = split_stages(specs, args.pp, cfg.num_hidden_layers)
+        plans = [authors_plan(s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=args.alpha,
+                              cost="flops" if args.cost == "flops" else "numel") for s in stages]
+        print(format_authors(plans, cfg.name))
+        if json_path is not None:
+            # the same conventions as a plan canzona's runtime executes (split buffers, the authors'
+            # buckets and C_max, Megatron-Core order)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runnable = convention_plan(cfg, dp=args.dp, tp=args.tp, layout=args.layout, optimizer=args.optimizer,
+                                           strategy=args.strategy, alpha=args.alpha, cost=args.cost, grad_bytes=args.grad_bytes)
+            try:
+                runnable.to_json(json_path)
+            except OSError as exc:
+                raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+            print(f"note: runnable plan under the paper convention written to {json_path} (fingerprint {runnable.fingerprint})")
+        return 0
+    if args.pp > 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            staged = plan_stages(args.model, pp=args.pp, dp=args.dp, tp=args.tp, layout=args.layout,
+                                 optimizer=args.optimizer, strategy=args.strategy, alpha=args.alpha, cost=args.cost,
+                                 flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args.cmax_mb),
+                                 bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes,
+                                 buffers=args.buffers)
+        print(format_stages(staged))
+        return 0
     if args.compare:
         if json_path is not None:
             raise UserError("--json writes one plan; drop --compare or --json")

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
     g.add_argument("--cmax-mb", type=float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
+    g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
 
     s = parser.add_argument_group("training setup (named assumptions)")
     s.add_argument("--seq-len", type=int, default=None)
@@ -316,6 +318,44 @@ def _alpha_sweep(args: argparse.Namespace, cfg: Any, hw: Any, setup: Any, plan_k
     return out
 
 
+def _run_pipeline(cfg, args, hw, setup, strategies, plan_kw) -> int:
+    """``--pp N``: every strategy planned per stage and simulated under 1F1B."""
+    import warnings
+
+    from canzona.optimizers import ELEMENTWISE_DEFAULT
+    from canzona.plan.pipeline import plan_stages
+    from canzona.plan.strategies import get_strategy
+    from canzona.sim.model import simulate_pipeline
+
+    out = {}
+    for st in strategies:
+        kw = dict(plan_kw)
+        tuned = get_strategy(st).uses_alpha  # --alpha and --lb-tp-schedule tune the alpha-balanced strategy
+        if tuned and args.lb_tp_schedule:
+            kw["tp_schedule"] = args.lb_tp_schedule
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            staged = plan_stages(cfg, pp=args.pp, dp=args.dp, tp=args.tp, strategy=st,
+                                 optimizer=ELEMENTWISE_DEFAULT if get_strategy(st).elementwise_only else args.optimizer,
+                                 alpha=args.alpha if tuned else 1.0, **kw)
+        out[st] = simulate_pipeline(staged.stages, cfg, hw, setup, microbatches=args.microbatches)
+    m = next(iter(out.values())).microbatches
+    print(f"canzona simulate: {cfg.name}, PP{args.pp} x DP{args.dp} x TP{args.tp} = {args.pp * args.dp * args.tp} GPUs, "
+          f"{args.optimizer}, hardware {hw.name}, 1F1B with {m} micro-batches, TP overlap {setup.tp_overlap}")
+    head = f"{'strategy':<10} {'fwd_bwd':>8} {'optim':>8} {'iter':>8} {'bubble':>8} {'p2p':>8} {'slowest stage':>14}"
+    print(head)
+    print("-" * len(head))
+    for st, r in out.items():
+        print(f"{st:<10} {_fmt(r.fwd_bwd_s)} {_fmt(r.optimizer_s)} {_fmt(r.iteration_s)} {_fmt(r.bubble_s)} "
+              f"{r.p2p_s * 1e3:6.2f}ms {r.critical_stage:>14}")
+    print("seconds; optim = the slowest stage's optimizer step (stages step in parallel); bubble = 1F1B fill and drain")
+    if args.json:
+        doc = {"inputs": {"model": cfg.name, "pp": args.pp, "dp": args.dp, "tp": args.tp, "optimizer": args.optimizer, **plan_kw},
+               "hardware": hw.to_dict(), "strategies": {st: r.summary() for st, r in out.items()}}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from canzona.sim.analysis import PAPER_CONFIG, resolve_sim_model
     from canzona.sim.model import SETUP_SOURCES
@@ -327,6 +367,12 @@ def run(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     cfg = resolve_sim_model(args.model)
     plan_kw = _plan_kwargs(args)
+    if args.pp != 1 or args.microbatches is not None:
+        if args.pp < 1 or (args.microbatches is not None and args.microbatches < 1):
+            raise ValueError("--pp and --microbatches must be >= 1")
+        if args.paper or args.fit_fwd_bwd or args.sweep_dp or args.sweep_alpha:
+            raise ValueError("--pp simulates one pipeline configuration; drop --paper, --fit-fwd-bwd and the sweeps")
+        return _run_pipeline(cfg, args, hw, setup, strategies, plan_kw)
     is_paper = (cfg.name == PAPER_CONFIG["model"] and args.dp == PAPER_CONFIG["dp"] and args.tp == PAPER_CONFIG["tp"]
                 and args.optimizer == PAPER_CONFIG["optimizer"] and not plan_kw and args.alpha == 1.0)
     if (args.paper or args.fit_fwd_bwd) and not is_paper:

@@ -57,8 +57,30 @@ class BufferLayout:
         return len(self.order)
 
 
-def layout_buffer(specs: Sequence[ParamSpec], bucket_numel: int) -> BufferLayout:
-    """Lay ``specs`` (registration order) out in a Megatron ZeRO-1 buffer of ``bucket_numel`` buckets."""
+def layout_buffer(specs: Sequence[ParamSpec], bucket_numel: int, *, separate: bool = False) -> BufferLayout:
+    """Lay ``specs`` (registration order) out in a Megatron ZeRO-1 buffer of ``bucket_numel`` buckets.
+
+    ``separate``: matrix-optimizer parameters and element-wise ones get buffers of their own, as in
+    the paper authors' implementation (a Canzona buffer for the matrix optimizer, the ordinary
+    distributed-optimizer buffer for the rest): the matrix buffer comes first, then the element-wise
+    one, each bucketed on its own, so no bucket mixes the two kinds.
+    """
+    if separate:
+        kinds = [[i for i, s in enumerate(specs) if (s.kind == "matrix") == want] for want in (True, False)]
+        parts = [(np.asarray(idx, dtype=np.int64), layout_buffer([specs[i] for i in idx], bucket_numel)) for idx in kinds if idx]
+        if len(parts) == 1:
+            return layout_buffer(specs, bucket_numel)
+        (ia, a), (ib, b) = parts
+        shift_p, shift_b, shift_e = a.n_params, a.n_buckets, int(a.bucket_numel.sum())
+        return BufferLayout(
+            order=np.concatenate([ia[a.order], ib[b.order]]),
+            numel=np.concatenate([a.numel, b.numel]),
+            offset=np.concatenate([a.offset, b.offset]),
+            bucket=np.concatenate([a.bucket, b.bucket + shift_b]),
+            bounds=a.bounds + tuple((x + shift_p, y + shift_p) for x, y in b.bounds),
+            bucket_start=np.concatenate([a.bucket_start, b.bucket_start + shift_e]),
+            bucket_numel=np.concatenate([a.bucket_numel, b.bucket_numel]),
+        )
     if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel < 1:
         raise ValueError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
     n = len(specs)

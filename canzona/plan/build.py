@@ -96,6 +96,39 @@ def _check_assignment(a: object, layout: BufferLayout, dp: int, record: Strategy
         raise PlanError(f"strategy {name}: without cut points every parameter needs an owner")
 
 
+def _equal_elementwise_buckets(layout, a: dpmod.DPAssignment, sp: Sequence[ParamSpec], dp: int) -> dpmod.DPAssignment:
+    """``a`` with every element-wise-only bucket cut into ZeRO-1's equal chunks (split buffers)."""
+    equal = dpmod.zero1(layout, dp).cuts
+    cuts = tuple(
+        equal[b] if all(sp[i].kind == "elementwise" for i in range(i0, i1)) else a.cuts[b]
+        for b, (i0, i1) in enumerate(layout.bounds)
+    )
+    return dpmod.DPAssignment(cuts, dpmod.owners_from_cuts(layout, cuts))
+
+
+#: where each cost model's W(p) of a TP task (Algorithm 2) sits in :func:`_task_metric`'s triple
+_TASK_COST_INDEX = {"flops": 0, "memory": 1, "numel": 2}
+
+
+def _check_assignment(a: object, layout: BufferLayout, dp: int, record: Strategy) -> None:
+    """A partitioner's answer has the shape its record promises (a registered partitioner is user
+    code: a wrong answer should name the strategy, not fail later in the metrics)."""
+    name = record.name
+    cuts, owner = getattr(a, "cuts", None), getattr(a, "owner", None)
+    if not isinstance(cuts, tuple) or len(cuts) != len(layout.bounds):
+        raise PlanError(f"strategy {name}: partitioner must return one cut tuple per bucket ({len(layout.bounds)})")
+    if not isinstance(owner, np.ndarray) or owner.shape != (layout.n_params,):
+        raise PlanError(f"strategy {name}: partitioner must return one owner per parameter ({layout.n_params})")
+    if owner.size and (owner.min() < -1 or owner.max() >= dp):
+        raise PlanError(f"strategy {name}: partitioner returned an owner outside -1..{dp - 1}")
+    if not record.reduce_scatter and any(cuts):
+        raise PlanError(f"strategy {name}: an all-reduce strategy has no cut points")
+    if record.every_rank_updates and owner.size and owner.max() >= 0:
+        raise PlanError(f"strategy {name}: every rank updates every parameter, so no parameter has an owner (-1)")
+    if not record.every_rank_updates and not record.reduce_scatter and owner.size and owner.min() < 0:
+        raise PlanError(f"strategy {name}: without cut points every parameter needs an owner")
+
+
 def _check_inputs(specs: Sequence[ParamSpec], inp: PlanInputs, record: Strategy) -> None:
     """Inputs the planner refuses before doing any work (each a PlanError naming the problem)."""
     if not specs:
@@ -124,18 +157,25 @@ def _partition(
 ) -> tuple[DPAssignment, dict[int, tuple[tuple[int, int, int], ...]]]:
     """Section 3: the strategy's partitioner places parameters on DP ranks; returns its answer and
     the ``(rank, start, end)`` ranges of each cut parameter (buffer index -> ranges)."""
+    elementwise = np.array([s.kind == "elementwise" for s in sp])
+    split_geometry = inp.buffers == "split" and record.reduce_scatter
     a = record.partition(
         PartitionInput(
             layout=layout,
             dp=inp.dp,
-            cost=loads.cost,
+            # split buffers: a geometric partitioner balances the matrix buffer; element-wise loads
+            # leave the planning cost and their buckets are cut into equal chunks below, as the
+            # ordinary distributed optimizer does
+            cost=np.where(elementwise, 0.0, loads.cost) if split_geometry else loads.cost,
             flops=loads.flops,
             memory=loads.memory,
             alpha=float(inp.alpha),
             names=[s.name for s in sp],
-            elementwise=np.array([s.kind == "elementwise" for s in sp]),
+            elementwise=elementwise,
         )
     )
+    if split_geometry:
+        a = _equal_elementwise_buckets(layout, a, sp, inp.dp)
     _check_assignment(a, layout, inp.dp, record)
     ranges: dict[int, tuple[tuple[int, int, int], ...]] = {}
     if not record.every_rank_updates:
@@ -268,7 +308,7 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     specs = list(specs)
     record = get_strategy(inp.strategy)
     _check_inputs(specs, inp, record)
-    layout = layout_buffer(specs, inp.bucket_numel)
+    layout = layout_buffer(specs, inp.bucket_numel, separate=inp.buffers == "split")
     sp = [specs[i] for i in layout.order.tolist()]  # buffer order
     loads = _load_vectors(layout, sp, inp)
     roles = [param_role(record, s.kind, s.tp_split) for s in sp]
@@ -314,6 +354,7 @@ def plan_model(
     bucket_numel: int | None = None,
     tp_schedule: str | None = None,
     grad_bytes: int = 4,
+    buffers: str = "joint",
 ) -> Plan:
     """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`."""
     cfg = resolve_model(model)
@@ -336,5 +377,6 @@ def plan_model(
         flops_shape=flops_shape,
         cmax_bytes=cmax_bytes,
         grad_bytes=grad_bytes,
+        buffers=buffers,
     )
     return make_plan(specs, inputs)

@@ -30,6 +30,7 @@ __all__ = [
     "PAPER_STRATEGIES",
     "TP_SCHEDULES",
     "COSTS",
+    "BUFFERS",
     "FLOPS_SHAPES",
     "PlanError",
     "PlanInputs",
@@ -56,6 +57,7 @@ PAPER_STRATEGIES: tuple[str, ...] = paper_strategy_names()
 #: MinHeapSolver breaks ties by the load hosts carry from earlier groups).
 TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync", "lpt-carry")
 COSTS: tuple[str, ...] = ("numel", "memory", "flops")
+BUFFERS: tuple[str, ...] = ("joint", "split")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
 
 
@@ -86,6 +88,9 @@ class PlanInputs:
     flops_shape: str = "full"
     cmax_bytes: int = 512 * 2**20
     grad_bytes: int = 4
+    #: "joint": one buffer for every parameter; "split": matrix-optimizer parameters and element-wise
+    #: ones in buffers of their own (the paper authors' layout), element-wise buckets in equal chunks
+    buffers: str = "joint"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.dp, int) and self.dp >= 1, f"dp must be an integer >= 1, got {self.dp!r}")
@@ -101,6 +106,7 @@ class PlanInputs:
         _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "bucket_numel must be a positive integer")
         _check(isinstance(self.cmax_bytes, int) and self.cmax_bytes >= 1, "cmax_bytes must be a positive integer")
         _check(self.grad_bytes in (2, 4, 8), "grad_bytes must be 2, 4 or 8")
+        _check(self.buffers in BUFFERS, f"buffers must be one of {', '.join(BUFFERS)}, got {self.buffers!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,8 +509,12 @@ class Plan:
     def _digest(self, version: int) -> str:
         """The fingerprint as document ``version`` defined it (version 1 had no roles or collectives:
         a migrated version-1 document is checked against the fingerprint it was written with)."""
+        inputs = {f.name: getattr(self.inputs, f.name) for f in fields(self.inputs)}
+        if inputs["buffers"] == "joint":
+            # added after documents were first written: a joint-buffer plan keeps the fingerprint it had
+            del inputs["buffers"]
         doc: dict[str, Any] = {
-            "inputs": {f.name: getattr(self.inputs, f.name) for f in fields(self.inputs)},
+            "inputs": inputs,
             "params": [
                 [p.name, list(p.spec.shape), p.spec.tp_dim, p.spec.tp, p.spec.kind, p.bucket, p.offset, p.dp_owner,
                  [list(r) for r in p.dp_ranges], p.tp_host, p.micro_group]

@@ -15,7 +15,9 @@ Schedules (``PlanInputs.tp_schedule``):
                   groups (tasks above C_max) no longer all land on host 0.
 * ``round-robin`` the ASC baseline: tasks in name order, host = task index mod tp, groups packed
                   in that order under C_max.
-* ``no-fuse``     the fusion ablation: one task per group; host = least cumulative load (LPT).
+* ``no-fuse``     the fusion ablation: exactly ``lpt``'s hosts and task order, but every task is
+                  exchanged on its own (one group per task), so the ablation differs from the
+                  fused schedule in fusion only (not in host placement).
 * ``sync``        no groups: every TP rank all-gathers and recomputes every update (SC).
 
 Capacity: C_max bounds the bytes of full gradient a host receives in one group
@@ -144,15 +146,16 @@ def _round_robin(tasks: Sequence[Task], tp: int, cmax_bytes: int) -> list[Group]
     return groups
 
 
-def _no_fuse(tasks: Sequence[Task], tp: int) -> list[Group]:
-    heap = [(0.0, r) for r in range(tp)]
+def _no_fuse(tasks: Sequence[Task], tp: int, cmax_bytes: int) -> list[Group]:
+    """The fused ``lpt`` schedule with every group split into one-task groups (same hosts, same
+    order): what fusion alone buys, placement held fixed."""
+    cost = {t.name: t.cost for t in tasks}
     groups = []
-    for t in tasks:
-        load, r = heap[0]
-        heapq.heapreplace(heap, (load + t.cost, r))
-        loads = [0.0] * tp
-        loads[r] = t.cost
-        groups.append(Group((t.name,), (r,), tuple(loads)))
+    for g in _lpt(tasks, tp, cmax_bytes, carry=False):
+        for n, h in zip(g.names, g.hosts):
+            loads = [0.0] * tp
+            loads[h] = cost[n]
+            groups.append(Group((n,), (h,), tuple(loads)))
     return groups
 
 
@@ -168,5 +171,5 @@ def schedule_tasks(tasks: Sequence[Task], tp: int, schedule: str, cmax_bytes: in
     if schedule == "lpt-carry":
         return _lpt(ordered, tp, cmax_bytes, carry=True)
     if schedule == "no-fuse":
-        return _no_fuse(ordered, tp)
+        return _no_fuse(ordered, tp, cmax_bytes)
     return _round_robin(tasks, tp, cmax_bytes)

@@ -51,7 +51,18 @@ from canzona.sim.hardware import (
     load_hardware,
     parse_hardware,
 )
-from canzona.sim.model import SETUP_SOURCES, SIM_STRATEGIES, Setup, StepBreakdown, fwd_flops_per_gpu, plan_for, simulate, simulate_plan
+from canzona.sim.model import (
+    SETUP_SOURCES,
+    SIM_STRATEGIES,
+    PipelineBreakdown,
+    Setup,
+    StepBreakdown,
+    fwd_flops_per_gpu,
+    plan_for,
+    simulate,
+    simulate_pipeline,
+    simulate_plan,
+)
 
 __all__ = [
     "Constant",
@@ -78,6 +89,8 @@ __all__ = [
     "plan_for",
     "simulate",
     "simulate_plan",
+    "PipelineBreakdown",
+    "simulate_pipeline",
     "PAPER_FIGURE4",
     "PAPER_RATIOS",
     "PAPER_CONFIG",

@@ -150,7 +150,7 @@ def _ratios(lw: StepBreakdown, lb: StepBreakdown) -> dict[str, float]:
 
 #: discrete alternatives tried for the named setup assumptions
 _SETUP_ALTERNATIVES: dict[str, tuple[Any, ...]] = {
-    "tp_overlap": ("pipelined", "serial"),
+    "tp_overlap": ("pipelined", "free", "serial"),
     "varsize_collective": ("padded",),
     "grad_bytes": (2,),
     "ns_dtype": ("fp32", "tf32"),

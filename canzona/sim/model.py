@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,8 @@ __all__ = [
     "simulate_plan",
     "plan_for",
     "simulate",
+    "PipelineBreakdown",
+    "simulate_pipeline",
 ]
 
 #: strategies the simulator compares (zero1 is the AdamW reference, the others run the matrix optimizer)
@@ -101,7 +103,7 @@ class Setup:
     act_bytes: int = 2
     update_bytes: int = 4
     ns_dtype: str = "bf16"
-    tp_overlap: str = "free"
+    tp_overlap: str = "pipelined"
     varsize_collective: str = "grouped"
 
     def __post_init__(self) -> None:
@@ -137,7 +139,7 @@ SETUP_SOURCES: dict[str, str] = {
     "update_bytes": "assumption: hosts send updated shards back in fp32 (the gradient's precision)",
     "ns_dtype": "assumption: Newton-Schulz in bf16, as the reference Muon (Jordan et al.) does; the paper does not say",
     "varsize_collective": "assumption: PyTorch's NCCL backend runs uneven reduce-scatter / all-gather as grouped per-rank reduce / broadcast rings, so link load is the bucket minus one shard; 'padded' (lockstep ring at the pace of the largest shard) is the alternative, and with 40M-element buckets and 33M-element fc1 shards it would make every atomic partition several times slower than the paper's Figure 7 shows",
-    "tp_overlap": "assumption: micro-group all-to-alls are non-blocking and issued ahead, each host computing on its own stream as soon as its gradients arrive (Section 4.1: asynchronous lifecycle, compute-compute overlap), so per-host totals matter; 'pipelined' issues gathers only one group ahead, 'serial' adds per-group makespans",
+    "tp_overlap": "what canzona's runtime realizes (canzona/runtime/tp.py): group k+1's gather is launched before group k's compute and the scatter of group k is asynchronous, so one exchange each way overlaps the next group's compute ('pipelined'). 'free' (every gather issued ahead, hosts run free, per-host totals matter) is a what-if the runtime does not implement; 'serial' (blocking all-to-alls, per-group makespans add up) is what the authors' Megatron executor does",
 }
 
 
@@ -256,8 +258,15 @@ def _links(hw: HardwareProfile, dp: int, tp: int) -> tuple[Link, Link]:
     return dp_link, tp_link
 
 
-def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup()) -> StepBreakdown:
-    """Predict one iteration of ``plan`` (see the module docstring for the model)."""
+def simulate_plan(
+    plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup(), *, whole_model: bool = True
+) -> StepBreakdown:
+    """Predict one iteration of ``plan`` (see the module docstring for the model).
+
+    ``whole_model=False``: ``plan`` holds one pipeline stage; its forward work is that of its own
+    parameters (their matmuls and their layers' attention) and its TP activation collectives those
+    of its own layers (see :func:`simulate_pipeline`).
+    """
     inp = plan.inputs
     dp, tp, strategy, opt = inp.dp, inp.tp, inp.strategy, inp.optimizer
     # the plan's record (for what the plan does not spell out per bucket or parameter)
@@ -273,7 +282,12 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
     n = len(params)
 
     # ---------------------------------------------------------------- fwd-bwd
-    f_fwd = fwd_flops_per_gpu(cfg, setup, tp)
+    n_layers = cfg.num_hidden_layers
+    if whole_model:
+        f_fwd = fwd_flops_per_gpu(cfg, setup, tp)
+    else:
+        f_fwd = float(_param_fwd_work(plan, cfg, setup).sum()) / tp
+        n_layers = len({p.spec.layer for p in plan.params if p.spec.layer is not None})
     rate = hw.peak_bf16_tflops.value * 1e12 * hw.fwd_bwd_mfu.value
     t_fwd = f_fwd / rate
     t_bwd = 2.0 * f_fwd / rate + (t_fwd if setup.recompute == "full" else 0.0)
@@ -285,8 +299,8 @@ def simulate_plan(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setu
         per_layer = 4 * one
     else:
         per_layer = 2 * all_reduce_time(tp_link, tp, act_bytes)
-    t_tp_fwd = cfg.num_hidden_layers * per_layer
-    t_tp_bwd = cfg.num_hidden_layers * per_layer * (2 if setup.recompute == "full" else 1)
+    t_tp_fwd = n_layers * per_layer
+    t_tp_bwd = n_layers * per_layer * (2 if setup.recompute == "full" else 1)
     fwd_stream = t_fwd + t_tp_fwd
     bwd_stream = t_bwd + t_tp_bwd
 
@@ -589,3 +603,81 @@ def simulate(
         plan = plans[s] if plans and s in plans else plan_for(cfg, s, dp=dp, tp=tp, optimizer=optimizer, alpha=alpha, **plan_kwargs)
         out[s] = simulate_plan(plan, cfg, hardware, setup)
     return out
+
+
+# --------------------------------------------------------------------------- pipeline stages
+@dataclass(frozen=True, slots=True)
+class PipelineBreakdown:
+    """One iteration of a pipeline-parallel run (1F1B), per stage and for the whole pipeline.
+
+    ``stages[s]`` is stage s simulated on its own for one micro-batch (its optimizer step is the
+    stage's real step). ``fwd_bwd_s`` = 1F1B span + the worst stage's exposed DP communication;
+    ``optimizer_s`` = the slowest stage's step (stages step in parallel); ``bubble_s`` the part of
+    the span that is pipeline fill and drain rather than steady state.
+    """
+
+    pp: int
+    microbatches: int
+    stages: tuple[StepBreakdown, ...]
+    fwd_bwd_s: float
+    optimizer_s: float
+    iteration_s: float
+    bubble_s: float
+    p2p_s: float
+    critical_stage: int
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "pp": self.pp, "microbatches": self.microbatches, "fwd_bwd_s": self.fwd_bwd_s,
+            "optimizer_s": self.optimizer_s, "iteration_s": self.iteration_s, "bubble_s": self.bubble_s,
+            "p2p_s": self.p2p_s, "critical_stage": self.critical_stage,
+            "stages": [{"fwd_bwd_one_microbatch_s": b.fwd_bwd_s, "optimizer_s": b.optimizer_s} for b in self.stages],
+        }
+
+
+def simulate_pipeline(
+    stages: Sequence[Plan], cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup(), *,
+    microbatches: int | None = None,
+) -> PipelineBreakdown:
+    """Predict one iteration of a pipeline of ``stages`` (one plan each, from
+    :func:`canzona.plan.pipeline.plan_stages`) under Megatron's 1F1B schedule.
+
+    Per stage s and micro-batch: c_s = forward + backward compute + TP activation collectives of
+    its layers. With m micro-batches and p stages, 1F1B's span is the standard estimate
+
+        span = sum_s c_s + (m - 1) * max_s c_s + 2 (p - 1) * p2p
+
+    (fill and drain cross every stage once, the steady state runs at the slowest stage's pace,
+    each stage boundary costs one activation send forward and one gradient send backward on the
+    critical path), so the bubble is ``sum_s c_s - max_s c_s`` plus the sends. The DP gradient
+    reduce-scatter of a stage overlaps only its last micro-batch's backward and the parameter
+    all-gather its first forward: the worst stage's exposed part is added. ``microbatches``
+    defaults to ``setup.grad_accum`` when that is above 1, else to ``p`` (assumption: the fewest
+    micro-batches that fill 1F1B; the paper does not state its micro-batch count).
+    """
+    stages = list(stages)
+    if not stages:
+        raise ValueError("a pipeline needs at least one stage")
+    p = len(stages)
+    m = microbatches if microbatches is not None else (setup.grad_accum if setup.grad_accum > 1 else p)
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {m!r}")
+    one = replace(setup, grad_accum=1)
+    whole = p == 1
+    per = tuple(simulate_plan(st, cfg, hw, one, whole_model=whole) for st in stages)
+    c = [b.fwd_compute_s + b.bwd_compute_s + b.tp_activation_comm_s for b in per]
+    tp = stages[0].inputs.tp
+    # the activation crossing a stage boundary: [tokens, hidden] in bf16, split by TP under sequence
+    # parallelism; stages sit on different nodes (TP fills a node), so it crosses the network
+    act = setup.seq_len * setup.micro_batch * cfg.hidden_size * setup.act_bytes / (tp if setup.sequence_parallel else 1)
+    net = Link("network", hw.net_bytes_per_s, hw.net_alpha_us.value * 1e-6, hw.collective_launch_us.value * 1e-6)
+    p2p = (net.launch + net.alpha + act / net.bandwidth) if p > 1 else 0.0
+    span = sum(c) + (m - 1) * max(c) + 2 * (p - 1) * p2p
+    exposed = max(b.dp_grad_exposed_s + b.dp_param_exposed_s for b in per)
+    fwd_bwd = span + exposed
+    opt = [b.optimizer_s for b in per]
+    crit = max(range(p), key=lambda i: (opt[i], -i))
+    return PipelineBreakdown(
+        pp=p, microbatches=m, stages=per, fwd_bwd_s=fwd_bwd, optimizer_s=opt[crit], iteration_s=fwd_bwd + opt[crit],
+        bubble_s=sum(c) - max(c) + 2 * (p - 1) * p2p, p2p_s=p2p, critical_stage=crit,
+    )
