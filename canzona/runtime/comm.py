@@ -11,13 +11,27 @@ S_0..S_{R-1}, a reduce-scatter makes rank r send N - S_r elements and receive (R
 all-gather is the reverse; an all-reduce is a reduce-scatter plus an all-gather over equal shards
 (2 N (R-1)/R each way, the textbook figure). Self-copies are free.
 
-Gloo lacks uneven list-form all_gather / all_to_all, so uneven all-gathers go through
-``all_to_all_single`` with split sizes; uneven reduce-scatters use the list form, which gloo
-supports. Ranks are group-local everywhere in this API.
+Collectives per backend (Section 3.1 needs one coalesced *variable-size* collective per bucket):
+
+- reduce-scatter to uneven cut points: the list form (``dist.reduce_scatter``) on every backend.
+- uneven all-gather: on NCCL the list form ``dist.all_gather`` into views of the output (NCCL runs
+  it as grouped broadcasts straight into the output, no staging copy); gloo has no uneven list
+  form, so each rank's slice is broadcast from its owner straight into its view of the output
+  (``size`` broadcasts issued back to back, waited together): no padding and no R-fold repeated
+  send buffer, which the former ``all_to_all_single`` emulation needed. Equal sizes use
+  ``all_gather_single`` (one call, both backends).
+- all-to-all with split sizes: ``all_to_all_single`` on both backends (one fused call over one
+  flat send buffer; the list form would only add per-peer tensors the engine already packs).
+  Callers may pass ``out=`` to receive into a buffer they keep across steps.
+- objects (checkpoint traffic, consolidated on rank 0): :meth:`Comm.gather_object` counts the
+  pickled bytes; the plan fingerprint exchange is an equal all-gather through this class.
+
+Ranks are group-local everywhere in this API.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +42,7 @@ import torch.distributed as dist
 
 from canzona.runtime.phases import base_phase, current_phase
 
-__all__ = ["CommStats", "Comm", "even_sizes"]
+__all__ = ["CommStats", "Comm", "Works", "even_sizes"]
 
 UNPHASED = "unphased"
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; keep torch >= 2.9 working.
@@ -39,6 +53,24 @@ def even_sizes(n: int, parts: int) -> list[int]:
     """Split n elements into ``parts`` contiguous sizes differing by at most one (first ones larger)."""
     q, r = divmod(n, parts)
     return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+class Works:
+    """Several async works waited as one (gloo's uneven all-gather is ``size`` broadcasts)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self, timeout: Any = None) -> bool:
+        ok = True
+        for w in self.works:
+            ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) is not False and ok
+        return ok
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 @dataclass
@@ -81,6 +113,12 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        #: backend name of the group ("gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl")
+        self.backend = str(dist.get_backend(group))
+
+    def _nccl(self, t: torch.Tensor) -> bool:
+        """Whether a collective on ``t`` runs on NCCL (CUDA tensor on a group with an NCCL backend)."""
+        return t.is_cuda and "nccl" in self.backend
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -128,32 +166,53 @@ class Comm:
         self.stats.record((self.size - 1) * local.numel() * es, (total - local.numel()) * es)
         if out is None:
             out = torch.empty(total, dtype=local.dtype, device=local.device)
+        elif out.numel() != total or not out.is_contiguous():
+            raise ValueError(f"all_gather_v: out must be contiguous with {total} elements")
         if self.size == 1:
             out.copy_(local.reshape(-1))
             return out, None
+        flat = local.reshape(-1).contiguous()
         if len(set(sizes)) == 1:
-            work = _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group, async_op=async_op)
+            work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
             return out, work
-        send = local.reshape(-1).repeat(self.size)
-        work = dist.all_to_all_single(
-            out, send, output_split_sizes=sizes, input_split_sizes=[local.numel()] * self.size, group=self.group, async_op=async_op
-        )
-        return out, work
+        views = list(out.split(sizes))
+        if self._nccl(local):
+            work = dist.all_gather(views, flat, group=self.group, async_op=async_op)
+            return out, work
+        # gloo: every rank broadcasts its slice from its own view of ``out``
+        views[self.rank].copy_(flat)
+        works = [
+            dist.broadcast(v, src=self._global(r), group=self.group, async_op=async_op) for r, v in enumerate(views) if v.numel()
+        ]
+        return out, (Works(works) if async_op else None)
 
-    def all_gather_equal(self, local: torch.Tensor, *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
-        """All-gather equal-size tensors; returns a flat tensor of ``size * local.numel()`` elements in rank order."""
-        return self.all_gather_v(local.reshape(-1), [local.numel()] * self.size, async_op=async_op)
+    def all_gather_equal(
+        self, local: torch.Tensor, *, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """All-gather equal-size tensors; returns a flat tensor of ``size * local.numel()`` elements in
+        rank order (``out`` when given)."""
+        return self.all_gather_v(local.reshape(-1), [local.numel()] * self.size, out=out, async_op=async_op)
 
     def all_to_all_v(
-        self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], *, async_op: bool = False
+        self,
+        send: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+        async_op: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """One fused exchange: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[j]`` come from rank j."""
+        """One fused exchange: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[j]`` come from rank j.
+        ``out`` (contiguous, ``sum(recv_sizes)`` elements) receives in place when given."""
         send_sizes = self._check_sizes(send_sizes, send.numel(), "all_to_all_v (send)")
         recv_sizes = [int(s) for s in recv_sizes]
         recv_sizes = self._check_sizes(recv_sizes, sum(recv_sizes), "all_to_all_v (recv)")
         es = send.element_size()
         self.stats.record((send.numel() - send_sizes[self.rank]) * es, (sum(recv_sizes) - recv_sizes[self.rank]) * es)
-        out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        if out is None:
+            out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        elif out.numel() != sum(recv_sizes) or not out.is_contiguous():
+            raise ValueError(f"all_to_all_v: out must be contiguous with {sum(recv_sizes)} elements")
         if self.size == 1:
             out.copy_(send)
             return out, None
@@ -176,3 +235,19 @@ class Comm:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)
+
+    # --------------------------------------------------------------------------------- objects
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Pickle-gather ``obj`` from every rank onto group rank ``dst`` (checkpoint consolidation;
+        objects come from our own ranks, never from a file). Counts the pickled bytes, which costs
+        one extra ``pickle.dumps`` per call: fine for checkpoints, not for a hot path."""
+        nbytes = len(pickle.dumps(obj))
+        if self.rank == dst:
+            self.stats.record(0, 0)  # what arrives is counted by the senders
+        else:
+            self.stats.record(nbytes, 0)
+        got: list[Any] | None = [None] * self.size if self.rank == dst else None
+        if self.size == 1:
+            return [obj]
+        dist.gather_object(obj, got, dst=self._global(dst), group=self.group)
+        return got
