@@ -22,23 +22,32 @@ Which parameters a TP group handles is decided by DP ownership (the caller passe
 masters of the TP-split matrix parameters its DP rank updates); which TP rank hosts each one, and
 how tasks batch, by the plan's micro-groups for that DP rank. The engine never re-plans.
 
-Overlap. Group k+1's gather is launched (``async_op=True``) before group k's compute, so one
-exchange is always in flight while a host computes (two gather buffers alive at most). On NCCL
-the all-to-all runs on its own CUDA stream and overlaps the host's Newton-Schulz / eigh kernels
-for real. On gloo an async collective runs on the process group's worker thread, so it overlaps
-the compute only as far as free CPU cores allow (with one core per rank, as in the tests, the
-overlap is mostly nominal: the exchange and the compute share the core). The scatter of group k is
-waited for before group k+1's compute, because the next step's forward needs every slice anyway
-and the per-group apply keeps the receive buffer short-lived. Because of the prefetch, the gather
-phase of a group is entered twice (launch, then wait), so ``PhaseTimer`` counts two gather
-entries per group; ``CommStats`` counts one collective per group.
+Overlap (the schedule is :func:`pipeline`, recorded per step in ``TPEngine.last_events``). While
+group k computes, gather k+1 and scatter k-1 are in flight; group k-1's values are applied
+right after compute k, when its scatter has had a whole compute to land, and scatter k is then
+launched to land during compute k+1. Every exchange is ``async_op=True`` with its own
+``.../launch`` and ``.../wait`` phase ranges (``canzona/tp/scatter/group3/wait``), so a trace shows
+how long the host was really blocked (exposed communication) apart from issue cost. On NCCL the
+all-to-alls run on NCCL's stream and ``wait`` only orders the compute stream after them, so the
+host's Newton-Schulz / eigh kernels overlap the exchanges for real. On gloo an async collective
+runs on the process group's worker threads, so it overlaps the compute only as far as free CPU
+cores allow (with one core per rank, as in the tests, the exchange and the compute share it).
+``PhaseTimer`` keys the stages apart (``canzona/tp/gather/launch``, ``canzona/tp/gather/wait``);
+``CommStats`` counts one collective per exchange under the base name. The compute phase of a
+group is entered twice: once to copy the gathered shards out of the gather slot (which the next
+gather reuses at once), once for the optimizer.
 
-Memory. ``state_bytes()`` is this rank's optimizer-state bytes (full-shape state of the tasks it
-hosts); ``peak_exchange_bytes`` the largest single exchange buffer of one group on this rank
-(gather send/receive, scatter send/receive). The plan's C_max bounds the bytes of full gradient
-a host receives per group, hence the receive buffer; the send buffer holds one shard of each task
-of the group, i.e. a 1/tp share of every host's bytes, so it is bounded by C_max too. Only a task
-larger than C_max by itself (given its own group by the planner, with a warning) exceeds it.
+Memory. Two exchange slots are reserved at construction and reused by every group of every step
+(:class:`ExchangeSlots`, ``reserved_exchange_bytes``): the gather slot (shard-side send buffer,
+full-side receive buffer) and the scatter slot (full-side send, shard-side receive), each buffer
+as long as the largest group needs. ``state_bytes()`` is this rank's optimizer-state bytes
+(full-shape state of the tasks it hosts); ``peak_exchange_bytes`` the largest single exchange
+buffer of one group on this rank. The plan's C_max bounds the bytes of full gradient a host
+receives per group, hence every full-side buffer; a shard-side buffer holds one shard of each task
+of the group, a 1/tp share of every host's bytes, so it is bounded by C_max too. Only a task larger
+than C_max by itself (given its own group by the planner, with a warning) exceeds it. What is
+still allocated per group: the full gradients unpacked on the host (they become ``.grad`` of the
+full masters and must outlive the gather slot's reuse) and, under ``sync``, each rank's full copies.
 
 Byte accounting comes from :class:`canzona.runtime.comm.Comm` (files bytes under the open phase).
 Construction assembles full masters with one exchange per group outside any phase (filed under
