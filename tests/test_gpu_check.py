@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,29 @@ from canzona.profiling.gpu import cells_for, ns_tflops, overlap_fraction
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "profiling" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_gpu_check_without_gpu_says_so_and_does_nothing(tmp_path: Path) -> None:
+def test_gpu_check_without_gpu_says_so_and_does_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "profiling" / "gpu_check.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr
-    lines = [ln for ln in run.stdout.splitlines() if ln.strip()]
+    assert _script().main(["--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.out.splitlines() if ln.strip()]
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "nothing done" in lines[0]
+    assert captured.err == ""
     assert not out.exists()  # nothing written
+
+
+def test_gpu_check_rejects_bad_arguments() -> None:
+    with pytest.raises(SystemExit) as exc:
+        _script().main(["--budget-s", "soon"])
+    assert exc.value.code == 2
 
 
 def test_overlap_fraction_arithmetic() -> None:
