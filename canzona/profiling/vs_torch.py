@@ -18,6 +18,10 @@ of the rank. *Exposed communication* is time the host spent blocked on a collect
 - DDP: backward with gradient synchronization minus backward under ``no_sync()`` (extra steps
   measured for that purpose only), i.e. the all-reduce time backward could not hide.
 
+CPU time: the same step and optimizer spans in process CPU seconds (``time.process_time``: every
+thread of the rank, gloo's included). On a machine with fewer cores than busy threads, wall time
+mostly measures the scheduler; CPU time still measures the work each rank does.
+
 Bytes are logical point-to-point volumes (:mod:`canzona.runtime.comm`): counted for canzona, and
 for DDP computed with the same formula for its all-reduce (2 (R-1)/R of the gradient bytes per rank).
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the growth of the process's peak
@@ -104,6 +108,8 @@ class VariantResult:
     world: int
     step_ms: float
     optimizer_ms: float
+    step_cpu_ms: float
+    optimizer_cpu_ms: float
     exposed_comm_ms: float
     bytes_per_step: int
     peak_mib: float
@@ -179,6 +185,8 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
 
     step_s: list[float] = []
     opt_s: list[float] = []
+    step_cpu: list[float] = []
+    opt_cpu: list[float] = []
     bwd_s: list[float] = []
     exposed_s: list[float] = []
     sent: list[int] = []
@@ -205,18 +213,20 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
         nosync_bwd: list[float] = []
         for step in range(case.warmup + case.steps):
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             b = fwd_bwd(step)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             for o in opts:
                 o.step()
             sync()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             for o in opts:
                 o.zero_grad(set_to_none=True)
             if step >= case.warmup:
                 step_s.append(t2 - t0)
                 opt_s.append(t2 - t1)
+                step_cpu.append(c2 - c0)
+                opt_cpu.append(c2 - c1)
                 bwd_s.append(b)
                 sent.append(ar_bytes)
         # backward without the all-reduce, for the exposed-communication estimate
@@ -244,18 +254,20 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
             opt.comm_stats.reset()
             opt.phase_times.reset()
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = _loss(model, case, data(step, dp_rank))
             loss.backward()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             opt.step()
             opt.zero_grad()
             sync()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if step >= case.warmup:
                 times = opt.phase_times.as_dict()
                 step_s.append(t2 - t0)
                 opt_s.append(t2 - t1)
+                step_cpu.append(c2 - c0)
+                opt_cpu.append(c2 - c1)
                 exposed_s.append(sum(v["wall_s"] for k, v in times.items() if k.endswith("/wait")))
                 sent.append(opt.comm_stats.total_sent())
         state = opt.state_bytes()
@@ -264,6 +276,8 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
         "rank": rank,
         "step_s": step_s,
         "opt_s": opt_s,
+        "step_cpu_s": step_cpu,
+        "opt_cpu_s": opt_cpu,
         "exposed_s": exposed_s,
         "sent": sent,
         "peak_mib": peak,
@@ -313,6 +327,8 @@ def summarize(case: Case, variant: str, per_rank: Sequence[dict[str, Any]]) -> V
         world=case.world,
         step_ms=med_of_max("step_s"),
         optimizer_ms=med_of_max("opt_s"),
+        step_cpu_ms=med_of_max("step_cpu_s"),
+        optimizer_cpu_ms=med_of_max("opt_cpu_s"),
         exposed_comm_ms=med_of_max("exposed_s"),
         bytes_per_step=int(statistics.median(sum(r["sent"][i] for r in per_rank) for i in range(n))),
         peak_mib=max(float(r["peak_mib"]) for r in per_rank),
@@ -329,17 +345,20 @@ def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
         r.ratios = {
             "step": r.step_ms / base.step_ms if base.step_ms else float("nan"),
             "optimizer": r.optimizer_ms / base.optimizer_ms if base.optimizer_ms else float("nan"),
+            "step_cpu": r.step_cpu_ms / base.step_cpu_ms if base.step_cpu_ms else float("nan"),
             "peak": r.peak_mib / base.peak_mib if base.peak_mib else float("nan"),
         }
 
 
 def format_table(results: Sequence[VariantResult], *, title: str) -> str:
-    lines = [title, f"  {'variant':10s} {'step ms':>9s} {'x DDP':>6s} {'optim ms':>9s} {'x DDP':>6s} "
-             f"{'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s}"]
+    nan = float("nan")
+    lines = [title, f"  {'variant':10s} {'step ms':>9s} {'x DDP':>6s} {'optim ms':>9s} {'x DDP':>6s} {'step CPU ms':>11s} "
+             f"{'x DDP':>6s} {'optim CPU':>9s} {'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s}"]
     for r in results:
         lines.append(
-            f"  {r.variant:10s} {r.step_ms:9.2f} {r.ratios.get('step', float('nan')):6.2f} {r.optimizer_ms:9.2f} "
-            f"{r.ratios.get('optimizer', float('nan')):6.2f} {r.exposed_comm_ms:10.2f} {r.bytes_per_step / 1024:9.1f} "
+            f"  {r.variant:10s} {r.step_ms:9.2f} {r.ratios.get('step', nan):6.2f} {r.optimizer_ms:9.2f} "
+            f"{r.ratios.get('optimizer', nan):6.2f} {r.step_cpu_ms:11.2f} {r.ratios.get('step_cpu', nan):6.2f} "
+            f"{r.optimizer_cpu_ms:9.2f} {r.exposed_comm_ms:10.2f} {r.bytes_per_step / 1024:9.1f} "
             f"{r.peak_mib:9.1f} {1e3 * r.step_ms / max(1, r.params):9.1f}"
         )
     return "\n".join(lines)
