@@ -141,15 +141,24 @@ class Comm:
             return None
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def reduce_scatter_v(self, flat: torch.Tensor, sizes: Sequence[int], *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
-        """Sum ``flat`` over the group; rank r receives the r-th slice of ``sizes`` (which may be uneven or 0)."""
+    def reduce_scatter_v(
+        self, flat: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """Sum ``flat`` over the group; rank r receives the r-th slice of ``sizes`` (which may be uneven
+        or 0), into ``out`` (contiguous, ``sizes[rank]`` elements) when given."""
         sizes = self._check_sizes(sizes, flat.numel(), "reduce_scatter_v")
         es, own = flat.element_size(), sizes[self.rank]
+        if out is not None and (out.numel() != own or not out.is_contiguous() or out.dtype != flat.dtype):
+            raise ValueError(f"reduce_scatter_v: out must be contiguous {flat.dtype} with {own} elements")
         self.stats.record((flat.numel() - own) * es, (self.size - 1) * own * es)
         pieces = list(flat.split(sizes))
         if self.size == 1:
-            return pieces[0].clone(), None
-        out = torch.empty(own, dtype=flat.dtype, device=flat.device)
+            if out is None:
+                return pieces[0].clone(), None
+            out.copy_(pieces[0])
+            return out, None
+        if out is None:
+            out = torch.empty(own, dtype=flat.dtype, device=flat.device)
         work = dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return out, work
 

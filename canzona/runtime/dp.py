@@ -258,7 +258,27 @@ class DPRuntime:
                 )
             self.tp_engine = tp_engine_factory(tp_masters)
         self._works: dict[int, Any] = {}
-        self._shards: dict[int, torch.Tensor] = {}
+        # Reserved once: this rank's reduce-scatter shard of every bucket (the collective receives
+        # into it every step), and each owned piece's gradient as a view into it (or into the
+        # bucket itself under all-reduce), so the step only points ``.grad`` at a ready view.
+        dev = self.buffer.data.device
+        self._shards: dict[int, torch.Tensor] = (
+            {i: torch.empty(s[self.dp_rank], dtype=master_dtype, device=dev) for i, s in enumerate(self._shard_sizes)}
+            if self.reduce_scatter else {}
+        )
+        self._grad_views: list[list[tuple[Piece, torch.Tensor]]] = [
+            [(pc, self._grad_source(i)[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)) for pc in pcs]
+            for i, pcs in enumerate(self.pieces_by_bucket)
+        ]
+        # Reserved once: the all-gather's send buffer of every bucket (this rank's shard, in the
+        # gather dtype) with each owned master's slot in it.
+        self._send: dict[int, torch.Tensor] = {}
+        self._send_views: dict[int, list[torch.Tensor]] = {}
+        if self.reduce_scatter:
+            for i, s in enumerate(self._shard_sizes):
+                buf = torch.empty(s[self.dp_rank], dtype=self.gather_dtype[i], device=dev)
+                self._send[i] = buf
+                self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
@@ -290,8 +310,7 @@ class DPRuntime:
         name = indexed(self._collective_phase, f"bucket{i}", LAUNCH)
         with phase(name, bytes=flat.numel() * flat.element_size(), bucket=i, peers=self.dp):
             if self.reduce_scatter:
-                out, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], async_op=True)
-                self._shards[i] = out
+                _, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], out=self._shards[i], async_op=True)
             else:
                 work = self.comm.all_reduce(flat, async_op=True)
         self._works[i] = work
@@ -306,7 +325,6 @@ class DPRuntime:
     def discard_grads(self) -> None:
         """Drop this iteration's gradients (zero_grad): finish in-flight collectives, zero the buffer."""
         self.wait_all()
-        self._shards.clear()
         self._launched.clear()
         self._tp_grads.clear()
         for m in self.masters.values():
@@ -362,8 +380,7 @@ class DPRuntime:
         src = self._grad_source(i)
         if self.grad_reduce == "mean" and self.dp > 1:
             src.div_(self.dp)
-        for pc in self.pieces_by_bucket[i]:
-            g = src[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)
+        for pc, g in self._grad_views[i]:
             if pc.role == "tp":
                 self._tp_grads[pc.name] = g
             else:
@@ -414,12 +431,12 @@ class DPRuntime:
     def _pack_and_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         sizes = self._shard_sizes[i]
         dtype = self.gather_dtype[i]
-        es = torch.empty(0, dtype=dtype).element_size()
+        es = dtype.itemsize
         with phase(indexed(DP_ALL_GATHER, f"bucket{i}", LAUNCH), bytes=sizes[self.dp_rank] * es, bucket=i, peers=self.dp):
-            send = torch.empty(sizes[self.dp_rank], dtype=dtype, device=self.buffer.data.device)
-            with torch.no_grad():
-                for pc in self.pieces_by_bucket[i]:
-                    send[pc.src : pc.src + pc.numel].copy_(self.masters[pc].reshape(-1))
+            send = self._send[i]
+            if self._send_views[i]:
+                with torch.no_grad():
+                    torch._foreach_copy_(self._send_views[i], [self.masters[pc].reshape(-1) for pc in self.pieces_by_bucket[i]])
             return self.comm.all_gather_v(send, sizes, async_op=True)
 
     def _wait_param_gather(self, i: int, work: Any) -> None:
@@ -487,16 +504,22 @@ class DPRuntime:
 
     def apply_params(self, gathered: Mapping[int, torch.Tensor]) -> None:
         """Write updated values into the model's parameters (in place; DTensor: the local shard)."""
+        # one multi-tensor copy per call instead of a copy_ dispatch per parameter
         with torch.no_grad():
             if self.param_return == "none":
-                for pc in self.pieces:
-                    local_tensor(self.params[pc.name].detach()).copy_(self.masters[pc])
+                if self.pieces:
+                    torch._foreach_copy_([local_tensor(self.params[pc.name].detach()) for pc in self.pieces],
+                                         [self.masters[pc] for pc in self.pieces])
                 return
             for i, flat in gathered.items():
+                dst, src = [], []
                 for n in self.plan.buckets[i].params:
                     pp = self.plan.param(n)
                     local = local_tensor(self.params[n].detach())
-                    local.copy_(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
+                    dst.append(local)
+                    src.append(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
+                if dst:
+                    torch._foreach_copy_(dst, src)
 
     # --------------------------------------------------------------------------------- hyperparameters
     def set_hyperparams(self, role: str, values: Mapping[str, Any]) -> None:
