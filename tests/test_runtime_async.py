@@ -209,7 +209,7 @@ def _async_worker(rank: int, world: int, trace_dir: str) -> dict:
     out["dp_times"] = sorted(opt.phase_times.as_dict())
     out["dp_buckets"] = len(opt.plan.buckets)
 
-    # uneven all-gather with a caller's buffer (gloo: owner broadcasts, no repeated send buffer)
+    # uneven all-gather into a caller's buffer
     sizes = [3, 2]
     mine_t = torch.arange(sizes[rank], dtype=torch.float32) + 10 * rank
     buf = torch.full((sum(sizes),), -1.0)

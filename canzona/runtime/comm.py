@@ -15,10 +15,11 @@ Collectives per backend (Section 3.1 needs one coalesced *variable-size* collect
 
 - reduce-scatter to uneven cut points: the list form (``dist.reduce_scatter``) on every backend.
 - uneven all-gather: on NCCL the list form ``dist.all_gather`` into views of the output (NCCL runs
-  it as grouped broadcasts straight into the output, no staging copy); gloo has no uneven list
-  form, so each rank's slice is broadcast from its owner straight into its view of the output
-  (``size`` broadcasts issued back to back, waited together): no padding and no R-fold repeated
-  send buffer, which the former ``all_to_all_single`` emulation needed. Equal sizes use
+  it as grouped broadcasts straight into the output): no staging buffer. gloo has no uneven list
+  form; it gets ``all_to_all_single`` over this rank's shard repeated once per peer. Measured with
+  ``profiling/bench_collectives.py``, that beat both other gloo forms (one broadcast per owner into
+  views of the output, and an equal all-gather of padded shards plus a compaction copy) in process
+  CPU time at world 2 and 4, so the R-fold send buffer stays on gloo only. Equal sizes use
   ``all_gather_single`` (one call, both backends).
 - all-to-all with split sizes: ``all_to_all_single`` on both backends (one fused call over one
   flat send buffer; the list form would only add per-peer tensors the engine already packs).
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from canzona.runtime.phases import base_phase, current_phase
 
-__all__ = ["CommStats", "Comm", "Works", "even_sizes"]
+__all__ = ["CommStats", "Comm", "even_sizes"]
 
 UNPHASED = "unphased"
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; keep torch >= 2.9 working.
@@ -53,24 +54,6 @@ def even_sizes(n: int, parts: int) -> list[int]:
     """Split n elements into ``parts`` contiguous sizes differing by at most one (first ones larger)."""
     q, r = divmod(n, parts)
     return [q + (1 if i < r else 0) for i in range(parts)]
-
-
-class Works:
-    """Several async works waited as one (gloo's uneven all-gather is ``size`` broadcasts)."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: Sequence[Any]) -> None:
-        self.works = [w for w in works if w is not None]
-
-    def wait(self, timeout: Any = None) -> bool:
-        ok = True
-        for w in self.works:
-            ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) is not False and ok
-        return ok
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
 
 
 @dataclass
@@ -184,16 +167,15 @@ class Comm:
         if len(set(sizes)) == 1:
             work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
             return out, work
-        views = list(out.split(sizes))
         if self._nccl(local):
-            work = dist.all_gather(views, flat, group=self.group, async_op=async_op)
+            work = dist.all_gather(list(out.split(sizes)), flat, group=self.group, async_op=async_op)
             return out, work
-        # gloo: every rank broadcasts its slice from its own view of ``out``
-        views[self.rank].copy_(flat)
-        works = [
-            dist.broadcast(v, src=self._global(r), group=self.group, async_op=async_op) for r, v in enumerate(views) if v.numel()
-        ]
-        return out, (Works(works) if async_op else None)
+        # gloo has no uneven list form: all_to_all_single with this rank's shard once per peer
+        send = flat.repeat(self.size)
+        work = dist.all_to_all_single(
+            out, send, output_split_sizes=sizes, input_split_sizes=[flat.numel()] * self.size, group=self.group, async_op=async_op
+        )
+        return out, work
 
     def all_gather_equal(
         self, local: torch.Tensor, *, out: torch.Tensor | None = None, async_op: bool = False
