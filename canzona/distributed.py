@@ -179,21 +179,23 @@ def scheduled_hyperparams(cls: type[torch.optim.Optimizer], kwargs: Mapping[str,
     return {k: group[k] for k in SCHEDULED_KEYS if k in group}
 
 
-def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[str | None]:
+def exchange_fingerprints(
+    fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S, comm: Comm | None = None
+) -> list[str | None]:
     """All-gather every rank's 16-hex plan fingerprint (None: that rank failed to plan) on the world
-    group, waiting at most ``timeout_s``; returns them by rank."""
+    group (or ``comm``'s group), waiting at most ``timeout_s``; returns them by rank. Goes through
+    :class:`~canzona.runtime.comm.Comm` so its bytes are counted like every other collective."""
     buf = torch.zeros(17, dtype=torch.uint8, device=device)
     if fingerprint is not None:
         raw = fingerprint.encode("ascii")[:16]
         buf[0] = 1
         buf[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    world = dist.get_world_size()
-    out = [torch.zeros_like(buf) for _ in range(world)]
-    work = dist.all_gather(out, buf, async_op=True)
-    if not work.wait(timeout=timedelta(seconds=timeout_s)):
+    comm = comm if comm is not None else Comm(None)
+    out, work = comm.all_gather_equal(buf, async_op=True)
+    if work is not None and not work.wait(timeout=timedelta(seconds=timeout_s)):
         raise RuntimeError(f"plan fingerprint exchange did not complete within {timeout_s:.0f} s")
     fps: list[str | None] = []
-    for t in out:
+    for t in out.view(comm.size, 17):
         vals = t.cpu().tolist()
         fps.append(bytes(vals[1:]).rstrip(b"\0").decode("ascii") if vals[0] else None)
     return fps

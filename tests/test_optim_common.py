@@ -368,3 +368,16 @@ def test_is_matrix_param_agrees_with_planner_specs(layout: str) -> None:
         assert specs
         wrong = [s.name for s in specs if is_matrix_param(s.name, s.shape) != (s.kind == "matrix")]
         assert wrong == [], f"{model}: {wrong[:5]}"
+
+
+@pytest.mark.parametrize("numel", [16, 1 << 17])  # the fused small-tensor path and the per-tensor path
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_finiteness_check_catches_every_kind_in_both_paths(numel: int, bad: float) -> None:
+    from canzona.optim._common import _all_finite
+
+    grads = [torch.ones(numel), torch.ones(7, dtype=torch.bfloat16), torch.full((numel,), 1e300, dtype=torch.float64)]
+    assert _all_finite(grads)
+    for i in range(len(grads)):
+        g = [t.clone() for t in grads]
+        g[i][-1] = bad
+        assert not _all_finite(g), (i, bad)

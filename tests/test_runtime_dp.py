@@ -539,6 +539,7 @@ def _per_bucket_case(rank: int, case: tuple[str, str, str, str], signal_dir: str
 
     import canzona
     from canzona.runtime.phases import DP_LOCAL_UPDATE, current_phase
+    from canzona.phase_names import parse
 
     strategy, optname, reduce, _ = case
     model = ToyModel()
@@ -570,7 +571,10 @@ def _per_bucket_case(rank: int, case: tuple[str, str, str, str], signal_dir: str
     launch = getattr(rt.comm, name)
 
     def launching(*args: object, **kwargs: object) -> object:
-        i = int(current_phase().rsplit("bucket", 1)[1])  # launched inside its own bucket phase
+        # launched inside its own bucket's launch phase
+        index = parse(current_phase()).index
+        assert index is not None and parse(current_phase()).stage == "launch"
+        i = int(index.removeprefix("bucket"))
         if rank == 1 and i == n - 1:
             t0 = time.monotonic()
             while not os.path.exists(signal(st["step"])) and time.monotonic() - t0 < HOLD_S:

@@ -71,10 +71,10 @@ class PhaseRecorder:
         self._pending: list[tuple[int, str, float, float, Any, Any]] = []
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, **args: int | str) -> Iterator[None]:
         base = base_phase(name)
         if base in self._open:  # a nested re-entry of the same phase: counted by the outer one
-            with self.real(name):
+            with self.real(name, **args):
                 yield
             return
         self._open.append(base)
@@ -84,7 +84,7 @@ class PhaseRecorder:
             ev[0].record()
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            with self.real(name):
+            with self.real(name, **args):
                 yield
         finally:
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

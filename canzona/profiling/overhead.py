@@ -30,7 +30,7 @@ __all__ = ["AnnotationToggle", "ab_summary", "annotation_cost", "null_phase", "p
 
 
 @contextlib.contextmanager
-def null_phase(name: str) -> Iterator[None]:
+def null_phase(name: str, **args: int | str) -> Iterator[None]:
     """A phase that does nothing: the baseline of the A/B comparison."""
     yield
 
@@ -98,7 +98,7 @@ def annotation_cost(n: int = 20_000, repeats: int = 7, name: str = "canzona/tp/c
 
 
 @contextlib.contextmanager
-def patch_phase(replacement: Callable[[str], Any]) -> Iterator[list[str]]:
+def patch_phase(replacement: Callable[..., Any]) -> Iterator[list[str]]:
     """Replace ``phase`` in every loaded ``canzona`` module that imported it; restore on exit.
     Yields the names of the patched modules."""
     original = _phases.phase

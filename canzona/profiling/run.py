@@ -242,7 +242,9 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         activities=activities,
         schedule=schedule(wait=sch.wait, warmup=sch.warmup, active=sch.active, repeat=1),
         on_trace_ready=handler,
-        record_shapes=False,
+        # torch writes the keyword arguments of canzona's phase ranges (bytes, bucket/group, peers)
+        # into the trace only when shapes are recorded
+        record_shapes=True,
         profile_memory=False,
         with_stack=False,
     ) as prof:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from canzona.runtime.comm import Comm
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.dp import elementwise_role
 
@@ -177,10 +178,9 @@ def consolidated_state_dict(dopt: DistributedOptimizer) -> dict[str, Any]:
     Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
     """
     mine = _exports(dopt)
-    world = dist.get_world_size()
     rank = dist.get_rank()
-    got: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, got, dst=0)
+    # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
+    got = Comm(None, dopt.comm_stats).gather_object(mine, dst=0)
     if rank != 0:
         return {}
     assert got is not None
@@ -325,7 +325,7 @@ def save_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
         tmp = path.with_name(path.name + ".tmp")
         torch.save(doc, tmp)
         os.replace(tmp, path)
-    dist.barrier()
+    Comm(None, dopt.comm_stats).barrier()
 
 
 def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:

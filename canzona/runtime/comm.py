@@ -11,13 +11,28 @@ S_0..S_{R-1}, a reduce-scatter makes rank r send N - S_r elements and receive (R
 all-gather is the reverse; an all-reduce is a reduce-scatter plus an all-gather over equal shards
 (2 N (R-1)/R each way, the textbook figure). Self-copies are free.
 
-Gloo lacks uneven list-form all_gather / all_to_all, so uneven all-gathers go through
-``all_to_all_single`` with split sizes; uneven reduce-scatters use the list form, which gloo
-supports. Ranks are group-local everywhere in this API.
+Collectives per backend (Section 3.1 needs one coalesced *variable-size* collective per bucket):
+
+- reduce-scatter to uneven cut points: the list form (``dist.reduce_scatter``) on every backend.
+- uneven all-gather: on NCCL the list form ``dist.all_gather`` into views of the output (NCCL runs
+  it as grouped broadcasts straight into the output): no staging buffer. gloo has no uneven list
+  form; it gets ``all_to_all_single`` over this rank's shard repeated once per peer. Measured with
+  ``profiling/bench_collectives.py``, that beat both other gloo forms (one broadcast per owner into
+  views of the output, and an equal all-gather of padded shards plus a compaction copy) in process
+  CPU time at world 2 and 4, so the R-fold send buffer stays on gloo only. Equal sizes use
+  ``all_gather_single`` (one call, both backends).
+- all-to-all with split sizes: ``all_to_all_single`` on both backends (one fused call over one
+  flat send buffer; the list form would only add per-peer tensors the engine already packs).
+  Callers may pass ``out=`` to receive into a buffer they keep across steps.
+- objects (checkpoint traffic, consolidated on rank 0): :meth:`Comm.gather_object` counts the
+  pickled bytes; the plan fingerprint exchange is an equal all-gather through this class.
+
+Ranks are group-local everywhere in this API.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,6 +96,12 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        #: backend name of the group ("gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl")
+        self.backend = str(dist.get_backend(group))
+
+    def _nccl(self, t: torch.Tensor) -> bool:
+        """Whether a collective on ``t`` runs on NCCL (CUDA tensor on a group with an NCCL backend)."""
+        return t.is_cuda and "nccl" in self.backend
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -103,15 +124,24 @@ class Comm:
             return None
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def reduce_scatter_v(self, flat: torch.Tensor, sizes: Sequence[int], *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
-        """Sum ``flat`` over the group; rank r receives the r-th slice of ``sizes`` (which may be uneven or 0)."""
+    def reduce_scatter_v(
+        self, flat: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """Sum ``flat`` over the group; rank r receives the r-th slice of ``sizes`` (which may be uneven
+        or 0), into ``out`` (contiguous, ``sizes[rank]`` elements) when given."""
         sizes = self._check_sizes(sizes, flat.numel(), "reduce_scatter_v")
         es, own = flat.element_size(), sizes[self.rank]
+        if out is not None and (out.numel() != own or not out.is_contiguous() or out.dtype != flat.dtype):
+            raise ValueError(f"reduce_scatter_v: out must be contiguous {flat.dtype} with {own} elements")
         self.stats.record((flat.numel() - own) * es, (self.size - 1) * own * es)
         pieces = list(flat.split(sizes))
         if self.size == 1:
-            return pieces[0].clone(), None
-        out = torch.empty(own, dtype=flat.dtype, device=flat.device)
+            if out is None:
+                return pieces[0].clone(), None
+            out.copy_(pieces[0])
+            return out, None
+        if out is None:
+            out = torch.empty(own, dtype=flat.dtype, device=flat.device)
         work = dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return out, work
 
@@ -128,32 +158,52 @@ class Comm:
         self.stats.record((self.size - 1) * local.numel() * es, (total - local.numel()) * es)
         if out is None:
             out = torch.empty(total, dtype=local.dtype, device=local.device)
+        elif out.numel() != total or not out.is_contiguous():
+            raise ValueError(f"all_gather_v: out must be contiguous with {total} elements")
         if self.size == 1:
             out.copy_(local.reshape(-1))
             return out, None
+        flat = local.reshape(-1).contiguous()
         if len(set(sizes)) == 1:
-            work = _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group, async_op=async_op)
+            work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
             return out, work
-        send = local.reshape(-1).repeat(self.size)
+        if self._nccl(local):
+            work = dist.all_gather(list(out.split(sizes)), flat, group=self.group, async_op=async_op)
+            return out, work
+        # gloo has no uneven list form: all_to_all_single with this rank's shard once per peer
+        send = flat.repeat(self.size)
         work = dist.all_to_all_single(
-            out, send, output_split_sizes=sizes, input_split_sizes=[local.numel()] * self.size, group=self.group, async_op=async_op
+            out, send, output_split_sizes=sizes, input_split_sizes=[flat.numel()] * self.size, group=self.group, async_op=async_op
         )
         return out, work
 
-    def all_gather_equal(self, local: torch.Tensor, *, async_op: bool = False) -> tuple[torch.Tensor, Any]:
-        """All-gather equal-size tensors; returns a flat tensor of ``size * local.numel()`` elements in rank order."""
-        return self.all_gather_v(local.reshape(-1), [local.numel()] * self.size, async_op=async_op)
+    def all_gather_equal(
+        self, local: torch.Tensor, *, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """All-gather equal-size tensors; returns a flat tensor of ``size * local.numel()`` elements in
+        rank order (``out`` when given)."""
+        return self.all_gather_v(local.reshape(-1), [local.numel()] * self.size, out=out, async_op=async_op)
 
     def all_to_all_v(
-        self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], *, async_op: bool = False
+        self,
+        send: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+        async_op: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """One fused exchange: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[j]`` come from rank j."""
+        """One fused exchange: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[j]`` come from rank j.
+        ``out`` (contiguous, ``sum(recv_sizes)`` elements) receives in place when given."""
         send_sizes = self._check_sizes(send_sizes, send.numel(), "all_to_all_v (send)")
         recv_sizes = [int(s) for s in recv_sizes]
         recv_sizes = self._check_sizes(recv_sizes, sum(recv_sizes), "all_to_all_v (recv)")
         es = send.element_size()
         self.stats.record((send.numel() - send_sizes[self.rank]) * es, (sum(recv_sizes) - recv_sizes[self.rank]) * es)
-        out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        if out is None:
+            out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        elif out.numel() != sum(recv_sizes) or not out.is_contiguous():
+            raise ValueError(f"all_to_all_v: out must be contiguous with {sum(recv_sizes)} elements")
         if self.size == 1:
             out.copy_(send)
             return out, None
@@ -176,3 +226,19 @@ class Comm:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)
+
+    # --------------------------------------------------------------------------------- objects
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Pickle-gather ``obj`` from every rank onto group rank ``dst`` (checkpoint consolidation;
+        objects come from our own ranks, never from a file). Counts the pickled bytes, which costs
+        one extra ``pickle.dumps`` per call: fine for checkpoints, not for a hot path."""
+        nbytes = len(pickle.dumps(obj))
+        if self.rank == dst:
+            self.stats.record(0, 0)  # what arrives is counted by the senders
+        else:
+            self.stats.record(nbytes, 0)
+        got: list[Any] | None = [None] * self.size if self.rank == dst else None
+        if self.size == 1:
+            return [obj]
+        dist.gather_object(obj, got, dst=self._global(dst), group=self.group)
+        return got

@@ -8,16 +8,20 @@ group. Per iteration:
    it is complete, overlapping with the rest of backward:
 
    - ``zero1``, ``asc``, ``lb-asc``, ``lb-asc-joint``: one variable-size reduce-scatter per bucket
-     to the plan's cut points (``canzona/dp/reduce_scatter/bucket<i>``);
-   - ``sc``, ``layerwise``: one all-reduce per bucket (``canzona/dp/all_reduce/bucket<i>``).
+     to the plan's cut points (``canzona/dp/reduce_scatter/bucket<i>/launch``);
+   - ``sc``, ``layerwise``: one all-reduce per bucket (``canzona/dp/all_reduce/bucket<i>/launch``).
+
+   Every asynchronous collective has a ``.../launch`` range (issuing it, packing included) and a
+   ``.../wait`` range (blocking until it lands), carrying ``bytes``, ``bucket`` and ``peers``
+   arguments for the profiler (:func:`canzona.runtime.phases.phase`).
 
 2. *Optimizer step* (``canzona/optimizer/step``), orchestrated as gather -> compute -> scatter ->
    apply, each a named method. Gather and compute run *per bucket*, in the order the buckets'
    collectives were launched, so the step waits only for what it needs next:
 
    - :meth:`gather_bucket` (bucket ``i``): wait for that bucket's collective only (the wait is a
-     phase of its own, ``canzona/dp/reduce_scatter/bucket<i>`` or ``canzona/dp/all_reduce/bucket<i>``
-     inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
+     phase of its own, ``canzona/dp/reduce_scatter/bucket<i>/wait`` or
+     ``canzona/dp/all_reduce/bucket<i>/wait`` inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
      (sum, then divide by the DP size: exact for power-of-two DP sizes) and point each owned
      master's ``.grad`` at its slice;
    - :meth:`update_bucket` (bucket ``i``): run the local optimizers on the fp32 master copies of
@@ -34,7 +38,7 @@ group. Per iteration:
    - :meth:`scatter_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
      parameter from its owner inside the step (``canzona/layerwise/broadcast``); the
      reduce-scatter strategies run one variable-size all-gather per bucket
-     (``canzona/dp/all_gather/bucket<i>``) right after the optimizer-step phase closes; ``sc``
+     (``canzona/dp/all_gather/bucket<i>/launch`` and ``/wait``) right after the optimizer-step phase closes; ``sc``
      moves nothing. ``param_sync="eager"`` (default) waits for them, so the model holds the new
      values when ``step()`` returns; ``param_sync="lazy"`` launches them asynchronously and a
      forward pre-hook on each module waits for its parameters' buckets only, so the gathers
@@ -84,6 +88,7 @@ from typing import Any
 
 import torch
 
+from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime import faults
 from canzona.runtime.buffer import GradBuffer, local_tensor
@@ -253,7 +258,27 @@ class DPRuntime:
                 )
             self.tp_engine = tp_engine_factory(tp_masters)
         self._works: dict[int, Any] = {}
-        self._shards: dict[int, torch.Tensor] = {}
+        # Reserved once: this rank's reduce-scatter shard of every bucket (the collective receives
+        # into it every step), and each owned piece's gradient as a view into it (or into the
+        # bucket itself under all-reduce), so the step only points ``.grad`` at a ready view.
+        dev = self.buffer.data.device
+        self._shards: dict[int, torch.Tensor] = (
+            {i: torch.empty(s[self.dp_rank], dtype=master_dtype, device=dev) for i, s in enumerate(self._shard_sizes)}
+            if self.reduce_scatter else {}
+        )
+        self._grad_views: list[list[tuple[Piece, torch.Tensor]]] = [
+            [(pc, self._grad_source(i)[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)) for pc in pcs]
+            for i, pcs in enumerate(self.pieces_by_bucket)
+        ]
+        # Reserved once: the all-gather's send buffer of every bucket (this rank's shard, in the
+        # gather dtype) with each owned master's slot in it.
+        self._send: dict[int, torch.Tensor] = {}
+        self._send_views: dict[int, list[torch.Tensor]] = {}
+        if self.reduce_scatter:
+            for i, s in enumerate(self._shard_sizes):
+                buf = torch.empty(s[self.dp_rank], dtype=self.gather_dtype[i], device=dev)
+                self._send[i] = buf
+                self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
@@ -282,12 +307,11 @@ class DPRuntime:
             self._start_collective(i, self.buffer.bucket(i))
 
     def _start_collective(self, i: int, flat: torch.Tensor) -> None:
-        if self.reduce_scatter:
-            with phase(f"{DP_REDUCE_SCATTER}/bucket{i}"):
-                out, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], async_op=True)
-            self._shards[i] = out
-        else:
-            with phase(f"{DP_ALL_REDUCE}/bucket{i}"):
+        name = indexed(self._collective_phase, f"bucket{i}", LAUNCH)
+        with phase(name, bytes=flat.numel() * flat.element_size(), bucket=i, peers=self.dp):
+            if self.reduce_scatter:
+                _, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], out=self._shards[i], async_op=True)
+            else:
                 work = self.comm.all_reduce(flat, async_op=True)
         self._works[i] = work
         self._launched.append(i)
@@ -301,7 +325,6 @@ class DPRuntime:
     def discard_grads(self) -> None:
         """Drop this iteration's gradients (zero_grad): finish in-flight collectives, zero the buffer."""
         self.wait_all()
-        self._shards.clear()
         self._launched.clear()
         self._tp_grads.clear()
         for m in self.masters.values():
@@ -347,18 +370,17 @@ class DPRuntime:
         """Wait for bucket ``i``'s collective (only that one), average it, and hand each owned master
         of the bucket its gradient slice (TP-split pieces are kept for :meth:`compute_tp`)."""
         w = self._works.pop(i, None)
-        # The wait gets the collective's own phase name (inside the step), so traces show per
+        # The wait is the collective's own ``/wait`` range (inside the step), so traces show per
         # bucket how long the step was blocked on it; on NCCL this is host time only (see module doc).
         t0 = time.perf_counter()
-        with phase(f"{self._collective_phase}/bucket{i}"):
+        with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
             if w is not None:
                 w.wait()
         self.bucket_wait_s[i] = time.perf_counter() - t0
         src = self._grad_source(i)
         if self.grad_reduce == "mean" and self.dp > 1:
             src.div_(self.dp)
-        for pc in self.pieces_by_bucket[i]:
-            g = src[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)
+        for pc, g in self._grad_views[i]:
             if pc.role == "tp":
                 self._tp_grads[pc.name] = g
             else:
@@ -393,31 +415,40 @@ class DPRuntime:
         """Params return by ``broadcast`` (``layerwise``): every owner sends its updated parameters to
         all DP ranks, inside the step."""
         works = []
-        with phase(LAYERWISE_BROADCAST), torch.no_grad():
+        nbytes = 0
+        with phase(indexed(LAYERWISE_BROADCAST, stage=LAUNCH), peers=self.dp), torch.no_grad():
             for pp in self._order:
                 local = local_tensor(self.params[pp.name].detach())
                 if pp.dp_owner == self.dp_rank:
                     local.copy_(self.masters[self._whole_pieces[pp.name]])
+                    nbytes += local.numel() * local.element_size()
                 works.append(self.comm.broadcast(local, pp.dp_owner, async_op=True))
-        for w in works:
-            if w is not None:
-                w.wait()
+        with phase(indexed(LAYERWISE_BROADCAST, stage=WAIT), bytes=nbytes, peers=self.dp):
+            for w in works:
+                if w is not None:
+                    w.wait()
 
     def _pack_and_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         sizes = self._shard_sizes[i]
-        send = torch.empty(sizes[self.dp_rank], dtype=self.gather_dtype[i], device=self.buffer.data.device)
-        with torch.no_grad():
-            for pc in self.pieces_by_bucket[i]:
-                send[pc.src : pc.src + pc.numel].copy_(self.masters[pc].reshape(-1))
-        with phase(f"{DP_ALL_GATHER}/bucket{i}"):
+        dtype = self.gather_dtype[i]
+        es = dtype.itemsize
+        with phase(indexed(DP_ALL_GATHER, f"bucket{i}", LAUNCH), bytes=sizes[self.dp_rank] * es, bucket=i, peers=self.dp):
+            send = self._send[i]
+            if self._send_views[i]:
+                with torch.no_grad():
+                    torch._foreach_copy_(self._send_views[i], [self.masters[pc].reshape(-1) for pc in self.pieces_by_bucket[i]])
             return self.comm.all_gather_v(send, sizes, async_op=True)
+
+    def _wait_param_gather(self, i: int, work: Any) -> None:
+        with phase(indexed(DP_ALL_GATHER, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+            if work is not None:
+                work.wait()
 
     def scatter_params(self) -> dict[int, torch.Tensor]:
         """Variable-size all-gather of every bucket's updated values (to the plan's cut points), waited."""
         launched = {i: self._pack_and_launch(i) for i in range(len(self.plan.buckets))}
-        for _, w in launched.values():
-            if w is not None:
-                w.wait()
+        for i, (_, w) in launched.items():
+            self._wait_param_gather(i, w)
         return {i: out for i, (out, _) in launched.items()}
 
     def launch_param_gather(self) -> None:
@@ -437,10 +468,8 @@ class DPRuntime:
         with ctx:
             for i in todo:
                 out, w = self._pending.pop(i)
-                with phase(f"{DP_ALL_GATHER}/bucket{i}"):
-                    if w is not None:
-                        w.wait()
-                    self.apply_params({i: out})
+                self._wait_param_gather(i, w)
+                self.apply_params({i: out})
 
     def install_forward_hooks(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks that finish the pending all-gathers of a module's own parameters'
@@ -475,16 +504,22 @@ class DPRuntime:
 
     def apply_params(self, gathered: Mapping[int, torch.Tensor]) -> None:
         """Write updated values into the model's parameters (in place; DTensor: the local shard)."""
+        # one multi-tensor copy per call instead of a copy_ dispatch per parameter
         with torch.no_grad():
             if self.param_return == "none":
-                for pc in self.pieces:
-                    local_tensor(self.params[pc.name].detach()).copy_(self.masters[pc])
+                if self.pieces:
+                    torch._foreach_copy_([local_tensor(self.params[pc.name].detach()) for pc in self.pieces],
+                                         [self.masters[pc] for pc in self.pieces])
                 return
             for i, flat in gathered.items():
+                dst, src = [], []
                 for n in self.plan.buckets[i].params:
                     pp = self.plan.param(n)
                     local = local_tensor(self.params[n].detach())
-                    local.copy_(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
+                    dst.append(local)
+                    src.append(flat[pp.offset : pp.offset + pp.numel].view(local.shape))
+                if dst:
+                    torch._foreach_copy_(dst, src)
 
     # --------------------------------------------------------------------------------- hyperparameters
     def set_hyperparams(self, role: str, values: Mapping[str, Any]) -> None:

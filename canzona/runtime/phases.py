@@ -9,7 +9,20 @@ Every phase is opened with :func:`phase`, which enters, with the identical strin
 - a :class:`PhaseTimer` when one is active (:func:`timing`): wall time and this thread's CPU
   time per phase name, and the current phase name that communication accounting files bytes under.
 
-Names are defined once in :mod:`canzona.phase_names` (listed in docs/profiling.md); suffixes ``/bucket<i>`` and ``/group<k>`` are appended where useful.
+Names are defined once in :mod:`canzona.phase_names` (listed in docs/profiling.md): ``<base>[/bucket<i>|/group<k>][/launch|/wait]``. An
+asynchronously started collective opens a ``.../launch`` range while it is issued and a
+``.../wait`` range while the caller blocks on it; the timer keeps the two apart (key
+``<base>/launch`` and ``<base>/wait``), so exposed communication (wait time) is never mixed with
+issue cost.
+
+Range arguments. ``phase(name, bytes=..., bucket=..., peers=...)`` attaches small integer or string
+arguments to the range: they appear under ``args`` of the event in a Chrome / TensorBoard trace
+(profile with ``record_shapes=True``; torch records keyword values only then) and as the NVTX
+payload (``bytes``) in nsys. ``torch.profiler.record_function`` drops its ``args`` string from the
+exported trace, so the arguments ride on a second range of the identical name and extent, entered
+with torch's ``_RecordFunctionFast`` (category ``cpu_op``), nested directly inside the
+``user_annotation`` range that trace summaries count. Nothing is formatted or entered when no
+profiler records: the keyword dict is the whole cost.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +60,7 @@ __all__ = [
     "timing",
     "current_phase",
     "base_phase",
+    "timer_key",
 ]
 
 from canzona.phase_names import (  # noqa: E402  (names live in one torch-free module)
@@ -63,19 +78,31 @@ from canzona.phase_names import (  # noqa: E402  (names live in one torch-free m
     TP_GATHER,
     TP_SCATTER,
     base_phase,
+    parse,
 )
+
+# torch's fast record-function carries keyword values into the trace; guard for older builds
+_RecordFunctionFast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+
+
+def timer_key(name: str) -> str:
+    """The :class:`PhaseTimer` key of a phase name: its base, plus ``/launch`` or ``/wait`` for the
+    stages of an asynchronous collective (the bucket/group index is dropped)."""
+    base, _, stage = parse(name)
+    return f"{base}/{stage}" if stage else base
 
 
 @dataclass
 class PhaseTimer:
-    """Accumulated wall and thread-CPU seconds and call counts per (base) phase name."""
+    """Accumulated wall and thread-CPU seconds and call counts per phase, keyed by
+    :func:`timer_key` (base name, with ``/launch`` and ``/wait`` stages kept apart)."""
 
     wall: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     cpu: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, name: str, wall: float, cpu: float) -> None:
-        key = base_phase(name)
+        key = timer_key(name)
         self.wall[key] += wall
         self.cpu[key] += cpu
         self.calls[key] += 1
@@ -110,16 +137,27 @@ def timing(timer: PhaseTimer | None = None) -> Iterator[PhaseTimer]:
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Open the named phase (NVTX range + ``record_function`` + timer); nests freely."""
+def phase(name: str, **args: int | str) -> Iterator[None]:
+    """Open the named phase (NVTX range + ``record_function`` + timer); nests freely.
+
+    ``args`` (e.g. ``bytes=4096, bucket=3, peers=2``) are attached to the range for profilers
+    (see the module docstring); they cost nothing when no profiler records."""
     timer = _timer
     _stack.append(name)
-    rng = _nvtx.annotate(name, domain="canzona") if _nvtx is not None else contextlib.nullcontext()
+    if _nvtx is not None:
+        payload = args.get("bytes")
+        rng: Any = _nvtx.annotate(name, domain="canzona", payload=payload if isinstance(payload, int) else None)
+    else:
+        rng = contextlib.nullcontext()
     # record_function costs ~6 us even with no profiler attached; enter it only when one records.
-    rf = torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+    recording = torch.autograd._profiler_enabled()
+    rf: Any = torch.profiler.record_function(name) if recording else contextlib.nullcontext()
+    fast: Any = (
+        _RecordFunctionFast(name, [], args) if recording and args and _RecordFunctionFast is not None else contextlib.nullcontext()
+    )
     t0, c0 = time.perf_counter(), time.thread_time()
     try:
-        with rng, rf:
+        with rng, rf, fast:
             yield
     finally:
         if timer is not None:

@@ -22,23 +22,32 @@ Which parameters a TP group handles is decided by DP ownership (the caller passe
 masters of the TP-split matrix parameters its DP rank updates); which TP rank hosts each one, and
 how tasks batch, by the plan's micro-groups for that DP rank. The engine never re-plans.
 
-Overlap. Group k+1's gather is launched (``async_op=True``) before group k's compute, so one
-exchange is always in flight while a host computes (two gather buffers alive at most). On NCCL
-the all-to-all runs on its own CUDA stream and overlaps the host's Newton-Schulz / eigh kernels
-for real. On gloo an async collective runs on the process group's worker thread, so it overlaps
-the compute only as far as free CPU cores allow (with one core per rank, as in the tests, the
-overlap is mostly nominal: the exchange and the compute share the core). The scatter of group k is
-waited for before group k+1's compute, because the next step's forward needs every slice anyway
-and the per-group apply keeps the receive buffer short-lived. Because of the prefetch, the gather
-phase of a group is entered twice (launch, then wait), so ``PhaseTimer`` counts two gather
-entries per group; ``CommStats`` counts one collective per group.
+Overlap (the schedule is :func:`pipeline`, recorded per step in ``TPEngine.last_events``). While
+group k computes, gather k+1 and scatter k-1 are in flight; group k-1's values are applied
+right after compute k, when its scatter has had a whole compute to land, and scatter k is then
+launched to land during compute k+1. Every exchange is ``async_op=True`` with its own
+``.../launch`` and ``.../wait`` phase ranges (``canzona/tp/scatter/group3/wait``), so a trace shows
+how long the host was really blocked (exposed communication) apart from issue cost. On NCCL the
+all-to-alls run on NCCL's stream and ``wait`` only orders the compute stream after them, so the
+host's Newton-Schulz / eigh kernels overlap the exchanges for real. On gloo an async collective
+runs on the process group's worker threads, so it overlaps the compute only as far as free CPU
+cores allow (with one core per rank, as in the tests, the exchange and the compute share it).
+``PhaseTimer`` keys the stages apart (``canzona/tp/gather/launch``, ``canzona/tp/gather/wait``);
+``CommStats`` counts one collective per exchange under the base name. The compute phase of a
+group is entered twice: once to copy the gathered shards out of the gather slot (which the next
+gather reuses at once), once for the optimizer.
 
-Memory. ``state_bytes()`` is this rank's optimizer-state bytes (full-shape state of the tasks it
-hosts); ``peak_exchange_bytes`` the largest single exchange buffer of one group on this rank
-(gather send/receive, scatter send/receive). The plan's C_max bounds the bytes of full gradient
-a host receives per group, hence the receive buffer; the send buffer holds one shard of each task
-of the group, i.e. a 1/tp share of every host's bytes, so it is bounded by C_max too. Only a task
-larger than C_max by itself (given its own group by the planner, with a warning) exceeds it.
+Memory. Two exchange slots are reserved at construction and reused by every group of every step
+(:class:`ExchangeSlots`, ``reserved_exchange_bytes``): the gather slot (shard-side send buffer,
+full-side receive buffer) and the scatter slot (full-side send, shard-side receive), each buffer
+as long as the largest group needs. ``state_bytes()`` is this rank's optimizer-state bytes
+(full-shape state of the tasks it hosts); ``peak_exchange_bytes`` the largest single exchange
+buffer of one group on this rank. The plan's C_max bounds the bytes of full gradient a host
+receives per group, hence every full-side buffer; a shard-side buffer holds one shard of each task
+of the group, a 1/tp share of every host's bytes, so it is bounded by C_max too. Only a task larger
+than C_max by itself (given its own group by the planner, with a warning) exceeds it. What is
+still allocated per group: the full gradients unpacked on the host (they become ``.grad`` of the
+full masters and must outlive the gather slot's reuse) and, under ``sync``, each rank's full copies.
 
 Byte accounting comes from :class:`canzona.runtime.comm.Comm` (files bytes under the open phase).
 Construction assembles full masters with one exchange per group outside any phase (filed under
@@ -47,6 +56,7 @@ Construction assembles full masters with one exchange per group outside any phas
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +68,7 @@ from torch import nn
 from canzona.plan.plan import Plan
 from canzona.runtime import faults
 from canzona.runtime.comm import Comm
+from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
 
 __all__ = [
@@ -71,6 +82,8 @@ __all__ = [
     "unpack_scatter",
     "all_to_all_reference",
     "sync_groups",
+    "pipeline",
+    "ExchangeSlots",
 ]
 
 
@@ -95,10 +108,13 @@ def _hosted(tasks: Sequence[TPTask], rank: int) -> list[TPTask]:
     return [t for t in tasks if t.host == rank]
 
 
-def _flat_cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([p.reshape(-1) for p in parts])
+def _into(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``out[:numel]`` (a reserved exchange buffer), or a fresh buffer when ``out`` is None."""
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if out.numel() < numel or out.dtype != dtype or out.dim() != 1:
+        raise ValueError(f"exchange buffer of {out.numel()} {out.dtype} elements cannot hold {numel} {dtype}")
+    return out[:numel]
 
 
 def pack_gather(
@@ -108,20 +124,27 @@ def pack_gather(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Send buffer of the gather all-to-all: this rank's shard of each task, grouped by destination
-    host (rank order), tasks in group order within a host. Returns (flat buffer, send split sizes)."""
-    parts: list[torch.Tensor] = []
+    host (rank order), tasks in group order within a host. Returns (flat buffer, send split sizes).
+    With ``out`` (a 1-D buffer of ``dtype`` at least that long) the shards are copied into its front."""
+    order: list[TPTask] = []
     sizes: list[int] = []
     for dest in range(tp):
         mine = _hosted(tasks, dest)
-        for t in mine:
-            s = shards[t.name]
-            if tuple(s.shape) != t.local_shape:
-                raise ValueError(f"{t.name}: shard has shape {tuple(s.shape)}, expected {t.local_shape}")
-            parts.append(s.to(dtype))
+        order.extend(mine)
         sizes.append(sum(t.local_numel for t in mine))
-    return _flat_cat(parts, dtype, device), sizes
+    for t in order:
+        s = shards[t.name]
+        if tuple(s.shape) != t.local_shape:
+            raise ValueError(f"{t.name}: shard has shape {tuple(s.shape)}, expected {t.local_shape}")
+    buf = _into(out, sum(sizes), dtype, device)
+    off = 0
+    for t in order:
+        buf[off : off + t.local_numel].view(t.local_shape).copy_(shards[t.name])
+        off += t.local_numel
+    return buf, sizes
 
 
 def gather_recv_sizes(tasks: Sequence[TPTask], rank: int, tp: int) -> list[int]:
@@ -160,16 +183,20 @@ def pack_scatter(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Send buffer of the scatter all-to-all on host ``rank``: for each destination rank (in order),
-    that rank's slice of each hosted task's full tensor (group order). Values are copied."""
+    that rank's slice of each hosted task's full tensor (group order). Values are copied (into the
+    front of ``out`` when given)."""
     mine = _hosted(tasks, rank)
-    parts: list[torch.Tensor] = []
+    block = sum(t.local_numel for t in mine)
+    buf = _into(out, block * tp, dtype, device)
+    off = 0
     for dest in range(tp):
         for t in mine:
-            parts.append(full[t.name].chunk(tp, dim=t.tp_dim)[dest].to(dtype))
-    block = sum(t.local_numel for t in mine)
-    return _flat_cat(parts, dtype, device), [block] * tp
+            buf[off : off + t.local_numel].view(t.local_shape).copy_(full[t.name].chunk(tp, dim=t.tp_dim)[dest])
+            off += t.local_numel
+    return buf, [block] * tp
 
 
 def scatter_recv_sizes(tasks: Sequence[TPTask], rank: int, tp: int) -> list[int]:
@@ -229,6 +256,82 @@ class _Group:
     send_bytes: int  # gather send buffer on this rank (= scatter receive)
     recv_bytes: int  # gather receive buffer on this rank (= scatter send)
 
+    @property
+    def phase_index(self) -> str:
+        return f"group{self.index}"
+
+
+#: Events of one step, in the order :meth:`TPEngine.step` runs them (see :func:`pipeline`).
+GATHER_LAUNCH, GATHER_WAIT, COMPUTE, SCATTER_LAUNCH, SCATTER_WAIT, APPLY = (
+    "gather/launch",
+    "gather/wait",
+    "compute",
+    "scatter/launch",
+    "scatter/wait",
+    "apply",
+)
+
+
+def pipeline(n_groups: int, *, sync: bool = False) -> list[tuple[str, int]]:
+    """The engine's schedule for ``n_groups`` micro-groups: ``(event, group)`` in execution order.
+
+    Two exchange slots, each reserved once: the *gather slot* (shard-side send, full-side
+    receive) and the *scatter slot* (full-side send, shard-side receive). At most one collective
+    is in flight per slot, so at most two groups' exchanges are in flight at any time and the
+    reserved exchange memory is two slots, each buffer bounded by C_max (Algorithm 2's bound on one
+    group's bytes per host). Per group ``k``:
+
+    1. wait for gather ``k`` (it was launched during the previous group);
+    2. launch gather ``k+1`` into the gather slot, just freed: it is in flight while ``k`` computes;
+    3. compute ``k`` (the host's optimizer step on full tensors);
+    4. wait for scatter ``k-1`` and apply its values (it was in flight during compute ``k``), which
+       frees the scatter slot;
+    5. launch scatter ``k`` into it: it lands while group ``k+1`` computes.
+
+    After the last group, the last scatter is waited for and applied. ``sync`` (the SC and
+    NV-layerwise baselines: all-gather, every rank computes everything) has no scatter: each group
+    applies its own slices right after its compute.
+    """
+    ev: list[tuple[str, int]] = []
+    if n_groups <= 0:
+        return ev
+    ev.append((GATHER_LAUNCH, 0))
+    for k in range(n_groups):
+        ev.append((GATHER_WAIT, k))
+        if k + 1 < n_groups:
+            ev.append((GATHER_LAUNCH, k + 1))
+        ev.append((COMPUTE, k))
+        if sync:
+            ev.append((APPLY, k))
+            continue
+        if k > 0:
+            ev += [(SCATTER_WAIT, k - 1), (APPLY, k - 1)]
+        ev.append((SCATTER_LAUNCH, k))
+    if not sync:
+        ev += [(SCATTER_WAIT, n_groups - 1), (APPLY, n_groups - 1)]
+    return ev
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSlots:
+    """The engine's exchange buffers, reserved once and reused by every group of every step.
+
+    ``shard`` buffers hold one TP-local shard per task of a group (gather send, scatter receive),
+    ``full`` buffers a group's full tensors on their host (gather receive, scatter send); each is as
+    long as the largest group needs. ``sync`` has no scatter slot (empty tensors)."""
+
+    gather_shard: torch.Tensor
+    gather_full: torch.Tensor
+    scatter_full: torch.Tensor
+    scatter_shard: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.gather_shard, self.gather_full, self.scatter_full, self.scatter_shard)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
 
 class TPEngine:
     """Section 4's TP optimizer step for one DP rank's TP group (see the module docstring).
@@ -267,7 +370,7 @@ class TPEngine:
         self._device = next(iter(local_masters.values())).device if local_masters else torch.device("cpu")
         order = {p.name: i for i, p in enumerate(plan.params)}
         names = sorted(local_masters, key=order.__getitem__)
-        es = torch.empty(0, dtype=self._dtype).element_size()
+        es = self._es = torch.empty(0, dtype=self._dtype).element_size()
 
         def task(name: str, host: int) -> TPTask:
             spec = by_name[name].spec
@@ -294,6 +397,21 @@ class TPEngine:
         self.hosted: tuple[str, ...] = tuple(n for g in self.groups for n in g.hosted)
         #: largest single exchange buffer (bytes) of one group on this rank
         self.peak_exchange_bytes: int = max((max(g.send_bytes, g.recv_bytes) for g in self.groups), default=0)
+        #: the schedule :meth:`step` runs (see :func:`pipeline`)
+        self.schedule_events: tuple[tuple[str, int], ...] = tuple(pipeline(len(self.groups), sync=self.sync))
+        shard_n = max((g.send_bytes for g in self.groups), default=0) // es
+        full_n = max((g.recv_bytes for g in self.groups), default=0) // es
+
+        def reserve(n: int) -> torch.Tensor:
+            return torch.empty(n, dtype=self._dtype, device=self._device)
+
+        #: exchange buffers reserved once (two slots; ``reserved_exchange_bytes`` in total)
+        self.slots = ExchangeSlots(
+            reserve(shard_n), reserve(full_n), reserve(0 if self.sync else full_n), reserve(0 if self.sync else shard_n)
+        )
+        self.reserved_exchange_bytes: int = self.slots.nbytes
+        #: ``(event, group)`` as the last :meth:`step` executed them (equals ``schedule_events``)
+        self.last_events: list[tuple[str, int]] = []
         self.masters: dict[str, nn.Parameter] = {}
         self.refresh_masters()
         params = [self.masters[n] for n in self.hosted]
@@ -338,11 +456,14 @@ class TPEngine:
     @torch.no_grad()
     def refresh_masters(self) -> None:
         """(Re)assemble the full-shape masters hosted here from every rank's ``local_masters``
-        (one exchange per group). Called at construction; call it again after overwriting
-        ``local_masters`` from outside (e.g. a checkpoint load). Optimizer state is kept."""
+        (one exchange per group, through the gather slot). Called at construction; call it again
+        after overwriting ``local_masters`` from outside (e.g. a checkpoint load). Optimizer state
+        is kept."""
         for g in self.groups:
-            full = self._wait(self._launch_gather(g, self.local_masters))
-            for name, t in full.items():
+            work = self._launch_gather(g, self.local_masters)
+            if work is not None:
+                work.wait()
+            for name, t in self._unpack_gather(g).items():
                 if name in self.masters:
                     self.masters[name].copy_(t)
                 else:
@@ -351,28 +472,53 @@ class TPEngine:
     # ------------------------------------------------------------------------- the step
     def step(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         """One optimizer step: gather -> compute -> scatter -> apply per micro-group, in plan order,
-        with the next group's gather in flight during each compute."""
+        pipelined as :func:`pipeline` says (gather ``k+1`` and scatter ``k-1`` in flight while
+        group ``k`` computes)."""
         self._check_grads(local_grads)
-        n = len(self.groups)
-        if n == 0:
-            return
-        with phase(f"{TP_GATHER}/group0"):
-            pending = self._launch_gather(self.groups[0], local_grads)
-        for k, g in enumerate(self.groups):
-            with phase(f"{TP_GATHER}/group{k}"):
-                full_grads = self._wait(pending)
-            if k + 1 < n:
-                with phase(f"{TP_GATHER}/group{k + 1}"):
-                    pending = self._launch_gather(self.groups[k + 1], local_grads)
-            with phase(f"{TP_COMPUTE}/group{k}"):
-                updated = self._compute(g, full_grads)
-            if self.sync:
-                shards = self._own_slices(g, updated)
-            else:
-                with phase(f"{TP_SCATTER}/group{k}"):
-                    shards = self._scatter(g, updated)
-            with phase(f"{TP_APPLY}/group{k}"):
-                self._apply(shards)
+        self.last_events = events = []
+        groups = self.groups
+        works: dict[tuple[str, int], Any] = {}
+        full_grads: dict[str, torch.Tensor] = {}
+        updated: dict[str, torch.Tensor] = {}
+        try:
+            for ev, k in self.schedule_events:
+                g = groups[k]
+                events.append((ev, k))
+                if ev == GATHER_LAUNCH:
+                    with phase(indexed(TP_GATHER, g.phase_index, LAUNCH), bytes=g.send_bytes, group=k, peers=self.tp):
+                        works[GATHER_WAIT, k] = self._launch_gather(g, local_grads)
+                elif ev == GATHER_WAIT:
+                    with phase(indexed(TP_GATHER, g.phase_index, WAIT), bytes=g.recv_bytes, group=k, peers=self.tp):
+                        self._wait(works.pop((GATHER_WAIT, k)))
+                    # unpacking copies out of the gather slot, which the next launch reuses at once
+                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                        full_grads = self._unpack_gather(g)
+                elif ev == COMPUTE:
+                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                        updated = self._compute(g, full_grads)
+                    full_grads = {}
+                elif ev == SCATTER_LAUNCH:
+                    with phase(indexed(TP_SCATTER, g.phase_index, LAUNCH), bytes=g.recv_bytes, group=k, peers=self.tp):
+                        works[SCATTER_WAIT, k] = self._launch_scatter(g, updated)
+                    updated = {}
+                elif ev == SCATTER_WAIT:
+                    with phase(indexed(TP_SCATTER, g.phase_index, WAIT), bytes=g.send_bytes, group=k, peers=self.tp):
+                        self._wait(works.pop((SCATTER_WAIT, k)))
+                else:  # APPLY
+                    with phase(indexed(TP_APPLY, g.phase_index)):
+                        if self.sync:
+                            self._apply(self._own_slices(g, updated))
+                            updated = {}
+                        else:
+                            self._apply(unpack_scatter(self._scatter_recv(g), g.tasks, self.tp_rank, self.tp))
+        except BaseException:
+            # Exchanges still in flight write into the reserved slots: let them land before the
+            # error leaves, so a later step never shares a buffer with a stale collective. Every
+            # peer launched them before its own compute, so these waits cannot hang on a live group.
+            for w in works.values():
+                with contextlib.suppress(Exception):
+                    self._wait(w)
+            raise
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):
@@ -383,26 +529,38 @@ class TPEngine:
             if tuple(g.shape) != tuple(self.local_masters[name].shape):
                 raise ValueError(f"{name}: gradient shard has shape {tuple(g.shape)}, expected {tuple(self.local_masters[name].shape)}")
 
-    def _launch_gather(self, g: _Group, shards: Mapping[str, torch.Tensor]) -> tuple[_Group, torch.Tensor, Any]:
-        """Start the group's gather (async): all-to-all to hosts, or an all-gather under ``sync``."""
-        device = self._device
-        if self.sync:
-            flat = _flat_cat([shards[t.name].to(self._dtype) for t in g.tasks], self._dtype, device)
-            out, work = self.comm.all_gather_equal(flat, async_op=True)
-            return g, out, work
-        send, send_sizes = pack_gather(g.tasks, shards, self.tp, dtype=self._dtype, device=device)
-        recv_sizes = gather_recv_sizes(g.tasks, self.tp_rank, self.tp)
-        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes, async_op=True)
-        return g, out, work
-
-    def _wait(self, pending: tuple[_Group, torch.Tensor, Any]) -> dict[str, torch.Tensor]:
-        """Finish a gather; return the full tensors of the group's tasks computed on this rank."""
-        g, out, work = pending
+    @staticmethod
+    def _wait(work: Any) -> None:
+        # NCCL: makes the current stream wait for the collective's stream (host does not block);
+        # gloo: blocks this thread until the worker thread has finished the transfer.
         if work is not None:
             work.wait()
+
+    def _launch_gather(self, g: _Group, shards: Mapping[str, torch.Tensor]) -> Any:
+        """Pack the group's shards into the gather slot and start its collective (async): the
+        all-to-all to hosts, or the all-gather under ``sync``. Returns the work handle."""
+        slots = self.slots
         if self.sync:
-            return _assemble(out, g.tasks, self.tp)
-        return unpack_gather(out, g.tasks, self.tp_rank, self.tp)
+            n = g.send_bytes // self._es
+            flat = slots.gather_shard[:n]
+            off = 0
+            for t in g.tasks:
+                flat[off : off + t.local_numel].view(t.local_shape).copy_(shards[t.name])
+                off += t.local_numel
+            _, work = self.comm.all_gather_equal(flat, out=slots.gather_full[: n * self.tp], async_op=True)
+            return work
+        send, send_sizes = pack_gather(g.tasks, shards, self.tp, dtype=self._dtype, out=slots.gather_shard)
+        recv_sizes = gather_recv_sizes(g.tasks, self.tp_rank, self.tp)
+        out = slots.gather_full[: sum(recv_sizes)]
+        _, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes, out=out, async_op=True)
+        return work
+
+    def _unpack_gather(self, g: _Group) -> dict[str, torch.Tensor]:
+        """Full tensors (fresh copies) of the group's tasks computed on this rank, from the gather slot."""
+        recv = self.slots.gather_full[: g.recv_bytes // self._es]
+        if self.sync:
+            return _assemble(recv, g.tasks, self.tp)
+        return unpack_gather(recv, g.tasks, self.tp_rank, self.tp)
 
     def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host side: run the optimizer on this group's full masters only. Other hosted params have
@@ -414,21 +572,25 @@ class TPEngine:
         for name, p in zip(g.hosted, params):
             p.grad = full_grads[name].to(p.dtype)
         assert self.optimizer is not None
-        with faults.around_step(self.optimizer, zip(g.hosted, params)):
-            self.optimizer.step()
-        for p in params:
-            p.grad = None
+        try:
+            with faults.around_step(self.optimizer, zip(g.hosted, params)):
+                self.optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None
         return {n: self.masters[n].detach() for n in g.hosted}
 
-    def _scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Return updated slices (values) from hosts to every TP rank with one fused all-to-all."""
-        device = self._device
-        send, send_sizes = pack_scatter(g.tasks, updated, self.tp_rank, self.tp, dtype=self._dtype, device=device)
+    def _launch_scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> Any:
+        """Pack this host's updated values into the scatter slot and start the fused all-to-all back
+        to every TP rank (async). Values, never deltas."""
+        slots = self.slots
+        send, send_sizes = pack_scatter(g.tasks, updated, self.tp_rank, self.tp, dtype=self._dtype, out=slots.scatter_full)
         recv_sizes = scatter_recv_sizes(g.tasks, self.tp_rank, self.tp)
-        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes)
-        if work is not None:
-            work.wait()
-        return unpack_scatter(out, g.tasks, self.tp_rank, self.tp)
+        _, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes, out=self._scatter_recv(g), async_op=True)
+        return work
+
+    def _scatter_recv(self, g: _Group) -> torch.Tensor:
+        return self.slots.scatter_shard[: g.send_bytes // self._es]
 
     def _own_slices(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {t.name: updated[t.name].chunk(self.tp, dim=t.tp_dim)[self.tp_rank] for t in g.tasks}

@@ -1,0 +1,101 @@
+"""Canzona vs torch DDP + torch.optim.Muon, side by side in one invocation.
+
+Cases (each variant in fresh processes, gloo on CPU with one thread per rank, or NCCL with
+``--backend nccl`` on GPUs):
+
+- ``stack-w2``, ``stack-w4``: a stack of 384 x 384 bias-free linears (``--depth``), batch 16 per
+  rank, DP = world: an optimizer-bound model where Canzona's partitioning should pay;
+- ``qwen3-w4``: the tiny Qwen3, canzona at dp2 x tp2 (TP engine), DDP at dp4 (the ordinary way);
+- ``tiny-w2``: 500 parameters of 4 x 4, where compute is negligible: the per-parameter Python
+  overhead of a step (``us/param`` column = step time / parameter count).
+
+Variants: ``ddp`` (DDP + torch.optim.Muon on every rank), canzona ``sc``, ``layerwise``, ``asc``,
+``lb-asc``. Printed per variant: median step time (slowest rank), optimizer time, exposed
+communication, bytes sent per step (all ranks), peak memory per rank, ratios to DDP, and the goals
+(lb-asc <= 0.58 x DDP at world 2, <= 0.35 x at world 4; sc within 1.05 x). The definitions are in
+``canzona/profiling/vs_torch.py``.
+
+Run from the repository root::
+
+    .venv/bin/python profiling/bench_vs_torch.py                       # every case
+    .venv/bin/python profiling/bench_vs_torch.py --cases stack-w2 --steps 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from canzona.profiling.vs_torch import VARIANTS, Case, as_dicts, format_table, run_case
+
+__all__ = ["main", "CASES"]
+
+GOALS = {2: 0.58, 4: 0.35}
+
+
+def CASES(depth: int, steps: int, warmup: int) -> dict[str, Case]:  # noqa: N802 - a table, read like a constant
+    return {
+        "stack-w2": Case("stack-w2", "stack", 2, depth=depth, steps=steps, warmup=warmup),
+        "stack-w4": Case("stack-w4", "stack", 4, depth=depth, steps=steps, warmup=warmup),
+        "qwen3-w4": Case("qwen3-w4", "qwen3", 4, tp=2, batch=4, seq_len=32, steps=steps, warmup=warmup, bucket_numel=40_000),
+        "tiny-w2": Case("tiny-w2", "stack", 2, depth=500, width=4, steps=steps, warmup=warmup, bucket_numel=2_000),
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="stack-w2,stack-w4,qwen3-w4,tiny-w2")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--depth", type=int, default=8, help="linears in the stack cases (default 8)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    return p.parse_args(argv)
+
+
+def _verdicts(results: list, world: int) -> list[str]:
+    by = {r.variant: r for r in results}
+    out = []
+    for variant, goal in (("lb-asc", GOALS.get(world)), ("sc", 1.05)):
+        if variant in by and "ddp" in by and goal is not None:
+            x, c = by[variant].ratios["step"], by[variant].ratios["step_cpu"]
+            out.append(f"  goal {variant} <= {goal:.2f} x DDP step time: {x:.2f} x wall -> {'met' if x <= goal else 'MISSED'} "
+                       f"({c:.2f} x in CPU time)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    table = CASES(args.depth, args.steps, args.warmup)
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in names if c not in table]
+    variants = tuple(v for v in args.variants.split(",") if v)
+    bad = [v for v in variants if v not in VARIANTS]
+    if unknown or bad or args.steps < 1 or args.warmup < 0 or args.depth < 1:
+        print(f"bench_vs_torch: unknown cases {unknown} / variants {bad}, or steps/warmup/depth out of range", file=sys.stderr)
+        return 2
+    everything = []
+    for name in names:
+        case = table[name]
+        case = Case(**{**{f: getattr(case, f) for f in case.__dataclass_fields__}, "variants": variants})
+        results = run_case(case, backend=args.backend, timeout_s=args.timeout_s)
+        mesh = f"dp{case.dp} x tp{case.tp} (DDP dp{case.world})" if case.tp > 1 else f"dp{case.world}"
+        print(format_table(results, title=f"{name}: {case.model}, world {case.world}, {mesh}, {args.backend}, "
+                                          f"median of {case.steps} steps after {case.warmup}"))
+        if case.model == "stack" and case.width > 16:
+            print("\n".join(_verdicts(results, case.world)))
+        print()
+        everything += as_dicts(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

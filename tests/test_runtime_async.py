@@ -1,0 +1,287 @@
+"""The asynchronous runtime: the TP engine's explicit schedule, reserved exchange buffers,
+launch/wait phase ranges with profiler arguments, and backend-chosen collectives.
+
+The multi-process part runs once (module-scoped fixture, world 2, gloo) and each test asserts on
+its own part of the result.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from canzona.config import load_model_config
+from canzona.phase_names import LAUNCH, WAIT, parse
+from canzona.plan import PlanInputs, make_plan
+from canzona.runtime import phases
+from canzona.runtime.launch import run_workers
+from canzona.runtime.phases import PhaseTimer, phase, timing
+from canzona.runtime.tp import (
+    APPLY,
+    COMPUTE,
+    GATHER_LAUNCH,
+    GATHER_WAIT,
+    SCATTER_LAUNCH,
+    SCATTER_WAIT,
+    pipeline,
+)
+from canzona.specs import specs_from_config
+
+CFG = load_model_config("qwen3-tiny")
+STEPS = 3
+
+
+# =========================================================================== the schedule (pure)
+
+
+def _in_flight(events: list[tuple[str, int]]) -> list[tuple[set[int], set[int]]]:
+    """Gathers and scatters in flight after each event."""
+    g: set[int] = set()
+    s: set[int] = set()
+    out = []
+    for ev, k in events:
+        {GATHER_LAUNCH: g.add, GATHER_WAIT: g.discard, SCATTER_LAUNCH: s.add, SCATTER_WAIT: s.discard}.get(ev, lambda _k: None)(k)
+        out.append((set(g), set(s)))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_pipeline_is_complete_ordered_and_bounded(n: int) -> None:
+    ev = pipeline(n)
+    pos = {e: i for i, e in enumerate(ev)}
+    assert len(ev) == len(pos) == 6 * n  # every event once per group
+    for k in range(n):
+        chain = [GATHER_LAUNCH, GATHER_WAIT, COMPUTE, SCATTER_LAUNCH, SCATTER_WAIT, APPLY]
+        assert [pos[c, k] for c in chain] == sorted(pos[c, k] for c in chain), k
+        if k + 1 < n:
+            # gather k+1 is in flight while group k computes ...
+            assert pos[GATHER_LAUNCH, k + 1] < pos[COMPUTE, k] < pos[GATHER_WAIT, k + 1]
+        if k >= 1:
+            # ... and so is scatter k-1, applied right after compute k
+            assert pos[SCATTER_LAUNCH, k - 1] < pos[COMPUTE, k] < pos[SCATTER_WAIT, k - 1]
+            assert pos[APPLY, k - 1] < pos[SCATTER_LAUNCH, k]
+    # one collective per slot at a time: the two reserved slots suffice
+    for gathers, scatters in _in_flight(ev):
+        assert len(gathers) <= 1 and len(scatters) <= 1
+
+
+def test_pipeline_sync_has_no_scatter() -> None:
+    ev = pipeline(3, sync=True)
+    assert {e for e, _ in ev} == {GATHER_LAUNCH, GATHER_WAIT, COMPUTE, APPLY}
+    assert ev.index((GATHER_LAUNCH, 1)) < ev.index((COMPUTE, 0))
+    assert ev.index((APPLY, 0)) == ev.index((COMPUTE, 0)) + 1
+    assert pipeline(0) == [] and pipeline(0, sync=True) == []
+
+
+# =========================================================================== phases (no processes)
+
+
+def test_timer_keeps_launch_and_wait_apart() -> None:
+    timer = PhaseTimer()
+    with timing(timer):
+        for k in range(2):
+            with phase(f"canzona/tp/scatter/group{k}/launch", bytes=8, group=k, peers=2):
+                pass
+            with phase(f"canzona/tp/scatter/group{k}/wait"):
+                pass
+        with phase("canzona/tp/compute/group0"):
+            pass
+    assert timer.calls == {"canzona/tp/scatter/launch": 2, "canzona/tp/scatter/wait": 2, "canzona/tp/compute": 1}
+
+
+def test_phase_args_cost_nothing_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_a: object, **_k: object) -> None:
+        raise AssertionError("a profiler range was entered with no profiler recording")
+
+    monkeypatch.setattr(phases, "_RecordFunctionFast", boom)
+    monkeypatch.setattr(torch.profiler, "record_function", boom)
+    with phase("canzona/dp/all_gather/bucket0/launch", bytes=1 << 20, bucket=0, peers=4):
+        pass
+
+
+def test_phase_args_reach_the_chrome_trace(tmp_path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    name = "canzona/dp/reduce_scatter/bucket2/launch"
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with phase(name, bytes=4096, bucket=2, peers=4):
+            torch.ones(3).sum()
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == name]
+    cats = {e.get("cat") for e in events}
+    assert "user_annotation" in cats, cats  # the range trace summaries count
+    with_args = [e for e in events if "bytes" in e.get("args", {})]
+    assert len(with_args) == 1
+    assert {k: with_args[0]["args"][k] for k in ("bytes", "bucket", "peers")} == {"bytes": 4096, "bucket": 2, "peers": 4}
+
+
+# =========================================================================== distributed (world 2)
+
+
+def _plan(cmax: int):
+    specs = specs_from_config(CFG, tp=2, layout="hf")
+    inputs = PlanInputs(
+        model=CFG.name, layout="hf", dp=1, tp=2, optimizer="muon", strategy="lb-asc",
+        tp_schedule="lpt", bucket_numel=20_000, cmax_bytes=cmax,
+    )
+    return make_plan(specs, inputs)
+
+
+def _grad(name: str, shape: tuple[int, ...], step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
+    return torch.randint(-8, 8, shape, generator=gen).to(torch.float32) * 2.0**-4
+
+
+def _async_worker(rank: int, world: int, trace_dir: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    import canzona
+    from canzona.models import Qwen3
+    from canzona.optim import Muon
+    from canzona.runtime.comm import Comm
+    from canzona.runtime.tp import TPEngine
+    from canzona.testing import ToyModel, inject_grads, integer_grads
+
+    out: dict = {}
+    plan = _plan(cmax=50_000)  # several micro-groups
+    comm = Comm(None)
+    full = {n: p.detach().clone() for n, p in Qwen3(CFG, seed=5).named_parameters()}
+    mine = [p for p in plan.params if p.spec.kind == "matrix" and p.spec.tp_split]
+    local = {p.name: full[p.name].chunk(2, dim=p.spec.tp_dim)[rank].clone() for p in mine}
+
+    def factory(ps):
+        return Muon(ps, lr=0.02, weight_decay=0.01)
+
+    engine = TPEngine(plan, dp_rank=0, comm=comm, optimizer_factory=factory, local_masters=local)
+    # record the buffers every exchange sends from and receives into
+    calls: list[tuple[str, int, int]] = []
+    a2a = comm.all_to_all_v
+
+    def recording(send, send_sizes, recv_sizes, *, out=None, async_op=False):
+        res, work = a2a(send, send_sizes, recv_sizes, out=out, async_op=async_op)
+        calls.append(("a2a" if async_op else "a2a-sync", send.data_ptr(), res.data_ptr()))
+        return res, work
+
+    comm.all_to_all_v = recording  # type: ignore[method-assign]
+    ref = {p.name: torch.nn.Parameter(full[p.name].clone()) for p in mine}
+    ref_opt = factory(list(ref.values()))
+    per_step_ptrs, events = [], []
+    for step in range(STEPS):
+        calls.clear()
+        grads = {p.name: _grad(p.name, p.spec.shape, step).chunk(2, dim=p.spec.tp_dim)[rank].clone() for p in mine}
+        if step == STEPS - 1:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                engine.step(grads)
+            prof.export_chrome_trace(str(Path(trace_dir) / f"tp{rank}.json"))
+        else:
+            engine.step(grads)
+        per_step_ptrs.append(sorted({(p, q) for _, p, q in calls}))
+        events.append(list(engine.last_events))
+        for p in mine:
+            ref[p.name].grad = _grad(p.name, p.spec.shape, step)
+        ref_opt.step()
+    slot_ptrs = sorted(t.data_ptr() for t in engine.slots.tensors() if t.numel())
+    out["tp"] = {
+        "n_groups": len(engine.groups),
+        "events": events,
+        "schedule": list(engine.schedule_events),
+        "ptrs": per_step_ptrs,
+        "slot_ptrs": slot_ptrs,
+        "all_async": all(kind == "a2a" for kind, _, _ in calls),
+        "reserved": engine.reserved_exchange_bytes,
+        "peak": engine.peak_exchange_bytes,
+        "cmax": plan.inputs.cmax_bytes,
+        "exact": all(torch.equal(local[p.name], ref[p.name].detach().chunk(2, dim=p.spec.tp_dim)[rank]) for p in mine),
+    }
+
+    # DP side: launch/wait ranges with arguments in a real step's trace
+    model = ToyModel()
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", bucket_numel=40)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        inject_grads(model, integer_grads(model, step=0, rank=rank))
+        opt.step()
+    prof.export_chrome_trace(str(Path(trace_dir) / f"dp{rank}.json"))
+    out["dp_times"] = sorted(opt.phase_times.as_dict())
+    out["dp_buckets"] = len(opt.plan.buckets)
+
+    # uneven all-gather into a caller's buffer
+    sizes = [3, 2]
+    mine_t = torch.arange(sizes[rank], dtype=torch.float32) + 10 * rank
+    buf = torch.full((sum(sizes),), -1.0)
+    got, work = Comm(None).all_gather_v(mine_t, sizes, out=buf, async_op=True)
+    work.wait()
+    out["ag"] = (got.data_ptr() == buf.data_ptr(), got.tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    d = tmp_path_factory.mktemp("async")
+    return run_workers(_async_worker, 2, str(d), timeout_s=150), d
+
+
+@pytest.mark.slow
+def test_engine_runs_the_pipeline_and_stays_exact(async_run) -> None:
+    res, _ = async_run
+    for r in res:
+        tp = r["tp"]
+        assert tp["n_groups"] >= 3, "the case needs several micro-groups"
+        assert [tuple(e) for e in tp["schedule"]] == pipeline(tp["n_groups"])
+        for ev in tp["events"]:
+            assert [tuple(e) for e in ev] == pipeline(tp["n_groups"])
+        assert tp["all_async"], "every exchange of a step must be started asynchronously"
+        assert tp["exact"], "the pipelined engine differs from single-device Muon"
+
+
+@pytest.mark.slow
+def test_exchange_buffers_are_reserved_once_and_reused(async_run) -> None:
+    res, _ = async_run
+    for r in res:
+        tp = r["tp"]
+        # every step exchanges through the same buffers, and they are the engine's reserved slots
+        assert tp["ptrs"][0] == tp["ptrs"][1] == tp["ptrs"][2]
+        used = {p for pair in tp["ptrs"][0] for p in pair}
+        assert used <= set(tp["slot_ptrs"])
+        # two slots (gather, scatter) of two buffers each, every buffer within C_max
+        assert tp["peak"] <= tp["cmax"]
+        assert 0 < tp["reserved"] <= 4 * tp["peak"]
+
+
+def _trace_events(path: Path) -> list[dict]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if str(e.get("name", "")).startswith("canzona/")]
+
+
+@pytest.mark.slow
+def test_traces_show_launch_and_wait_with_arguments(async_run) -> None:
+    res, d = async_run
+    for rank in range(2):
+        tp = _trace_events(d / f"tp{rank}.json")
+        staged = {(parse(e["name"]).base, parse(e["name"]).stage) for e in tp if e.get("cat") == "user_annotation"}
+        for base in ("canzona/tp/gather", "canzona/tp/scatter"):
+            assert {(base, LAUNCH), (base, WAIT)} <= staged, staged
+        launches = [e for e in tp if parse(e["name"]).stage == LAUNCH and "bytes" in e.get("args", {})]
+        assert launches and all(e["args"]["peers"] == 2 and isinstance(e["args"]["group"], int) for e in launches)
+        dp = _trace_events(d / f"dp{rank}.json")
+        rs = [e for e in dp if parse(e["name"]).base == "canzona/dp/reduce_scatter"]
+        assert {parse(e["name"]).stage for e in rs} == {LAUNCH, WAIT}
+        with_args = [e for e in rs if "bucket" in e.get("args", {})]
+        assert {e["args"]["bucket"] for e in with_args} == set(range(res[rank]["dp_buckets"]))
+        ag = {parse(e["name"]).stage for e in dp if parse(e["name"]).base == "canzona/dp/all_gather"}
+        assert ag == {LAUNCH, WAIT}
+    # the timer keeps issue cost and blocked time apart
+    assert {"canzona/dp/reduce_scatter/launch", "canzona/dp/reduce_scatter/wait",
+            "canzona/dp/all_gather/launch", "canzona/dp/all_gather/wait"} <= set(res[0]["dp_times"])
+
+
+@pytest.mark.slow
+def test_uneven_all_gather_into_a_given_buffer(async_run) -> None:
+    res, _ = async_run
+    for r in res:
+        same, values = r["ag"]
+        assert same
+        assert values == [0.0, 1.0, 2.0, 10.0, 11.0]
