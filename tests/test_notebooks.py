@@ -8,6 +8,7 @@ needs no user-installed kernelspec (CI has none) and never picks up another Pyth
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -150,3 +151,21 @@ def test_notebook_runs_headless(name: str, tmp_path: Path) -> None:
     for o in figures:
         layout = o["data"]["application/vnd.plotly.v1+json"]["layout"]
         assert layout["title"]["text"]
+        # an HTML copy beside the JSON (viz.use_notebook_renderer): what exporters and nbviewer show
+        assert "text/html" in o["data"], f"{name}: a figure carries no HTML fallback"
+    _check_html_export(nb, figures, name)
+
+
+def _check_html_export(nb: nbformat.NotebookNode, figures: list, name: str) -> None:
+    """``jupyter nbconvert --to html`` of the executed notebook draws every figure: each one's
+    plot call and title are in the page, and plotly.js is inlined once (the page works offline)."""
+    from nbconvert import HTMLExporter
+
+    page, _ = HTMLExporter().from_notebook_node(nb)
+    assert page.count("Plotly.newPlot") >= len(figures), f"{name}: exported HTML draws fewer figures than the notebook"
+    for o in figures:
+        title = o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"]
+        # plotly escapes / < > & in the embedded JSON: compare the title up to the first of them
+        head = json.dumps(re.split(r"[/<>&]", title)[0])[1:-1]
+        assert head in page, f"{name}: figure {title!r} missing from the exported HTML"
+    assert page.count("plotly.js v") >= 1 and len(page) > 3_000_000, f"{name}: plotly.js is not inlined in the exported HTML"

@@ -668,10 +668,13 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
     rc = main(["figures", "--out", str(out), "--model", "qwen3-tiny", "--dp", "2", "--tp", "2", "--profile", str(run),
                "--report", str(rep), "--only", "partition_map", "timeline", "critical_path", "loss_trajectories"])
     assert rc == 0
-    html = (out / "partition_map.html").read_text()
-    assert "plotly" in html.lower() and len(html) > 1_000_000  # plotly.js inlined: works offline
-    for name in ("timeline", "critical_path", "loss_trajectories"):
-        assert (out / f"{name}.html").is_file()
+    # the HTML files share one plotly.min.js beside them (offline, no 5 MB copy per file)
+    js = out / "plotly.min.js"
+    assert js.is_file() and js.stat().st_size > 1_000_000
+    for name in ("partition_map", "timeline", "critical_path", "loss_trajectories"):
+        page = (out / f"{name}.html").read_text()
+        assert 'src="plotly.min.js"' in page and len(page) < 500_000
+        assert "Plotly.newPlot" in page
     assert main(["figures", "--out", str(out), "--model", "nope", "--only", "partition_map"]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert main(["figures", "--out", str(out), "--report", str(tmp_path / "missing.json"), "--only", "loss_trajectories",
@@ -679,6 +682,42 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["figures", "--out", str(out), "--dp", "0"])
     assert exc.value.code == 2
+
+
+def test_static_export_problem_says_what_is_missing(tmp_path: Path, monkeypatch, capsys) -> None:
+    from canzona.cli import main
+    from canzona.viz import export
+
+    # no browser anywhere: one line naming the fix, exit 2, nothing written
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chrome"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("choreographer.browsers.chromium.Chromium.find_browser", classmethod(lambda cls, **kw: None), raising=False)
+    problem = export.static_export_problem()
+    assert problem is not None and ("Chrom" in problem or "kaleido" in problem)
+    with pytest.raises(export.StaticExportError, match="cannot write png"):
+        export.write_figures({"f": go.Figure()}, tmp_path / "x", fmt="png")
+    assert not (tmp_path / "x").exists()
+    rc = main(["figures", "--out", str(tmp_path / "y"), "--format", "svg", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot write svg" in err
+    with pytest.raises(ValueError, match="format"):
+        export.write_figures({}, tmp_path / "z", fmt="gif")
+
+
+@pytest.mark.slow
+def test_png_export(tmp_path: Path) -> None:
+    from canzona.viz import export
+
+    problem = export.static_export_problem()
+    if problem is not None:
+        pytest.skip(f"static export cannot run here: {problem}")
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=2, profile=None, only=["partition_map", "strategy_loads"])
+    paths = export.write_figures(figs, tmp_path, fmt="png")
+    assert [p.name for p in paths] == ["partition_map.png", "strategy_loads.png", "index.html"]
+    for p in paths[:2]:
+        head = p.read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    assert 'href="partition_map.png"' in (tmp_path / "index.html").read_text()
 
 
 def test_timeline_table_contract_matches_the_trace_summaries() -> None:

@@ -20,6 +20,7 @@ from canzona.plan import dp as dpmod
 from canzona.plan.buckets import BufferLayout, default_bucket_numel, layout_buffer
 from canzona.plan.metrics import LoadVectors, compute_metrics
 from canzona.plan.plan import (
+    DEFAULT_FLOPS_SHAPE,
     Bucket,
     MicroGroup,
     ParamPlan,
@@ -262,7 +263,7 @@ def plan_model(
     strategy: str = "lb-asc",
     alpha: float = 1.0,
     cost: str = "numel",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
     cmax_bytes: int = DEFAULT_CMAX_BYTES,
     bucket_numel: int | None = None,
     tp_schedule: str | None = None,

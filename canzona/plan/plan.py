@@ -53,6 +53,7 @@ __all__ = [
     "TP_SCHEDULES",
     "COSTS",
     "FLOPS_SHAPES",
+    "DEFAULT_FLOPS_SHAPE",
     "PlanError",
     "PlanInputs",
     "ParamPlan",
@@ -79,6 +80,9 @@ PAPER_STRATEGIES: tuple[str, ...] = paper_strategy_names()
 TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync", "lpt-carry")
 COSTS: tuple[str, ...] = ("numel", "memory", "flops")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
+#: the one FLOPs-shape default of the planner, the CLI, the figures and the notebooks: the work a
+#: host really does (full shapes after the micro-group gather); ``local`` is the paper's accounting
+DEFAULT_FLOPS_SHAPE = "full"
 
 
 def _untimed(m: Metrics) -> tuple:
@@ -105,7 +109,7 @@ class PlanInputs:
     bucket_numel: int
     alpha: float = 1.0
     cost: str = "numel"
-    flops_shape: str = "full"
+    flops_shape: str = DEFAULT_FLOPS_SHAPE
     cmax_bytes: int = 512 * 2**20
     grad_bytes: int = 4
 

@@ -10,7 +10,8 @@ the notebooks only choose inputs and display what these functions return.
 * :mod:`.simulation`   the simulator's predicted iteration times beside the paper's measured ones
 * :mod:`.exactness`    the validation report: pass matrix and loss trajectories
 * :mod:`.widgets`      ipywidgets explorers over the figure functions
-* :mod:`.export`       the main figures as standalone HTML (``canzona figures``)
+* :mod:`.export`       the main figures as HTML, PNG, SVG or PDF files (``canzona figures``)
+* :mod:`.notebook`     the plotly renderer the notebooks use (figures survive HTML export)
 
 Every figure has a title, axis titles with units and a titled legend
 (:func:`figure_problems` checks it); the paper's reported numbers come from
@@ -28,6 +29,7 @@ from canzona.viz.exactness import (
     validation_matrix,
     validation_table,
 )
+from canzona.viz.notebook import use_notebook_renderer
 from canzona.viz.microgroups import (
     cmax_sweep,
     fig_cmax_sweep,
@@ -63,6 +65,7 @@ from canzona.viz.timeline import (
 
 __all__ = [
     "figure_problems",
+    "use_notebook_renderer",
     # partition
     "ownership_pieces",
     "rank_loads",

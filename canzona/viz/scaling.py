@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from canzona.paper import paper_values
 from canzona.plan.build import plan_model, resolve_model
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.specs import specs_from_config
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, line_style, log_ticks, ratio_axis, strategy_color
 from canzona.viz.partition import PAPER_COLUMNS
@@ -90,7 +91,7 @@ def plan_sweep(
     alphas: Sequence[float] = (1.0,),
     costs: Sequence[str] = ("numel",),
     optimizer: str = "muon",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
     tp_schedule: str | None = None,
 ) -> pd.DataFrame:
     """Plan every combination of the axes; one row per plan.

@@ -17,6 +17,11 @@ depth      int      nesting depth, 0 = outermost
 =========  =======  ===============================================================
 
 ``meta.json``: ``{"strategy", "optimizer", "dp", "tp", "steps", "model"}``.
+
+Which profile: :func:`resolve_profile` picks the user's newest run under ``runs/`` (where
+``canzona profile --tensorboard runs/<name>`` writes) and falls back to the shipped sample with a
+note saying so. :func:`load_profile` also opens a raw trace directory (one ``*.pt.trace.json`` per
+rank) and summarises it on the fly with :func:`canzona.profiling.traces.load_traces`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
 __all__ = [
     "PHASE_COLUMNS",
     "DEFAULT_PROFILE_DIR",
+    "RUNS_DIR",
     "Profile",
+    "latest_profile",
+    "resolve_profile",
     "validate_phase_table",
     "load_phase_table",
     "load_profile",
@@ -66,6 +74,62 @@ PHASE_COLUMNS: dict[str, str] = {
 #: the shipped sample trace summary the timeline notebook opens by default
 DEFAULT_PROFILE_DIR = DATA_DIR / "profiles" / "sample"
 _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
+#: where user runs live, relative to the working directory (and to its parent, so that a notebook
+#: started in notebooks/ finds the runs of the repository root)
+RUNS_DIR = Path("runs")
+_TABLES = ("phases.parquet", "phases.csv")
+_TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+
+
+def _profile_files(d: Path) -> list[Path]:
+    """The files that make ``d`` a profile: its phase table(s), else its raw traces."""
+    try:
+        entries = [p for p in d.iterdir() if p.is_file()]
+    except OSError:
+        return []
+    tables = [p for p in entries if p.name in _TABLES]
+    return tables or [p for p in entries if p.name.endswith(_TRACE_SUFFIXES)]
+
+
+def _runs_roots(roots: Any) -> list[Path]:
+    if roots is None:
+        cwd = Path.cwd()
+        roots = [cwd / RUNS_DIR, cwd.parent / RUNS_DIR]
+    elif isinstance(roots, str | Path):
+        roots = [roots]
+    seen: list[Path] = []
+    for r in roots:
+        r = Path(r).resolve()
+        if r.is_dir() and r not in seen:
+            seen.append(r)
+    return seen
+
+
+def latest_profile(roots: str | Path | list[str | Path] | None = None) -> Path | None:
+    """The newest profile (trace summary or raw trace directory) under ``roots`` (default:
+    ``runs/`` of the working directory and of its parent), by the modification time of its
+    files; None when there is none."""
+    best: tuple[float, str] | None = None
+    for root in _runs_roots(roots):
+        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+            files = _profile_files(d)
+            if files:
+                key = (max(f.stat().st_mtime for f in files), str(d))
+                if best is None or key > best:
+                    best = key
+    return Path(best[1]) if best is not None else None
+
+
+def resolve_profile(path: str | Path | None = None, *, roots: str | Path | list[str | Path] | None = None) -> tuple[Path, str]:
+    """The profile to show and a note for the user ("" when ``path`` was given): ``path`` itself,
+    else the newest run under ``runs/`` (:func:`latest_profile`), else the shipped sample."""
+    if path is not None:
+        return Path(path), ""
+    latest = latest_profile(roots)
+    if latest is not None:
+        return latest, f"profile: the newest run, {latest}"
+    return DEFAULT_PROFILE_DIR, (f"profile: no run under {RUNS_DIR}/ (write one with `canzona profile --tensorboard "
+                                 f"{RUNS_DIR}/<name>`); showing the shipped sample {DEFAULT_PROFILE_DIR}")
 
 
 def _optimizer_phase() -> str:
@@ -132,7 +196,7 @@ def load_phase_table(path: str | Path) -> pd.DataFrame:
                 p = p / name
                 break
         else:
-            raise FileNotFoundError(f"{path}: no phases.parquet or phases.csv in this directory")
+            raise FileNotFoundError(f"{path}: no phases.parquet, phases.csv or *.pt.trace.json in this directory")
     if not p.is_file():
         raise FileNotFoundError(f"phase table not found: {p}")
     try:
@@ -144,7 +208,9 @@ def load_phase_table(path: str | Path) -> pd.DataFrame:
             raise ValueError(f"{p}: a phase table is a .csv or .parquet file")
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
         raise ValueError(f"{p}: cannot read the phase table ({exc})") from None
-    return validate_phase_table(df, source=str(p))
+    from canzona.profiling.traces import infer_old_stages
+
+    return infer_old_stages(validate_phase_table(df, source=str(p)))
 
 
 def _strict_json(text: str, source: str) -> Any:
@@ -157,11 +223,18 @@ def _strict_json(text: str, source: str) -> Any:
         raise ValueError(f"{source}: not valid JSON ({exc})") from None
 
 
-def load_profile(path: str | Path = DEFAULT_PROFILE_DIR) -> Profile:
-    """Load a trace summary directory (phase table + ``meta.json``) or a single phase-table file
-    (then the metadata is empty)."""
-    p = Path(path)
-    phases = load_phase_table(p)
+def load_profile(path: str | Path | None = None) -> Profile:
+    """Load a trace summary directory (phase table + ``meta.json``), a raw trace directory (one
+    ``*.pt.trace.json`` per rank, summarised here; its ``meta.json`` when ``canzona profile``
+    wrote one) or a single phase-table file (then the metadata is empty). None: the profile
+    :func:`resolve_profile` picks (the newest run, else the shipped sample)."""
+    p = resolve_profile(path)[0]
+    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in _profile_files(p)):
+        from canzona.profiling.traces import load_traces
+
+        phases = validate_phase_table(load_traces(p), source=str(p))
+    else:
+        phases = load_phase_table(p)
     meta: dict[str, Any] = {}
     meta_path = p / "meta.json" if p.is_dir() else None
     if meta_path is not None and meta_path.is_file():
@@ -176,12 +249,12 @@ def load_profile(path: str | Path = DEFAULT_PROFILE_DIR) -> Profile:
 
 
 def discover_profiles(root: str | Path = DEFAULT_PROFILE_DIR.parent) -> dict[str, Path]:
-    """Trace summary directories under ``root`` (any depth), labelled by their metadata's
+    """Trace summary and raw trace directories under ``root`` (any depth), labelled by their metadata's
     strategy (with the directory name when two runs share a strategy). Sorted by path."""
     base = Path(root)
     if not base.is_dir():
         raise FileNotFoundError(f"profile root not found: {root}")
-    dirs = sorted({p.parent for pat in ("phases.csv", "phases.parquet") for p in base.rglob(pat)})
+    dirs = sorted({p.parent for pat in (*_TABLES, *(f"*{s}" for s in _TRACE_SUFFIXES)) for p in base.rglob(pat)})
     out: dict[str, Path] = {}
     for d in dirs:
         label = d.name
