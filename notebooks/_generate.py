@@ -302,6 +302,21 @@ print({k: str(v) for k, v in runs.items()})
 breakdown = vt.breakdown_by_strategy({k: vt.load_profile(v) for k, v in runs.items()})
 viz.fig_phase_breakdown(breakdown)
 """),
+    md("""
+## Loss of several runs
+
+`canzona train` logs every run's loss and phase times under `runs/` (`metrics.csv`, plus
+TensorBoard scalars when tensorboard is installed); `canzona profile` logs beside its traces.
+Every run found there is drawn on one chart (exact strategies coincide, drawn dashed over each
+other). Try `canzona train --steps 20 --strategy sc` and `... --strategy lb-asc`, then rerun.
+"""),
+    code("""
+loss_runs = viz.discover_runs()
+if loss_runs:
+    display(viz.fig_loss_curves(loss_runs))
+else:
+    print("no metrics logs under runs/ yet: run `canzona train` (it logs there by default)")
+"""),
 ]
 
 SCALING = [

@@ -74,8 +74,8 @@ PHASE_COLUMNS: dict[str, str] = {
 #: the shipped sample trace summary the timeline notebook opens by default
 DEFAULT_PROFILE_DIR = DATA_DIR / "profiles" / "sample"
 _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
-#: where user runs live, relative to the working directory (and to its parent, so that a notebook
-#: started in notebooks/ finds the runs of the repository root)
+#: where user runs live: ``runs/`` of the working directory and of its parent (so that a notebook
+#: started in notebooks/ finds the runs of the repository root), or ``$CANZONA_RUNS_DIR``
 RUNS_DIR = Path("runs")
 _TABLES = ("phases.parquet", "phases.csv")
 _TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
@@ -93,16 +93,12 @@ def _profile_files(d: Path) -> list[Path]:
 
 def _runs_roots(roots: Any) -> list[Path]:
     if roots is None:
-        cwd = Path.cwd()
-        roots = [cwd / RUNS_DIR, cwd.parent / RUNS_DIR]
-    elif isinstance(roots, str | Path):
+        from canzona.runs import runs_roots
+
+        return runs_roots()
+    if isinstance(roots, str | Path):
         roots = [roots]
-    seen: list[Path] = []
-    for r in roots:
-        r = Path(r).resolve()
-        if r.is_dir() and r not in seen:
-            seen.append(r)
-    return seen
+    return [Path(r).resolve() for r in roots if Path(r).is_dir()]
 
 
 def latest_profile(roots: str | Path | list[str | Path] | None = None) -> Path | None:
