@@ -156,7 +156,7 @@ def test_rank_load_figures_show_the_loads() -> None:
     fig = vp.fig_strategy_comparison(plans)
     _readable(fig)
     assert len(_bars(fig)) == 8 and len(fig.data) == 16
-    assert [a.text.split(":")[0] for a in fig.layout.annotations[:4]] == ["zero1", "asc", "lb-asc", "layerwise"]
+    assert [a.text.split("<br>")[0] for a in fig.layout.annotations[:4]] == ["zero1", "asc", "lb-asc", "layerwise"]
     with pytest.raises(ValueError):
         vp.fig_strategy_comparison([])
 
@@ -731,23 +731,31 @@ def test_timeline_table_contract_matches_the_trace_summaries() -> None:
 
 
 # ------------------------------------------------------------------------------------------ legibility
-def test_partition_map_many_ranks_uses_a_colour_bar_and_labels() -> None:
-    from canzona.viz._style import LEGEND_MAX_RANKS
+def test_partition_map_many_ranks_tells_neighbours_apart() -> None:
+    from canzona.viz._style import rank_colors
 
-    plan = _plan("qwen3-1.7b", dp=16, tp=2, strategy="zero1")
-    assert plan.inputs.dp > LEGEND_MAX_RANKS
+    for n in (4, 16, 32, 48, 128):
+        cols = rank_colors(n)
+        assert len(set(cols)) == n, n  # every rank its own colour
+        assert all(a != b for a, b in zip(cols, cols[1:]))
+    plan = _plan("qwen3-1.7b", dp=32, tp=2, strategy="zero1")
     fig = vp.fig_partition_map(plan, buckets=range(3))
     _readable(fig)
     bars = _bars(fig)
-    assert len(bars) == 1 and bars[0].showlegend is False  # no 16-entry legend
-    assert bars[0].marker.colorbar.title.text == "DP rank" and bars[0].marker.cmax == 15
+    # one legend entry per rank (click hides one, double-click isolates it), in the rank palette
+    assert [b.name for b in bars] == [f"DP rank {r}" for r in range(32)]
+    assert [b.marker.color for b in bars] == rank_colors(32)
     pieces = vp.ownership_pieces(plan)
     pieces = pieces[pieces["bucket"] < 3]
-    assert list(bars[0].text) == [str(o) for o in pieces["owner"]]
-    assert list(bars[0].marker.color) == list(pieces["owner"])
-    assert {c[6] for c in bars[0].customdata} == {f"DP rank {o}" for o in pieces["owner"]}
-    few = vp.fig_partition_map(_plan("qwen3-tiny", dp=4, tp=2, strategy="zero1", bucket_numel=3000))
-    assert all(b.showlegend is not False for b in _bars(few))
+    wide = pieces["numel"] >= vp.LABEL_MIN_FRACTION * pieces["end"].max()
+    shown = sorted(t for b in bars for t in b.text if t)
+    assert shown == sorted(str(o) for o in pieces.loc[wide, "owner"])  # wide segments carry their rank
+    assert wide.sum() > 32 and (~wide).any()
+    sub = vp.fig_partition_map(plan, buckets=range(3), ranks=[3, 4])
+    assert [b.name for b in _bars(sub)] == ["other ranks (30)", "DP rank 3", "DP rank 4"]
+    assert "coloured: DP ranks 3, 4" in sub.layout.title.text
+    with pytest.raises(ValueError, match="DP ranks in 0..31"):
+        vp.fig_partition_map(plan, ranks=[32])
 
 
 def test_gantt_keeps_idle_hosts_on_the_chart() -> None:
