@@ -65,6 +65,13 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 def _skip_reason(line: str) -> str | None:
     if line in SKIPPED_EXACT:
         return SKIPPED_EXACT[line]
+    if line.startswith("canzona figures") and re.search(r"--format (png|svg|pdf)", line):
+        # the optional static exporter (extra "figures" + a Chromium); tests/test_viz.py checks
+        # the one-line error when it is missing
+        from canzona.viz.export import static_export_problem
+
+        if (problem := static_export_problem()) is not None:
+            return f"static export cannot run here: {problem}"
     return next((why for prefix, why in SKIPPED.items() if line.startswith(prefix)), None)
 
 

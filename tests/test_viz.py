@@ -811,3 +811,52 @@ def test_sweeps_record_their_flops_accounting() -> None:
     assert "local shapes" in vm.fig_cmax_sweep(df).layout.title.text
     tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt",), flops_shape="local")
     assert "local shapes" in vm.fig_tp_sweep(tp).layout.title.text
+
+
+# ------------------------------------------------------------------------------------------ which profile
+def _raw_traces(d: Path) -> Path:
+    """A raw torch.profiler trace directory (one Chrome trace per rank), as `canzona profile` leaves."""
+    d.mkdir(parents=True)
+    for rank in range(2):
+        o = 1000.0 * rank
+        events = [{"ph": "X", "cat": "user_annotation", "name": n, "pid": 1, "tid": 1, "ts": o + ts, "dur": dur} for n, ts, dur in (
+            ("ProfilerStep#1", 0, 900), ("canzona/forward", 1, 100), ("canzona/backward", 110, 200),
+            ("canzona/dp/reduce_scatter/bucket0/launch", 150, 5), ("canzona/optimizer/step", 320, 400),
+            ("canzona/dp/reduce_scatter/bucket0/wait", 330, 50), ("canzona/dp/local_update/bucket0", 390, 300),
+        )]
+        doc = {"schemaVersion": 1, "baseTimeNanoseconds": 0, "traceEvents": events, "distributedInfo": {"rank": rank, "world_size": 2}}
+        (d / f"rank{rank}.1.pt.trace.json").write_text(json.dumps(doc))
+    return d
+
+
+def test_profiles_default_to_the_newest_run_and_read_raw_traces(tmp_path: Path, monkeypatch) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(runs))
+    path, note = vt.resolve_profile()
+    assert path == vt.DEFAULT_PROFILE_DIR and "shipped sample" in note and "canzona profile --tensorboard" in note
+    old = runs / "old"
+    old.mkdir(parents=True)
+    _phases().to_csv(old / "phases.csv", index=False)
+    raw = _raw_traces(runs / "nested" / "raw")
+    import os
+
+    os.utime(old / "phases.csv", (1, 1))  # the summary is older than the raw traces
+    path, note = vt.resolve_profile()
+    assert path == raw.resolve() and "newest run" in note
+    assert vt.resolve_profile(old) == (old, "")
+    prof = vt.load_profile()  # no path: the newest run, summarised on the fly
+    assert set(prof.phases["rank"]) == {0, 1} and prof.source == str(raw.resolve())
+    assert set(prof.phases["part"]) >= {"bucket0/launch", "bucket0/wait"}
+    assert vt.discover_profiles(runs) == {"old": old, "raw": raw}
+    vt.fig_timeline(prof.phases)
+
+
+def test_figures_command_reads_a_raw_trace_directory(tmp_path: Path, capsys) -> None:
+    from canzona.cli import main
+
+    raw = _raw_traces(tmp_path / "raw")
+    out = tmp_path / "figs"
+    assert main(["figures", "--out", str(out), "--profile", str(raw), "--only", "timeline", "critical_path",
+                 "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert (out / "timeline.html").is_file() and (out / "critical_path.html").is_file()
+    assert "skipped" not in capsys.readouterr().err

@@ -494,7 +494,9 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     spans = a["per_rank_span_us"]
     ranks = sorted(per)
     first = min(b for b, _ in spans.values())
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=0.16,
+    # the right panel's row labels (tp/gather/group0/launch) sit between the panels: leave them room
+    longest = max((len(_short(x)) for x in cp["segment"]), default=10)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=min(0.3, 0.06 + 0.0075 * longest),
                         subplot_titles=("optimizer phase per rank (red: ends last)", f"critical path: rank {a['critical_rank']}"))
     colors = ["#d62728" if r == a["critical_rank"] else "#7f7f7f" for r in ranks]
     fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=[per[r] / 1e3 for r in ranks], base=[(spans[r][0] - first) / 1e3 for r in ranks],
@@ -522,7 +524,7 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     fig.update_xaxes(title_text="rank", row=1, col=1)
     fig.update_yaxes(title_text="ms since the first rank entered the phase", row=1, col=1)
     fig.update_xaxes(title_text="time since the rank entered the optimizer phase (ms)", row=1, col=2)
-    fig.update_yaxes(title_text="child phase", row=1, col=2)
+    fig.update_yaxes(title_text="child phase", title_standoff=2, row=1, col=2)
     return finish(
         fig,
         title=(f"Optimizer critical path, step {a['step']}: {a['total_us'] / 1e3:.3f} ms on rank {a['critical_rank']} ({_short(a['phase'])})"
