@@ -860,3 +860,31 @@ def test_figures_command_reads_a_raw_trace_directory(tmp_path: Path, capsys) -> 
                  "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
     assert (out / "timeline.html").is_file() and (out / "critical_path.html").is_file()
     assert "skipped" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # with a Chromium present, kaleido draws one PNG (seconds)
+def test_notebook_renderer_puts_html_and_optionally_a_picture_beside_the_json(monkeypatch) -> None:
+    import plotly.io as pio
+
+    from canzona.viz import notebook
+    from canzona.viz.export import static_export_problem
+
+    before = pio.renderers.default
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout=dict(title="t"))
+    try:
+        monkeypatch.delenv(notebook.STATIC_ENV, raising=False)
+        assert notebook.use_notebook_renderer() == "plotly_mimetype+notebook"
+        bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+        assert {"application/vnd.plotly.v1+json", "text/html"} <= set(bundle)
+        monkeypatch.setenv(notebook.STATIC_ENV, "svg")
+        assert notebook.notebook_renderer() == "plotly_mimetype+notebook+svg"
+        with pytest.raises(ValueError, match="static"):
+            notebook.notebook_renderer("gif")
+        if static_export_problem() is None:
+            notebook.use_notebook_renderer("png")
+            assert "image/png" in pio.renderers._build_mime_bundle(fig.to_dict())
+        else:
+            with pytest.raises(RuntimeError, match="cannot embed static figures"):
+                notebook.use_notebook_renderer("png")
+    finally:
+        pio.renderers.default = before
