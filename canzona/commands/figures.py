@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", dest="fmt", choices=FORMATS, default="html",
                         help="html (interactive) or a static picture: png, svg, pdf (needs kaleido and a Chrome/Chromium)")
     parser.add_argument("--model", default="qwen3-32b", help=f"shipped model ({', '.join(available_models())}) or config JSON path")
-    parser.add_argument("--dp", type=positive_int, default=32, help="DP size (the paper's)")
-    parser.add_argument("--tp", type=positive_int, default=8, help="TP size (the paper's)")
+    parser.add_argument("--dp", type=positive_int, default=32, help="DP size; the paper ran 32")
+    parser.add_argument("--tp", type=positive_int, default=8, help="TP size; the paper ran 8")
     parser.add_argument("--optimizer", choices=optimizer_names(matrix=True), default="muon", help="matrix optimizer")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default=DEFAULT_FLOPS_SHAPE,
                         help="FLOPs of TP-split matrices on the full shape their host processes, or on the TP shard (the paper's accounting)")
