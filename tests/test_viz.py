@@ -849,6 +849,13 @@ def test_profiles_default_to_the_newest_run_and_read_raw_traces(tmp_path: Path, 
     assert set(prof.phases["part"]) >= {"bucket0/launch", "bucket0/wait"}
     assert vt.discover_profiles(runs) == {"old": old, "raw": raw}
     vt.fig_timeline(prof.phases)
+    # the breakdown keeps a collective's launch (in the backward) and wait (in the step) apart
+    b = vt.phase_breakdown(prof.phases, depth=1).set_index("phase")["ms"]
+    assert b["canzona/dp/reduce_scatter/launch"] == pytest.approx(0.005) and b["canzona/dp/reduce_scatter/wait"] == pytest.approx(0.05)
+    fig = vt.fig_phase_breakdown(vt.breakdown_by_strategy({"lb-asc": prof}, depth=1))
+    _readable(fig)
+    shapes = {t.name: t.marker.pattern.shape for t in fig.data}
+    assert shapes["dp/reduce_scatter/wait"] == "/" and shapes["dp/reduce_scatter/launch"] == "."
 
 
 def test_figures_command_reads_a_raw_trace_directory(tmp_path: Path, capsys) -> None:

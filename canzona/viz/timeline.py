@@ -275,10 +275,18 @@ def _short(phase: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tables
+def _stage(part: str) -> str:
+    tail = part.rsplit("/", 1)[-1] if part else ""
+    return tail if tail in ("launch", "wait") else ""
+
+
 def rank_phase_durations(phases: pd.DataFrame, *, depth: int | None = 0) -> pd.DataFrame:
-    """Milliseconds each rank spends in each base phase per step (parts summed), at nesting
-    ``depth`` (None: every depth). Columns: ``step``, ``rank``, ``phase``, ``ms``."""
+    """Milliseconds each rank spends in each base phase per step (buckets and groups summed), at
+    nesting ``depth`` (None: every depth); the launch and wait stages of asynchronous collectives
+    stay apart (``canzona/dp/reduce_scatter/wait``). Columns: ``step``, ``rank``, ``phase``, ``ms``."""
     df = phases if depth is None else phases[phases["depth"] == depth]
+    stage = df["part"].map(_stage)
+    df = df.assign(phase=[f"{p}/{st}" if st else p for p, st in zip(df["phase"], stage)])
     out = df.groupby(["step", "rank", "phase"], as_index=False)["dur_us"].sum()
     out["ms"] = out.pop("dur_us") / 1e3
     return out
@@ -391,16 +399,27 @@ PHASE_COLORS: dict[str, str] = {
 }
 
 
+def _unstaged(name: str) -> str:
+    for st in ("/launch", "/wait"):
+        if name.endswith(st):
+            return name[: -len(st)]
+    return name
+
+
 def _phase_order(names) -> list[str]:
-    """Known phases in pipeline order, then any others alphabetically."""
-    known = [n for n in PHASE_COLORS if n in set(names)]
-    return known + sorted(set(names) - set(known))
+    """Known phases in pipeline order (a collective's launch before its wait), then any others
+    alphabetically."""
+    names = set(names)
+    rank = {n: i for i, n in enumerate(PHASE_COLORS)}
+    known = sorted((n for n in names if _unstaged(n) in rank), key=lambda n: (rank[_unstaged(n)], n.endswith("/wait"), n))
+    return known + sorted(names - set(known))
 
 
 def _phase_colors(names: list[str]) -> dict[str, str]:
-    others = [n for n in names if n not in PHASE_COLORS]
+    """A colour per phase name: its base phase's fixed colour (stages share it), else a spare one."""
+    others = [n for n in names if _unstaged(n) not in PHASE_COLORS]
     spare = dict(zip(others, categorical_colors(len(others))))
-    return {n: PHASE_COLORS.get(n) or spare[n] for n in names}
+    return {n: PHASE_COLORS.get(_unstaged(n)) or spare[n] for n in names}
 
 
 def fig_timeline(phases: pd.DataFrame, *, step: int | None = None, max_depth: int | None = None, title: str = "") -> go.Figure:
@@ -461,8 +480,10 @@ def fig_phase_breakdown(breakdown: pd.DataFrame, *, paper: Mapping[str, Mapping[
     fig = go.Figure()
     for name in names:
         d = breakdown[breakdown["phase"] == name].set_index("strategy").reindex(strategies)
+        # the stages of one collective share its colour; the wait is hatched, the launch dotted
+        pattern = "/" if name.endswith("/wait") else "." if name.endswith("/launch") else ""
         fig.add_trace(go.Bar(x=strategies, y=d["ms"].fillna(0.0), name=_short(name), marker_color=colors[name],
-                             error_y=None, hovertemplate=name + ": %{y:.3f} ms<extra>%{x}</extra>"))
+                             marker_pattern_shape=pattern, error_y=None, hovertemplate=name + ": %{y:.3f} ms<extra>%{x}</extra>"))
     if paper:
         xs, ys, txt = [], [], []
         for st, vals in paper.items():
