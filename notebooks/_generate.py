@@ -113,6 +113,13 @@ layers, since the buffer is filled in reverse registration order).
 for s in ("zero1", "lb-asc"):
     display(viz.fig_partition_map(plans[s], buckets=range(6)))
 """),
+    md("""
+At DP32 the legend lists every rank: click a rank to hide it, double-click to show it alone. To
+follow a few ranks through the whole buffer, colour only those (the others turn grey):
+"""),
+    code("""
+viz.fig_partition_map(plans["lb-asc"], ranks=[0, 1, DP - 1])
+"""),
     code("""
 pieces = viz.ownership_pieces(plans["zero1"])
 print(f"zero1 cuts {int((~pieces['whole']).groupby(pieces['param']).any().sum())} of {pieces['param'].nunique()} parameters; "

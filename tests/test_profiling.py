@@ -76,6 +76,10 @@ def test_one_trace_per_rank_with_every_expected_phase(profile) -> None:
     traces = existing_traces(out)
     assert sorted(p.name.split(".")[0] for p in traces) == ["rank0", "rank1", "rank2", "rank3"]
     assert read_meta(out) == {"strategy": "lb-asc", "optimizer": "muon", "dp": 2, "tp": 2, "steps": 2, "model": "qwen3-tiny"}
+    from canzona.viz.training import load_metrics
+
+    metrics = load_metrics(out)  # rank 0 logged every step (wait 1 + active 2) beside the traces
+    assert metrics["step"].tolist() == [0, 1, 2] and (metrics[f"{OPTIMIZER_STEP}_ms"] > 0).all()
     expected = expected_phases("lb-asc", dp=2, tp=2)
     assert expected == {FORWARD, BACKWARD, DP_REDUCE_SCATTER, OPTIMIZER_STEP, DP_LOCAL_UPDATE,
                         TP_GATHER, TP_COMPUTE, TP_SCATTER, TP_APPLY, DP_ALL_GATHER}

@@ -691,7 +691,12 @@ def test_static_export_problem_says_what_is_missing(tmp_path: Path, monkeypatch,
     # no browser anywhere: one line naming the fix, exit 2, nothing written
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chrome"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr("choreographer.browsers.chromium.Chromium.find_browser", classmethod(lambda cls, **kw: None), raising=False)
+    try:  # kaleido (and its browser driver) is an optional extra: without it, that is what is missing
+        from choreographer.browsers.chromium import Chromium
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kw: None))
     problem = export.static_export_problem()
     assert problem is not None and ("Chrom" in problem or "kaleido" in problem)
     with pytest.raises(export.StaticExportError, match="cannot write png"):
@@ -702,6 +707,10 @@ def test_static_export_problem_says_what_is_missing(tmp_path: Path, monkeypatch,
     assert rc == 2 and err.count("\n") == 1 and "cannot write svg" in err
     with pytest.raises(ValueError, match="format"):
         export.write_figures({}, tmp_path / "z", fmt="gif")
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kaleido", None)  # as where the optional extra is not installed
+    assert export.static_export_problem().startswith("kaleido is not installed (pip install \"canzona[figures]\"")
 
 
 @pytest.mark.slow

@@ -135,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
         written = write_summary(df, args.summary, parquet=False if args.no_parquet else None)
         write_meta(args.summary, **meta)
         print(f"summary: {', '.join(str(Path(args.summary) / n) for n in written)} + meta.json")
-    print(f"open: tensorboard --logdir {spec.tensorboard_dir}   (PyTorch Profiler tab; pip install torch-tb-profiler)")
+    from canzona.runs import METRICS_CSV
+
+    print(f"metrics: {Path(spec.tensorboard_dir) / METRICS_CSV} (loss and phase times per step; TensorBoard scalars too)")
+    print(f"open: tensorboard --logdir {spec.tensorboard_dir}   (PyTorch Profiler tab; pip install torch-tb-profiler; "
+          "offline: open the *.pt.trace.json files in ui.perfetto.dev or chrome://tracing)")
     if missing:
         print(f"canzona profile: expected phases missing from the traces: {', '.join(missing)}", file=sys.stderr)
         return 1
