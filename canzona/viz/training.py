@@ -5,6 +5,7 @@ losses on one chart."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def fig_loss_curves(runs: Mapping[str, pd.DataFrame | str | Path], *, time: bool
     if time:
         fig.update_yaxes(title_text="ms", row=2, col=1)
     fig.update_xaxes(title_text="training step", row=rows, col=1)
+    longest = max((int(df["step"].max()) + 1 for df in tables.values() if len(df)), default=1)
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=max(1, math.ceil(longest / 12)))  # whole steps only
     last = {k: float(df["loss"].iloc[-1]) for k, df in tables.items() if len(df)}
     best = min(last, key=last.get) if last else ""
     sub = f"<br><sup>lowest final loss: {best} ({last[best]:.4f})</sup>" if best else ""
