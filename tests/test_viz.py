@@ -893,12 +893,14 @@ def test_notebook_renderer_puts_html_and_optionally_a_picture_beside_the_json(mo
         bundle = pio.renderers._build_mime_bundle(fig.to_dict())
         assert {"application/vnd.plotly.v1+json", "text/html"} <= set(bundle)
         monkeypatch.setenv(notebook.STATIC_ENV, "svg")
-        assert notebook.notebook_renderer() == "plotly_mimetype+notebook+svg"
+        assert notebook.notebook_renderer() == "plotly_mimetype+svg"
         with pytest.raises(ValueError, match="static"):
             notebook.notebook_renderer("gif")
         if static_export_problem() is None:
             notebook.use_notebook_renderer("png")
-            assert "image/png" in pio.renderers._build_mime_bundle(fig.to_dict())
+            bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+            # a picture instead of the HTML copy: GitHub and nbconvert prefer HTML, which needs JavaScript
+            assert "image/png" in bundle and "text/html" not in bundle and "application/vnd.plotly.v1+json" in bundle
         else:
             with pytest.raises(RuntimeError, match="cannot embed static figures"):
                 notebook.use_notebook_renderer("png")

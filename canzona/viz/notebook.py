@@ -7,10 +7,12 @@ figure reaches the output only as ``application/vnd.plotly.v1+json``, which Jupy
 copy of every figure beside the JSON and plotly.js once per notebook (inlined, so the exported
 HTML works offline). JupyterLab keeps drawing the JSON; exporters use the HTML.
 
-GitHub's notebook view runs no JavaScript: for it, ``static="png"`` (or ``"svg"``) also embeds a
-picture of each figure, which needs the static exporter (kaleido and a Chrome/Chromium, see
-:mod:`canzona.viz.export`). The environment variable ``CANZONA_NOTEBOOK_STATIC`` sets the same
-choice without editing a notebook.
+GitHub's notebook view runs no JavaScript, and it (like nbconvert) prefers an HTML output over a
+picture, so an HTML copy would show as an empty box there. For it, ``static="png"`` (or
+``"svg"``) puts a picture of each figure beside the JSON *instead of* the HTML copy (JupyterLab
+still draws the interactive JSON; exporters and GitHub show the picture). Pictures need the static
+exporter (kaleido and a Chrome/Chromium, see :mod:`canzona.viz.export`). The environment variable
+``CANZONA_NOTEBOOK_STATIC`` sets the same choice without editing a notebook.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ def notebook_renderer(static: str | None = None) -> str:
         static = os.environ.get(STATIC_ENV, "").strip().lower() or None
     if static is not None and static not in _STATIC:
         raise ValueError(f"static must be one of {', '.join(_STATIC)} (or empty), got {static!r}")
-    return "plotly_mimetype+notebook" + (f"+{static}" if static else "")
+    return f"plotly_mimetype+{static}" if static else "plotly_mimetype+notebook"
 
 
 def use_notebook_renderer(static: str | None = None) -> str:
-    """Make plotly figures in this kernel carry an HTML copy (and optionally a static picture)
+    """Make plotly figures in this kernel carry an HTML copy (or, with ``static``, a picture)
     beside their JSON; returns the renderer string. A static picture that cannot be made (no
     kaleido or no browser) raises here, once, with what is missing, not at every figure."""
     import plotly.io as pio
