@@ -675,6 +675,15 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
         page = (out / f"{name}.html").read_text()
         assert 'src="plotly.min.js"' in page and len(page) < 500_000
         assert "Plotly.newPlot" in page
+    # the loss of the user's runs: skipped with the reason when there are none, drawn when there are
+    assert main(["figures", "--out", str(tmp_path / "nolog"), "--only", "loss_curves", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert "skipped loss_curves: no metrics logs under runs/" in capsys.readouterr().err
+    from canzona.runs import MetricsLog, runs_dir
+
+    with MetricsLog(runs_dir() / "train-a", tensorboard=False) as log:
+        log.log(0, 5.0, float("nan"), {})
+    assert main(["figures", "--out", str(tmp_path / "log"), "--only", "loss_curves", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert (tmp_path / "log" / "loss_curves.html").is_file()
     assert main(["figures", "--out", str(out), "--model", "nope", "--only", "partition_map"]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert main(["figures", "--out", str(out), "--report", str(tmp_path / "missing.json"), "--only", "loss_trajectories",

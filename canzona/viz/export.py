@@ -90,6 +90,7 @@ FIGURE_NAMES: tuple[str, ...] = (
     "critical_path",
     "validation_matrix",
     "loss_trajectories",
+    "loss_curves",
 )
 
 
@@ -123,8 +124,9 @@ def main_figures(
     """Build the main figures for one configuration (the paper's, Qwen3-32B Muon DP32 x TP8, by
     default; FLOPs on :data:`~canzona.plan.plan.DEFAULT_FLOPS_SHAPE` shapes like the planner).
 
-    ``profile``: a trace summary directory (None: no timeline figures); ``report``: a validation
-    report (None: ``data/validation/report.json`` if present, else the shipped sample).
+    ``profile``: a trace summary or raw trace directory (None: no timeline figures); ``report``: a
+    validation report (None: ``data/validation/report.json`` if present, else the shipped sample).
+    ``loss_curves`` draws every run with a metrics log under ``runs/`` (skipped when there is none).
     ``only``: names from :data:`FIGURE_NAMES` to build (all by default).
     """
     wanted = list(FIGURE_NAMES if only is None else only)
@@ -191,6 +193,14 @@ def main_figures(
         else:
             for n in ("validation_matrix", "loss_trajectories"):
                 out.skipped[n] = f"no validation report at {DEFAULT_REPORT} or {SAMPLE_REPORT}"
+    if "loss_curves" in wanted:
+        from canzona.viz.training import discover_runs, fig_loss_curves
+
+        runs = discover_runs()
+        if runs:
+            builders["loss_curves"] = lambda: fig_loss_curves(runs)
+        else:
+            out.skipped["loss_curves"] = "no metrics logs under runs/ (canzona train writes them)"
     for name in FIGURE_NAMES:
         if name in wanted and name in builders:
             out.figures[name] = builders[name]()
