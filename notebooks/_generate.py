@@ -85,8 +85,8 @@ vw.partition_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, flops_shap
 
 Same model and mesh, four strategies, with the same defaults as the explorer above. The diamonds
 in the second figure are the paper's Figure 3 values (Qwen3-32B DP32 x TP8); the paper counts
-FLOPs on TP-local shard shapes and memory as buffer elements, so its FLOPs ratios are like for
-like when `flops shape` is `local` (set `FLOPS_SHAPE = "local"` above, or change the control).
+FLOPs on TP-local shard shapes and memory as buffer elements, so its FLOPs diamonds appear only
+when `flops shape` is `local` (set `FLOPS_SHAPE = "local"` above, or change the control).
 """),
     code("""
 vw.strategy_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, flops_shape=FLOPS_SHAPE, strategies=("zero1", "asc", "lb-asc", "layerwise"))

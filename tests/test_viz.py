@@ -174,6 +174,9 @@ def test_paper_values_beside_the_paper_configuration_only() -> None:
     _readable(fig)
     diamonds = [t for t in fig.data if t.type == "scatter"]
     assert sorted(v for t in diamonds for v in t.y) == sorted([3.24, 2.46, 1.43, 1.11, 3.24, 2.46, 1.16])
+    # full-shape FLOPs are not the paper's accounting: no FLOPs diamond beside them, memory still
+    full = vp.strategy_summary([_plan("qwen3-32b", dp=32, tp=8, strategy="lb-asc", flops_shape="full")]).iloc[0]
+    assert pd.isna(full["paper_dp_flops_ratio"]) and full["paper_dp_numel_ratio"] == 1.11
     other = vp.strategy_summary([_plan("qwen3-32b", dp=16, tp=8, strategy="lb-asc")])
     assert other.filter(like="paper_").isna().all(axis=None)
     assert not [t for t in vp.fig_balance_vs_paper(other).data if t.type == "scatter"]

@@ -134,8 +134,11 @@ PAPER_COLUMNS: dict[str, str] = {
 def paper_reference(plan: Plan, metric: str) -> PaperValue | None:
     """The paper's value of ``metric`` (a paper metric name, see :data:`PAPER_COLUMNS`) for this
     plan's strategy when the plan is the paper's configuration (model, DP, TP, optimizer, cost
-    model, and alpha for ``lb-asc``); otherwise None."""
+    model, alpha for ``lb-asc``, and for FLOPs ratios the paper's TP-local FLOPs accounting);
+    otherwise None."""
     i = plan.inputs
+    if metric.endswith("flops_ratio") and i.flops_shape != "local":
+        return None  # the paper counts FLOPs on TP-local shards: full-shape ratios are another quantity
     alpha = float(i.alpha) if i.strategy == "lb-asc" else None
     for v in paper_values(metric=metric, strategy=i.strategy, ablation=""):
         if v.matches(model=i.model, dp=i.dp, tp=i.tp, optimizer=i.optimizer, alpha=alpha, cost=i.cost):
@@ -436,7 +439,7 @@ def fig_balance_vs_paper(summary: pd.DataFrame) -> go.Figure:
     return finish(
         fig,
         title=f"Load-balance ratio R_LB = max / mean per strategy (lower is better; 1 = perfect, dotted)<br><sup>FLOPs on {shapes} shapes; "
-              "diamonds: the paper's reported values where it reports them</sup>",
+              "diamonds: the paper's reported values where it reports them (its FLOPs ratios: with flops_shape=local only)</sup>",
         x_title="quantity balanced across ranks",
         y_title="R_LB (max / mean, dimensionless)",
         legend_title="source",
