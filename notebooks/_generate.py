@@ -333,8 +333,9 @@ SCALING = [
 The paper's scaling studies redone with canzona's planner: DP 16 to 128, TP 2 to 8, Qwen3 1.7B to
 32B, alpha 0 to 1, and numel vs FLOPs as the planner's cost. Open black diamonds are the paper's
 reported values, drawn only where a row is the configuration the paper measured (Qwen3-32B, Muon,
-DP32 x TP8, numel cost, alpha 1). Where the paper only plots a trend without numbers (Figures 8, 9
-and 13) nothing is drawn beside ours.
+DP32 x TP8, numel cost, alpha 1; its FLOPs ratios only with FLOPs on TP-local shards, its
+accounting). Where the paper only plots a trend without numbers (Figures 8, 9 and 13) nothing is
+drawn beside ours.
 
 FLOPs are counted on full shapes by default (`FLOPS_SHAPE = "full"`, the work a host really does
 after the micro-group gather, as everywhere in canzona); set `FLOPS_SHAPE = "local"` for the

@@ -560,6 +560,8 @@ def test_plan_sweep_rows_and_paper_points() -> None:
     pts = vs.paper_points(df, "dp_flops_ratio", "dp")
     assert sorted(zip(pts["strategy"], pts["value"])) == [("asc", 3.24), ("lb-asc", 1.43)]
     assert set(pts["dp"]) == {32}
+    full = df.assign(flops_shape="full")  # full-shape FLOPs: another quantity than the paper's
+    assert vs.paper_points(full, "dp_flops_ratio", "dp").empty and len(vs.paper_points(full, "dp_numel_ratio", "dp")) == 2
     fig = vs.fig_sweep(df, x="dp", metrics=("dp_flops_ratio", "dp_numel_ratio"), log_x=True, title="t")
     _readable(fig)
     paper_traces = [t for t in fig.data if t.name == "paper (reported)"]
