@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona import phase_names as P
 from canzona.optimizers import check_strategy_optimizer, get_optimizer, optimizer_names
 from canzona.plan.strategies import strategy_names
 
@@ -51,6 +52,9 @@ __all__ = [
     "train_worker",
     "params_fingerprint",
     "format_summary",
+    "step_legend",
+    "Progress",
+    "MetricsHook",
     "main",
 ]
 
@@ -328,18 +332,18 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
 
 #: short column names of the per-step line, with what each one means (printed once as a legend)
 _SHORT: dict[str, tuple[str, str]] = {
-    "canzona/forward": ("fwd", "forward"),
-    "canzona/backward": ("bwd", "backward (launches the DP gradient collectives)"),
-    "canzona/optimizer/step": ("opt", "optimizer step (the phases below, and the rest)"),
-    "canzona/dp/reduce_scatter": ("rs", "DP gradient reduce-scatter (launch + wait)"),
-    "canzona/dp/all_reduce": ("ar", "DP gradient all-reduce (launch + wait)"),
-    "canzona/dp/local_update": ("upd", "DP owner's update of the parameters it owns"),
-    "canzona/tp/gather": ("tp-g", "TP micro-group gather to the hosts"),
-    "canzona/tp/compute": ("tp-c", "TP host update of full matrices"),
-    "canzona/tp/scatter": ("tp-s", "TP scatter of updated shards"),
-    "canzona/tp/apply": ("tp-a", "TP apply of the received shards"),
-    "canzona/dp/all_gather": ("ag", "DP parameter all-gather"),
-    "canzona/layerwise/broadcast": ("bcast", "layerwise parameter broadcast"),
+    P.FORWARD: ("fwd", "forward"),
+    P.BACKWARD: ("bwd", "backward (launches the DP gradient collectives)"),
+    P.OPTIMIZER_STEP: ("opt", "optimizer step (the phases below, and the rest)"),
+    P.DP_REDUCE_SCATTER: ("rs", "DP gradient reduce-scatter (launch + wait)"),
+    P.DP_ALL_REDUCE: ("ar", "DP gradient all-reduce (launch + wait)"),
+    P.DP_LOCAL_UPDATE: ("upd", "DP owner's update of the parameters it owns"),
+    P.TP_GATHER: ("tp-g", "TP micro-group gather to the hosts"),
+    P.TP_COMPUTE: ("tp-c", "TP host update of full matrices"),
+    P.TP_SCATTER: ("tp-s", "TP scatter of updated shards"),
+    P.TP_APPLY: ("tp-a", "TP apply of the received shards"),
+    P.DP_ALL_GATHER: ("ag", "DP parameter all-gather"),
+    P.LAYERWISE_BROADCAST: ("bcast", "layerwise parameter broadcast"),
 }
 
 
@@ -454,7 +458,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
         return train(config)
     hooks: list[Callable[[int, float, dict[str, float]], None]] = []
     progress = Progress(config) if config.progress else None
-    log = metrics_logger(config) if config.log_dir else None
+    log = MetricsHook(config) if config.log_dir else None
     if progress is not None:
         hooks.append(progress)
     if log is not None:
@@ -472,7 +476,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     return result
 
 
-class metrics_logger:
+class MetricsHook:
     """A per-step hook writing a :class:`canzona.runs.MetricsLog` into ``config.log_dir`` (with
     the configuration in its ``run.json``); a step's wall time is measured from the previous
     step's hook (none for the first step, which includes the set-up)."""

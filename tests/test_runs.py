@@ -132,3 +132,12 @@ def test_train_command_logs_the_run(capsys) -> None:
     runs = sorted(runs_dir().glob("train-lb-asc-dp1xtp1-*"))
     assert len(runs) == 1 and f"metrics: {runs[0] / METRICS_CSV}" in out
     assert load_metrics(runs[0])["step"].tolist() == [0, 1]
+
+
+def test_every_phase_has_a_column_name_and_a_meaning() -> None:
+    from canzona.train import _SHORT, step_legend
+
+    assert set(_SHORT) == set(PHASES)
+    assert len({short for short, _ in _SHORT.values()}) == len(PHASES)  # no two columns share a name
+    legend = step_legend(list(PHASES))
+    assert all(f"{short} = {meaning}" in legend for short, meaning in _SHORT.values())

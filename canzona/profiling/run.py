@@ -224,7 +224,7 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         tensorboard_trace_handler,
     )
 
-    from canzona.train import metrics_logger, train
+    from canzona.train import MetricsHook, train
 
     del world_size
     sch = spec.schedule
@@ -234,7 +234,7 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         # one training run stepping the profiler (if any) and the CUDA capture range (if any);
         # rank 0 logs loss and phase times beside the traces (metrics.csv + TensorBoard scalars)
         hook = ProfilerHook(prof, capture)
-        log = metrics_logger(spec.train, str(spec.tensorboard_dir)) if rank == 0 and spec.tensorboard_dir is not None else None
+        log = MetricsHook(spec.train, str(spec.tensorboard_dir)) if rank == 0 and spec.tensorboard_dir is not None else None
         if capture is not None:
             capture.before_training()
         try:
