@@ -920,3 +920,13 @@ def test_notebook_renderer_puts_html_and_optionally_a_picture_beside_the_json(mo
                 notebook.use_notebook_renderer("png")
     finally:
         pio.renderers.default = before
+
+
+def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatch) -> None:
+    from canzona.viz import export
+
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path))
+    raw = _raw_traces(tmp_path / "prof")
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["timeline"])
+    assert list(figs.figures) == ["timeline"] and figs.notes == [f"profile: the newest run, {raw.resolve()}"]
+    assert export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["partition_map"]).notes == []

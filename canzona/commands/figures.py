@@ -54,19 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canzona.viz.export import StaticExportError, main_figures, static_export_problem, write_figures
-    from canzona.viz.timeline import resolve_profile
+    from canzona.viz.export import LATEST, StaticExportError, main_figures, static_export_problem, write_figures
 
     if args.fmt != "html" and (problem := static_export_problem()) is not None:
         # before minutes of planning: the user learns at once what to install
         print(f"canzona figures: error: cannot write {args.fmt}: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    profile = None
-    if not args.no_profile:
-        profile, note = resolve_profile(args.profile)
-        if note:
-            print(note, file=sys.stderr)
+    profile = None if args.no_profile else (args.profile or LATEST)
     figs = main_figures(
         model=args.model,
         dp=args.dp,
@@ -84,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for p in paths:
         print(p)
+    for note in figs.notes:
+        print(note, file=sys.stderr)
     for name, why in figs.skipped.items():
         print(f"skipped {name}: {why}", file=sys.stderr)
     print(f"{len(figs.figures)} figures in {time.perf_counter() - t0:.1f} s -> {args.out}/index.html", file=sys.stderr)

@@ -27,10 +27,11 @@ from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajec
 from canzona.viz.microgroups import cmax_sweep, fig_cmax_sweep, fig_microgroup_gantt, fig_tp_sweep, microgroup_summary, tp_sweep
 from canzona.viz.partition import fig_balance_vs_paper, fig_partition_map, fig_strategy_comparison, strategy_summary
 from canzona.viz.scaling import SCALING_MODELS, fig_alpha_tradeoff, fig_sweep, plan_sweep
-from canzona.viz.timeline import DEFAULT_PROFILE_DIR, fig_critical_path, fig_timeline, load_profile
+from canzona.viz.timeline import fig_critical_path, fig_timeline, load_profile, resolve_profile
 
 __all__ = [
     "FORMATS",
+    "LATEST",
     "PLOTLYJS_MODES",
     "FigureSet",
     "FIGURE_NAMES",
@@ -73,6 +74,9 @@ def static_export_problem() -> str | None:
                 "plotly_get_chrome) or point BROWSER_PATH at its executable")
     return None
 
+#: ``main_figures(profile=LATEST)``: the newest run under runs/, else the shipped sample
+LATEST = "latest"
+
 #: every figure main_figures can produce, in order
 FIGURE_NAMES: tuple[str, ...] = (
     "partition_map",
@@ -96,10 +100,12 @@ FIGURE_NAMES: tuple[str, ...] = (
 
 @dataclass(slots=True)
 class FigureSet:
-    """Figures by name, in production order, and the names skipped with the reason."""
+    """Figures by name, in production order, the names skipped with the reason, and notes for the
+    user (which profile was read)."""
 
     figures: dict[str, go.Figure] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def _plan(model: str, **kw):
@@ -117,14 +123,16 @@ def main_figures(
     tp: int = 8,
     optimizer: str = "muon",
     flops_shape: str = DEFAULT_FLOPS_SHAPE,
-    profile: str | Path | None = DEFAULT_PROFILE_DIR,
+    profile: str | Path | None = LATEST,
     report: str | Path | None = None,
     only: Sequence[str] | None = None,
 ) -> FigureSet:
     """Build the main figures for one configuration (the paper's, Qwen3-32B Muon DP32 x TP8, by
     default; FLOPs on :data:`~canzona.plan.plan.DEFAULT_FLOPS_SHAPE` shapes like the planner).
 
-    ``profile``: a trace summary or raw trace directory (None: no timeline figures); ``report``: a
+    ``profile``: a trace summary or raw trace directory, :data:`LATEST` (the default: the newest run
+    under ``runs/``, else the shipped sample, with a note in ``notes``) or None (no timeline
+    figures); ``report``: a
     validation report (None: ``data/validation/report.json`` if present, else the shipped sample).
     ``loss_curves`` draws every run with a metrics log under ``runs/`` (skipped when there is none).
     ``only``: names from :data:`FIGURE_NAMES` to build (all by default).
@@ -171,6 +179,9 @@ def main_figures(
         "time_components": lambda: _time_components(model, dp, tp, optimizer),
     }
     prof = None
+    if profile == LATEST and any(n in wanted for n in ("timeline", "critical_path")):
+        profile, note = resolve_profile(None)
+        out.notes.append(note)
     if profile is not None and any(n in wanted for n in ("timeline", "critical_path")):
         if Path(profile).exists():
             prof = load_profile(profile)
