@@ -14,7 +14,7 @@ import sys
 
 from canzona.commands._args import one_line_errors
 
-__all__ = ["COMMANDS", "main", "UserError"]
+__all__ = ["COMMANDS", "DefaultsHelpFormatter", "command_parser", "main", "UserError"]
 
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,8 +25,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("canzona.commands.validate", "exactness suite: distributed updates vs single-device optimizers, bit for bit"),
     "profile": ("canzona.commands.profile", "profile training steps with torch.profiler (TensorBoard traces per rank)"),
     "simulate": ("canzona.commands.simulate", "predict iteration time per strategy at cluster scale"),
-    "figures": ("canzona.commands.figures", "write the main figures as standalone HTML"),
+    "figures": ("canzona.commands.figures", "write the main figures as HTML, PNG, SVG or PDF files"),
 }
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default: "(default: X)" is appended to a help text that
+    does not already name its default; flags (default False), options without a default (None)
+    and required options are left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if "default" in text.lower() or action.required or d is None or d is False or d == [] or d is argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def command_parser(name: str) -> tuple[object, argparse.ArgumentParser]:
+    """The module of subcommand ``name`` and its argument parser."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"canzona {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelpFormatter)
+    one_line_errors(parser)
+    module.add_arguments(parser)
+    return module, parser
 
 
 class UserError(Exception):
@@ -54,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"canzona {name}", description=COMMANDS[name][1])
-    one_line_errors(parser)
-    module.add_arguments(parser)
+    module, parser = command_parser(name)
     args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)

@@ -6,8 +6,11 @@ builds the model from the same seed, tensor-parallelizes it over the ``tp`` mesh
 DTensor (:func:`canzona.models.parallelize`) or, with ``tp_style="megatron"``, as plain local
 shards with declared split dims (:func:`canzona.models.shard_megatron`), wraps it in :class:`canzona.DistributedOptimizer`
 (the plan, the ZeRO-1 buffer and the TP micro-group engine of Sections 3 and 4), and trains on
-the seeded synthetic Markov data (:mod:`canzona.models.data`) for ``steps`` steps. Rank 0 shows a
-tqdm progress bar and one line per step (loss, per-phase wall times); every rank returns a
+the seeded synthetic Markov data (:mod:`canzona.models.data`) for ``steps`` steps. Rank 0 shows
+progress (:class:`Progress`: a legend, then one line per step with the loss and per-phase wall
+times; a tqdm bar only when stdout and stderr are both a terminal, so piped output and torchrun
+logs stay plain lines) and, with ``log_dir``, writes the run's ``metrics.csv`` and TensorBoard
+scalars (:class:`canzona.runs.MetricsLog`); every rank returns a
 :class:`TrainResult` (losses, phase times, bytes per phase, a fingerprint of the final parameters).
 
 The command line (``canzona train``, :mod:`canzona.commands.train`) builds a :class:`TrainConfig`
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona import phase_names as P
 from canzona.optimizers import check_strategy_optimizer, get_optimizer, optimizer_names
 from canzona.plan.strategies import strategy_names
 
@@ -51,6 +55,9 @@ __all__ = [
     "params_fingerprint",
     "format_summary",
     "train_from_env",
+    "step_legend",
+    "Progress",
+    "MetricsHook",
 ]
 
 #: the registered optimizer names (:mod:`canzona.optimizers`)
@@ -92,6 +99,7 @@ class TrainConfig:
     backend: str | None = None
     tp_style: str = "dtensor"
     progress: bool = True
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in optimizer_names():
@@ -325,25 +333,81 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
 
 # ----------------------------------------------------------------------------- reporting
 
-_SHORT = {
-    "canzona/forward": "fwd",
-    "canzona/backward": "bwd",
-    "canzona/optimizer/step": "opt",
-    "canzona/dp/reduce_scatter": "rs",
-    "canzona/dp/all_reduce": "ar",
-    "canzona/dp/local_update": "upd",
-    "canzona/tp/gather": "tp-g",
-    "canzona/tp/compute": "tp-c",
-    "canzona/tp/scatter": "tp-s",
-    "canzona/tp/apply": "tp-a",
-    "canzona/dp/all_gather": "ag",
-    "canzona/layerwise/broadcast": "bcast",
+#: short column names of the per-step line, with what each one means (printed once as a legend)
+_SHORT: dict[str, tuple[str, str]] = {
+    P.FORWARD: ("fwd", "forward"),
+    P.BACKWARD: ("bwd", "backward (launches the DP gradient collectives)"),
+    P.OPTIMIZER_STEP: ("opt", "optimizer step (the phases below, and the rest)"),
+    P.DP_REDUCE_SCATTER: ("rs", "DP gradient reduce-scatter (launch + wait)"),
+    P.DP_ALL_REDUCE: ("ar", "DP gradient all-reduce (launch + wait)"),
+    P.DP_LOCAL_UPDATE: ("upd", "DP owner's update of the parameters it owns"),
+    P.TP_GATHER: ("tp-g", "TP micro-group gather to the hosts"),
+    P.TP_COMPUTE: ("tp-c", "TP host update of full matrices"),
+    P.TP_SCATTER: ("tp-s", "TP scatter of updated shards"),
+    P.TP_APPLY: ("tp-a", "TP apply of the received shards"),
+    P.DP_ALL_GATHER: ("ag", "DP parameter all-gather"),
+    P.LAYERWISE_BROADCAST: ("bcast", "layerwise parameter broadcast"),
 }
 
 
+def _short(name: str) -> str:
+    return _SHORT[name][0] if name in _SHORT else name
+
+
+def step_legend(phases: Sequence[str]) -> str:
+    """The legend of the per-step line's columns for these phases (base names)."""
+    cols = ["loss = mean training loss over DP ranks", *(f"{_short(k)} = {_SHORT[k][1]}" for k in phases if k in _SHORT)]
+    return "per step (rank 0, wall ms): " + "; ".join(cols)
+
+
 def _step_line(step: int, steps: int, loss: float, phases: dict[str, float]) -> str:
-    parts = [f"{_SHORT.get(k, k)} {v * 1e3:.1f}ms" for k, v in phases.items() if v > 0]
+    parts = [f"{_short(k)} {v * 1e3:.1f}" for k, v in phases.items() if v > 0]
     return f"step {step + 1}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
+
+
+class Progress:
+    """Rank 0's progress display: a legend before the first step, then one plain line per step
+    on ``out``. A tqdm bar (on stderr) is added only when ``bar`` is True or, with ``bar=None``,
+    when stdout and stderr are both terminals; then step lines go through the bar so the two never
+    interleave. Under a pipe or torchrun (no terminal) the output is plain lines only."""
+
+    def __init__(self, config: TrainConfig, *, out: Any = None, bar: bool | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.steps = config.steps
+        if bar is None:
+            bar = _isatty(sys.stdout) and _isatty(sys.stderr)
+        self.bar: Any = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=config.steps, desc=f"{config.strategy} dp{config.dp}xtp{config.tp}", unit="step", file=sys.stderr)
+        self._legend = False
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.out)
+        else:
+            print(line, file=self.out, flush=True)
+
+    def __call__(self, step: int, loss: float, phases: dict[str, float]) -> None:
+        if not self._legend:
+            self._write(step_legend([k for k, v in phases.items() if v > 0]))
+            self._legend = True
+        self._write(_step_line(step, self.steps, loss, phases))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _bytes(n: float) -> str:
@@ -390,29 +454,60 @@ def format_summary(result: TrainResult) -> str:
 
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult:
     """Worker body for :func:`canzona.runtime.launch.run_workers`: train; rank 0 shows progress
-    (tqdm on stderr and one line per step on stdout, unless ``config.progress`` is off) and prints
-    the summary."""
+    (:class:`Progress`, unless ``config.progress`` is off), writes the metrics log when
+    ``config.log_dir`` is set and prints the summary."""
     del world_size
     if rank != 0:
         return train(config)
-    if not config.progress:
-        result = train(config)
-    else:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, desc=f"{config.strategy} dp{config.dp}xtp{config.tp}", unit="step", file=sys.stderr)
-
-        def on_step(step: int, loss: float, phases: dict[str, float]) -> None:
-            bar.write(_step_line(step, config.steps, loss, phases), file=sys.stdout)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            bar.update(1)
-
-        try:
-            result = train(config, on_step=on_step)
-        finally:
-            bar.close()
+    hooks: list[Callable[[int, float, dict[str, float]], None]] = []
+    progress = Progress(config) if config.progress else None
+    log = MetricsHook(config) if config.log_dir else None
+    if progress is not None:
+        hooks.append(progress)
+    if log is not None:
+        hooks.append(log)
+    try:
+        result = train(config, on_step=_chain(hooks) if hooks else None)
+    finally:
+        if progress is not None:
+            progress.close()
+        if log is not None:
+            log.close()
     print(format_summary(result), flush=True)
+    if log is not None:
+        print(f"metrics: {log.log.path}" + (" (+ TensorBoard scalars)" if log.log.writer is not None else ""), flush=True)
     return result
+
+
+class MetricsHook:
+    """A per-step hook writing a :class:`canzona.runs.MetricsLog` into ``config.log_dir`` (with
+    the configuration in its ``run.json``); a step's wall time is measured from the previous
+    step's hook (none for the first step, which includes the set-up)."""
+
+    def __init__(self, config: TrainConfig, directory: str | None = None) -> None:
+        from dataclasses import asdict
+
+        from canzona.runs import MetricsLog
+
+        run = {k: v for k, v in asdict(config).items() if k not in ("progress", "log_dir")}
+        self.log = MetricsLog(directory or str(config.log_dir), run=run)
+        self._t: float | None = None
+
+    def __call__(self, step: int, loss: float, phases: dict[str, float]) -> None:
+        now = time.perf_counter()
+        self.log.log(step, loss, math.nan if self._t is None else now - self._t, phases)
+        self._t = time.perf_counter()
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _chain(hooks: Sequence[Callable[[int, float, dict[str, float]], None]]) -> Callable[[int, float, dict[str, float]], None]:
+    def call(step: int, loss: float, phases: dict[str, float]) -> None:
+        for h in hooks:
+            h(step, loss, phases)
+
+    return call
 
 
 def train_from_env(config: TrainConfig) -> TrainResult:

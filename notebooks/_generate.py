@@ -48,9 +48,12 @@ Change the controls to plan another configuration; plans take milliseconds. All 
 """),
     code("""
 # Parameters (edit, or inject with papermill-style tools)
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
+
 MODEL = "qwen3-32b"
 DP, TP = 32, 8
 OPTIMIZER = "muon"
+FLOPS_SHAPE = DEFAULT_FLOPS_SHAPE  # "full" (the work a host does); "local" is the paper's accounting
 """, parameters=True),
     code("""
 import warnings
@@ -62,6 +65,7 @@ from canzona import viz
 from canzona.plan import plan_model
 from canzona.viz import widgets as vw
 
+viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
 """),
     md("""
@@ -74,17 +78,18 @@ buckets), `asc` (cuts on boundaries, no balancing), `lb-asc` (Algorithm 1) and `
 divisible). `memory view`: optimizer-state bytes, or buffer elements (what the paper calls memory).
 """),
     code("""
-vw.partition_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategy="lb-asc")
+vw.partition_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, flops_shape=FLOPS_SHAPE, strategy="lb-asc")
 """),
     md("""
 ## zero1 vs asc vs lb-asc vs layerwise, side by side
 
-Same model and mesh, four strategies. The defaults use the paper's accounting (FLOPs on TP-local
-shard shapes, memory as buffer elements), so the diamonds in the second figure (the paper's
-Figure 3 values, Qwen3-32B DP32 x TP8) are like for like when the controls show that configuration.
+Same model and mesh, four strategies, with the same defaults as the explorer above. The diamonds
+in the second figure are the paper's Figure 3 values (Qwen3-32B DP32 x TP8); the paper counts
+FLOPs on TP-local shard shapes and memory as buffer elements, so its FLOPs diamonds appear only
+when `flops shape` is `local` (set `FLOPS_SHAPE = "local"` above, or change the control).
 """),
     code("""
-vw.strategy_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategies=("zero1", "asc", "lb-asc", "layerwise"))
+vw.strategy_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, flops_shape=FLOPS_SHAPE, strategies=("zero1", "asc", "lb-asc", "layerwise"))
 """),
     md("""
 The same numbers as a table, with canzona's joint planner added and the paper's values where it
@@ -93,7 +98,7 @@ reports them (`paper_*` columns; NaN where it does not):
     code("""
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # oversized micro-group tasks: see notebook 2
-    plans = {s: plan_model(MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategy=s, flops_shape="local")
+    plans = {s: plan_model(MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategy=s, flops_shape=FLOPS_SHAPE)
              for s in ("zero1", "asc", "lb-asc", "lb-asc-joint", "layerwise")}
 viz.strategy_summary(list(plans.values()))
 """),
@@ -107,6 +112,13 @@ layers, since the buffer is filled in reverse registration order).
     code("""
 for s in ("zero1", "lb-asc"):
     display(viz.fig_partition_map(plans[s], buckets=range(6)))
+"""),
+    md("""
+At DP32 the legend lists every rank: click a rank to hide it, double-click to show it alone. To
+follow a few ranks through the whole buffer, colour only those (the others turn grey):
+"""),
+    code("""
+viz.fig_partition_map(plans["lb-asc"], ranks=[0, 1, DP - 1])
 """),
     code("""
 pieces = viz.ownership_pieces(plans["zero1"])
@@ -149,6 +161,7 @@ from canzona import viz
 from canzona.plan import plan_model
 from canzona.viz import widgets as vw
 
+viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
 """),
     code("""
@@ -213,8 +226,10 @@ TIMELINES = [
 
 Reads a *trace summary*: a phase table (`phases.csv` or `phases.parquet`: rank, step, phase, part,
 start_us, dur_us, depth) and `meta.json`, written by the profiling scripts from NVTX /
-`record_function` ranges (phase names are those of `canzona.runtime.phases`). By default it opens
-the shipped sample under `data/profiles/sample/`; set `PROFILE_DIR` to your own run.
+`record_function` ranges (phase names are those of `canzona.phase_names`). By default it opens
+your newest run under `runs/` (written by `canzona profile --tensorboard runs/<name>`; a raw trace
+directory is summarised on the fly) and falls back to the shipped sample under
+`data/profiles/sample/`, saying so; set `PROFILE_DIR` to open another run.
 
 * **Timeline**: one row per rank, one bar per phase; nested phases are thinner bars inside their
   parents. Pick the step and the nesting depth with the controls.
@@ -223,11 +238,10 @@ the shipped sample under `data/profiles/sample/`; set `PROFILE_DIR` to your own 
 * **Breakdown per strategy**: phase times of every run found under `PROFILE_ROOT`.
 """),
     code("""
-# Parameters: a trace summary directory, and where to look for runs to compare
-from canzona.viz.timeline import DEFAULT_PROFILE_DIR
-
-PROFILE_DIR = DEFAULT_PROFILE_DIR
-PROFILE_ROOT = DEFAULT_PROFILE_DIR.parent
+# Parameters: a trace summary or raw trace directory (None: the newest run under runs/, else the
+# shipped sample), and where to look for runs to compare (None: beside the chosen one)
+PROFILE_DIR = None
+PROFILE_ROOT = None
 """, parameters=True),
     code("""
 import pandas as pd
@@ -237,7 +251,12 @@ from canzona import viz
 from canzona.viz import timeline as vt
 from canzona.viz import widgets as vw
 
+viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
+PROFILE_DIR, note = vt.resolve_profile(PROFILE_DIR)
+if note:
+    print(note)
+PROFILE_ROOT = PROFILE_DIR.parent if PROFILE_ROOT is None else PROFILE_ROOT
 profile = vt.load_profile(PROFILE_DIR)
 print(profile.label, "|", len(profile.phases), "phase records,", profile.phases["rank"].nunique(), "ranks,",
       profile.phases["step"].nunique(), "steps")
@@ -264,14 +283,18 @@ cp
 """),
     md("""
 The profiling package's own per-step summaries of the same table (`canzona.profiling.traces`):
-iteration, fwd-bwd and optimizer-step makespans per step, and the critical rank's optimizer time
-split by child phase (`kind`: compute, comm or other) with its share.
+iteration, fwd-bwd and optimizer-step makespans and exposed communication per step; the critical
+rank's optimizer time split by child phase and stage (`launch` issues an asynchronous collective,
+`wait` blocks until it lands; `kind`: compute, comm or other) with its share; and per
+communication phase the time ranks were blocked on it (`exposed_us`) and the time it ran while
+they worked (`hidden_us`).
 """),
     code("""
-from canzona.profiling import critical_path, step_makespans
+from canzona.profiling import comm_exposure, critical_path, step_makespans
 
 display(step_makespans(profile.phases))
-critical_path(profile.phases)
+display(critical_path(profile.phases).style.format({"share": "{:.1%}"}))
+comm_exposure(profile.phases)
 """),
     md("""
 ## Phase breakdown per strategy
@@ -285,6 +308,21 @@ if not runs:  # PROFILE_DIR may live outside PROFILE_ROOT
 print({k: str(v) for k, v in runs.items()})
 breakdown = vt.breakdown_by_strategy({k: vt.load_profile(v) for k, v in runs.items()})
 viz.fig_phase_breakdown(breakdown)
+"""),
+    md("""
+## Loss of several runs
+
+`canzona train` logs every run's loss and phase times under `runs/` (`metrics.csv`, plus
+TensorBoard scalars when tensorboard is installed); `canzona profile` logs beside its traces.
+Every run found there is drawn on one chart (exact strategies coincide, drawn dashed over each
+other). Try `canzona train --steps 20 --strategy sc` and `... --strategy lb-asc`, then rerun.
+"""),
+    code("""
+loss_runs = viz.discover_runs()
+if loss_runs:
+    display(viz.fig_loss_curves(loss_runs))
+else:
+    print("no metrics logs under runs/ yet: run `canzona train` (it logs there by default)")
 """),
 ]
 
@@ -300,15 +338,18 @@ reported values, drawn only where a row is the configuration the paper measured.
 only states a trend, the table under each study (`canzona.reproduce`, the same rows as
 `canzona reproduce FIG`) puts the paper's claim beside ours with a verdict.
 
-FLOPs are counted on TP-local shard shapes here (the paper's accounting, `flops_shape="local"`);
-set `FLOPS_SHAPE = "full"` for the work a host really does after the micro-group gather.
+FLOPs are counted on full shapes by default (`FLOPS_SHAPE = "full"`, the work a host really does
+after the micro-group gather, as everywhere in canzona); set `FLOPS_SHAPE = "local"` for the
+paper's accounting on TP-local shards.
 """),
     code("""
 # Parameters
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
+
 MODEL = "qwen3-32b"
 DP, TP = 32, 8
 OPTIMIZER = "muon"
-FLOPS_SHAPE = "local"
+FLOPS_SHAPE = DEFAULT_FLOPS_SHAPE
 STRATEGIES = ("asc", "lb-asc", "lb-asc-joint", "layerwise")
 """, parameters=True),
     code("""
@@ -320,6 +361,7 @@ from canzona.reproduce import reproduce
 from canzona.viz import scaling as vs
 from canzona.viz import simulation as vsim
 
+viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
 vs.paper_table()[["key", "value", "unit", "source", "config", "ablation", "note"]]
 """),
@@ -458,6 +500,7 @@ from IPython.display import display
 from canzona import viz
 from canzona.viz import exactness as ve
 
+viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
 report = ve.load_validation_report(REPORT)
 print(REPORT, report["summary"])

@@ -4,8 +4,12 @@ the optimizer step's critical path (a thin CLI over ``canzona.profiling.traces``
     .venv/bin/python profiling/summarize_trace.py runs/prof                       # print
     .venv/bin/python profiling/summarize_trace.py runs/prof --out data/profiles/mine
 
+Launch and wait stages of asynchronous collectives are separate rows; ``comm_exposure`` reports
+per communication phase how long ranks were blocked on it (exposed) and how much of its flight
+time the rank spent working (hidden). Shares print as percentages with one decimal below 10 %.
+
 ``--out`` writes ``phases.csv`` (and ``phases.parquet`` when pyarrow is installed),
-``phase_stats.csv``, ``step_makespans.csv``, ``critical_path.csv`` and copies the run's
+``phase_stats.csv``, ``step_makespans.csv``, ``critical_path.csv``, ``comm_exposure.csv`` and copies the run's
 ``meta.json`` (written by ``canzona profile`` beside the traces); the timeline notebook opens that
 directory (``canzona.viz.timeline.load_profile``).
 """
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pandas as pd
 
 from canzona.profiling.traces import (
+    comm_exposure,
     critical_path,
     load_traces,
     phase_stats,
@@ -29,6 +34,20 @@ from canzona.profiling.traces import (
     write_meta,
     write_summary,
 )
+
+
+def share_text(v: float) -> str:
+    """A share as a percentage precise enough that a 3 % (or 0.3 %) phase never prints as 0."""
+    if pd.isna(v):
+        return "-"
+    pct = 100.0 * float(v)
+    return f"{pct:.1f} %" if pct >= 10 or pct == 0 else f"{pct:.2g} %"
+
+
+def table_text(df: pd.DataFrame) -> str:
+    """A summary table as text: microseconds with thousands separators, shares as percentages."""
+    fmt = {c: share_text for c in df.columns if "share" in c}
+    return df.to_string(index=False, formatters=fmt, float_format=lambda v: f"{v:,.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"summarize_trace: error: {exc}", file=sys.stderr)
         return 2
-    fmt = {"float_format": lambda v: f"{v:,.1f}", "index": False}
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         if meta:
             print(f"{meta['model']} {meta['optimizer']} {meta['strategy']} dp{meta['dp']} x tp{meta['tp']}, {meta['steps']} steps")
         print(f"{len(df)} phase ranges, ranks {sorted(df['rank'].unique().tolist())}, steps {sorted(df['step'].unique().tolist())}\n")
-        print(phase_stats(df).to_string(**fmt), end="\n\n")
-        print(step_makespans(df).to_string(**fmt), end="\n\n")
-        print(critical_path(df).to_string(**fmt))
+        for title, frame in (
+            ("phases (launch and wait stages apart)", phase_stats(df)),
+            ("per step (us)", step_makespans(df)),
+            ("optimizer step of the critical rank", critical_path(df)),
+            ("communication: exposed (blocked) and hidden (overlapped) time per rank and step (us)", comm_exposure(df)),
+        ):
+            print(f"== {title}")
+            print(table_text(frame), end="\n\n")
     if args.out:
         written = write_summary(df, args.out)
         if meta:

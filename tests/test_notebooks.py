@@ -8,6 +8,7 @@ needs no user-installed kernelspec (CI has none) and never picks up another Pyth
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -109,12 +110,25 @@ def _sample_report(path: Path) -> Path:
     return path
 
 
+def _sample_runs() -> None:
+    """Two small metrics logs in the runs folder the suite uses (tests/conftest.py)."""
+    from canzona.runs import MetricsLog, runs_dir
+
+    for k, strategy in enumerate(("sc", "lb-asc")):
+        with MetricsLog(runs_dir() / f"train-{strategy}", run={"strategy": strategy, "dp": 2, "tp": 2, "optimizer": "muon"},
+                        tensorboard=False) as log:
+            for step in range(4):
+                log.log(step, 5.5 - 0.2 * step, 0.01 * (1 + k), {"canzona/forward": 0.003})
+
+
 def _overrides(name: str, tmp_path: Path) -> str:
     """Parameter overrides: notebooks 3 and 5 read data that other parts of the project ship;
     when it is not there, the test gives them a small sample of the same format."""
     from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT
     from canzona.viz.timeline import DEFAULT_PROFILE_DIR
 
+    if name.startswith("03"):
+        _sample_runs()  # the loss cell draws two runs' metrics logs
     if name.startswith("03") and not DEFAULT_PROFILE_DIR.is_dir():
         run = _sample_profile(tmp_path / "profiles" / "sample")
         return f"from pathlib import Path\nPROFILE_DIR = Path({str(run)!r})\nPROFILE_ROOT = PROFILE_DIR.parent\n"
@@ -150,3 +164,24 @@ def test_notebook_runs_headless(name: str, tmp_path: Path) -> None:
     for o in figures:
         layout = o["data"]["application/vnd.plotly.v1+json"]["layout"]
         assert layout["title"]["text"]
+        # an HTML copy beside the JSON (viz.use_notebook_renderer): what exporters and nbviewer show
+        assert "text/html" in o["data"], f"{name}: a figure carries no HTML fallback"
+    if name.startswith("03"):
+        titles = [o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"] for o in figures]
+        assert any(t.startswith("Training loss of 2 runs") for t in titles), "the loss cell drew no runs"
+    _check_html_export(nb, figures, name)
+
+
+def _check_html_export(nb: nbformat.NotebookNode, figures: list, name: str) -> None:
+    """``jupyter nbconvert --to html`` of the executed notebook draws every figure: each one's
+    plot call and title are in the page, and plotly.js is inlined once (the page works offline)."""
+    from nbconvert import HTMLExporter
+
+    page, _ = HTMLExporter().from_notebook_node(nb)
+    assert page.count("Plotly.newPlot") >= len(figures), f"{name}: exported HTML draws fewer figures than the notebook"
+    for o in figures:
+        title = o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"]
+        # plotly escapes / < > & in the embedded JSON: compare the title up to the first of them
+        head = json.dumps(re.split(r"[/<>&]", title)[0])[1:-1]
+        assert head in page, f"{name}: figure {title!r} missing from the exported HTML"
+    assert page.count("plotly.js v") >= 1 and len(page) > 3_000_000, f"{name}: plotly.js is not inlined in the exported HTML"

@@ -77,6 +77,10 @@ def test_one_trace_per_rank_with_every_expected_phase(profile) -> None:
     traces = existing_traces(out)
     assert sorted(p.name.split(".")[0] for p in traces) == ["rank0", "rank1", "rank2", "rank3"]
     assert read_meta(out) == {"strategy": "lb-asc", "optimizer": "muon", "dp": 2, "tp": 2, "steps": 2, "model": "qwen3-tiny"}
+    from canzona.viz.training import load_metrics
+
+    metrics = load_metrics(out)  # rank 0 logged every step (wait 1 + active 2) beside the traces
+    assert metrics["step"].tolist() == [0, 1, 2] and (metrics[f"{OPTIMIZER_STEP}_ms"] > 0).all()
     expected = expected_phases("lb-asc", dp=2, tp=2)
     assert expected == {FORWARD, BACKWARD, DP_REDUCE_SCATTER, OPTIMIZER_STEP, DP_LOCAL_UPDATE,
                         TP_GATHER, TP_COMPUTE, TP_SCATTER, TP_APPLY, DP_ALL_GATHER}
@@ -106,6 +110,7 @@ def test_phase_table_contract(profile) -> None:
     assert all(re.fullmatch(r"bucket\d+/(launch|wait)", p) for p in parts[DP_REDUCE_SCATTER] | parts[DP_ALL_GATHER])
     assert all(re.fullmatch(r"group\d+/(launch|wait)", p) for p in parts[TP_GATHER] | parts[TP_SCATTER])
     assert all(re.fullmatch(r"group\d+", p) for p in parts[TP_COMPUTE] | parts[TP_APPLY])
+    assert any(p.endswith("/wait") for p in parts[DP_REDUCE_SCATTER]) and any(p.endswith("/launch") for p in parts[TP_GATHER])
     assert len(parts[DP_REDUCE_SCATTER]) > 1 and len(parts[TP_COMPUTE]) > 1
     assert parts[FORWARD] == {""} and parts[OPTIMIZER_STEP] == {""}
 
@@ -378,3 +383,67 @@ def test_annotation_cost_and_patch_restore() -> None:
     toggle.close()
     assert phases.phase is real
     assert len(toggle.times["annotated"]) + len(toggle.times["bare"]) == 3
+
+
+# ------------------------------------------------------------------------------------ launch / wait stages
+
+
+def _async_events(offset: float, *, new_grammar: bool) -> list[dict]:
+    """One step: bucket 0's reduce-scatter launched in the backward (14 us) and waited in the
+    optimizer step (10 ms, 3 ms of it in flight under compute), a synchronous all-gather after."""
+    o = offset
+    rs = DP_REDUCE_SCATTER + "/bucket0"
+    launch, wait = (f"{rs}/launch", f"{rs}/wait") if new_grammar else (rs, rs)
+    return [
+        _ev("ProfilerStep#1", o, 40_000),
+        _ev(FORWARD, o + 10, 5_000),
+        _ev(BACKWARD, o + 5_010, 10_000),
+        _ev(launch, o + 6_000, 14),
+        _ev(OPTIMIZER_STEP, o + 15_100, 20_000),
+        _ev(TP_APPLY + "/group0", o + 15_200, 600),
+        _ev(wait, o + 16_000, 10_000),
+        _ev(DP_LOCAL_UPDATE + "/bucket0", o + 26_100, 8_000),
+        _ev(DP_ALL_GATHER + "/bucket0", o + 35_200, 1_000),
+    ]
+
+
+@pytest.mark.parametrize("new_grammar", [True, False], ids=["launch-wait-names", "old-names"])
+def test_launch_and_wait_are_separate_and_waits_are_communication(tmp_path: Path, new_grammar: bool) -> None:
+    from canzona.profiling.traces import comm_exposure
+
+    _write(tmp_path / "rank0.pt.trace.json", 0, 0, _async_events(0.0, new_grammar=new_grammar))
+    df = load_traces(tmp_path)
+    rs = df[df["phase"] == DP_REDUCE_SCATTER]
+    assert rs["part"].tolist() == ["bucket0/launch", "bucket0/wait"]
+    stats = phase_stats(df).set_index(["phase", "stage"])
+    assert stats.at[(DP_REDUCE_SCATTER, "launch"), "mean_us"] == 14
+    assert stats.at[(DP_REDUCE_SCATTER, "wait"), "mean_us"] == 10_000
+    assert stats.at[(DP_REDUCE_SCATTER, "wait"), "kind"] == "comm"
+    cp = critical_path(df).set_index(["phase", "stage"])
+    assert cp.at[(DP_REDUCE_SCATTER, "wait"), "kind"] == "comm"  # was "other" before the stages
+    assert cp.at[(DP_LOCAL_UPDATE, ""), "share"] == pytest.approx(8_000 / 20_000)
+    ex = comm_exposure(df).set_index("phase")
+    assert ex.at[DP_REDUCE_SCATTER, "launch_us"] == 14 and ex.at[DP_REDUCE_SCATTER, "exposed_us"] == 10_000
+    # launched at 6000, landed at 26000: 20 ms in flight, 14 us + 10 ms of it on the host
+    assert ex.at[DP_REDUCE_SCATTER, "in_flight_us"] == 20_000
+    assert ex.at[DP_REDUCE_SCATTER, "hidden_us"] == pytest.approx(20_000 - 14 - 10_000)
+    assert ex.at[DP_ALL_GATHER, "sync_us"] == 1_000 and ex.at[DP_ALL_GATHER, "exposed_us"] == 1_000
+    assert step_makespans(df).at[0, "exposed_comm_us"] == 11_000
+
+
+def test_summary_prints_small_shares_and_writes_them_precisely(tmp_path: Path, capsys) -> None:
+    sys.path.insert(0, str(ROOT / "profiling"))
+    try:
+        import summarize_trace
+    finally:
+        sys.path.remove(str(ROOT / "profiling"))
+    assert summarize_trace.share_text(0.03) == "3 %" and summarize_trace.share_text(0.0034) == "0.34 %"
+    assert summarize_trace.share_text(0.4312) == "43.1 %" and summarize_trace.share_text(0.0) == "0.0 %"
+    _write(tmp_path / "rank0.pt.trace.json", 0, 0, _async_events(0.0, new_grammar=True))
+    assert summarize_trace.main([str(tmp_path), "--out", str(tmp_path / "sum")]) == 0
+    out = capsys.readouterr().out
+    assert "exposed" in out and "wait" in out and " 3 %" in out  # the 600 us apply of a 20 ms step
+    cp = pd.read_csv(tmp_path / "sum" / "critical_path.csv", keep_default_na=False)
+    assert cp[cp["phase"] == TP_APPLY]["share"].iloc[0] == pytest.approx(0.03, abs=1e-9)
+    ex = pd.read_csv(tmp_path / "sum" / "comm_exposure.csv").set_index("phase")
+    assert ex.at[DP_REDUCE_SCATTER, "exposed_us"] == 10_000

@@ -156,7 +156,7 @@ def test_rank_load_figures_show_the_loads() -> None:
     fig = vp.fig_strategy_comparison(plans)
     _readable(fig)
     assert len(_bars(fig)) == 8 and len(fig.data) == 16
-    assert [a.text.split(":")[0] for a in fig.layout.annotations[:4]] == ["zero1", "asc", "lb-asc", "layerwise"]
+    assert [a.text.split("<br>")[0] for a in fig.layout.annotations[:4]] == ["zero1", "asc", "lb-asc", "layerwise"]
     with pytest.raises(ValueError):
         vp.fig_strategy_comparison([])
 
@@ -174,6 +174,9 @@ def test_paper_values_beside_the_paper_configuration_only() -> None:
     _readable(fig)
     diamonds = [t for t in fig.data if t.type == "scatter"]
     assert sorted(v for t in diamonds for v in t.y) == sorted([3.24, 2.46, 1.43, 1.11, 3.24, 2.46, 1.16])
+    # full-shape FLOPs are not the paper's accounting: no FLOPs diamond beside them, memory still
+    full = vp.strategy_summary([_plan("qwen3-32b", dp=32, tp=8, strategy="lb-asc", flops_shape="full")]).iloc[0]
+    assert pd.isna(full["paper_dp_flops_ratio"]) and full["paper_dp_numel_ratio"] == 1.11
     other = vp.strategy_summary([_plan("qwen3-32b", dp=16, tp=8, strategy="lb-asc")])
     assert other.filter(like="paper_").isna().all(axis=None)
     assert not [t for t in vp.fig_balance_vs_paper(other).data if t.type == "scatter"]
@@ -557,6 +560,8 @@ def test_plan_sweep_rows_and_paper_points() -> None:
     pts = vs.paper_points(df, "dp_flops_ratio", "dp")
     assert sorted(zip(pts["strategy"], pts["value"])) == [("asc", 3.24), ("lb-asc", 1.43)]
     assert set(pts["dp"]) == {32}
+    full = df.assign(flops_shape="full")  # full-shape FLOPs: another quantity than the paper's
+    assert vs.paper_points(full, "dp_flops_ratio", "dp").empty and len(vs.paper_points(full, "dp_numel_ratio", "dp")) == 2
     fig = vs.fig_sweep(df, x="dp", metrics=("dp_flops_ratio", "dp_numel_ratio"), log_x=True, title="t")
     _readable(fig)
     paper_traces = [t for t in fig.data if t.name == "paper (reported)"]
@@ -668,10 +673,22 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
     rc = main(["figures", "--out", str(out), "--model", "qwen3-tiny", "--dp", "2", "--tp", "2", "--profile", str(run),
                "--report", str(rep), "--only", "partition_map", "timeline", "critical_path", "loss_trajectories"])
     assert rc == 0
-    html = (out / "partition_map.html").read_text()
-    assert "plotly" in html.lower() and len(html) > 1_000_000  # plotly.js inlined: works offline
-    for name in ("timeline", "critical_path", "loss_trajectories"):
-        assert (out / f"{name}.html").is_file()
+    # the HTML files share one plotly.min.js beside them (offline, no 5 MB copy per file)
+    js = out / "plotly.min.js"
+    assert js.is_file() and js.stat().st_size > 1_000_000
+    for name in ("partition_map", "timeline", "critical_path", "loss_trajectories"):
+        page = (out / f"{name}.html").read_text()
+        assert 'src="plotly.min.js"' in page and len(page) < 500_000
+        assert "Plotly.newPlot" in page
+    # the loss of the user's runs: skipped with the reason when there are none, drawn when there are
+    assert main(["figures", "--out", str(tmp_path / "nolog"), "--only", "loss_curves", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert "skipped loss_curves: no metrics logs under runs/" in capsys.readouterr().err
+    from canzona.runs import MetricsLog, runs_dir
+
+    with MetricsLog(runs_dir() / "train-a", tensorboard=False) as log:
+        log.log(0, 5.0, float("nan"), {})
+    assert main(["figures", "--out", str(tmp_path / "log"), "--only", "loss_curves", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert (tmp_path / "log" / "loss_curves.html").is_file()
     assert main(["figures", "--out", str(out), "--model", "nope", "--only", "partition_map"]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert main(["figures", "--out", str(out), "--report", str(tmp_path / "missing.json"), "--only", "loss_trajectories",
@@ -679,6 +696,51 @@ def test_figures_command(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["figures", "--out", str(out), "--dp", "0"])
     assert exc.value.code == 2
+
+
+def test_static_export_problem_says_what_is_missing(tmp_path: Path, monkeypatch, capsys) -> None:
+    from canzona.cli import main
+    from canzona.viz import export
+
+    # no browser anywhere: one line naming the fix, exit 2, nothing written
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chrome"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:  # kaleido (and its browser driver) is an optional extra: without it, that is what is missing
+        from choreographer.browsers.chromium import Chromium
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kw: None))
+    problem = export.static_export_problem()
+    assert problem is not None and ("Chrom" in problem or "kaleido" in problem)
+    with pytest.raises(export.StaticExportError, match="cannot write png"):
+        export.write_figures({"f": go.Figure()}, tmp_path / "x", fmt="png")
+    assert not (tmp_path / "x").exists()
+    rc = main(["figures", "--out", str(tmp_path / "y"), "--format", "svg", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot write svg" in err
+    with pytest.raises(ValueError, match="format"):
+        export.write_figures({}, tmp_path / "z", fmt="gif")
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kaleido", None)  # as where the optional extra is not installed
+    assert export.static_export_problem().startswith("kaleido is not installed (pip install \"canzona[figures]\"")
+
+
+@pytest.mark.slow
+def test_png_export(tmp_path: Path) -> None:
+    from canzona.viz import export
+
+    problem = export.static_export_problem()
+    if problem is not None:
+        pytest.skip(f"static export cannot run here: {problem}")
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=2, profile=None, only=["partition_map", "strategy_loads"])
+    paths = export.write_figures(figs, tmp_path, fmt="png")
+    assert [p.name for p in paths] == ["partition_map.png", "strategy_loads.png", "index.html"]
+    for p in paths[:2]:
+        head = p.read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    assert 'href="partition_map.png"' in (tmp_path / "index.html").read_text()
 
 
 def test_timeline_table_contract_matches_the_trace_summaries() -> None:
@@ -692,23 +754,31 @@ def test_timeline_table_contract_matches_the_trace_summaries() -> None:
 
 
 # ------------------------------------------------------------------------------------------ legibility
-def test_partition_map_many_ranks_uses_a_colour_bar_and_labels() -> None:
-    from canzona.viz._style import LEGEND_MAX_RANKS
+def test_partition_map_many_ranks_tells_neighbours_apart() -> None:
+    from canzona.viz._style import rank_colors
 
-    plan = _plan("qwen3-1.7b", dp=16, tp=2, strategy="zero1")
-    assert plan.inputs.dp > LEGEND_MAX_RANKS
+    for n in (4, 16, 32, 48, 128):
+        cols = rank_colors(n)
+        assert len(set(cols)) == n, n  # every rank its own colour
+        assert all(a != b for a, b in zip(cols, cols[1:]))
+    plan = _plan("qwen3-1.7b", dp=32, tp=2, strategy="zero1")
     fig = vp.fig_partition_map(plan, buckets=range(3))
     _readable(fig)
     bars = _bars(fig)
-    assert len(bars) == 1 and bars[0].showlegend is False  # no 16-entry legend
-    assert bars[0].marker.colorbar.title.text == "DP rank" and bars[0].marker.cmax == 15
+    # one legend entry per rank (click hides one, double-click isolates it), in the rank palette
+    assert [b.name for b in bars] == [f"DP rank {r}" for r in range(32)]
+    assert [b.marker.color for b in bars] == rank_colors(32)
     pieces = vp.ownership_pieces(plan)
     pieces = pieces[pieces["bucket"] < 3]
-    assert list(bars[0].text) == [str(o) for o in pieces["owner"]]
-    assert list(bars[0].marker.color) == list(pieces["owner"])
-    assert {c[6] for c in bars[0].customdata} == {f"DP rank {o}" for o in pieces["owner"]}
-    few = vp.fig_partition_map(_plan("qwen3-tiny", dp=4, tp=2, strategy="zero1", bucket_numel=3000))
-    assert all(b.showlegend is not False for b in _bars(few))
+    wide = pieces["numel"] >= vp.LABEL_MIN_FRACTION * pieces["end"].max()
+    shown = sorted(t for b in bars for t in b.text if t)
+    assert shown == sorted(str(o) for o in pieces.loc[wide, "owner"])  # wide segments carry their rank
+    assert wide.sum() > 32 and (~wide).any()
+    sub = vp.fig_partition_map(plan, buckets=range(3), ranks=[3, 4])
+    assert [b.name for b in _bars(sub)] == ["other ranks (30)", "DP rank 3", "DP rank 4"]
+    assert "coloured: DP ranks 3, 4" in sub.layout.title.text
+    with pytest.raises(ValueError, match="DP ranks in 0..31"):
+        vp.fig_partition_map(plan, ranks=[32])
 
 
 def test_gantt_keeps_idle_hosts_on_the_chart() -> None:
@@ -764,3 +834,99 @@ def test_sweeps_record_their_flops_accounting() -> None:
     assert "local shapes" in vm.fig_cmax_sweep(df).layout.title.text
     tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt",), flops_shape="local")
     assert "local shapes" in vm.fig_tp_sweep(tp).layout.title.text
+
+
+# ------------------------------------------------------------------------------------------ which profile
+def _raw_traces(d: Path) -> Path:
+    """A raw torch.profiler trace directory (one Chrome trace per rank), as `canzona profile` leaves."""
+    d.mkdir(parents=True)
+    for rank in range(2):
+        o = 1000.0 * rank
+        events = [{"ph": "X", "cat": "user_annotation", "name": n, "pid": 1, "tid": 1, "ts": o + ts, "dur": dur} for n, ts, dur in (
+            ("ProfilerStep#1", 0, 900), ("canzona/forward", 1, 100), ("canzona/backward", 110, 200),
+            ("canzona/dp/reduce_scatter/bucket0/launch", 150, 5), ("canzona/optimizer/step", 320, 400),
+            ("canzona/dp/reduce_scatter/bucket0/wait", 330, 50), ("canzona/dp/local_update/bucket0", 390, 300),
+        )]
+        doc = {"schemaVersion": 1, "baseTimeNanoseconds": 0, "traceEvents": events, "distributedInfo": {"rank": rank, "world_size": 2}}
+        (d / f"rank{rank}.1.pt.trace.json").write_text(json.dumps(doc))
+    return d
+
+
+def test_profiles_default_to_the_newest_run_and_read_raw_traces(tmp_path: Path, monkeypatch) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(runs))
+    path, note = vt.resolve_profile()
+    assert path == vt.DEFAULT_PROFILE_DIR and "shipped sample" in note and "canzona profile --tensorboard" in note
+    old = runs / "old"
+    old.mkdir(parents=True)
+    _phases().to_csv(old / "phases.csv", index=False)
+    raw = _raw_traces(runs / "nested" / "raw")
+    import os
+
+    os.utime(old / "phases.csv", (1, 1))  # the summary is older than the raw traces
+    path, note = vt.resolve_profile()
+    assert path == raw.resolve() and "newest run" in note
+    assert vt.resolve_profile(old) == (old, "")
+    prof = vt.load_profile()  # no path: the newest run, summarised on the fly
+    assert set(prof.phases["rank"]) == {0, 1} and prof.source == str(raw.resolve())
+    assert set(prof.phases["part"]) >= {"bucket0/launch", "bucket0/wait"}
+    assert vt.discover_profiles(runs) == {"old": old, "raw": raw}
+    vt.fig_timeline(prof.phases)
+    # the breakdown keeps a collective's launch (in the backward) and wait (in the step) apart
+    b = vt.phase_breakdown(prof.phases, depth=1).set_index("phase")["ms"]
+    assert b["canzona/dp/reduce_scatter/launch"] == pytest.approx(0.005) and b["canzona/dp/reduce_scatter/wait"] == pytest.approx(0.05)
+    fig = vt.fig_phase_breakdown(vt.breakdown_by_strategy({"lb-asc": prof}, depth=1))
+    _readable(fig)
+    shapes = {t.name: t.marker.pattern.shape for t in fig.data}
+    assert shapes["dp/reduce_scatter/wait"] == "/" and shapes["dp/reduce_scatter/launch"] == "."
+
+
+def test_figures_command_reads_a_raw_trace_directory(tmp_path: Path, capsys) -> None:
+    from canzona.cli import main
+
+    raw = _raw_traces(tmp_path / "raw")
+    out = tmp_path / "figs"
+    assert main(["figures", "--out", str(out), "--profile", str(raw), "--only", "timeline", "critical_path",
+                 "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]) == 0
+    assert (out / "timeline.html").is_file() and (out / "critical_path.html").is_file()
+    assert "skipped" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # with a Chromium present, kaleido draws one PNG (seconds)
+def test_notebook_renderer_puts_html_and_optionally_a_picture_beside_the_json(monkeypatch) -> None:
+    import plotly.io as pio
+
+    from canzona.viz import notebook
+    from canzona.viz.export import static_export_problem
+
+    before = pio.renderers.default
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout=dict(title="t"))
+    try:
+        monkeypatch.delenv(notebook.STATIC_ENV, raising=False)
+        assert notebook.use_notebook_renderer() == "plotly_mimetype+notebook"
+        bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+        assert {"application/vnd.plotly.v1+json", "text/html"} <= set(bundle)
+        monkeypatch.setenv(notebook.STATIC_ENV, "svg")
+        assert notebook.notebook_renderer() == "plotly_mimetype+svg"
+        with pytest.raises(ValueError, match="static"):
+            notebook.notebook_renderer("gif")
+        if static_export_problem() is None:
+            notebook.use_notebook_renderer("png")
+            bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+            # a picture instead of the HTML copy: GitHub and nbconvert prefer HTML, which needs JavaScript
+            assert "image/png" in bundle and "text/html" not in bundle and "application/vnd.plotly.v1+json" in bundle
+        else:
+            with pytest.raises(RuntimeError, match="cannot embed static figures"):
+                notebook.use_notebook_renderer("png")
+    finally:
+        pio.renderers.default = before
+
+
+def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatch) -> None:
+    from canzona.viz import export
+
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path))
+    raw = _raw_traces(tmp_path / "prof")
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["timeline"])
+    assert list(figs.figures) == ["timeline"] and figs.notes == [f"profile: the newest run, {raw.resolve()}"]
+    assert export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["partition_map"]).notes == []

@@ -83,10 +83,11 @@ def _act_train(optimizer: str, steps: int, out: Path) -> None:
     write_summary(df, out / "summary")
     stats = phase_stats(df)
     print(f"\nphase breakdown over the {steps} profiled steps, read back from the traces (ms):")
-    print(f"  {'phase':<30}{'calls':>7}{'per rank-step':>15}{'median':>10}{'max':>10}")
+    print(f"  {'phase (/launch, /wait: async stages)':<36}{'calls':>7}{'per rank-step':>15}{'median':>10}{'max':>10}")
     for row in stats.itertuples():
+        name = f"{row.phase}/{row.stage}" if row.stage else row.phase
         print(
-            f"  {row.phase:<30}{row.calls:>7}{row.per_rank_step_us / 1e3:>15.2f}"
+            f"  {name:<36}{row.calls:>7}{row.per_rank_step_us / 1e3:>15.2f}"
             f"{row.median_us / 1e3:>10.2f}{row.max_us / 1e3:>10.2f}"
         )
 

@@ -20,6 +20,7 @@ from canzona.cli import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
 from canzona.config import available_models
 from canzona.cost import COST_MODELS
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.plan import (
     FLOPS_SHAPES,
     TP_SCHEDULES,
@@ -60,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default lb-asc)")
     parser.add_argument("--alpha", type=_float, default=1.0, help="Algorithm 1 balance factor in [0, 1] (default 1.0)")
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
-    parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default="full",
-                        help="cost TP-split matrices on their full shape (default) or the TP-local shard (paper)")
+    parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default=DEFAULT_FLOPS_SHAPE,
+                        help="cost TP-split matrices on their full shape or the TP-local shard (the paper's accounting)")
     parser.add_argument("--cmax-mb", type=_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")

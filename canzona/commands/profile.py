@@ -127,15 +127,19 @@ def run(args: argparse.Namespace) -> int:
     for p in prof.traces:
         print(f"  {p}")
     stats = phase_stats(df)
-    print(stats[["phase", "calls", "mean_us", "per_rank_step_us"]].to_string(index=False, float_format=lambda v: f"{v:,.0f}"))
+    print(stats[["phase", "stage", "kind", "calls", "mean_us", "per_rank_step_us"]].to_string(index=False, float_format=lambda v: f"{v:,.0f}"))
     mk = step_makespans(df)
-    print(mk[["step", "iteration_us", "fwd_bwd_us", "optimizer_us", "optimizer_compute_us", "param_return_us", "slowest_rank"]]
+    print(mk[["step", "iteration_us", "fwd_bwd_us", "optimizer_us", "optimizer_compute_us", "exposed_comm_us", "param_return_us", "slowest_rank"]]
           .to_string(index=False, float_format=lambda v: f"{v:,.0f}"))
     if args.summary:
         written = write_summary(df, args.summary, parquet=False if args.no_parquet else None)
         write_meta(args.summary, **meta)
         print(f"summary: {', '.join(str(Path(args.summary) / n) for n in written)} + meta.json")
-    print(f"open: tensorboard --logdir {spec.tensorboard_dir}   (PyTorch Profiler tab; pip install torch-tb-profiler)")
+    from canzona.runs import METRICS_CSV
+
+    print(f"metrics: {Path(spec.tensorboard_dir) / METRICS_CSV} (loss and phase times per step; TensorBoard scalars too)")
+    print(f"open: tensorboard --logdir {spec.tensorboard_dir}   (PyTorch Profiler tab; pip install torch-tb-profiler; "
+          "offline: open the *.pt.trace.json files in ui.perfetto.dev or chrome://tracing)")
     if missing:
         print(f"canzona profile: expected phases missing from the traces: {', '.join(missing)}", file=sys.stderr)
         return 1

@@ -43,15 +43,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
 
+    from dataclasses import fields
+
+    from canzona.sim.model import Setup
+
+    d = {f.name: f.default for f in fields(Setup)}
     s = parser.add_argument_group("training setup (named assumptions)")
-    s.add_argument("--seq-len", type=int, default=None)
-    s.add_argument("--micro-batch", type=int, default=None)
-    s.add_argument("--grad-accum", type=int, default=None)
-    s.add_argument("--recompute", choices=("none", "full"), default=None)
-    s.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient element in DP collectives (Megatron bf16: 4)")
-    s.add_argument("--ns-dtype", choices=("bf16", "tf32", "fp32"), default=None, help="precision of the optimizer's matrix products")
-    s.add_argument("--tp-overlap", choices=TP_OVERLAPS, default=None)
-    s.add_argument("--varsize", choices=VARSIZE_MODELS, default=None, help="model of variable-size reduce-scatter / all-gather")
+    s.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default: {d['seq_len']})")
+    s.add_argument("--micro-batch", type=int, default=None, help=f"sequences per micro-batch per DP rank (default: {d['micro_batch']})")
+    s.add_argument("--grad-accum", type=int, default=None, help=f"micro-batches accumulated per optimizer step (default: {d['grad_accum']})")
+    s.add_argument("--recompute", choices=("none", "full"), default=None,
+                   help=f"activation recomputation in the backward: none or full (default: {d['recompute']})")
+    s.add_argument("--grad-bytes", type=int, default=None,
+                   help=f"bytes per gradient element in DP collectives (Megatron bf16: 4; default: {d['grad_bytes']})")
+    s.add_argument("--ns-dtype", choices=("bf16", "tf32", "fp32"), default=None,
+                   help=f"precision of the optimizer's matrix products (default: {d['ns_dtype']})")
+    s.add_argument("--tp-overlap", choices=TP_OVERLAPS, default=None,
+                   help=f"how TP micro-group exchanges overlap host compute (default: {d['tp_overlap']})")
+    s.add_argument("--varsize", choices=VARSIZE_MODELS, default=None,
+                   help=f"model of variable-size reduce-scatter / all-gather (default: {d['varsize_collective']})")
 
     h = parser.add_argument_group("hardware constants")
     h.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one profile constant (repeatable)")

@@ -6,9 +6,13 @@ Examples::
     canzona train --steps 30                              # one process, dp = tp = 1
     torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2
 
-Rank 0 prints one line per step (global loss, wall time per phase), a tqdm bar on stderr and a
-final summary: first/last loss, per-phase times (``DistributedOptimizer.phase_times``) and bytes
-per phase (``DistributedOptimizer.comm_stats``). ``--nproc`` must equal ``dp * tp``. Under torchrun
+Rank 0 prints a legend of the per-step columns, one line per step (global loss, wall ms per
+phase; a tqdm bar as well only on a terminal) and a final summary: first/last loss, per-phase
+times (``DistributedOptimizer.phase_times``) and bytes per phase
+(``DistributedOptimizer.comm_stats``). Each run logs its loss and phase times to
+``runs/train-<strategy>-dp<d>xtp<t>-<time>/metrics.csv`` (and TensorBoard scalars when
+tensorboard is installed; ``--log-dir`` chooses the directory, ``--no-log`` turns it off).
+``--nproc`` must equal ``dp * tp``. Under torchrun
 (``WORLD_SIZE`` set) this process is one rank and :func:`canzona.train.train_from_env` joins the job.
 """
 
@@ -64,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtensor: DTensor parallelize_module; megatron: plain local shards + declared split dims (default: dtensor)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-step lines")
+    parser.add_argument("--log-dir", default=None,
+                        help="write metrics.csv (+ TensorBoard scalars) here (default: runs/train-<strategy>-dp<d>xtp<t>-<time>)")
+    parser.add_argument("--no-log", action="store_true", help="write no metrics log")
     parser.add_argument("--nproc", type=positive_int, default=None, help="spawn this many local worker processes (= dp * tp)")
     parser.add_argument("--timeout-s", type=positive_float, default=900.0, help="kill the workers after this many seconds (default: 900)")
 
@@ -89,7 +96,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         backend=args.backend,
         tp_style=args.tp_style,
         progress=not args.no_progress,
+        log_dir=_log_dir(args),
     )
+
+
+def _log_dir(args: argparse.Namespace) -> str | None:
+    if args.no_log:
+        return None
+    if args.log_dir:
+        return str(args.log_dir)
+    from canzona.runs import new_run_dir
+
+    return str(new_run_dir(f"train-{args.strategy}-dp{args.dp}xtp{args.tp}"))
 
 
 def _check_model(config: TrainConfig) -> None:

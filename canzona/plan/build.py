@@ -22,6 +22,7 @@ from canzona.plan.buckets import BufferLayout, default_bucket_numel, layout_buff
 from canzona.plan.dp import DPAssignment
 from canzona.plan.metrics import LoadVectors, compute_metrics
 from canzona.plan.plan import (
+    DEFAULT_FLOPS_SHAPE,
     Bucket,
     MicroGroup,
     ParamPlan,
@@ -349,7 +350,7 @@ def plan_model(
     strategy: str = "lb-asc",
     alpha: float = 1.0,
     cost: str = "numel",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
     cmax_bytes: int = DEFAULT_CMAX_BYTES,
     bucket_numel: int | None = None,
     tp_schedule: str | None = None,

@@ -32,6 +32,7 @@ __all__ = [
     "COSTS",
     "BUFFERS",
     "FLOPS_SHAPES",
+    "DEFAULT_FLOPS_SHAPE",
     "PlanError",
     "PlanInputs",
     "ParamPlan",
@@ -59,6 +60,9 @@ TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync", "lpt-c
 COSTS: tuple[str, ...] = ("numel", "memory", "flops")
 BUFFERS: tuple[str, ...] = ("joint", "split")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
+#: the one FLOPs-shape default of the planner, the CLI, the figures and the notebooks: the work a
+#: host really does (full shapes after the micro-group gather); ``local`` is the paper's accounting
+DEFAULT_FLOPS_SHAPE = "full"
 
 
 def _untimed(m: Metrics) -> tuple:
@@ -85,7 +89,7 @@ class PlanInputs:
     bucket_numel: int
     alpha: float = 1.0
     cost: str = "numel"
-    flops_shape: str = "full"
+    flops_shape: str = DEFAULT_FLOPS_SHAPE
     cmax_bytes: int = 512 * 2**20
     grad_bytes: int = 4
     #: "joint": one buffer for every parameter; "split": matrix-optimizer parameters and element-wise

@@ -18,6 +18,7 @@ from __future__ import annotations
 from canzona.profiling.traces import (
     META_KEYS,
     PHASE_COLUMNS,
+    comm_exposure,
     critical_path,
     load_traces,
     phase_stats,
@@ -30,6 +31,7 @@ from canzona.profiling.traces import (
 __all__ = [
     "META_KEYS",
     "PHASE_COLUMNS",
+    "comm_exposure",
     "critical_path",
     "load_traces",
     "phase_stats",

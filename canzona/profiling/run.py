@@ -205,6 +205,15 @@ def existing_traces(directory: str | Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith((".pt.trace.json", ".pt.trace.json.gz")))
 
 
+def _metrics_files(directory: Path) -> list[Path]:
+    """The metrics log of an earlier profile in ``directory`` (metrics.csv, run.json, TensorBoard event files)."""
+    from canzona.runs import METRICS_CSV, RUN_JSON
+
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_file() and (p.name in (METRICS_CSV, RUN_JSON) or p.name.startswith("events.out.tfevents.")))
+
+
 def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
     """Worker body (:func:`canzona.runtime.launch.run_workers`): train under the profiler on this
     rank; returns this rank's :class:`canzona.train.TrainResult`."""
@@ -215,20 +224,31 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
         tensorboard_trace_handler,
     )
 
-    from canzona.train import train
+    from canzona.train import MetricsHook, train
 
     del world_size
     sch = spec.schedule
     capture = CudaCaptureRange(sch.first_active, sch.last_active) if spec.cuda_capture else None
 
     def run(prof: Any) -> Any:
-        # one training run stepping the profiler (if any) and the CUDA capture range (if any)
+        # one training run stepping the profiler (if any) and the CUDA capture range (if any);
+        # rank 0 logs loss and phase times beside the traces (metrics.csv + TensorBoard scalars)
         hook = ProfilerHook(prof, capture)
+        log = MetricsHook(spec.train, str(spec.tensorboard_dir)) if rank == 0 and spec.tensorboard_dir is not None else None
         if capture is not None:
             capture.before_training()
         try:
-            return train(spec.train, on_step=hook)
+            if log is None:
+                return train(spec.train, on_step=hook)
+
+            def both(step: int, loss: float, phases: dict[str, float]) -> None:
+                log(step, loss, phases)
+                hook(step, loss, phases)
+
+            return train(spec.train, on_step=both)
         finally:
+            if log is not None:
+                log.close()
             if capture is not None:
                 capture.close()
 
@@ -266,7 +286,10 @@ def profile_run(spec: ProfileSpec, *, overwrite: bool = False, timeout_s: float 
         old = existing_traces(out)
         if old and not overwrite:
             raise ValueError(f"{out} already holds {len(old)} trace file(s); choose an empty directory or pass --force to replace them")
-        for p in old:
+        logs = _metrics_files(out)
+        if logs and not overwrite:
+            raise ValueError(f"{out} already holds a metrics log ({logs[0].name}); choose an empty directory or pass --force to replace it")
+        for p in [*old, *logs]:
             p.unlink()
         out.mkdir(parents=True, exist_ok=True)
     backend = cfg.resolved_backend

@@ -13,11 +13,18 @@ column     type   meaning
 rank       int    global rank that recorded the phase
 step       int    training step (the profiler's ``ProfilerStep#N`` window that holds it)
 phase      str    base phase name without suffix (``canzona/tp/gather``)
-part       str    ``""`` or the suffix without its slash (``bucket3``, ``group1``)
+part       str    ``""`` or the suffix without its first slash: the index (``bucket3``,
+                  ``group1``) and/or the stage (``bucket3/wait``, ``launch``)
 start_us   float  start in microseconds on a clock common to all ranks, 0 = earliest phase
 dur_us     float  duration in microseconds (>= 0)
 depth      int    nesting depth among canzona phases on that rank, 0 = outermost
 =========  =====  ===================================================================
+
+Launch and wait: a collective started asynchronously is two ranges, ``<name>/launch`` (issuing
+it) and ``<name>/wait`` (blocking until it lands; :mod:`canzona.phase_names`). Traces written
+before that grammar give both ranges the same name; when such a name occurs exactly twice in one
+step on one rank, the first is read as the launch and the second as the wait. The summaries keep
+the stages apart: a 14 us launch and a 10 ms wait are different rows.
 
 Why the clock is common: Kineto writes ``ts`` as wall-clock (epoch) time minus the trace's
 ``baseTimeNanoseconds``; adding the base back puts every process of one machine on the same clock.
@@ -41,26 +48,33 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from canzona.runtime.phases import (
+from canzona.phase_names import (
     BACKWARD,
     DP_ALL_GATHER,
     DP_LOCAL_UPDATE,
     FORWARD,
+    LAUNCH,
     LAYERWISE_BROADCAST,
     OPTIMIZER_STEP,
     TP_COMPUTE,
     TP_GATHER,
     TP_SCATTER,
-    base_phase,
+    WAIT,
+    is_communication,
+    parse,
 )
 
 __all__ = [
     "COMM_PHASES",
+    "comm_exposure",
+    "phase_kind",
+    "stage_of",
     "COMPUTE_PHASES",
     "META_KEYS",
     "PHASE_COLUMNS",
     "PREFIX",
     "critical_path",
+    "infer_old_stages",
     "load_traces",
     "parse_trace",
     "phase_stats",
@@ -86,7 +100,9 @@ PHASE_COLUMNS: dict[str, str] = {
 PREFIX = "canzona/"
 #: phases that are optimizer math (no communication inside): the work Canzona balances
 COMPUTE_PHASES: tuple[str, ...] = (DP_LOCAL_UPDATE, TP_COMPUTE)
-#: phases inside the optimizer step that move data (their time includes waiting for peers)
+#: phases inside the optimizer step that move data (their time includes waiting for peers); every
+#: stage of any communication phase (:func:`canzona.phase_names.is_communication`), DP
+#: reduce-scatter waits included, is classed ``comm`` by :func:`phase_kind`
 COMM_PHASES: tuple[str, ...] = (TP_GATHER, TP_SCATTER, LAYERWISE_BROADCAST)
 META_KEYS: tuple[str, ...] = ("strategy", "optimizer", "dp", "tp", "steps", "model")
 
@@ -165,8 +181,42 @@ def _complete_events(doc: dict[str, Any], path: Path) -> Iterable[tuple[str, flo
 
 
 def _split(name: str) -> tuple[str, str]:
-    base = base_phase(name)
+    """``canzona/dp/reduce_scatter/bucket3/wait`` -> (``canzona/dp/reduce_scatter``, ``bucket3/wait``)."""
+    base = parse(name).base
     return base, name[len(base) + 1 :] if base != name else ""
+
+
+def stage_of(part: str) -> str:
+    """The stage in a phase table's ``part`` (``launch``, ``wait``), or ``""``."""
+    tail = part.rsplit("/", 1)[-1] if part else ""
+    return tail if tail in (LAUNCH, WAIT) else ""
+
+
+def phase_kind(phase: str, part: str = "") -> str:
+    """``compute`` (optimizer math), ``comm`` (any stage of a collective, waits included) or
+    ``other``."""
+    if phase in COMPUTE_PHASES:
+        return "compute"
+    return "comm" if is_communication(phase) else "other"
+
+
+def infer_old_stages(df: pd.DataFrame) -> pd.DataFrame:
+    """Traces from before the launch/wait grammar: a communication name seen exactly twice in one
+    step on one rank is its launch then its wait (see the module docstring). Rows that already
+    carry a stage, and every other row, are left as they are."""
+    if df.empty:
+        return df
+    unstaged = df["phase"].map(is_communication) & (df["part"].map(stage_of) == "")
+    if not unstaged.any():
+        return df
+    sub = df[unstaged].sort_values("start_us", kind="stable")
+    counts = sub.groupby(["rank", "step", "phase", "part"])["start_us"].transform("size")
+    order = sub.groupby(["rank", "step", "phase", "part"]).cumcount()
+    pairs = sub[counts == 2]
+    stage = np.where(order[counts == 2] == 0, LAUNCH, WAIT)
+    out = df.copy()
+    out.loc[pairs.index, "part"] = [f"{p}/{st}" if p else st for p, st in zip(pairs["part"], stage)]
+    return out
 
 
 def _depths(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -228,7 +278,7 @@ def parse_trace(doc: dict[str, Any], *, rank: int, source: str = "trace") -> pd.
             "depth": depth,
         }
     )
-    return df[keep].reset_index(drop=True)
+    return infer_old_stages(df[keep].reset_index(drop=True))
 
 
 def _empty() -> pd.DataFrame:
@@ -276,15 +326,18 @@ def _check_table(df: pd.DataFrame) -> None:
 
 
 def phase_stats(df: pd.DataFrame) -> pd.DataFrame:
-    """Per base phase: occurrences, ranks, total / mean / median / min / max / std duration (us),
-    and ``per_rank_step_us``, the mean over (rank, step) of the phase's summed duration. Nested
+    """Per base phase and stage (``launch``, ``wait`` or ``""``): ``kind`` (:func:`phase_kind`),
+    occurrences, ranks, total / mean / median / min / max / std duration (us), and
+    ``per_rank_step_us``, the mean over (rank, step) of the phase's summed duration. Nested
     occurrences of the same phase (a deferred TP gather inside another) count once each."""
     _check_table(df)
-    g = df.groupby("phase")["dur_us"]
+    d = df.assign(stage=df["part"].map(stage_of))
+    keys = ["phase", "stage"]
+    g = d.groupby(keys)["dur_us"]
     out = pd.DataFrame(
         {
             "calls": g.size(),
-            "ranks": df.groupby("phase")["rank"].nunique(),
+            "ranks": d.groupby(keys)["rank"].nunique(),
             "total_us": g.sum(),
             "mean_us": g.mean(),
             "median_us": g.median(),
@@ -293,9 +346,59 @@ def phase_stats(df: pd.DataFrame) -> pd.DataFrame:
             "std_us": g.std(ddof=0),
         }
     )
-    per = df.groupby(["phase", "rank", "step"])["dur_us"].sum().groupby("phase").mean()
+    per = d.groupby([*keys, "rank", "step"])["dur_us"].sum().groupby(keys).mean()
     out["per_rank_step_us"] = per
-    return out.sort_values("total_us", ascending=False).reset_index()
+    out = out.sort_values("total_us", ascending=False).reset_index()
+    out.insert(2, "kind", [phase_kind(p) for p in out["phase"]])
+    return out
+
+
+def comm_exposure(df: pd.DataFrame) -> pd.DataFrame:
+    """Exposed communication per communication phase: how long ranks were blocked on it.
+
+    Per base phase, as means over (rank, step) of summed microseconds: ``launch_us`` (issuing
+    asynchronous collectives), ``wait_us`` (blocking until they land), ``sync_us`` (collectives
+    run synchronously, no stage), ``exposed_us`` = ``wait_us + sync_us`` (communication time no
+    compute hides: the rank could do nothing else), ``in_flight_us`` (launch start to wait end of
+    each launch/wait pair), ``hidden_us`` (``in_flight`` minus launch and wait: the time the
+    collective ran while the rank worked) and ``hidden_share`` = hidden / in flight. These are
+    host-side ranges: on a GPU they measure how long the CPU waited, not the streams.
+    """
+    _check_table(df)
+    d = df[df["phase"].map(is_communication)].copy()
+    cols = ["phase", "launch_us", "wait_us", "sync_us", "exposed_us", "in_flight_us", "hidden_us", "hidden_share"]
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    d["stage"] = d["part"].map(stage_of)
+    d["index"] = [p.rsplit("/", 1)[0] if st and "/" in p else ("" if st else p) for p, st in zip(d["part"], d["stage"])]
+    n_rank_steps = df.groupby(["rank", "step"]).ngroups
+    rows = []
+    for name, g in d.groupby("phase", sort=True):
+        launch = float(g.loc[g["stage"] == LAUNCH, "dur_us"].sum())
+        wait = float(g.loc[g["stage"] == WAIT, "dur_us"].sum())
+        sync = float(_outermost(g[g["stage"] == ""], (name,))["dur_us"].sum())
+        in_flight = hidden = 0.0
+        for _, q in g[g["stage"] != ""].sort_values("start_us", kind="stable").groupby(["rank", "index"]):
+            pending: tuple[float, float] | None = None
+            for st, s0, du in zip(q["stage"], q["start_us"], q["dur_us"]):
+                if st == LAUNCH:
+                    pending = (float(s0), float(du))
+                elif pending is not None:
+                    span = float(s0 + du) - pending[0]
+                    in_flight += span
+                    hidden += max(0.0, span - pending[1] - float(du))
+                    pending = None
+        rows.append({
+            "phase": name,
+            "launch_us": launch / n_rank_steps,
+            "wait_us": wait / n_rank_steps,
+            "sync_us": sync / n_rank_steps,
+            "exposed_us": (wait + sync) / n_rank_steps,
+            "in_flight_us": in_flight / n_rank_steps,
+            "hidden_us": hidden / n_rank_steps,
+            "hidden_share": hidden / in_flight if in_flight > 0 else np.nan,
+        })
+    return pd.DataFrame(rows, columns=cols).sort_values("exposed_us", ascending=False, kind="stable").reset_index(drop=True)
 
 
 def _outermost(df: pd.DataFrame, names: Iterable[str]) -> pd.DataFrame:
@@ -319,6 +422,16 @@ def _per_rank(df: pd.DataFrame, names: Iterable[str], ranks: Iterable[int]) -> p
     return s.reindex(list(ranks), fill_value=0.0)
 
 
+def _exposed(d: pd.DataFrame) -> pd.Series:
+    """Per rank: summed durations of wait stages and synchronous communication ranges (outermost)."""
+    comm = d[d["phase"].map(is_communication)]
+    blocked = comm[comm["part"].map(stage_of) != LAUNCH]
+    if blocked.empty:
+        return pd.Series(dtype=float)
+    keep = _outermost(blocked, blocked["phase"].unique())
+    return keep.groupby("rank")["dur_us"].sum()
+
+
 def step_makespans(df: pd.DataFrame) -> pd.DataFrame:
     """Per step, across ranks (us):
 
@@ -329,6 +442,8 @@ def step_makespans(df: pd.DataFrame) -> pd.DataFrame:
     - ``optimizer_compute_us``: the largest per-rank optimizer math time (local updates + TP
       compute), ``optimizer_comm_us``: the largest per-rank TP exchange / broadcast time;
     - ``param_return_us``: the slowest rank's parameter all-gather (after the step; 0 for sc);
+    - ``exposed_comm_us``: the largest per-rank time blocked on communication in the step (wait
+      stages and synchronous collectives, every phase; see :func:`comm_exposure`);
     - ``slowest_rank``: the rank that leaves the optimizer step last.
     """
     _check_table(df)
@@ -353,6 +468,7 @@ def step_makespans(df: pd.DataFrame) -> pd.DataFrame:
                 "optimizer_compute_us": float(_per_rank(d, COMPUTE_PHASES, ranks).max()),
                 "optimizer_comm_us": float(_per_rank(d, COMM_PHASES, ranks).max()),
                 "param_return_us": float(_per_rank(d, (DP_ALL_GATHER,), ranks).max()),
+                "exposed_comm_us": float(_exposed(d).reindex(ranks, fill_value=0.0).max()),
                 "slowest_rank": int(opt_end.idxmax()) if not opt_end.empty else -1,
             }
         )
@@ -365,9 +481,10 @@ def critical_path(df: pd.DataFrame) -> pd.DataFrame:
     The step is over when the last rank leaves ``canzona/optimizer/step`` (everyone else waits for
     it in the next collective), so that rank is the critical one. Its step time is split into the
     base phases directly below the step (summed over buckets / micro-groups) plus
-    ``(untracked)``, the time inside the step outside any child phase. One row per (step, phase):
-    ``step``, ``rank``, ``optimizer_us`` (that rank's step duration), ``phase``, ``kind``
-    (``compute``, ``comm`` or ``other``), ``dur_us``, ``share`` (of ``optimizer_us``), and
+    ``(untracked)``, the time inside the step outside any child phase. One row per (step, phase,
+    stage): ``step``, ``rank``, ``optimizer_us`` (that rank's step duration), ``phase``,
+    ``stage`` (``launch``, ``wait`` or ``""``), ``kind`` (``compute``, ``comm`` for every stage of
+    a collective, waits included, or ``other``), ``dur_us``, ``share`` (of ``optimizer_us``), and
     ``busiest_rank``: the rank with the most optimizer math (local updates + TP compute) in that
     step, which is where a load imbalance shows first.
     """
@@ -391,23 +508,23 @@ def critical_path(df: pd.DataFrame) -> pd.DataFrame:
             inside = rd[(rd["depth"] == dep + 1) & (rd["start_us"] >= lo - _EPS_US) & (rd["start_us"] + rd["dur_us"] <= hi + _EPS_US)]
             kids.append(inside)
         kid = pd.concat(kids) if kids else rd.iloc[:0]
-        by_phase = kid.groupby("phase")["dur_us"].sum()
+        by_phase = kid.assign(stage=kid["part"].map(stage_of)).groupby(["phase", "stage"])["dur_us"].sum()
         untracked = max(0.0, total - float(by_phase.sum()))
-        for name, dur in list(by_phase.items()) + [("(untracked)", untracked)]:
-            kind = "compute" if name in COMPUTE_PHASES else "comm" if name in COMM_PHASES else "other"
+        for (name, stage), dur in list(by_phase.items()) + [(("(untracked)", ""), untracked)]:
             rows.append(
                 {
                     "step": int(step),
                     "rank": crit,
                     "optimizer_us": total,
                     "phase": name,
-                    "kind": kind,
+                    "stage": stage,
+                    "kind": phase_kind(name),
                     "dur_us": float(dur),
                     "share": float(dur) / total if total > 0 else 0.0,
                     "busiest_rank": busiest,
                 }
             )
-    out = pd.DataFrame(rows, columns=["step", "rank", "optimizer_us", "phase", "kind", "dur_us", "share", "busiest_rank"])
+    out = pd.DataFrame(rows, columns=["step", "rank", "optimizer_us", "phase", "stage", "kind", "dur_us", "share", "busiest_rank"])
     return out.sort_values(["step", "dur_us"], ascending=[True, False], kind="stable").reset_index(drop=True)
 
 
@@ -416,7 +533,8 @@ def write_summary(df: pd.DataFrame, out_dir: str | Path, *, parquet: bool | None
     """Write the phase table and its summaries under ``out_dir``: ``phases.csv`` (the contract),
     ``phases.parquet`` (``parquet=None``: when pyarrow is installed; False: never, as for the
     committed sample, which must open where pyarrow is missing), ``phase_stats.csv``,
-    ``step_makespans.csv``, ``critical_path.csv``. Returns {name: path}."""
+    ``step_makespans.csv``, ``critical_path.csv``, ``comm_exposure.csv``. Times are written to
+    1 ns (3 decimals of us), shares to 6 significant digits. Returns {name: path}."""
     _check_table(df)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -441,10 +559,23 @@ def write_summary(df: pd.DataFrame, out_dir: str | Path, *, parquet: bool | None
         ("phase_stats.csv", phase_stats(table)),
         ("step_makespans.csv", step_makespans(table)),
         ("critical_path.csv", critical_path(table)),
+        ("comm_exposure.csv", comm_exposure(table)),
     ):
         written[name] = out / name
-        frame.to_csv(written[name], index=False, float_format="%.3f")
+        _rounded(frame).to_csv(written[name], index=False)
     return written
+
+
+def _rounded(frame: pd.DataFrame) -> pd.DataFrame:
+    """Microsecond columns to 3 decimals, share columns to 6 significant digits (a 0.03 % share
+    must not print as 0.000)."""
+    out = frame.copy()
+    for c in out.columns:
+        if c.endswith("_us"):
+            out[c] = out[c].round(3)
+        elif "share" in c:
+            out[c] = out[c].map(lambda v: float(f"{v:.6g}") if pd.notna(v) else v)
+    return out
 
 
 def write_meta(out_dir: str | Path, *, strategy: str, optimizer: str, dp: int, tp: int, steps: int, model: str) -> Path:

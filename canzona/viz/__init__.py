@@ -9,8 +9,10 @@ the notebooks only choose inputs and display what these functions return.
 * :mod:`.scaling`      the paper's scaling studies with the planner (Appendix C.3, C.5, D.5)
 * :mod:`.simulation`   the simulator's predicted iteration times beside the paper's measured ones
 * :mod:`.exactness`    the validation report: pass matrix and loss trajectories
+* :mod:`.training`     loss and step time of several training runs (their metrics logs)
 * :mod:`.widgets`      ipywidgets explorers over the figure functions
-* :mod:`.export`       the main figures as standalone HTML (``canzona figures``)
+* :mod:`.export`       the main figures as HTML, PNG, SVG or PDF files (``canzona figures``)
+* :mod:`.notebook`     the plotly renderer the notebooks use (figures survive HTML export)
 
 Every figure has a title, axis titles with units and a titled legend
 (:func:`figure_problems` checks it); the paper's reported numbers come from
@@ -28,6 +30,7 @@ from canzona.viz.exactness import (
     validation_matrix,
     validation_table,
 )
+from canzona.viz.notebook import use_notebook_renderer
 from canzona.viz.microgroups import (
     cmax_sweep,
     fig_cmax_sweep,
@@ -49,6 +52,7 @@ from canzona.viz.partition import (
     strategy_summary,
 )
 from canzona.viz.scaling import SCALING_MODELS, fig_alpha_tradeoff, fig_cost_models, fig_sweep, plan_sweep
+from canzona.viz.training import discover_runs, fig_loss_curves, load_metrics
 from canzona.viz.timeline import (
     Profile,
     breakdown_by_strategy,
@@ -63,6 +67,7 @@ from canzona.viz.timeline import (
 
 __all__ = [
     "figure_problems",
+    "use_notebook_renderer",
     # partition
     "ownership_pieces",
     "rank_loads",
@@ -97,6 +102,10 @@ __all__ = [
     "fig_sweep",
     "fig_alpha_tradeoff",
     "fig_cost_models",
+    # training runs
+    "discover_runs",
+    "load_metrics",
+    "fig_loss_curves",
     # exactness
     "load_validation_report",
     "validation_table",

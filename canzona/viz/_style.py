@@ -61,22 +61,28 @@ def categorical_colors(n: int) -> list[str]:
     return pc.sample_colorscale("Turbo", [i / max(n - 1, 1) for i in range(n)])
 
 
-#: continuous scale ranks are drawn with once there are too many for a legend (DP32, DP128)
+#: kept for callers that colour a continuous rank axis (the partition map no longer does)
 RANK_COLORSCALE = "Turbo"
-#: up to this many ranks get one legend entry each and a qualitative colour; beyond it figures
-#: colour ranks along RANK_COLORSCALE with a colour bar and print the rank number on the bars
+#: up to this many ranks get plotly's default qualitative colours
 LEGEND_MAX_RANKS = 10
 
 
 def rank_colors(n: int) -> list[str]:
-    """Colour of each of ``n`` ranks (rank r -> element r): the qualitative palette up to
-    :data:`LEGEND_MAX_RANKS` ranks, else samples of :data:`RANK_COLORSCALE` (the same colours a
-    colour bar over ranks 0..n-1 shows)."""
+    """Colour of each of ``n`` ranks (rank r -> element r), chosen so that *neighbouring* ranks
+    differ clearly (a partition map puts rank r next to r + 1): plotly's qualitative palette up to
+    :data:`LEGEND_MAX_RANKS` ranks, Dark24 up to 24, Dark24 and Light24 alternating up to 48
+    (even ranks dark, odd ranks light), beyond that hues stepped by the golden angle with three
+    alternating lightness levels. A continuous scale would give ranks 14 and 15 the same green."""
     if n < 0:
         raise ValueError(f"need a non-negative number of colours, got {n}")
     if n <= LEGEND_MAX_RANKS:
         return categorical_colors(n)
-    return pc.sample_colorscale(RANK_COLORSCALE, [i / max(n - 1, 1) for i in range(n)])
+    if n <= 24:
+        return list(pc.qualitative.Dark24[:n])
+    if n <= 48:
+        dark, light = pc.qualitative.Dark24, pc.qualitative.Light24
+        return [dark[r // 2] if r % 2 == 0 else light[r // 2] for r in range(n)]
+    return [f"hsl({(r * 137.508) % 360:.1f},{70 - 10 * (r % 2)}%,{(38, 58, 48)[r % 3]}%)" for r in range(n)]
 
 
 _DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")

@@ -1,5 +1,11 @@
-"""The main figures of the notebooks in one call, and writing them as standalone HTML files
-(``canzona figures --out DIR``).
+"""The main figures of the notebooks in one call, and writing them as files
+(``canzona figures --out DIR [--format html|png|svg|pdf]``).
+
+HTML files share one ``plotly.min.js`` written beside them by default (a few hundred kB each
+instead of ~5 MB with plotly.js inlined). PNG, SVG and PDF go through plotly's static exporter,
+kaleido (an optional dependency: ``pip install "canzona[figures]"``), which drives a
+Chrome/Chromium it finds on ``PATH`` or at ``BROWSER_PATH``; :func:`static_export_problem` says
+in one line what is missing when it cannot run.
 
 Planner figures are always produced. Figures that need data (a profiler trace summary, a
 validation report) are produced when that data exists; :func:`main_figures` returns which were
@@ -16,17 +22,60 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajectories, fig_validation_matrix, load_validation_report
 from canzona.viz.microgroups import cmax_sweep, fig_cmax_sweep, fig_microgroup_gantt, fig_tp_sweep, microgroup_summary, tp_sweep
 from canzona.viz.partition import fig_balance_vs_paper, fig_partition_map, fig_strategy_comparison, strategy_summary
 from canzona.viz.scaling import SCALING_MODELS, fig_alpha_tradeoff, fig_sweep, plan_sweep
-from canzona.viz.timeline import DEFAULT_PROFILE_DIR, fig_critical_path, fig_timeline, load_profile
+from canzona.viz.timeline import fig_critical_path, fig_timeline, load_profile, resolve_profile
 
-__all__ = ["PLOTLYJS_MODES", "FigureSet", "FIGURE_NAMES", "main_figures", "write_figures"]
+__all__ = [
+    "FORMATS",
+    "LATEST",
+    "PLOTLYJS_MODES",
+    "FigureSet",
+    "FIGURE_NAMES",
+    "StaticExportError",
+    "main_figures",
+    "static_export_problem",
+    "write_figures",
+]
 
 #: how the plotly.js library reaches the page: inlined in every file (works offline, ~5 MB per
 #: file), one plotly.min.js beside the files (offline, small files), or the plotly CDN (online)
 PLOTLYJS_MODES: dict[str, bool | str] = {"inline": True, "directory": "directory", "cdn": "cdn"}
+
+#: output formats of :func:`write_figures`; all but html need the static exporter
+FORMATS: tuple[str, ...] = ("html", "png", "svg", "pdf")
+
+#: size of a static picture when the figure does not set one (CSS pixels; PNG is drawn at 2x)
+STATIC_WIDTH, STATIC_HEIGHT, PNG_SCALE = 1200, 600, 2
+
+
+class StaticExportError(RuntimeError):
+    """PNG/SVG/PDF export cannot run here; the message says what is missing, in one line."""
+
+
+def static_export_problem() -> str | None:
+    """None when plotly's static exporter can run here, else one line saying what is missing
+    (kaleido, or a Chrome/Chromium for it to drive) and how to get it."""
+    try:
+        import kaleido  # noqa: F401 - only its presence is checked here
+    except ImportError:
+        return 'kaleido is not installed (pip install "canzona[figures]", or pip install "kaleido>=1")'
+    try:
+        from choreographer.browsers.chromium import Chromium
+
+        browser = Chromium.find_browser(skip_local=False)
+    except Exception as exc:  # noqa: BLE001 - any failure to look means export cannot run
+        return f"kaleido cannot look for a browser ({type(exc).__name__}: {exc})"
+    if browser is None:
+        return ("kaleido found no Chrome/Chromium: install one (e.g. apt-get install chromium, or "
+                "plotly_get_chrome) or point BROWSER_PATH at its executable")
+    return None
+
+#: ``main_figures(profile=LATEST)``: the newest run under runs/, else the shipped sample
+LATEST = "latest"
 
 #: every figure main_figures can produce, in order
 FIGURE_NAMES: tuple[str, ...] = (
@@ -45,15 +94,18 @@ FIGURE_NAMES: tuple[str, ...] = (
     "critical_path",
     "validation_matrix",
     "loss_trajectories",
+    "loss_curves",
 )
 
 
 @dataclass(slots=True)
 class FigureSet:
-    """Figures by name, in production order, and the names skipped with the reason."""
+    """Figures by name, in production order, the names skipped with the reason, and notes for the
+    user (which profile was read)."""
 
     figures: dict[str, go.Figure] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def _plan(model: str, **kw):
@@ -70,16 +122,19 @@ def main_figures(
     dp: int = 32,
     tp: int = 8,
     optimizer: str = "muon",
-    flops_shape: str = "local",
-    profile: str | Path | None = DEFAULT_PROFILE_DIR,
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
+    profile: str | Path | None = LATEST,
     report: str | Path | None = None,
     only: Sequence[str] | None = None,
 ) -> FigureSet:
     """Build the main figures for one configuration (the paper's, Qwen3-32B Muon DP32 x TP8, by
-    default, with its FLOPs accounting on TP-local shapes).
+    default; FLOPs on :data:`~canzona.plan.plan.DEFAULT_FLOPS_SHAPE` shapes like the planner).
 
-    ``profile``: a trace summary directory (None: no timeline figures); ``report``: a validation
-    report (None: ``data/validation/report.json`` if present, else the shipped sample).
+    ``profile``: a trace summary or raw trace directory, :data:`LATEST` (the default: the newest run
+    under ``runs/``, else the shipped sample, with a note in ``notes``) or None (no timeline
+    figures); ``report``: a
+    validation report (None: ``data/validation/report.json`` if present, else the shipped sample).
+    ``loss_curves`` draws every run with a metrics log under ``runs/`` (skipped when there is none).
     ``only``: names from :data:`FIGURE_NAMES` to build (all by default).
     """
     wanted = list(FIGURE_NAMES if only is None else only)
@@ -124,6 +179,9 @@ def main_figures(
         "time_components": lambda: _time_components(model, dp, tp, optimizer),
     }
     prof = None
+    if profile == LATEST and any(n in wanted for n in ("timeline", "critical_path")):
+        profile, note = resolve_profile(None)
+        out.notes.append(note)
     if profile is not None and any(n in wanted for n in ("timeline", "critical_path")):
         if Path(profile).exists():
             prof = load_profile(profile)
@@ -146,6 +204,14 @@ def main_figures(
         else:
             for n in ("validation_matrix", "loss_trajectories"):
                 out.skipped[n] = f"no validation report at {DEFAULT_REPORT} or {SAMPLE_REPORT}"
+    if "loss_curves" in wanted:
+        from canzona.viz.training import discover_runs, fig_loss_curves
+
+        runs = discover_runs()
+        if runs:
+            builders["loss_curves"] = lambda: fig_loss_curves(runs)
+        else:
+            out.skipped["loss_curves"] = "no metrics logs under runs/ (canzona train writes them)"
     for name in FIGURE_NAMES:
         if name in wanted and name in builders:
             out.figures[name] = builders[name]()
@@ -164,26 +230,44 @@ def _time_components(model: str, dp: int, tp: int, optimizer: str) -> go.Figure:
     return fig_time_components(simulate_components(model, dp=dp, tp=tp, optimizer=optimizer))
 
 
-def write_figures(figures: FigureSet | dict[str, go.Figure], out_dir: str | Path, *, plotlyjs: str = "inline") -> list[Path]:
-    """Write each figure to ``out_dir/<name>.html`` plus an ``index.html`` linking them; returns
-    the paths written. ``plotlyjs`` is one of :data:`PLOTLYJS_MODES`."""
+def write_figures(
+    figures: FigureSet | dict[str, go.Figure], out_dir: str | Path, *, fmt: str = "html", plotlyjs: str = "directory",
+) -> list[Path]:
+    """Write each figure to ``out_dir/<name>.<fmt>`` plus an ``index.html`` linking them; returns
+    the paths written. ``fmt`` is one of :data:`FORMATS`; ``plotlyjs`` (HTML only) one of
+    :data:`PLOTLYJS_MODES`: ``directory`` writes one ``plotly.min.js`` that every file loads.
+    Raises :class:`StaticExportError` (before writing anything) when a static format cannot be
+    exported here."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if plotlyjs not in PLOTLYJS_MODES:
         raise ValueError(f"plotlyjs must be one of {', '.join(PLOTLYJS_MODES)}, got {plotlyjs!r}")
+    if fmt != "html" and (problem := static_export_problem()) is not None:
+        raise StaticExportError(f"cannot write {fmt}: {problem}")
     figs = figures.figures if isinstance(figures, FigureSet) else dict(figures)
     skipped = figures.skipped if isinstance(figures, FigureSet) else {}
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fig in figs.items():
-        p = out / f"{name}.html"
-        fig.write_html(p, include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True)
-        paths.append(p)
+    paths = [out / f"{name}.{fmt}" for name in figs]
+    if fmt == "html":
+        for p, fig in zip(paths, figs.values()):
+            fig.write_html(p, include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True)
+    elif figs:
+        import plotly.io as pio
+
+        # one call for all figures: kaleido starts its browser once
+        pio.write_images(
+            list(figs.values()), paths, format=fmt,
+            width=[f.layout.width or STATIC_WIDTH for f in figs.values()],
+            height=[f.layout.height or STATIC_HEIGHT for f in figs.values()],
+            scale=PNG_SCALE if fmt == "png" else 1,
+        )
     items = []
     for name, fig in figs.items():
         title = html.escape((fig.layout.title.text or name).split("<br>")[0])
-        items.append(f'<li><a href="{name}.html">{title}</a></li>')
+        items.append(f'<li><a href="{name}.{fmt}">{title}</a></li>')
     for name, why in skipped.items():
         items.append(f"<li>{html.escape(name)}: not written ({html.escape(why)})</li>")
     index = out / "index.html"
@@ -192,4 +276,5 @@ def write_figures(figures: FigureSet | dict[str, go.Figure], out_dir: str | Path
         "<h1>canzona figures</h1><ul>" + "".join(items) + "</ul></body></html>\n",
         encoding="utf-8",
     )
-    return [*paths, index]
+    extra = [out / "plotly.min.js"] if fmt == "html" and plotlyjs == "directory" else []
+    return [*paths, *extra, index]

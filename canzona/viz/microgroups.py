@@ -26,7 +26,7 @@ from plotly.subplots import make_subplots
 from canzona.cost import matrix_flops, param_flops, param_memory, state_bytes
 from canzona.paper import paper_value
 from canzona.plan.build import plan_model
-from canzona.plan.plan import Plan
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE, Plan
 from canzona.specs import ParamSpec
 from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish, line_style, log_ticks
 from canzona.viz.partition import load_ratio, plan_label, rank_loads
@@ -242,7 +242,7 @@ def cmax_sweep(
     tp_schedule: str = "lpt",
     include_no_fuse: bool = True,
     metric: str = "flops",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> pd.DataFrame:
     """The fusion-capacity ablation (Appendix C.6, Figure 14) redone with the planner.
 
@@ -281,7 +281,7 @@ def tp_sweep(
     optimizer: str = "muon",
     strategy: str = "lb-asc",
     metric: str = "flops",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> pd.DataFrame:
     """TP scaling (Appendix C.3, Figure 8b) with the DP partition fixed to ``strategy`` so only the
     TP schedule changes. One row per (tp, schedule); columns as in :func:`cmax_sweep` plus ``tp``;

@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from canzona.cost import param_flops, param_memory
 from canzona.paper import PaperValue, paper_values
 from canzona.plan.plan import Plan
-from canzona.viz._style import GFLOP, GIB, LEGEND_MAX_RANKS, MEGA, PAPER_MARKER, RANK_COLORSCALE, finish, rank_colors, ratio_axis, strategy_color
+from canzona.viz._style import GFLOP, GIB, MEGA, PAPER_MARKER, finish, rank_colors, ratio_axis, strategy_color
 
 __all__ = [
     "EVERY_RANK",
@@ -134,8 +134,11 @@ PAPER_COLUMNS: dict[str, str] = {
 def paper_reference(plan: Plan, metric: str) -> PaperValue | None:
     """The paper's value of ``metric`` (a paper metric name, see :data:`PAPER_COLUMNS`) for this
     plan's strategy when the plan is the paper's configuration (model, DP, TP, optimizer, cost
-    model, and alpha for ``lb-asc``); otherwise None."""
+    model, alpha for ``lb-asc``, and for FLOPs ratios the paper's TP-local FLOPs accounting);
+    otherwise None."""
     i = plan.inputs
+    if metric.endswith("flops_ratio") and i.flops_shape != "local":
+        return None  # the paper counts FLOPs on TP-local shards: full-shape ratios are another quantity
     alpha = float(i.alpha) if i.strategy == "lb-asc" else None
     for v in paper_values(metric=metric, strategy=i.strategy, ablation=""):
         if v.matches(model=i.model, dp=i.dp, tp=i.tp, optimizer=i.optimizer, alpha=alpha, cost=i.cost):
@@ -182,12 +185,23 @@ def _owner_name(owner: int) -> str:
     return "every rank (sc)" if owner == EVERY_RANK else f"DP rank {owner}"
 
 
-def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go.Figure:
+#: a segment gets its rank number printed when it is at least this fraction of the widest bucket
+#: (smaller ones would show a clipped digit or force every label down to an unreadable size)
+LABEL_MIN_FRACTION = 0.02
+#: colour of the ranks left out by ``fig_partition_map(ranks=...)``
+OTHER_RANKS_COLOR = "#d9d9d9"
+
+
+def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None, ranks: Sequence[int] | None = None) -> go.Figure:
     """Bucket x rank ownership map: each bucket a horizontal bar over its elements, segments
     coloured by the DP rank that updates them; hovering a segment names the parameter, its shape
     and the element range, so parameter boundaries are visible (thin white separators).
 
-    ``buckets`` restricts the map to some bucket indices (all by default).
+    One legend entry per rank, in colours that tell neighbouring ranks apart
+    (:func:`~canzona.viz._style.rank_colors`): click an entry to hide that rank, double-click to
+    show it alone. Segments wide enough carry their rank number.
+    ``buckets`` restricts the map to some bucket indices (all by default); ``ranks`` colours only
+    these DP ranks and greys the others out (one "other ranks" entry).
     """
     pieces = ownership_pieces(plan)
     if buckets is not None:
@@ -197,31 +211,26 @@ def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go
             raise ValueError(f"bucket indices {bad} out of range: the plan has {len(plan.buckets)} buckets")
         pieces = pieces[pieces["bucket"].isin(wanted)]
     dp = plan.inputs.dp
+    chosen: set[int] | None = None
+    if ranks is not None:
+        chosen = {int(r) for r in ranks}
+        bad = sorted(r for r in chosen if not 0 <= r < dp)
+        if bad or not chosen:
+            raise ValueError(f"ranks must be DP ranks in 0..{dp - 1}, got {sorted(chosen)}")
     colors = rank_colors(dp)
     # million elements for real models; plain elements / thousands for toy ones
     biggest = max(b.numel for b in plan.buckets)
     scale, unit = (MEGA, "million") if biggest >= MEGA else (1e3, "thousand") if biggest >= 1e4 else (1.0, "")
+    min_label = LABEL_MIN_FRACTION * float(pieces["end"].max() if len(pieces) else 1)
     fig = go.Figure()
-    # few ranks: one legend entry per rank; many (DP32, DP128): one trace coloured along a
-    # continuous scale with a colour bar, since 32 legend entries of near-identical hues read as
-    # noise. Either way each segment carries its rank number, so neighbours on the scale stay
-    # distinguishable.
-    per_rank = dp <= LEGEND_MAX_RANKS
-    if per_rank:
-        series = [(int(o), g) for o, g in pieces.groupby("owner", sort=True)]
-    else:
-        everyone = pieces["owner"] == EVERY_RANK
-        series = [(owner, g) for owner, g in ((EVERY_RANK, pieces[everyone]), (None, pieces[~everyone])) if len(g)]
-    for owner, grp in series:
-        if owner is None:
-            name = f"DP ranks 0..{dp - 1} (colour bar)"
-            marker = dict(color=grp["owner"].to_numpy(), colorscale=RANK_COLORSCALE, cmin=0, cmax=max(dp - 1, 1),
-                          colorbar=dict(title=dict(text="DP rank")),
-                          line=dict(color="white", width=0.5))
+    key = pieces["owner"].map(lambda o: o if chosen is None or o == EVERY_RANK or o in chosen else -2)
+    for owner, grp in pieces.groupby(key, sort=True):
+        owner = int(owner)
+        if owner == -2:
+            name, color = f"other ranks ({dp - len(chosen or ())})", OTHER_RANKS_COLOR
         else:
-            name = _owner_name(owner)
-            marker = dict(color="#999999" if owner == EVERY_RANK else colors[owner], line=dict(color="white", width=0.5))
-        labels = grp["owner"].map(lambda o: "all" if o == EVERY_RANK else str(o))
+            name, color = _owner_name(owner), "#999999" if owner == EVERY_RANK else colors[owner]
+        labels = grp["owner"].map(lambda o: "all" if o == EVERY_RANK else str(o)).where(grp["numel"] >= min_label, "")
         fig.add_trace(
             go.Bar(
                 orientation="h",
@@ -229,12 +238,14 @@ def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go
                 x=(grp["numel"] / scale).to_numpy(),
                 base=(grp["start"] / scale).to_numpy(),
                 name=name,
-                showlegend=owner is not None,
-                marker=marker,
+                legendrank=1000 + owner,
+                marker=dict(color=color, line=dict(color="white", width=0.5)),
                 text=labels.to_numpy(),
                 textposition="inside",
                 insidetextanchor="middle",
                 textangle=0,
+                textfont=dict(size=10),
+                constraintext="none",
                 customdata=np.stack(
                     [grp["param"], grp["shape"], grp["start"], grp["end"], grp["param_start"], grp["whole"].map({True: "whole", False: "piece"}),
                      grp["owner"].map(_owner_name)],
@@ -249,21 +260,21 @@ def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None) -> go
         )
     n_b = pieces["bucket"].nunique()
     order = [f"bucket {b}" for b in sorted(pieces["bucket"].unique())]
-    # rank numbers that do not fit their segment are hidden rather than shrunk to specks
-    fig.update_layout(barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"))
+    fig.update_layout(barmode="overlay", bargap=0.2)
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
     loads = rank_loads(plan)
+    which = "" if chosen is None else f"; coloured: DP rank{'s' if len(chosen) > 1 else ''} {', '.join(map(str, sorted(chosen)))}"
     return finish(
         fig,
         title=(
             f"Partition map: {plan_label(plan)}<br><sup>{n_b} bucket{'s' if n_b != 1 else ''}; R_LB FLOPs {load_ratio(loads['flops']):.2f}, "
-            f"state memory {load_ratio(loads['memory_bytes']):.2f}, elements {load_ratio(loads['numel']):.2f}; "
-            "numbers on segments: DP rank; hover a segment for its parameter</sup>"
+            f"state memory {load_ratio(loads['memory_bytes']):.2f}, elements {load_ratio(loads['numel']):.2f}{which}; "
+            "numbers on segments: DP rank; legend: click hides a rank, double-click shows it alone</sup>"
         ),
         x_title=f"offset inside the bucket ({unit + ' ' if unit else ''}TP-local elements)",
         y_title="ZeRO-1 bucket (buffer order)",
         legend_title="updated by",
-        height=max(420, 16 * n_b + 160),
+        height=max(420, 18 * n_b + 170),
     )
 
 
@@ -334,12 +345,12 @@ def fig_strategy_comparison(plans: Sequence[Plan], *, memory: str = "state") -> 
     titles = []
     tables = [rank_loads(p) for p in plans]
     for p, t in zip(plans, tables):
-        titles.append(f"{p.inputs.strategy}: FLOPs R_LB {load_ratio(t['flops']):.2f}")
+        titles.append(f"{p.inputs.strategy}<br>FLOPs R_LB {load_ratio(t['flops']):.2f}")
     for p, t in zip(plans, tables):
-        titles.append(f"{p.inputs.strategy}: memory R_LB {load_ratio(t[mkey]):.2f}")
+        titles.append(f"{p.inputs.strategy}<br>memory R_LB {load_ratio(t[mkey]):.2f}")
     # each panel keeps its own y scale: one unbalanced strategy (asc at DP32 reaches R_LB ~20)
     # would otherwise flatten every other panel to a line along the axis
-    fig = make_subplots(rows=2, cols=n, subplot_titles=titles, horizontal_spacing=0.06 if n > 1 else 0.03, vertical_spacing=0.16)
+    fig = make_subplots(rows=2, cols=n, subplot_titles=titles, horizontal_spacing=0.075 if n > 1 else 0.03, vertical_spacing=0.25)
     for c, (p, t) in enumerate(zip(plans, tables), start=1):
         st = p.inputs.strategy
         ranks = t.index.to_numpy()
@@ -364,13 +375,19 @@ def fig_strategy_comparison(plans: Sequence[Plan], *, memory: str = "state") -> 
             fig.update_xaxes(title_text="DP rank", row=r, col=c)
         fig.update_yaxes(title_text="GFLOP per step", row=1, col=c)
         fig.update_yaxes(title_text=maxis, row=2, col=c)
+    # a fixed small gap between tick labels and the y title, and two-line panel titles, keep each
+    # title clear of the panel to its left down to a ~900 px wide notebook
+    fig.update_yaxes(title_standoff=4, title_font_size=12)
+    fig.update_xaxes(title_standoff=2, title_font_size=12)
+    fig.update_annotations(font_size=12)
     i = plans[0].inputs
     return finish(
         fig,
         title=(f"Strategies side by side: {i.model}, {i.optimizer}, DP{i.dp} x TP{i.tp}<br><sup>dashed: mean over ranks; "
                "each panel has its own y scale, compare R_LB in the panel titles</sup>"),
         legend_title="strategy",
-        height=620,
+        height=720,
+        legend_below=True,
     )
 
 
@@ -422,7 +439,7 @@ def fig_balance_vs_paper(summary: pd.DataFrame) -> go.Figure:
     return finish(
         fig,
         title=f"Load-balance ratio R_LB = max / mean per strategy (lower is better; 1 = perfect, dotted)<br><sup>FLOPs on {shapes} shapes; "
-              "diamonds: the paper's reported values where it reports them</sup>",
+              "diamonds: the paper's reported values where it reports them (its FLOPs ratios: with flops_shape=local only)</sup>",
         x_title="quantity balanced across ranks",
         y_title="R_LB (max / mean, dimensionless)",
         legend_title="source",

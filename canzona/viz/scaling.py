@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from canzona.paper import paper_values
 from canzona.plan.build import plan_model, resolve_model
+from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.specs import specs_from_config
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, line_style, log_ticks, ratio_axis, strategy_color
 from canzona.viz.partition import PAPER_COLUMNS
@@ -90,7 +91,7 @@ def plan_sweep(
     alphas: Sequence[float] = (1.0,),
     costs: Sequence[str] = ("numel",),
     optimizer: str = "muon",
-    flops_shape: str = "full",
+    flops_shape: str = DEFAULT_FLOPS_SHAPE,
     tp_schedule: str | None = None,
 ) -> pd.DataFrame:
     """Plan every combination of the axes; one row per plan.
@@ -144,13 +145,16 @@ def plan_sweep(
 
 def paper_points(df: pd.DataFrame, metric: str, x: str) -> pd.DataFrame:
     """The paper's values of our column ``metric`` at the rows of ``df`` that are the paper's
-    configuration: columns ``x`` (the row's value), ``value``, ``strategy``, ``label``."""
+    configuration (for FLOPs ratios: with the paper's TP-local FLOPs accounting): columns ``x``
+    (the row's value), ``value``, ``strategy``, ``label``."""
     src = _PAPER_SOURCE.get(metric)
     out = []
     if src is None:
         return pd.DataFrame(columns=[x, "value", "strategy", "label"])
     for _, row in df.iterrows():
         alpha = row.get("alpha", np.nan)
+        if src.endswith("flops_ratio") and row.get("flops_shape", "local") != "local":
+            continue  # the paper's FLOPs ratios are on TP-local shards: not beside full-shape ratios
         for v in paper_values(metric=src, strategy=row["strategy"], ablation=""):
             if v.matches(model=str(row["model"]), dp=int(row["dp"]), tp=int(row["tp"]), optimizer=str(row["optimizer"]),
                          alpha=None if pd.isna(alpha) else float(alpha), cost=str(row.get("cost", "numel"))):

@@ -17,6 +17,11 @@ depth      int      nesting depth, 0 = outermost
 =========  =======  ===============================================================
 
 ``meta.json``: ``{"strategy", "optimizer", "dp", "tp", "steps", "model"}``.
+
+Which profile: :func:`resolve_profile` picks the user's newest run under ``runs/`` (where
+``canzona profile --tensorboard runs/<name>`` writes) and falls back to the shipped sample with a
+note saying so. :func:`load_profile` also opens a raw trace directory (one ``*.pt.trace.json`` per
+rank) and summarises it on the fly with :func:`canzona.profiling.traces.load_traces`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
 __all__ = [
     "PHASE_COLUMNS",
     "DEFAULT_PROFILE_DIR",
+    "RUNS_DIR",
     "Profile",
+    "latest_profile",
+    "resolve_profile",
     "validate_phase_table",
     "load_phase_table",
     "load_profile",
@@ -66,6 +74,58 @@ PHASE_COLUMNS: dict[str, str] = {
 #: the shipped sample trace summary the timeline notebook opens by default
 DEFAULT_PROFILE_DIR = DATA_DIR / "profiles" / "sample"
 _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
+#: where user runs live: ``runs/`` of the working directory and of its parent (so that a notebook
+#: started in notebooks/ finds the runs of the repository root), or ``$CANZONA_RUNS_DIR``
+RUNS_DIR = Path("runs")
+_TABLES = ("phases.parquet", "phases.csv")
+_TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+
+
+def _profile_files(d: Path) -> list[Path]:
+    """The files that make ``d`` a profile: its phase table(s), else its raw traces."""
+    try:
+        entries = [p for p in d.iterdir() if p.is_file()]
+    except OSError:
+        return []
+    tables = [p for p in entries if p.name in _TABLES]
+    return tables or [p for p in entries if p.name.endswith(_TRACE_SUFFIXES)]
+
+
+def _runs_roots(roots: Any) -> list[Path]:
+    if roots is None:
+        from canzona.runs import runs_roots
+
+        return runs_roots()
+    if isinstance(roots, str | Path):
+        roots = [roots]
+    return [Path(r).resolve() for r in roots if Path(r).is_dir()]
+
+
+def latest_profile(roots: str | Path | list[str | Path] | None = None) -> Path | None:
+    """The newest profile (trace summary or raw trace directory) under ``roots`` (default:
+    ``runs/`` of the working directory and of its parent), by the modification time of its
+    files; None when there is none."""
+    best: tuple[float, str] | None = None
+    for root in _runs_roots(roots):
+        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+            files = _profile_files(d)
+            if files:
+                key = (max(f.stat().st_mtime for f in files), str(d))
+                if best is None or key > best:
+                    best = key
+    return Path(best[1]) if best is not None else None
+
+
+def resolve_profile(path: str | Path | None = None, *, roots: str | Path | list[str | Path] | None = None) -> tuple[Path, str]:
+    """The profile to show and a note for the user ("" when ``path`` was given): ``path`` itself,
+    else the newest run under ``runs/`` (:func:`latest_profile`), else the shipped sample."""
+    if path is not None:
+        return Path(path), ""
+    latest = latest_profile(roots)
+    if latest is not None:
+        return latest, f"profile: the newest run, {latest}"
+    return DEFAULT_PROFILE_DIR, (f"profile: no run under {RUNS_DIR}/ (write one with `canzona profile --tensorboard "
+                                 f"{RUNS_DIR}/<name>`); showing the shipped sample {DEFAULT_PROFILE_DIR}")
 
 
 def _optimizer_phase() -> str:
@@ -132,7 +192,7 @@ def load_phase_table(path: str | Path) -> pd.DataFrame:
                 p = p / name
                 break
         else:
-            raise FileNotFoundError(f"{path}: no phases.parquet or phases.csv in this directory")
+            raise FileNotFoundError(f"{path}: no phases.parquet, phases.csv or *.pt.trace.json in this directory")
     if not p.is_file():
         raise FileNotFoundError(f"phase table not found: {p}")
     try:
@@ -144,7 +204,9 @@ def load_phase_table(path: str | Path) -> pd.DataFrame:
             raise ValueError(f"{p}: a phase table is a .csv or .parquet file")
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
         raise ValueError(f"{p}: cannot read the phase table ({exc})") from None
-    return validate_phase_table(df, source=str(p))
+    from canzona.profiling.traces import infer_old_stages
+
+    return infer_old_stages(validate_phase_table(df, source=str(p)))
 
 
 def _strict_json(text: str, source: str) -> Any:
@@ -157,11 +219,18 @@ def _strict_json(text: str, source: str) -> Any:
         raise ValueError(f"{source}: not valid JSON ({exc})") from None
 
 
-def load_profile(path: str | Path = DEFAULT_PROFILE_DIR) -> Profile:
-    """Load a trace summary directory (phase table + ``meta.json``) or a single phase-table file
-    (then the metadata is empty)."""
-    p = Path(path)
-    phases = load_phase_table(p)
+def load_profile(path: str | Path | None = None) -> Profile:
+    """Load a trace summary directory (phase table + ``meta.json``), a raw trace directory (one
+    ``*.pt.trace.json`` per rank, summarised here; its ``meta.json`` when ``canzona profile``
+    wrote one) or a single phase-table file (then the metadata is empty). None: the profile
+    :func:`resolve_profile` picks (the newest run, else the shipped sample)."""
+    p = resolve_profile(path)[0]
+    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in _profile_files(p)):
+        from canzona.profiling.traces import load_traces
+
+        phases = validate_phase_table(load_traces(p), source=str(p))
+    else:
+        phases = load_phase_table(p)
     meta: dict[str, Any] = {}
     meta_path = p / "meta.json" if p.is_dir() else None
     if meta_path is not None and meta_path.is_file():
@@ -176,12 +245,12 @@ def load_profile(path: str | Path = DEFAULT_PROFILE_DIR) -> Profile:
 
 
 def discover_profiles(root: str | Path = DEFAULT_PROFILE_DIR.parent) -> dict[str, Path]:
-    """Trace summary directories under ``root`` (any depth), labelled by their metadata's
+    """Trace summary and raw trace directories under ``root`` (any depth), labelled by their metadata's
     strategy (with the directory name when two runs share a strategy). Sorted by path."""
     base = Path(root)
     if not base.is_dir():
         raise FileNotFoundError(f"profile root not found: {root}")
-    dirs = sorted({p.parent for pat in ("phases.csv", "phases.parquet") for p in base.rglob(pat)})
+    dirs = sorted({p.parent for pat in (*_TABLES, *(f"*{s}" for s in _TRACE_SUFFIXES)) for p in base.rglob(pat)})
     out: dict[str, Path] = {}
     for d in dirs:
         label = d.name
@@ -206,10 +275,18 @@ def _short(phase: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tables
+def _stage(part: str) -> str:
+    tail = part.rsplit("/", 1)[-1] if part else ""
+    return tail if tail in ("launch", "wait") else ""
+
+
 def rank_phase_durations(phases: pd.DataFrame, *, depth: int | None = 0) -> pd.DataFrame:
-    """Milliseconds each rank spends in each base phase per step (parts summed), at nesting
-    ``depth`` (None: every depth). Columns: ``step``, ``rank``, ``phase``, ``ms``."""
+    """Milliseconds each rank spends in each base phase per step (buckets and groups summed), at
+    nesting ``depth`` (None: every depth); the launch and wait stages of asynchronous collectives
+    stay apart (``canzona/dp/reduce_scatter/wait``). Columns: ``step``, ``rank``, ``phase``, ``ms``."""
     df = phases if depth is None else phases[phases["depth"] == depth]
+    stage = df["part"].map(_stage)
+    df = df.assign(phase=[f"{p}/{st}" if st else p for p, st in zip(df["phase"], stage)])
     out = df.groupby(["step", "rank", "phase"], as_index=False)["dur_us"].sum()
     out["ms"] = out.pop("dur_us") / 1e3
     return out
@@ -322,16 +399,27 @@ PHASE_COLORS: dict[str, str] = {
 }
 
 
+def _unstaged(name: str) -> str:
+    for st in ("/launch", "/wait"):
+        if name.endswith(st):
+            return name[: -len(st)]
+    return name
+
+
 def _phase_order(names) -> list[str]:
-    """Known phases in pipeline order, then any others alphabetically."""
-    known = [n for n in PHASE_COLORS if n in set(names)]
-    return known + sorted(set(names) - set(known))
+    """Known phases in pipeline order (a collective's launch before its wait), then any others
+    alphabetically."""
+    names = set(names)
+    rank = {n: i for i, n in enumerate(PHASE_COLORS)}
+    known = sorted((n for n in names if _unstaged(n) in rank), key=lambda n: (rank[_unstaged(n)], n.endswith("/wait"), n))
+    return known + sorted(names - set(known))
 
 
 def _phase_colors(names: list[str]) -> dict[str, str]:
-    others = [n for n in names if n not in PHASE_COLORS]
+    """A colour per phase name: its base phase's fixed colour (stages share it), else a spare one."""
+    others = [n for n in names if _unstaged(n) not in PHASE_COLORS]
     spare = dict(zip(others, categorical_colors(len(others))))
-    return {n: PHASE_COLORS.get(n) or spare[n] for n in names}
+    return {n: PHASE_COLORS.get(_unstaged(n)) or spare[n] for n in names}
 
 
 def fig_timeline(phases: pd.DataFrame, *, step: int | None = None, max_depth: int | None = None, title: str = "") -> go.Figure:
@@ -392,8 +480,10 @@ def fig_phase_breakdown(breakdown: pd.DataFrame, *, paper: Mapping[str, Mapping[
     fig = go.Figure()
     for name in names:
         d = breakdown[breakdown["phase"] == name].set_index("strategy").reindex(strategies)
+        # the stages of one collective share its colour; the wait is hatched, the launch dotted
+        pattern = "/" if name.endswith("/wait") else "." if name.endswith("/launch") else ""
         fig.add_trace(go.Bar(x=strategies, y=d["ms"].fillna(0.0), name=_short(name), marker_color=colors[name],
-                             error_y=None, hovertemplate=name + ": %{y:.3f} ms<extra>%{x}</extra>"))
+                             marker_pattern_shape=pattern, error_y=None, hovertemplate=name + ": %{y:.3f} ms<extra>%{x}</extra>"))
     if paper:
         xs, ys, txt = [], [], []
         for st, vals in paper.items():
@@ -425,7 +515,9 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     spans = a["per_rank_span_us"]
     ranks = sorted(per)
     first = min(b for b, _ in spans.values())
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=0.16,
+    # the right panel's row labels (tp/gather/group0/launch) sit between the panels: leave them room
+    longest = max((len(_short(x)) for x in cp["segment"]), default=10)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=min(0.3, 0.06 + 0.0075 * longest),
                         subplot_titles=("optimizer phase per rank (red: ends last)", f"critical path: rank {a['critical_rank']}"))
     colors = ["#d62728" if r == a["critical_rank"] else "#7f7f7f" for r in ranks]
     fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=[per[r] / 1e3 for r in ranks], base=[(spans[r][0] - first) / 1e3 for r in ranks],
@@ -453,7 +545,7 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     fig.update_xaxes(title_text="rank", row=1, col=1)
     fig.update_yaxes(title_text="ms since the first rank entered the phase", row=1, col=1)
     fig.update_xaxes(title_text="time since the rank entered the optimizer phase (ms)", row=1, col=2)
-    fig.update_yaxes(title_text="child phase", row=1, col=2)
+    fig.update_yaxes(title_text="child phase", title_standoff=2, row=1, col=2)
     return finish(
         fig,
         title=(f"Optimizer critical path, step {a['step']}: {a['total_us'] / 1e3:.3f} ms on rank {a['critical_rank']} ({_short(a['phase'])})"

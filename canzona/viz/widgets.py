@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 
 from canzona.config import available_models
 from canzona.optimizers import optimizer_names
-from canzona.plan.plan import COSTS, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
+from canzona.plan.plan import COSTS, DEFAULT_FLOPS_SHAPE, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
 
 __all__ = [
     "Explorer",
@@ -126,7 +126,7 @@ def _alpha(value: float) -> W.FloatSlider:
 
 def partition_explorer(
     *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", alpha: float = 1.0,
-    strategy: str = "lb-asc", cost: str = "numel", flops_shape: str = "full", memory: str = "state",
+    strategy: str = "lb-asc", cost: str = "numel", flops_shape: str = DEFAULT_FLOPS_SHAPE, memory: str = "numel",
 ) -> Explorer:
     """Partition map and per-rank loads of one plan, with controls for every planner input."""
     from canzona.viz.partition import MEMORY_VIEWS, fig_partition_map, fig_rank_loads
@@ -147,7 +147,7 @@ def partition_explorer(
 
 def strategy_explorer(
     *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", alpha: float = 1.0,
-    strategies: Sequence[str] = ("zero1", "asc", "lb-asc", "layerwise"), cost: str = "numel", flops_shape: str = "local",
+    strategies: Sequence[str] = ("zero1", "asc", "lb-asc", "layerwise"), cost: str = "numel", flops_shape: str = DEFAULT_FLOPS_SHAPE,
     memory: str = "numel",
 ) -> Explorer:
     """Several strategies side by side (per-rank loads) and their R_LB ratios beside the paper's."""
@@ -170,7 +170,7 @@ def strategy_explorer(
 
 def microgroup_explorer(
     *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", strategy: str = "lb-asc",
-    tp_schedule: str = "lpt", cmax_mb: int = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = "full",
+    tp_schedule: str = "lpt", cmax_mb: int = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> Explorer:
     """Gantt chart of one DP rank's micro-groups and that rank's TP host loads. ``dp_rank`` None
     starts on the DP rank with the longest schedule."""

@@ -1,0 +1,140 @@
+"""Where runs live and what each one logs: a loss/metrics table per run.
+
+``canzona train`` and ``canzona profile`` write, from rank 0, one ``metrics.csv`` per run (always)
+and the same numbers as TensorBoard scalars (``events.out.tfevents.*``, when the ``tensorboard``
+package is installed) into the run's directory, with a ``run.json`` naming the configuration.
+A profile's directory is its TensorBoard logdir, so the scalars sit beside the traces.
+
+``metrics.csv`` columns: ``step`` (0-based), ``loss`` (global mean over DP ranks), ``wall_ms``
+(rank 0's wall time from the end of the previous step to the end of this one; empty for the
+first step, whose time includes building the model and the plan), then ``<phase>_ms`` for every phase of
+:data:`canzona.phase_names.PHASES` (rank 0's wall time in that phase during the step; 0 when the
+strategy does not run it).
+
+User runs go under ``runs/`` of the working directory (the environment variable
+``CANZONA_RUNS_DIR`` moves it); the figures and notebooks look there first
+(:func:`canzona.viz.timeline.resolve_profile`, :func:`canzona.viz.training.discover_runs`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from canzona.phase_names import PHASES
+
+__all__ = [
+    "METRICS_CSV",
+    "METRICS_COLUMNS",
+    "RUN_JSON",
+    "RUNS_ENV",
+    "MetricsLog",
+    "new_run_dir",
+    "runs_dir",
+    "runs_roots",
+]
+
+RUNS_ENV = "CANZONA_RUNS_DIR"
+METRICS_CSV = "metrics.csv"
+RUN_JSON = "run.json"
+#: the header of metrics.csv, fixed so that every run's table has the same columns
+METRICS_COLUMNS: tuple[str, ...] = ("step", "loss", "wall_ms", *(f"{p}_ms" for p in PHASES))
+
+
+def runs_dir() -> Path:
+    """The folder user runs go into: ``$CANZONA_RUNS_DIR`` or ``runs`` (relative to the working
+    directory)."""
+    return Path(os.environ.get(RUNS_ENV) or "runs")
+
+
+def runs_roots() -> list[Path]:
+    """Where to look for runs: ``$CANZONA_RUNS_DIR`` when set, else ``runs/`` of the working
+    directory and of its parent (a notebook started in ``notebooks/`` finds the repository's
+    runs); only folders that exist, each once."""
+    cwd = Path.cwd()
+    candidates = [runs_dir()] if os.environ.get(RUNS_ENV) else [cwd / "runs", cwd.parent / "runs"]
+    out: list[Path] = []
+    for c in candidates:
+        c = c.resolve()
+        if c.is_dir() and c not in out:
+            out.append(c)
+    return out
+
+
+def new_run_dir(label: str) -> Path:
+    """A fresh directory name ``<runs>/<label>-<UTC time>`` (``-2``, ``-3``... if taken); not created."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = runs_dir() / f"{label}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class MetricsLog:
+    """Per-step loss and phase times of one run: ``metrics.csv`` (flushed every step, so a killed
+    run keeps what it did) and TensorBoard scalars (``loss``, ``time/step_ms``,
+    ``time/<phase>_ms``) when ``tensorboard`` is importable (``tensorboard=None``) or asked for."""
+
+    def __init__(self, directory: str | Path, *, run: Mapping[str, Any] | None = None, tensorboard: bool | None = None) -> None:
+        self.dir = Path(directory)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"{self.dir} exists and is not a directory")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / METRICS_CSV
+        if self.path.exists():
+            raise ValueError(f"{self.path} already exists; log each run into its own directory")
+        if run is not None:
+            (self.dir / RUN_JSON).write_text(json.dumps(dict(run), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        self._file = self.path.open("w", newline="", encoding="utf-8")
+        self._csv = csv.writer(self._file)
+        self._csv.writerow(METRICS_COLUMNS)
+        self._file.flush()
+        self.writer: Any = None
+        if tensorboard is not False:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if tensorboard:
+                    raise
+            else:
+                self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    def log(self, step: int, loss: float, wall_s: float, phases: Mapping[str, float]) -> None:
+        """One step: the global loss, the step's wall seconds (NaN: unknown) and seconds per phase
+        (base names; names outside :data:`~canzona.phase_names.PHASES` have no column)."""
+        row = [int(step), _num(loss), _num(wall_s * 1e3), *(_num(phases.get(p, 0.0) * 1e3) for p in PHASES)]
+        self._csv.writerow(row)
+        self._file.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("loss", float(loss), int(step))
+            if math.isfinite(wall_s):
+                self.writer.add_scalar("time/step_ms", wall_s * 1e3, int(step))
+            for p, v in phases.items():
+                if v > 0 and p in PHASES:
+                    self.writer.add_scalar(f"time/{p.removeprefix('canzona/')}_ms", v * 1e3, int(step))
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _num(v: float) -> str:
+    v = float(v)
+    return repr(v) if math.isfinite(v) else ""

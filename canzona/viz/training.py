@@ -1,0 +1,102 @@
+"""The loss and step times of several training runs, from the metrics logs that ``canzona train``
+and ``canzona profile`` write (:mod:`canzona.runs`): find the runs, read their tables, plot their
+losses on one chart."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, runs_roots
+from canzona.viz._style import categorical_colors, finish, line_style
+
+__all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
+
+
+def load_metrics(path: str | Path) -> pd.DataFrame:
+    """Read a run's ``metrics.csv`` (the file or its directory) strictly: the documented header,
+    integer steps in increasing order, finite losses. One clear error otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_CSV
+    if not p.is_file():
+        raise FileNotFoundError(f"metrics log not found: {p}")
+    try:
+        df = pd.read_csv(p)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read the metrics log ({exc})") from None
+    if tuple(df.columns) != METRICS_COLUMNS:
+        raise ValueError(f"{p}: not a canzona metrics log (expected the columns step, loss, wall_ms, <phase>_ms)")
+    for col in df.columns:
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    steps = df["step"].to_numpy()
+    if np.isnan(steps).any() or (steps != np.floor(steps)).any() or (np.diff(steps) <= 0).any():
+        raise ValueError(f"{p}: steps must be increasing integers")
+    if not np.isfinite(df["loss"].to_numpy()).all():
+        raise ValueError(f"{p}: a loss is missing or not finite")
+    return df.astype({"step": "int64"})
+
+
+def run_label(directory: str | Path) -> str:
+    """``<strategy> dp<d>xtp<t> <optimizer> (<directory name>)`` from the run's ``run.json`` (or
+    the profile's ``meta.json``); the directory name alone when there is neither."""
+    d = Path(directory)
+    for name in (RUN_JSON, "meta.json"):
+        f = d / name
+        if f.is_file():
+            try:
+                doc = json.loads(f.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                break
+            if isinstance(doc, dict) and {"strategy", "dp", "tp", "optimizer"} <= set(doc):
+                return f"{doc['strategy']} dp{doc['dp']}xtp{doc['tp']} {doc['optimizer']} ({d.name})"
+    return d.name
+
+
+def discover_runs(root: str | Path | None = None) -> dict[str, Path]:
+    """Runs with a metrics log under ``root`` (default: :func:`canzona.runs.runs_roots`), any
+    depth, oldest first, labelled by :func:`run_label`. Empty when there are none."""
+    roots = [Path(root)] if root is not None else runs_roots()
+    found = sorted({(p.stat().st_mtime, p.parent) for base in roots if base.is_dir() for p in base.rglob(METRICS_CSV)})
+    return {run_label(d): d for _, d in found}
+
+
+def fig_loss_curves(runs: Mapping[str, pd.DataFrame | str | Path], *, time: bool = True) -> go.Figure:
+    """Training loss per step of several runs on one chart (top) and, with ``time``, each
+    step's wall time (bottom). ``runs``: label -> metrics table or run directory."""
+    if not runs:
+        raise ValueError("no runs to plot (train with `canzona train`, which logs under runs/)")
+    tables = {k: (v if isinstance(v, pd.DataFrame) else load_metrics(v)) for k, v in runs.items()}
+    rows = 2 if time else 1
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        row_heights=[0.65, 0.35] if time else [1.0],
+                        subplot_titles=("training loss", "wall time per step") if time else ("training loss",))
+    colors = categorical_colors(len(tables))
+    for i, (label, df) in enumerate(tables.items()):
+        style = line_style(i)
+        # identical runs (exact strategies) coincide: dashes and marker sizes keep each visible
+        fig.add_trace(go.Scatter(x=df["step"], y=df["loss"], mode="lines+markers", name=label, legendgroup=label,
+                                 line=dict(color=colors[i], dash=style["dash"]),
+                                 marker=dict(symbol=style["symbol"], size=style["size"])), row=1, col=1)
+        if time:
+            fig.add_trace(go.Scatter(x=df["step"], y=df["wall_ms"], mode="lines+markers", name=label, legendgroup=label,
+                                     showlegend=False, line=dict(color=colors[i], dash=style["dash"]),
+                                     marker=dict(symbol=style["symbol"], size=style["size"] - 1)), row=2, col=1)
+    fig.update_yaxes(title_text="loss (nats per token)", row=1, col=1)
+    if time:
+        fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_xaxes(title_text="training step", row=rows, col=1)
+    longest = max((int(df["step"].max()) + 1 for df in tables.values() if len(df)), default=1)
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=max(1, math.ceil(longest / 12)))  # whole steps only
+    last = {k: float(df["loss"].iloc[-1]) for k, df in tables.items() if len(df)}
+    best = min(last, key=last.get) if last else ""
+    sub = f"<br><sup>lowest final loss: {best} ({last[best]:.4f})</sup>" if best else ""
+    return finish(fig, title=f"Training loss of {len(tables)} run{'s' if len(tables) != 1 else ''}{sub}",
+                  legend_title="run", height=560 if time else 420, legend_below=True)

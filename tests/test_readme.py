@@ -1,0 +1,114 @@
+"""Every command the README shows runs as written (from a scratch copy of the repository root).
+
+Commands come from two places in README.md: the first column of the command table (inline code
+starting with ``canzona``) and every ``bash`` block. Each table row and each block runs in its own
+scratch directory holding links to the repository's ``data/``, ``profiling/`` and ``notebooks/``
+(so that relative paths mean what they mean at the repository root while outputs stay out of the
+tree), lines of one block in order. A command is left out only for a reason listed in
+:data:`SKIPPED`; a few run at a smaller size, by appending the options in :data:`SMALLER` (the
+code path and the flags as written are exercised, not minutes of planning at DP32). When the
+README gains a command, this test runs it, or fails until it is given a reason here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+#: command prefix -> why the test does not run it
+SKIPPED: dict[str, str] = {
+    "make demo": "builds a fresh .venv and installs packages (network); `canzona demo` is tested in tests/test_demo.py",
+    "make test": "runs the whole suite (this test is part of it)",
+    "canzona validate --quick": "about a minute by design; the suite's own checks are tests/test_validation.py",
+    "canzona validate --full": "552 cells, many minutes by design",
+    "tensorboard --logdir": "starts a web server that runs until stopped",
+    "python profiling/nsys_profile.py": "needs Nsight Systems and a GPU (tests/test_profiling.py checks that it fails cleanly without)",
+    "python profiling/bench_strategies.py": "a benchmark: minutes of timed runs by design",
+}
+
+#: exact command line -> why the test does not run it
+SKIPPED_EXACT: dict[str, str] = {
+    "canzona profile --tensorboard runs/prof": "the profiling block runs the same command (with --steps 3) and reads its traces",
+}
+
+#: command prefix -> options appended (argparse keeps the last value of an option) to run it small
+SMALLER: dict[str, str] = {
+    "canzona train --nproc 4": "--steps 1 --batch-size 4 --seq-len 16",
+    "canzona profile --tensorboard": "--steps 1 --warmup 0 --batch-size 4 --seq-len 16",
+    "canzona simulate --model qwen3-32b": "--model qwen3-1.7b --dp 4 --tp 2 --no-sensitivity",
+    "canzona figures --out": "--model qwen3-tiny --dp 2 --tp 2",
+}
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(label, command lines) per table row and per bash block, in README order."""
+    text = README.read_text(encoding="utf-8")
+    groups: list[tuple[str, list[str]]] = []
+    for m in re.finditer(r"^\| `(canzona [^`]*)`", text, flags=re.MULTILINE):
+        # optional parts in brackets are examples of further options: run them too
+        groups.append((f"table: {m.group(1)}", [m.group(1).replace("[", "").replace("]", "")]))
+    for i, m in enumerate(re.finditer(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)):
+        lines = [ln.split("  #")[0].split(" # ")[0].strip() for ln in m.group(1).splitlines()]
+        groups.append((f"bash block {i + 1}", [ln for ln in lines if ln and not ln.startswith("#")]))
+    return groups
+
+
+def _skip_reason(line: str) -> str | None:
+    if line in SKIPPED_EXACT:
+        return SKIPPED_EXACT[line]
+    if line.startswith("canzona figures") and re.search(r"--format (png|svg|pdf)", line):
+        # the optional static exporter (extra "figures" + a Chromium); tests/test_viz.py checks
+        # the one-line error when it is missing
+        from canzona.viz.export import static_export_problem
+
+        if (problem := static_export_problem()) is not None:
+            return f"static export cannot run here: {problem}"
+    return next((why for prefix, why in SKIPPED.items() if line.startswith(prefix)), None)
+
+
+def _argv(line: str) -> list[str]:
+    extra = next((more for prefix, more in SMALLER.items() if line.startswith(prefix)), "")
+    words = shlex.split(line) + shlex.split(extra)
+    if words[0] == "canzona":
+        return [sys.executable, "-m", "canzona", *words[1:]]
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    raise AssertionError(f"README command {line!r}: the test knows how to run canzona and python commands only")
+
+
+def test_readme_has_commands_and_every_skip_is_used() -> None:
+    lines = [ln for _, group in readme_commands() for ln in group]
+    assert len(lines) >= 12
+    for prefix in [*SKIPPED, *SMALLER]:
+        assert any(ln.startswith(prefix) for ln in lines), f"{prefix!r} is no longer in the README: drop it from the test"
+    for line in SKIPPED_EXACT:
+        assert line in lines, f"{line!r} is no longer in the README: drop it from the test"
+
+
+GROUPS = readme_commands()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,lines", GROUPS, ids=[g[0] for g in GROUPS])
+def test_readme_command_runs(label: str, lines: list[str], tmp_path: Path) -> None:
+    for name in ("data", "profiling", "notebooks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CANZONA_RUNS_DIR": str(tmp_path / "runs")}
+    ran = 0
+    for line in lines:
+        if _skip_reason(line):
+            continue
+        res = subprocess.run(_argv(line), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{label}: `{line}` exited {res.returncode}\n{res.stderr[-2000:]}"
+        ran += 1
+    if not ran:
+        pytest.skip("; ".join(f"{ln}: {_skip_reason(ln)}" for ln in lines))

@@ -1,0 +1,143 @@
+"""Per-run metrics logs (canzona.runs), their figure (canzona.viz.training) and train's progress
+display: a legend, plain lines under a pipe, a tqdm bar only on a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from canzona.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, PHASES
+from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, MetricsLog, new_run_dir, runs_dir
+from canzona.viz import figure_problems
+from canzona.viz.training import discover_runs, fig_loss_curves, load_metrics, run_label
+
+
+def _log(d: Path, strategy: str, losses: list[float], *, tensorboard: bool = False) -> Path:
+    with MetricsLog(d, run={"strategy": strategy, "dp": 2, "tp": 2, "optimizer": "muon"}, tensorboard=tensorboard) as log:
+        for i, v in enumerate(losses):
+            log.log(i, v, float("nan") if i == 0 else 0.02, {FORWARD: 0.004, BACKWARD: 0.008, "not/a/phase": 1.0})
+    return d
+
+
+@pytest.mark.slow  # importing torch.utils.tensorboard takes seconds
+def test_metrics_log_csv_and_tensorboard(tmp_path: Path) -> None:
+    d = _log(tmp_path / "a", "lb-asc", [5.5, 5.25, 5.0], tensorboard=None)
+    df = load_metrics(d)
+    assert tuple(df.columns) == METRICS_COLUMNS and len(METRICS_COLUMNS) == 3 + len(PHASES)
+    assert df["loss"].tolist() == [5.5, 5.25, 5.0] and df["step"].tolist() == [0, 1, 2]
+    assert pd.isna(df.at[0, "wall_ms"]) and df.at[1, "wall_ms"] == pytest.approx(20.0)
+    assert df[f"{FORWARD}_ms"].tolist() == pytest.approx([4.0] * 3) and (df[f"{OPTIMIZER_STEP}_ms"] == 0).all()
+    assert json.loads((d / RUN_JSON).read_text())["strategy"] == "lb-asc"
+    assert run_label(d) == "lb-asc dp2xtp2 muon (a)"
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(d))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [5.5, 5.25, 5.0]
+    assert "time/forward_ms" in acc.Tags()["scalars"]
+    with pytest.raises(ValueError, match="already exists"):
+        MetricsLog(d, tensorboard=False)
+
+
+def test_metrics_are_read_strictly(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_metrics(tmp_path)
+    (tmp_path / METRICS_CSV).write_text("step,loss\n0,1.0\n")
+    with pytest.raises(ValueError, match="not a canzona metrics log"):
+        load_metrics(tmp_path)
+    rows = [",".join(METRICS_COLUMNS), ",".join(["1", "5.0"] + ["0"] * (len(METRICS_COLUMNS) - 2)),
+            ",".join(["0", "5.0"] + ["0"] * (len(METRICS_COLUMNS) - 2))]
+    (tmp_path / METRICS_CSV).write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match="increasing"):
+        load_metrics(tmp_path)
+
+
+def test_loss_curves_of_several_runs(tmp_path: Path) -> None:
+    _log(tmp_path / "r1", "sc", [5.5, 5.0, 4.5])
+    _log(tmp_path / "sub" / "r2", "lb-asc", [5.5, 5.1, 4.4])
+    runs = discover_runs(tmp_path)
+    assert sorted(runs) == ["lb-asc dp2xtp2 muon (r2)", "sc dp2xtp2 muon (r1)"]
+    fig = fig_loss_curves(runs)
+    assert figure_problems(fig) == []
+    loss = [t for t in fig.data if t.showlegend is not False]
+    assert [list(t.y) for t in loss] == [[5.5, 5.0, 4.5], [5.5, 5.1, 4.4]]
+    assert "lowest final loss: lb-asc dp2xtp2 muon (r2) (4.4000)" in fig.layout.title.text
+    assert len(fig.data) == 4  # loss and step time per run
+    assert discover_runs(tmp_path / "nothing") == {}
+    with pytest.raises(ValueError, match="no runs"):
+        fig_loss_curves({})
+
+
+def test_runs_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path))
+    monkeypatch.setattr("canzona.runs.time.strftime", lambda fmt, t=None: "20260101-000000")
+    assert runs_dir() == tmp_path
+    a = new_run_dir("train-x")
+    assert a == tmp_path / "train-x-20260101-000000" and not a.exists()
+    a.mkdir()
+    assert new_run_dir("train-x") == tmp_path / "train-x-20260101-000000-2"
+
+
+# ------------------------------------------------------------------------------------ progress display
+
+
+def _config(steps: int = 2):
+    from canzona.train import TrainConfig
+
+    return TrainConfig(steps=steps, batch_size=2, seq_len=8)
+
+
+def test_progress_is_plain_lines_with_a_legend_under_a_pipe(capsys) -> None:
+    from canzona.train import Progress
+
+    out = io.StringIO()
+    p = Progress(_config(), out=out, bar=None)  # pytest's captured streams are not terminals
+    assert p.bar is None
+    phases = {FORWARD: 0.01, BACKWARD: 0.02, "canzona/dp/reduce_scatter": 0.001, OPTIMIZER_STEP: 0.03}
+    p(0, 5.5, phases)
+    p(1, 5.4, phases)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("per step")
+    assert "rs = DP gradient reduce-scatter" in lines[0] and "fwd = forward" in lines[0]
+    assert lines[1].startswith("step 1/2  loss 5.5000  fwd 10.0") and lines[2].startswith("step 2/2")
+    assert capsys.readouterr().err == ""  # no bar anywhere
+
+
+def test_progress_bar_on_a_terminal_keeps_lines_apart(capsys) -> None:
+    from canzona.train import Progress
+
+    out = io.StringIO()
+    p = Progress(_config(), out=out, bar=True)
+    p(0, 5.5, {FORWARD: 0.01})
+    p(1, 5.4, {FORWARD: 0.01})
+    p.close()
+    assert out.getvalue().splitlines()[1].startswith("step 1/2")
+    err = capsys.readouterr().err
+    assert "2/2" in err and "step 1/2" not in err  # the bar on stderr, the step lines on out only
+
+
+@pytest.mark.slow
+def test_train_command_logs_the_run(capsys) -> None:
+    from canzona.cli import main
+
+    assert main(["train", "--steps", "2", "--batch-size", "2", "--seq-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("per step (rank 0, wall ms)") and "step 2/2" in out
+    runs = sorted(runs_dir().glob("train-lb-asc-dp1xtp1-*"))
+    assert len(runs) == 1 and f"metrics: {runs[0] / METRICS_CSV}" in out
+    assert load_metrics(runs[0])["step"].tolist() == [0, 1]
+
+
+def test_every_phase_has_a_column_name_and_a_meaning() -> None:
+    from canzona.train import _SHORT, step_legend
+
+    assert set(_SHORT) == set(PHASES)
+    assert len({short for short, _ in _SHORT.values()}) == len(PHASES)  # no two columns share a name
+    legend = step_legend(list(PHASES))
+    assert all(f"{short} = {meaning}" in legend for short, meaning in _SHORT.values())
