@@ -46,8 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from canzona.commands._args import output_dir
     from canzona.viz.export import main_figures, write_figures
 
+    output_dir(args.out, "--out")  # before building the figures: a bad folder fails at once
     t0 = time.perf_counter()
     figs = main_figures(
         model=args.model,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 from typing import NoReturn
 
 from canzona.cli import UserError
+from canzona.commands._args import output_path, positive_float, write_output
 from canzona.config import available_models
 from canzona.cost import COST_MODELS
 from canzona.plan import (
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default="full",
                         help="cost TP-split matrices on their full shape (default) or the TP-local shard (paper)")
-    parser.add_argument("--cmax-mb", type=_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
+    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the plan document (docs/plan-format.md) to PATH")
@@ -154,15 +154,6 @@ def format_compare(rows: list[tuple[Plan, list[str]]]) -> str:
     return "\n".join(out)
 
 
-def _check_json_path(path: str) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"--json {path}: is a directory")
-    if not p.parent.is_dir():
-        raise UserError(f"--json {path}: directory {p.parent} does not exist")
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list_strategies:
         print("\n".join(strategy_names()))
@@ -179,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.bucket_numel is not None and args.bucket_numel < 1:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
-    json_path = _check_json_path(args.json) if args.json else None
+    json_path = output_path(args.json, "--json") if args.json else None
     if args.compare:
         if json_path is not None:
             raise UserError("--json writes one plan; drop --compare or --json")
@@ -194,9 +185,10 @@ def run(args: argparse.Namespace) -> int:
     plan, notes = _plan(args, args.strategy, args.tp_schedule)
     if json_path is not None:
         try:
-            plan.to_json(json_path)
-        except OSError as exc:
-            raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+            write_output(json_path, plan.to_json() + "\n")
+        except UserError:
+            print(format_plan(plan, notes))  # the plan is computed: show it, then fail
+            raise
         notes.append(f"plan document written to {json_path}")
     print(format_plan(plan, notes))
     return 0

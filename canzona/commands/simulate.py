@@ -14,9 +14,9 @@ import argparse
 import json
 import math
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
+from canzona.commands._args import output_path, positive_float, write_output
 from canzona.paper import paper_value
 
 __all__ = ["add_arguments", "run"]
@@ -26,8 +26,10 @@ _FIT_TARGET_S = paper_value("fwd_bwd_s_lb-asc").value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from canzona.commands.plan import one_line_errors
     from canzona.sim.model import SIM_STRATEGIES, TP_OVERLAPS, VARSIZE_MODELS
 
+    one_line_errors(parser)
     g = parser.add_argument_group("configuration")
     g.add_argument("--model", default="qwen3-32b", help="shipped model name, config path, or qwen3-moe-1t (default: qwen3-32b)")
     g.add_argument("--dp", type=int, default=32, help="data-parallel size (default 32)")
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
     g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
     g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
-    g.add_argument("--cmax-mb", type=float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
+    g.add_argument("--cmax-mb", type=positive_float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
 
     s = parser.add_argument_group("training setup (named assumptions)")
@@ -236,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in strategies if s not in strategy_names()]
     if bad or not strategies:
         raise ValueError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from {', '.join(strategy_names())}")
+    if args.json:
+        output_path(args.json, "--json")  # before the work: an unwritable output fails at once
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
     setup = _setup(args)
@@ -335,11 +339,8 @@ def run(args: argparse.Namespace) -> int:
     _print_assumptions(hw, setup)
 
     if args.json:
-        path = Path(args.json)
-        try:
-            path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+        # the results are printed above; a failed write says so in one line and keeps the old file
+        path = write_output(args.json, json.dumps(doc, indent=1, default=_json_default) + "\n")
         print(f"wrote {path}")
     return 0
 

@@ -48,7 +48,7 @@ Construction assembles full masters with one exchange per group outside any phas
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,13 +349,19 @@ class TPEngine:
                     self.masters[name] = nn.Parameter(t.clone(memory_format=torch.contiguous_format))
 
     # ------------------------------------------------------------------------- the step
-    def step(self, local_grads: Mapping[str, torch.Tensor]) -> None:
+    def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
         """One optimizer step: gather -> compute -> scatter -> apply per micro-group, in plan order,
-        with the next group's gather in flight during each compute."""
+        with the next group's gather in flight during each compute.
+
+        ``skip``: parameters without a gradient on any rank; hosts do not step them (their values
+        return unchanged). An error in one host's compute does not stop the exchanges (the other
+        TP ranks are waiting in them): that host returns its unchanged values for the group, runs
+        the remaining groups' exchanges, and raises the first error at the end."""
         self._check_grads(local_grads)
         n = len(self.groups)
         if n == 0:
             return
+        error: Exception | None = None
         with phase(f"{TP_GATHER}/group0"):
             pending = self._launch_gather(self.groups[0], local_grads)
         for k, g in enumerate(self.groups):
@@ -365,7 +371,13 @@ class TPEngine:
                 with phase(f"{TP_GATHER}/group{k + 1}"):
                     pending = self._launch_gather(self.groups[k + 1], local_grads)
             with phase(f"{TP_COMPUTE}/group{k}"):
-                updated = self._compute(g, full_grads)
+                try:
+                    if error is not None:
+                        raise error
+                    updated = self._compute(g, full_grads, skip)
+                except Exception as exc:  # noqa: BLE001 - finish the exchanges, raise afterwards
+                    error = error or exc
+                    updated = {name: self.masters[name].detach() for name in g.hosted}
             if self.sync:
                 shards = self._own_slices(g, updated)
             else:
@@ -373,6 +385,8 @@ class TPEngine:
                     shards = self._scatter(g, updated)
             with phase(f"{TP_APPLY}/group{k}"):
                 self._apply(shards)
+        if error is not None:
+            raise error
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):
@@ -404,20 +418,24 @@ class TPEngine:
             return _assemble(out, g.tasks, self.tp)
         return unpack_gather(out, g.tasks, self.tp_rank, self.tp)
 
-    def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """Host side: run the optimizer on this group's full masters only. Other hosted params have
         no ``.grad`` at this point, and per-parameter optimizers skip those, so one optimizer
         steps exactly this group; grads are cleared afterwards so a later group does not re-step it."""
         if not g.hosted:
             return {}
-        params = [self.masters[n] for n in g.hosted]
-        for name, p in zip(g.hosted, params):
+        live = [n for n in g.hosted if n not in skip]
+        params = [self.masters[n] for n in live]
+        for name, p in zip(live, params):
             p.grad = full_grads[name].to(p.dtype)
         assert self.optimizer is not None
-        with faults.around_step(self.optimizer, zip(g.hosted, params)):
-            self.optimizer.step()
-        for p in params:
-            p.grad = None
+        try:
+            if params:
+                with faults.around_step(self.optimizer, zip(live, params)):
+                    self.optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None
         return {n: self.masters[n].detach() for n in g.hosted}
 
     def _scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from canzona.fileio import atomic_write
 from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajectories, fig_validation_matrix, load_validation_report
 from canzona.viz.microgroups import cmax_sweep, fig_cmax_sweep, fig_microgroup_gantt, fig_tp_sweep, microgroup_summary, tp_sweep
 from canzona.viz.partition import fig_balance_vs_paper, fig_partition_map, fig_strategy_comparison, strategy_summary
@@ -178,7 +179,7 @@ def write_figures(figures: FigureSet | dict[str, go.Figure], out_dir: str | Path
     paths = []
     for name, fig in figs.items():
         p = out / f"{name}.html"
-        fig.write_html(p, include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True)
+        atomic_write(p, fig.to_html(include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True))
         paths.append(p)
     items = []
     for name, fig in figs.items():
@@ -187,9 +188,9 @@ def write_figures(figures: FigureSet | dict[str, go.Figure], out_dir: str | Path
     for name, why in skipped.items():
         items.append(f"<li>{html.escape(name)}: not written ({html.escape(why)})</li>")
     index = out / "index.html"
-    index.write_text(
+    atomic_write(
+        index,
         "<!doctype html><html><head><meta charset='utf-8'><title>canzona figures</title></head><body>"
         "<h1>canzona figures</h1><ul>" + "".join(items) + "</ul></body></html>\n",
-        encoding="utf-8",
     )
     return [*paths, index]
