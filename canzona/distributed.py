@@ -89,9 +89,9 @@ from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
+from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer, timing
 from canzona.specs import ParamSpec, specs_from_module
 
@@ -194,7 +194,8 @@ def scheduled_hyperparams(cls: type[torch.optim.Optimizer], kwargs: Mapping[str,
 
 def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[str | None]:
     """All-gather every rank's 16-hex plan fingerprint (None: that rank failed to plan) on the world
-    group, waiting at most ``timeout_s``; returns them by rank."""
+    group, waiting at most ``timeout_s``; returns them by rank. Each rank first marks its arrival in
+    the process group's store, so a timeout names the ranks that never came."""
     buf = torch.zeros(17, dtype=torch.uint8, device=device)
     if fingerprint is not None:
         raw = fingerprint.encode("ascii")[:16]
@@ -225,6 +226,20 @@ def exchange_fingerprints(fingerprint: str | None, *, device: torch.device, time
     return fps
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with everything but numbers, strings and containers of them replaced by the type
+    name: a stable form to compare across processes (a function's repr holds its address)."""
+    if isinstance(value, Mapping):
+        return sorted((str(k), _plain(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
+        return value.detach().cpu().tolist()
+    return type(value).__name__
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Run a per-parameter optimizer under ZeRO-1 DP (and TP) exactly, with a Canzona plan.
 
@@ -253,7 +268,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     bytes per rank per phase; cleared after construction), ``phase_times``
     (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this object opens, accumulated
     across steps), ``dp_rank``/``tp_rank``/``dp``/``tp``, ``runtime`` (the
-    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``.
+    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``, ``status_timeout_s``.
+
+    Robustness arguments (docs/robustness.md): ``status_timeout_s`` bounds every wait for the other
+    ranks in canzona's status exchanges (plan fingerprints, replica check, the step's two
+    exchanges, checkpoint save/load; default 60 s); ``overlap_updates=True`` updates each bucket as
+    soon as its collective lands instead of after the step's first exchange, giving up the
+    torch-style skipping of parameters without a gradient and the pre-update non-finite check.
     """
 
     def __init__(
@@ -373,7 +394,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_param_groups(model, plan, matrix_cls, ew_cls)
         self._check_replicas(model, device)
         # every rank's optimizer arguments, folded into the per-step hyperparameter digest
-        self._kwargs_repr = repr((sorted(self.optimizer_kwargs.items()), sorted(self.elementwise_kwargs.items())))
+        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
 
         # ---- runtime
         self.comm_stats = CommStats()
