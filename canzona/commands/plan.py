@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from canzona.cli import UserError
 from canzona.commands._args import output_path, positive_float, write_output
-from canzona.config import available_models
+from canzona.config import available_models, check_tp_degree
 from canzona.cost import COST_MODELS
 from canzona.plan import (
     FLOPS_SHAPES,
@@ -166,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--dp must be >= 1, got {args.dp}")
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
+    # the TP degrees `canzona train` refuses (heads, KV heads, MLP rows, vocabulary must divide)
+    from canzona.plan import resolve_model
+
+    check_tp_degree(resolve_model(args.model), args.tp)
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.bucket_numel is not None and args.bucket_numel < 1:

@@ -17,6 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from canzona.commands._args import output_path, positive_float, write_output
+from canzona.config import check_tp_degree
 from canzona.paper import paper_value
 
 __all__ = ["add_arguments", "run"]
@@ -245,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     setup = _setup(args)
     hw = _hardware(args)
     cfg = resolve_sim_model(args.model)
+    check_tp_degree(cfg, args.tp)  # a TP degree the model cannot run, as `canzona train` refuses
 
     plan_kw: dict[str, Any] = {}
     if args.cmax_mb is not None:

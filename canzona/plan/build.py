@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from canzona.config import MODELS_DIR, ModelConfig, available_models, check_tp_degree, load_model_config
+from canzona.config import MODELS_DIR, ModelConfig, available_models, load_model_config
 from canzona.cost import OPTIMIZERS, cost_arrays, matrix_flops, state_bytes
 from canzona.plan import dp as dpmod
 from canzona.plan.buckets import BufferLayout, default_bucket_numel, layout_buffer
@@ -282,7 +282,6 @@ def plan_model(
         raise PlanError(f"dp must be an integer in [1, {MAX_DP}], got {dp!r}")
     if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
         raise PlanError(f"tp must be an integer in [1, {MAX_TP}], got {tp!r}")
-    check_tp_degree(cfg, tp)  # the TP degree train would refuse is refused here too
     specs = specs_from_config(cfg, tp=tp, layout=layout)
     inputs = PlanInputs(
         model=cfg.name,
