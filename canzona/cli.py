@@ -85,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("canzona: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+    except (UserError, ValueError) as exc:
         print(f"canzona {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the user named (or an output folder): one line naming the path
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"canzona {name}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

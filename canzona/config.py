@@ -18,9 +18,19 @@ __all__ = [
     "ConfigError",
     "DATA_DIR",
     "MODELS_DIR",
+    "MAX_DIM",
+    "MAX_LAYERS",
+    "MAX_PARAMS",
     "available_models",
+    "check_tp_degree",
     "load_model_config",
 ]
+
+#: upper bounds on config sizes: far beyond any model trained today, low enough that planning a
+#: config stays fast (a config with 1e6 layers or a 1e30 vocabulary is a typo, not a model)
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 26  # hidden/intermediate/vocab/head sizes and counts (67 M)
+MAX_PARAMS = 10**15  # total parameters (1000 T)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA_DIR / "models"
@@ -81,6 +91,9 @@ class ModelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{self.name}: {key} must be a positive integer, got {v!r}")
+            bound = MAX_LAYERS if key == "num_hidden_layers" else (1 << 40 if key == "max_position_embeddings" else MAX_DIM)
+            if v > bound:
+                raise ConfigError(f"{self.name}: {key} = {v} is above canzona's bound {bound}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ConfigError(f"{self.name}: tie_word_embeddings must be true or false")
         for key in ("rms_norm_eps", "rope_theta"):
@@ -92,6 +105,11 @@ class ModelConfig:
                 f"{self.name}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        # a rough count (attention + MLP + embeddings) is enough to refuse absurd sizes early
+        h, L = self.hidden_size, self.num_hidden_layers
+        per_layer = h * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 3 * h * self.intermediate_size
+        if L * per_layer + 2 * self.vocab_size * h > MAX_PARAMS:
+            raise ConfigError(f"{self.name}: about {L * per_layer + 2 * self.vocab_size * h:.3g} parameters, above canzona's bound {MAX_PARAMS:.0e}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("moe", "sources")}
@@ -145,6 +163,23 @@ class ModelConfig:
             return cls(**kwargs)
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {exc}") from None
+
+
+def check_tp_degree(cfg: ModelConfig, tp: int) -> None:
+    """Raise :class:`ConfigError` when tensor parallelism of degree ``tp`` cannot split ``cfg`` on
+    head and row boundaries (query and key/value heads, MLP rows, vocabulary rows must divide)."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return
+    for what, n in (
+        ("num_key_value_heads", cfg.num_key_value_heads),
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    ):
+        if n % tp:
+            raise ConfigError(f"{cfg.name}: tp={tp} does not divide {what}={n} (attention needs whole heads per rank)")
 
 
 def available_models() -> list[str]:

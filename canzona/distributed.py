@@ -29,9 +29,19 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
   forward pre-hook of the first module that uses it, overlapping the gathers with the next
   forward; parameters read outside a forward need ``opt.finish_param_sync()`` first.
 - Gradients live in the ZeRO-1 buffer, not in ``p.grad`` (the hooks move them there and free
-  ``p.grad``); ``step()`` consumes them, ``zero_grad()`` discards them. Gradients assigned directly
-  to ``p.grad`` (no backward) are taken in at ``step()``; a parameter without a gradient counts as
-  a zero gradient. For gradient accumulation wrap all but the last micro-batch in ``opt.no_sync()``.
+  ``p.grad``); ``zero_grad()`` discards them. Gradients assigned directly to ``p.grad`` (no
+  backward) are taken in at ``step()``. For gradient accumulation wrap all but the last
+  micro-batch in ``opt.no_sync()``.
+- Missing gradients follow ``torch.optim``: a parameter without a gradient on every rank is
+  skipped (agreed across ranks in the step's first status exchange), ``step()`` without a
+  backward changes nothing, and a second ``step()`` after one backward re-applies the same
+  reduced gradient (docs/robustness.md). ``overlap_updates=True`` trades these checks for the
+  per-bucket pipeline (each bucket updated as soon as its collective lands).
+- Errors reach every rank: construction, ``step()``, ``state_dict()`` and checkpoint loads join
+  small status exchanges (:mod:`canzona.runtime.agree`, each bounded by ``status_timeout_s``), so
+  an exception on one rank is raised on all of them within seconds, naming the rank; non-finite
+  gradients are refused on every rank before any state changes; ranks whose replicas or
+  hyperparameters differ are refused.
 - Gradients are averaged over DP (``grad_reduce="mean"``: sum, then divide by the DP size, exact
   when it is a power of two) or summed (``"sum"``).
 
@@ -65,6 +75,7 @@ communication reference, not a way to run Muon.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -76,9 +87,11 @@ from torch import nn
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class, get_optimizer, optimizer_names
 from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
+from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
+from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer, timing
 from canzona.specs import ParamSpec, specs_from_module
 
@@ -184,21 +197,52 @@ def exchange_fingerprints(
 ) -> list[str | None]:
     """All-gather every rank's 16-hex plan fingerprint (None: that rank failed to plan) on the world
     group (or ``comm``'s group), waiting at most ``timeout_s``; returns them by rank. Goes through
-    :class:`~canzona.runtime.comm.Comm` so its bytes are counted like every other collective."""
+    :class:`~canzona.runtime.comm.Comm` so its bytes are counted like every other collective. Each
+    rank first marks its arrival in the process group's store, so a timeout names the ranks that
+    never came."""
     buf = torch.zeros(17, dtype=torch.uint8, device=device)
     if fingerprint is not None:
         raw = fingerprint.encode("ascii")[:16]
         buf[0] = 1
         buf[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     comm = comm if comm is not None else Comm(None)
+    tag = new_tag("fingerprint")
+    mark_arrival(tag)
     out, work = comm.all_gather_equal(buf, async_op=True)
-    if work is not None and not work.wait(timeout=timedelta(seconds=timeout_s)):
-        raise RuntimeError(f"plan fingerprint exchange did not complete within {timeout_s:.0f} s")
+    ok = True
+    if work is not None:
+        try:
+            ok = work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo raises on timeout
+            if "timed out" not in str(exc).lower():
+                raise
+            ok = False
+    if not ok:
+        missing = missing_ranks(tag)
+        who = f"rank(s) {missing} never joined it" if missing else "some rank never joined it"
+        raise RuntimeError(
+            f"plan fingerprint exchange did not complete within {timeout_s:g} s: {who} "
+            "(every rank must build the DistributedOptimizer; a rank that died, hangs or skipped it stops the others here)"
+        )
     fps: list[str | None] = []
     for t in out.view(comm.size, 17):
         vals = t.cpu().tolist()
         fps.append(bytes(vals[1:]).rstrip(b"\0").decode("ascii") if vals[0] else None)
     return fps
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with everything but numbers, strings and containers of them replaced by the type
+    name: a stable form to compare across processes (a function's repr holds its address)."""
+    if isinstance(value, Mapping):
+        return sorted((str(k), _plain(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
+        return value.detach().cpu().tolist()
+    return type(value).__name__
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -229,7 +273,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     bytes per rank per phase; cleared after construction), ``phase_times``
     (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this object opens, accumulated
     across steps), ``dp_rank``/``tp_rank``/``dp``/``tp``, ``runtime`` (the
-    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``.
+    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``, ``status_timeout_s``.
+
+    Robustness arguments (docs/robustness.md): ``status_timeout_s`` bounds every wait for the other
+    ranks in canzona's status exchanges (plan fingerprints, replica check, the step's two
+    exchanges, checkpoint save/load; default 60 s); ``overlap_updates=True`` updates each bucket as
+    soon as its collective lands instead of after the step's first exchange, giving up the
+    torch-style skipping of parameters without a gradient and the pre-update non-finite check.
     """
 
     def __init__(
@@ -252,6 +302,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_reduce: str = "mean",
         param_sync: str = "eager",
         plan: Plan | None = None,
+        status_timeout_s: float = STATUS_TIMEOUT_S,
+        overlap_updates: bool = False,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
@@ -266,6 +318,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
         if master_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype}")
+        if not (isinstance(status_timeout_s, (int, float)) and 0 < status_timeout_s < float("inf")):
+            raise ValueError(f"status_timeout_s must be a positive number of seconds, got {status_timeout_s!r}")
+        self.status_timeout_s = float(status_timeout_s)
         matrix_cls = resolve_optimizer(optimizer, "optimizer")
         ew_cls = resolve_optimizer(elementwise_optimizer, "elementwise_optimizer")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
@@ -285,6 +340,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first = next(iter(model.parameters()), None)
         if first is None:
             raise ValueError("the model has no parameters")
+        meta = [n for n, p in model.named_parameters() if local_tensor(p.detach()).is_meta]
+        if meta:
+            raise ValueError(
+                f"the model has {len(meta)} parameter(s) on the meta device (e.g. {meta[0]}): they hold no values; "
+                "materialize and initialize them (model.to_empty(device=...) then your init) before building the optimizer"
+            )
         device = local_tensor(first).device
         mesh = self._check_mesh(mesh, world, device)
         self.mesh = mesh
@@ -317,12 +378,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # re-raising: skipping it would leave the other ranks waiting, or pair their exchange with
             # a later collective of this rank.
             err = exc
-        fps = exchange_fingerprints(fp, device=device)
-        if err is not None:
-            raise err
+        fps = exchange_fingerprints(fp, device=device, timeout_s=self.status_timeout_s)
         failed = [r for r, f in enumerate(fps) if f is None]
         if failed:
-            raise RuntimeError(f"rank(s) {failed} failed to build the plan (their error says why); no rank proceeds")
+            # every rank learns the failing ranks' messages (the failing rank re-raises its own error)
+            try:
+                agree(err, "building the plan", device=device, timeout_s=self.status_timeout_s)
+            except RankFailure as exc:
+                if err is not None:
+                    raise err from None
+                raise RankFailure("building the plan (no rank proceeds)", exc.failures) from None
+        assert err is None
         if len(set(fps)) != 1:
             groups: dict[str, list[int]] = {}
             for r, f in enumerate(fps):
@@ -331,6 +397,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         assert plan is not None
         self.plan = plan
         self._init_param_groups(model, plan, matrix_cls, ew_cls)
+        self._check_replicas(model, device)
+        # every rank's optimizer arguments, folded into the per-step hyperparameter digest
+        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
 
         # ---- runtime
         self.comm_stats = CommStats()
@@ -351,6 +420,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             master_dtype=master_dtype,
             grad_reduce=grad_reduce,
             param_sync=param_sync,
+            status_timeout_s=self.status_timeout_s,
+            overlap_updates=overlap_updates,
         )
         self.runtime.timer = self.phase_times
         self.runtime.attach()
@@ -382,6 +453,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["param_names"] = [n for n, _ in members[group["name"]]]
         self._scheduled = {name: tuple(hyper[name]) for name in GROUP_NAMES}
+
+    def _check_replicas(self, model: nn.Module, device: torch.device) -> None:
+        """Replicas must start equal: every DP rank's copy of each parameter (its TP-local shard)
+        is compared through a 62-bit checksum of its bytes (one all-reduce over the world group,
+        once). Different seeds or a skipped broadcast are refused on every rank, naming the
+        parameters; under ``sc`` they would otherwise stay different forever."""
+        planned = [pp.name for pp in self.plan.params]
+        named = dict(model.named_parameters())
+        n = len(planned)
+        lowest = torch.iinfo(torch.int64).min
+        flags = torch.full((self.tp, n, 2), lowest, dtype=torch.int64)
+        for k, name in enumerate(planned):
+            c = tensor_checksum(local_tensor(named[name].detach()))
+            flags[self.tp_rank, k, 0], flags[self.tp_rank, k, 1] = c, -c
+        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), device=device, timeout_s=self.status_timeout_s)
+        assert reduced is not None
+        r = reduced.cpu().view(self.tp, n, 2)
+        differ = sorted({planned[k] for t in range(self.tp) for k in range(n) if int(r[t, k, 0]) != -int(r[t, k, 1])})
+        if differ:
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise RuntimeError(
+                f"parameter values differ across DP ranks at construction: {', '.join(differ[:3])}{more}; "
+                "every DP rank must start from the same model (same seed, or broadcast the parameters first)"
+            )
+
+    def _digest(self) -> int:
+        """62-bit hash of this rank's hyperparameters (the groups' scheduled values, exact float
+        reprs, and the optimizers' constructor arguments); compared across ranks at every step."""
+        vals = [(g["name"], [(k, g[k]) for k in self._scheduled[g["name"]]]) for g in self.param_groups]
+        raw = repr((vals, self._kwargs_repr)).encode()
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the plan fixed who owns which parameter."""
@@ -497,7 +599,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_params_unchanged()
         self._push_hyperparams()
         with timing(self.phase_times):
-            self.runtime.step()
+            self.runtime.step(self._digest())
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -543,8 +543,11 @@ def _per_bucket_case(rank: int, case: tuple[str, str, str, str], signal_dir: str
 
     strategy, optname, reduce, _ = case
     model = ToyModel()
+    # overlap_updates: the per-bucket pipeline without the pre-update agreement (which, by design,
+    # waits for every bucket before any update; tests/test_robust_step.py covers that default)
     opt = canzona.DistributedOptimizer(
-        model, _cls(optname), strategy=strategy, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=40, grad_reduce=reduce
+        model, _cls(optname), strategy=strategy, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=40, grad_reduce=reduce,
+        overlap_updates=True,
     )
     rt = opt.runtime
     n = len(rt.plan.buckets)

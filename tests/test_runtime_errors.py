@@ -127,9 +127,14 @@ def test_bad_input_raises_on_every_rank_without_hanging() -> None:
             assert got[0] == etype and text in got[1], f"{case}: rank {rank} raised {got}"
     # one rank's planning failure: its own ValueError there, a RuntimeError naming it elsewhere
     assert res[1]["one_rank_fails"][0] == "ValueError" and "no.such.param" in res[1]["one_rank_fails"][1]
-    assert res[0]["one_rank_fails"] == ("RuntimeError", "rank(s) [1] failed to build the plan (their error says why); no rank proceeds")
+    # ... and the other rank names the failing rank and carries its message
+    etype, text = res[0]["one_rank_fails"]
+    assert etype == "RankFailure" and text.startswith("building the plan (no rank proceeds) failed on 1 rank(s); rank 1: ValueError:")
+    assert "no.such.param" in text
     assert res[1]["one_rank_crashes"] == ("RuntimeError", "planner exploded")
-    assert res[0]["one_rank_crashes"] == res[0]["one_rank_fails"]
+    assert res[0]["one_rank_crashes"] == (
+        "RankFailure", "building the plan (no rank proceeds) failed on 1 rank(s); rank 1: RuntimeError: planner exploded"
+    )
     assert all("recovered" in r for r in res)
 
 

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     res = run_suite(sel, report_path=report_path, fault=fault, command=command.strip(), progress=progress)
     print(format_table(res.report), end="")
+    if res.write_error is not None:
+        raise ValueError(res.write_error)  # after the table: the results computed are shown
     if res.paths is not None:
         print(f"report: {res.paths[0]} and {res.paths[1]}")
     return res.exit_code

@@ -94,6 +94,9 @@ def report_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 def check_writable(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Raise ValueError (one line) unless both report files can be created; creates missing parent
     directories (that is all it leaves behind). Run before any work, so a bad path costs nothing."""
+    if Path(path).is_dir():
+        # never PATH.json beside a folder (``--report /tmp`` would write /tmp.json)
+        raise ValueError(f"report path {path} is a directory; name a file in it (e.g. {Path(path) / 'report'})")
     js, cs = report_paths(path)
     for p in (js, cs):
         if p.exists() and p.is_dir():
@@ -225,6 +228,8 @@ def _atomic_write(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the report
         # mkstemp makes the file private (0600); a report is an ordinary file (0666 minus umask)
         mask = os.umask(0)
         os.umask(mask)

@@ -53,6 +53,8 @@ class PlantedFault:
 class SuiteResult:
     report: dict[str, Any]
     paths: tuple[Path, Path] | None
+    #: why the report could not be written (full disk ...); the results are still in ``report``
+    write_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,5 +167,9 @@ def run_suite(
     explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.meshes, sel.dtypes, sel.checks, sel.models, sel.steps))
     level = "custom" if explicit else sel.level
     report = build_report(results, level=level, command=command, seconds=time.perf_counter() - t0, settings=settings())
-    paths = write_report(report, report_path) if report_path is not None else None
+    try:
+        paths = write_report(report, report_path) if report_path is not None else None
+    except OSError as exc:  # keep the results: the caller prints them, then reports the failure
+        where = exc.filename or report_path
+        return SuiteResult(report, None, f"cannot write the report {where}: {exc.strerror or exc}")
     return SuiteResult(report, paths)

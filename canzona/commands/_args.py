@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, NoReturn
 
-__all__ = ["positive_int", "positive_float", "one_line_errors"]
+__all__ = ["one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -42,3 +45,55 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return v
+
+
+def _say(exc: OSError, path: str | os.PathLike[str]) -> str:
+    return f"cannot write {exc.filename or path}: {exc.strerror or exc}"
+
+
+def output_path(path: str | os.PathLike[str], what: str = "output") -> Path:
+    """Check before the work that ``path`` can be written (its folder exists and is writable, it is
+    not a folder); a :class:`canzona.cli.UserError` naming the path otherwise."""
+    from canzona.cli import UserError
+    from canzona.fileio import check_writable
+
+    try:
+        return check_writable(path, what)
+    except OSError as exc:
+        raise UserError(_say(exc, path)) from None
+
+
+def write_output(path: str | os.PathLike[str], data: str | bytes | Callable[[IO[bytes]], None]) -> Path:
+    """Write a command's output file atomically (:func:`canzona.runtime.integrity.atomic_write`);
+    an ``OSError`` (full disk, read-only folder ...) becomes one :class:`canzona.cli.UserError`
+    line naming the path, with the old file left intact and no temporary file behind."""
+    from canzona.cli import UserError
+    from canzona.fileio import atomic_write
+
+    try:
+        return atomic_write(path, data)
+    except OSError as exc:
+        raise UserError(_say(exc, path)) from None
+
+
+def output_dir(path: str | os.PathLike[str], what: str = "output folder") -> Path:
+    """Check before the work that folder ``path`` exists or can be created (its nearest existing
+    ancestor is a writable folder); a :class:`canzona.cli.UserError` naming the path otherwise.
+    Creates nothing."""
+    from canzona.cli import UserError
+
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise UserError(f"cannot write {p}: {what} exists and is not a folder")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise UserError(f"cannot write {p}: {what} is not writable")
+        return p
+    ancestor = p.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"cannot create {p}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create {p}: {ancestor} is not writable")
+    return p

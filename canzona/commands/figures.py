@@ -54,12 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from canzona.commands._args import output_dir
     from canzona.viz.export import LATEST, StaticExportError, main_figures, static_export_problem, write_figures
 
     if args.fmt != "html" and (problem := static_export_problem()) is not None:
         # before minutes of planning: the user learns at once what to install
         print(f"canzona figures: error: cannot write {args.fmt}: {problem}", file=sys.stderr)
         return 2
+    output_dir(args.out, "--out")  # before building the figures: a bad folder fails at once
     t0 = time.perf_counter()
     profile = None if args.no_profile else (args.profile or LATEST)
     figs = main_figures(

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from canzona.cli import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
-from canzona.config import available_models
+from canzona.commands._args import output_path, positive_float, write_output
+from canzona.config import available_models, check_tp_degree
 from canzona.cost import COST_MODELS
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.plan import (
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default=DEFAULT_FLOPS_SHAPE,
                         help="cost TP-split matrices on their full shape or the TP-local shard (the paper's accounting)")
-    parser.add_argument("--cmax-mb", type=_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
+    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")
     parser.add_argument("--grad-bytes", type=_int, choices=(2, 4), default=4,
@@ -194,15 +195,6 @@ def format_compare(rows: list[tuple[Plan, list[str]]]) -> str:
     return "\n".join(out)
 
 
-def _check_json_path(path: str) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"--json {path}: is a directory")
-    if not p.parent.is_dir():
-        raise UserError(f"--json {path}: directory {p.parent} does not exist")
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list_strategies:
         print("\n".join(strategy_names()))
@@ -215,13 +207,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--dp must be >= 1, got {args.dp}")
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
+    # the TP degrees `canzona train` refuses (heads, KV heads, MLP rows, vocabulary must divide)
+    from canzona.plan import resolve_model
+
+    check_tp_degree(resolve_model(args.model), args.tp)
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.bucket_numel is not None and args.bucket_numel < 1:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
     if args.pp < 1:
         raise UserError(f"--pp must be >= 1, got {args.pp}")
-    json_path = _check_json_path(args.json) if args.json else None
+    json_path = output_path(args.json, "--json") if args.json else None
     if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
         raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
     if args.convention == "paper":
@@ -268,9 +264,10 @@ def run(args: argparse.Namespace) -> int:
     plan, notes = _plan(args, args.strategy, args.tp_schedule)
     if json_path is not None:
         try:
-            plan.to_json(json_path)
-        except OSError as exc:
-            raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+            write_output(json_path, plan.to_json() + "\n")
+        except UserError:
+            print(format_plan(plan, notes))  # the plan is computed: show it, then fail
+            raise
         notes.append(f"plan document written to {json_path}")
     print(format_plan(plan, notes))
     return 0

@@ -107,8 +107,15 @@ def run(args: argparse.Namespace) -> int:
     )
     from canzona.runtime.launch import WorkerError
 
+    from canzona.commands._args import output_dir
+
     spec = spec_from_args(args)
     cfg = spec.train
+    # before the (minutes-long) run: both output folders must be creatable
+    if spec.tensorboard_dir is not None:
+        output_dir(spec.tensorboard_dir, "--tensorboard")
+    if args.summary:
+        output_dir(args.summary, "--summary")
     try:
         prof = profile_run(spec, overwrite=args.force, timeout_s=float(args.timeout_s))
     except WorkerError as exc:

@@ -14,9 +14,10 @@ import argparse
 import json
 import math
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
+from canzona.commands._args import output_path, positive_float, write_output
+from canzona.config import check_tp_degree
 from canzona.paper import paper_value
 from canzona.plan.strategies import get_strategy
 
@@ -27,8 +28,10 @@ _FIT_TARGET_S = paper_value("fwd_bwd_s_lb-asc").value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from canzona.commands.plan import one_line_errors
     from canzona.sim.model import SIM_STRATEGIES, TP_OVERLAPS, VARSIZE_MODELS
 
+    one_line_errors(parser)
     g = parser.add_argument_group("configuration")
     g.add_argument("--model", default="qwen3-32b", help="shipped model name, config path, or qwen3-moe-1t (default: qwen3-32b)")
     g.add_argument("--dp", type=int, default=32, help="data-parallel size (default 32)")
@@ -38,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
     g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
     g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
-    g.add_argument("--cmax-mb", type=float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
+    g.add_argument("--cmax-mb", type=positive_float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
@@ -362,7 +365,7 @@ def _run_pipeline(cfg, args, hw, setup, strategies, plan_kw) -> int:
     if args.json:
         doc = {"inputs": {"model": cfg.name, "pp": args.pp, "dp": args.dp, "tp": args.tp, "optimizer": args.optimizer, **plan_kw},
                "hardware": hw.to_dict(), "strategies": {st: r.summary() for st, r in out.items()}}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(doc, indent=1) + "\n")
     return 0
 
 
@@ -370,12 +373,15 @@ def run(args: argparse.Namespace) -> int:
     from canzona.sim.analysis import PAPER_CONFIG, resolve_sim_model
     from canzona.sim.model import SETUP_SOURCES
 
+    if args.json:
+        output_path(args.json, "--json")  # before the work: an unwritable output fails at once
     strategies = _strategies(args)
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
     setup = _setup(args)
     hw = _hardware(args)
     cfg = resolve_sim_model(args.model)
+    check_tp_degree(cfg, args.tp)  # a TP degree the model cannot run, as `canzona train` refuses
     plan_kw = _plan_kwargs(args)
     if args.pp != 1 or args.microbatches is not None:
         if args.pp < 1 or (args.microbatches is not None and args.microbatches < 1):
@@ -422,11 +428,8 @@ def run(args: argparse.Namespace) -> int:
     _print_assumptions(hw, setup)
 
     if args.json:
-        path = Path(args.json)
-        try:
-            path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+        # the results are printed above; a failed write says so in one line and keeps the old file
+        path = write_output(args.json, json.dumps(doc, indent=1, default=_json_default) + "\n")
         print(f"wrote {path}")
     return 0
 

@@ -118,6 +118,18 @@ def _check_model(config: TrainConfig) -> None:
     if cfg.moe is not None:
         raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
     check_tp(cfg, config.tp)
+    # Plan once here (milliseconds for the models train runs): a combination the planner refuses
+    # (e.g. --strategy sc with --tp-schedule lpt) is one line before any worker starts.
+    import warnings
+
+    from canzona.plan import plan_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        plan_model(
+            cfg, dp=config.dp, tp=config.tp, layout="hf", optimizer=config.optimizer, strategy=config.strategy,
+            tp_schedule=config.tp_schedule, bucket_numel=config.bucket_numel, cmax_bytes=max(1, int(config.cmax_mb * 2**20)),
+        )
 
 
 def run(args: argparse.Namespace) -> int:

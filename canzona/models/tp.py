@@ -57,17 +57,11 @@ def hf_tp_dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError when ``tp`` cannot split this model on head and row boundaries."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
-    for what, n in (
-        ("num_key_value_heads", cfg.num_key_value_heads),
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    ):
-        if n % tp:
-            raise ValueError(f"{cfg.name}: tp={tp} does not divide {what}={n} (attention needs whole heads per rank)")
+    """Raise ValueError when ``tp`` cannot split this model on head and row boundaries (the same
+    check ``canzona plan`` makes: :func:`canzona.config.check_tp_degree`)."""
+    from canzona.config import check_tp_degree
+
+    check_tp_degree(cfg, tp)
 
 
 def _layer_plan(cfg: ModelConfig) -> dict[str, str]:

@@ -36,6 +36,8 @@ from canzona.specs import ParamSpec, specs_from_config
 
 __all__ = [
     "DEFAULT_CMAX_BYTES",
+    "MAX_DP",
+    "MAX_TP",
     "default_bucket_numel",
     "default_tp_schedule",
     "resolve_model",
@@ -340,6 +342,12 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     return Plan(inputs=inp, params=params, buckets=buckets, micro_groups=micro_groups, metrics=metrics)
 
 
+#: bounds on the parallel sizes a model config is planned for (planning memory grows with dp; a
+#: larger figure is a typo): 131072 DP ranks, TP degree 4096
+MAX_DP = 1 << 17
+MAX_TP = 1 << 12
+
+
 def plan_model(
     model: str | Path | ModelConfig,
     *,
@@ -359,10 +367,10 @@ def plan_model(
 ) -> Plan:
     """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`."""
     cfg = resolve_model(model)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise PlanError(f"dp must be an integer >= 1, got {dp!r}")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise PlanError(f"tp must be an integer >= 1, got {tp!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DP:
+        raise PlanError(f"dp must be an integer in [1, {MAX_DP}], got {dp!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+        raise PlanError(f"tp must be an integer in [1, {MAX_TP}], got {tp!r}")
     specs = specs_from_config(cfg, tp=tp, layout=layout)
     inputs = PlanInputs(
         model=cfg.name,

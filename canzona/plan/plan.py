@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from canzona.fileio import atomic_write
 from canzona.plan.errors import PlanError
 from canzona.plan.strategies import GRAD_COLLECTIVES, PARAM_RETURNS, ROLES, Strategy, get_strategy, param_role, paper_strategy_names, strategy_names
 from canzona.specs import ParamSpec
@@ -536,7 +537,7 @@ class Plan:
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
+            atomic_write(path, text + "\n")  # a failed write leaves the old document intact
         return text
 
     @classmethod

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from canzona.fileio import atomic_write
 from canzona.phase_names import (
     BACKWARD,
     DP_ALL_GATHER,
@@ -541,7 +542,7 @@ def write_summary(df: pd.DataFrame, out_dir: str | Path, *, parquet: bool | None
     table = df[list(PHASE_COLUMNS)].astype(PHASE_COLUMNS)
     written: dict[str, Path] = {}
     written["phases.csv"] = out / "phases.csv"
-    table.to_csv(written["phases.csv"], index=False, float_format="%.3f")
+    atomic_write(written["phases.csv"], table.to_csv(index=False, float_format="%.3f"))
     stale = out / "phases.parquet"
     if parquet is None:
         try:
@@ -552,7 +553,7 @@ def write_summary(df: pd.DataFrame, out_dir: str | Path, *, parquet: bool | None
             parquet = True
     if parquet:
         written["phases.parquet"] = stale
-        table.to_parquet(stale, index=False)
+        atomic_write(stale, lambda f: table.to_parquet(f, index=False))
     elif stale.is_file():
         stale.unlink()  # readers prefer Parquet: an old one would shadow the new CSV
     for name, frame in (
@@ -562,7 +563,7 @@ def write_summary(df: pd.DataFrame, out_dir: str | Path, *, parquet: bool | None
         ("comm_exposure.csv", comm_exposure(table)),
     ):
         written[name] = out / name
-        _rounded(frame).to_csv(written[name], index=False)
+        atomic_write(written[name], _rounded(frame).to_csv(index=False))
     return written
 
 
@@ -586,7 +587,7 @@ def write_meta(out_dir: str | Path, *, strategy: str, optimizer: str, dp: int, t
     path = Path(out_dir) / "meta.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"strategy": str(strategy), "optimizer": str(optimizer), "dp": dp, "tp": tp, "steps": steps, "model": str(model)}
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    atomic_write(path, json.dumps(doc, indent=2) + "\n")
     return path
 
 

@@ -83,6 +83,9 @@ class GradBuffer:
                     f"{pp.name}: model holds a shard of shape {tuple(local.shape)}, the plan expects {pp.spec.local_shape}"
                 )
         self.on_ready = on_ready
+        #: called when a gradient arrives while :attr:`retained` is set (a backward after ``step()``
+        #: without ``zero_grad()``); the owner drops the retained gradients there
+        self.on_release: Callable[[], None] | None = None
         self._size = [len(b.params) for b in plan.buckets]
         self._handles: list[object] = []
         self._syncing = True
@@ -101,6 +104,11 @@ class GradBuffer:
     def reset(self) -> None:
         """Zero the gradients and forget which parameters reported (start of an iteration)."""
         self.data.zero_()
+        #: the last step's reduced gradients are kept (``step()`` may run again on them, as
+        #: ``torch.optim`` re-applies ``p.grad`` until ``zero_grad()``)
+        self.retained = False
+        #: parameters that received a gradient since the last reset (with or without ``no_sync``)
+        self.received: set[str] = set()
         self._reported: set[str] = set()
         self._count = [0] * len(self._size)
         self._ready = [False] * len(self._size)
@@ -148,6 +156,8 @@ class GradBuffer:
         grad = p.grad
         if grad is None:
             return
+        if self.retained and self.on_release is not None:
+            self.on_release()  # resets this buffer: a new backward starts a new gradient
         if self.launched(self.bucket_of[name]):
             raise GradSyncError(
                 f"gradient of {name} arrived after its bucket's collective was launched: call step() or "
@@ -161,6 +171,7 @@ class GradBuffer:
         with torch.no_grad():
             self.slots[name].add_(local_tensor(grad).reshape(-1))
         p.grad = None
+        self.received.add(name)
         if self._syncing:
             self._report(name)
 
@@ -183,7 +194,8 @@ class GradBuffer:
 
     def flush(self) -> None:
         """Make every bucket ready: gradients set directly on ``p.grad`` (no backward hook fired) are
-        taken in, parameters that got no gradient count as zero, and the remaining buckets launch."""
+        taken in, parameters that got no gradient hold zeros (:attr:`received` tells them apart), and
+        the remaining buckets launch."""
         for name, p in self.params.items():
             if p.grad is not None:  # set directly (no hook fired); an error if its bucket already left
                 self.accumulate(name, p)

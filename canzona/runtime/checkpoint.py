@@ -1,6 +1,6 @@
 """Consolidated optimizer checkpoints that resume bitwise and re-shard to any DP size.
 
-Format (``format = "canzona.optimizer_state"``, ``version = 1``): one ``torch.save`` document
+Format (``format = "canzona.optimizer_state"``, ``version = 2``): one ``torch.save`` document
 holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so it loads with
 ``torch.load(..., weights_only=True)``::
 
@@ -16,7 +16,25 @@ holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so
                                                  # the full parameter: element-wise pieces and TP
                                                  # shards reassembled, matrix state full-shape
       "hyper":  {"matrix": {...}, "elementwise": {...}},   # param-group hyperparameters
+      "checksums": {"params": {name: int}, "state": {name: {key: int}}},   # 62-bit, per tensor
     }
+
+Integrity (issue 17): every tensor of ``params`` and ``state`` has a checksum
+(:func:`canzona.runtime.integrity.tensor_checksum`) that loading verifies, so a flipped byte is
+refused with an error naming the tensor; files are written atomically
+(:func:`canzona.runtime.integrity.atomic_write`: the old file survives a failed save). Before
+anything is written, loading also refuses: masters whose dtype is not the optimizer's
+``master_dtype`` (a float64 master in an fp32 run), non-finite values in masters or state, and
+hyperparameters out of range (non-finite numbers, ``lr`` or ``weight_decay`` < 0, ``eps`` <= 0,
+``betas``/``momentum`` outside [0, 1)). The saved hyperparameters **override** the constructor's:
+every saved param-group value (``lr``, ``weight_decay``, ``betas``, ``momentum`` ...) that the
+inner optimizers also have is restored, as ``torch.optim.Optimizer.load_state_dict`` restores its
+param groups; to change one after resuming, set it in ``opt.param_groups`` (``lr``,
+``weight_decay``) after loading.
+
+Errors reach every rank: saving and loading each join a status exchange
+(:func:`canzona.runtime.agree.agree`), so a rank that cannot read the file, a document refused on
+one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank.
 
 The document is *consolidated per parameter name* and independent of the plan it was written
 under: :func:`consolidated_state_dict` gathers every owner's pieces to world rank 0 (one
@@ -34,6 +52,7 @@ shape on a cut piece cannot be re-sliced and is refused with an error naming it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import fields
@@ -44,8 +63,10 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime.comm import Comm
+from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.dp import elementwise_role
+from canzona.runtime.integrity import atomic_write, tensor_checksum
 
 if TYPE_CHECKING:  # pragma: no cover
     from canzona.distributed import DistributedOptimizer
@@ -54,6 +75,8 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "CheckpointError",
+    "check_hyperparams",
+    "checksums",
     "consolidated_state_dict",
     "load_checkpoint",
     "load_consolidated_state_dict",
@@ -61,7 +84,7 @@ __all__ = [
 ]
 
 FORMAT = "canzona.optimizer_state"
-VERSION = 1
+VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -177,7 +200,13 @@ def consolidated_state_dict(dopt: DistributedOptimizer) -> dict[str, Any]:
 
     Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
     """
-    mine = _exports(dopt)
+    mine: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        mine = _exports(dopt)
+    except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+        error = exc
+    agree(error, "consolidating the optimizer state", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
     rank = dist.get_rank()
     # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
     got = Comm(None, dopt.comm_stats).gather_object(mine, dst=0)
@@ -211,7 +240,78 @@ def consolidated_state_dict(dopt: DistributedOptimizer) -> dict[str, Any]:
             state[spec.name] = dict(entries[0]["state"])
         else:
             state[spec.name] = dict(tp_state.get(spec.name, {}))
-    return {"format": FORMAT, "version": VERSION, "meta": _meta(dopt), "params": params, "state": state, "hyper": hyper}
+    doc = {"format": FORMAT, "version": VERSION, "meta": _meta(dopt), "params": params, "state": state, "hyper": hyper}
+    doc["checksums"] = checksums(doc)
+    return doc
+
+
+def _device(dopt: DistributedOptimizer) -> torch.device:
+    return dopt.runtime.buffer.data.device
+
+
+def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-tensor checksums of a document's ``params`` and ``state`` (see the module docstring)."""
+    return {
+        "params": {n: tensor_checksum(t) for n, t in doc["params"].items()},
+        "state": {n: {k: tensor_checksum(v) for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()},
+    }
+
+
+def _check_integrity(dopt: DistributedOptimizer, doc: Mapping[str, Any]) -> None:
+    """Checksums, master dtype, finiteness (the structure was checked before)."""
+    sums = doc.get("checksums")
+    if not isinstance(sums, Mapping) or not isinstance(sums.get("params"), Mapping) or not isinstance(sums.get("state"), Mapping):
+        raise CheckpointError("checkpoint carries no checksums; it cannot be verified")
+    for name, t in doc["params"].items():
+        if t.dtype != dopt.master_dtype:
+            raise CheckpointError(f"{name}: checkpoint master is {t.dtype}, this optimizer keeps {dopt.master_dtype} masters")
+        if sums["params"].get(name) != tensor_checksum(t):
+            raise CheckpointError(f"{name}: parameter value fails its checksum (the file is corrupt)")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{name}: parameter value holds NaN or inf")
+    for name, st in doc["state"].items():
+        saved = sums["state"].get(name, {})
+        for k, v in st.items():
+            if not torch.is_tensor(v):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise CheckpointError(f"{name}: optimizer state {k!r} is {v}")
+                continue
+            if not isinstance(saved, Mapping) or saved.get(k) != tensor_checksum(v):
+                raise CheckpointError(f"{name}: optimizer state {k!r} fails its checksum (the file is corrupt)")
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"{name}: optimizer state {k!r} holds NaN or inf")
+
+
+#: hyperparameter ranges a saved param group must respect: key -> (low, high, high included)
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "lr": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False),
+    "momentum": (0.0, 1.0, False),
+    "dampening": (0.0, 1.0, True),
+}
+
+
+def check_hyperparams(where: str, values: Mapping[str, Any]) -> None:
+    """Refuse saved hyperparameters that no optimizer would accept (CheckpointError naming them):
+    non-finite numbers anywhere, ``lr``/``weight_decay`` < 0, ``eps`` <= 0, ``momentum`` outside
+    [0, 1), ``betas`` entries outside [0, 1)."""
+    for k, v in values.items():
+        nums = list(v) if isinstance(v, (list, tuple)) else [v]
+        for x in nums:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            if not math.isfinite(x):
+                raise CheckpointError(f"checkpoint's {where} hyperparameter {k!r} is {v!r}, not finite")
+        if k == "betas":
+            if not isinstance(v, (list, tuple)) or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in v):
+                raise CheckpointError(f"checkpoint's {where} betas {v!r} must be numbers in [0, 1)")
+        elif k == "eps":
+            if isinstance(v, (int, float)) and not v > 0:
+                raise CheckpointError(f"checkpoint's {where} eps {v!r} must be > 0")
+        elif k in _RANGES and isinstance(v, (int, float)) and not isinstance(v, bool):
+            lo, hi, closed = _RANGES[k]
+            if not (lo <= v and (v <= hi if closed else v < hi)):
+                raise CheckpointError(f"checkpoint's {where} {k} {v!r} must be in [{lo:g}, {hi:g}{']' if closed else ')'}")
 
 
 def _check_document(dopt: DistributedOptimizer, doc: Any) -> None:
@@ -256,8 +356,10 @@ def _check_document(dopt: DistributedOptimizer, doc: Any) -> None:
     for key in ("matrix", "elementwise"):
         if not isinstance(doc["hyper"].get(key, {}), Mapping):
             raise CheckpointError(f"checkpoint's {key!r} hyperparameters are not a mapping")
+        check_hyperparams(key, doc["hyper"].get(key, {}))
     if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool):
         raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not an integer")
+    _check_integrity(dopt, doc)
 
 
 def _local_flat(spec: Any, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
@@ -274,7 +376,17 @@ def load_consolidated_state_dict(dopt: DistributedOptimizer, doc: Mapping[str, A
     and TP hosts), hyperparameters, the step count and the model's parameter values. Collective
     when TP-split matrix parameters exist (the TP hosts re-assemble their full masters).
     """
-    _check_document(dopt, doc)
+    error: BaseException | None = None
+    try:
+        _check_document(dopt, doc)
+    except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+        error = exc
+    try:
+        agree(error, "loading the checkpoint", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
+    except RankFailure:
+        if error is not None:
+            raise error from None  # this rank's own error says it best
+        raise
     rt = dopt.runtime
     rt.finish_param_sync()  # a pending lazy all-gather must not overwrite the loaded values later
     tp_rank = dopt.tp_rank
@@ -320,20 +432,30 @@ def save_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
     """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename).
     Goes through ``dopt.state_dict()``, so a scheduler's latest lr is what is saved."""
     doc = dopt.state_dict()
+    error: BaseException | None = None
     if dist.get_rank() == 0:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(doc, tmp)
-        os.replace(tmp, path)
-    Comm(None, dopt.comm_stats).barrier()
+        try:
+            atomic_write(path, lambda f: torch.save(doc, f))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
+            error = exc
+    agree(error, f"saving the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
 
 
 def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
-    """Read ``path`` on every rank (``weights_only=True``: data, not code) and load it."""
+    """Read ``path`` on every rank (``weights_only=True``: data, not code) and load it. A rank that
+    cannot read it raises its :class:`CheckpointError`, the others a ``RankFailure`` naming it."""
+    error: CheckpointError | None = None
+    doc: Any = None
     try:
         doc = torch.load(Path(path), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint not found: {path}") from None
+        error = CheckpointError(f"checkpoint not found: {path}")
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+        error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})")
+    try:
+        agree(error, f"reading the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
+    except RankFailure:
+        if error is not None:
+            raise error from None
+        raise
     dopt.load_state_dict(doc)  # restores the groups' lr / weight_decay too

@@ -15,18 +15,24 @@ group. Per iteration:
    ``.../wait`` range (blocking until it lands), carrying ``bytes``, ``bucket`` and ``peers``
    arguments for the profiler (:func:`canzona.runtime.phases.phase`).
 
-2. *Optimizer step* (``canzona/optimizer/step``), orchestrated as gather -> compute -> scatter ->
-   apply, each a named method. Gather and compute run *per bucket*, in the order the buckets'
+2. *Optimizer step* (``canzona/optimizer/step``), orchestrated as gather -> agree -> compute ->
+   agree -> scatter -> apply. By default every bucket is gathered first, then one status exchange
+   (:func:`canzona.runtime.agree.agree`) settles, on every rank and before any state changes,
+   errors so far, which parameters have a gradient anywhere (the others are skipped, as
+   ``torch.optim`` skips them), non-finite gradients and the hyperparameter digest; the updates
+   run per bucket after it, and a second exchange after the updates carries their errors. With
+   ``overlap_updates=True`` gather and compute run *per bucket*, in the order the buckets'
    collectives were launched, so the step waits only for what it needs next:
 
    - :meth:`gather_bucket` (bucket ``i``): wait for that bucket's collective only (the wait is a
-     phase of its own, ``canzona/dp/reduce_scatter/bucket<i>/wait`` or
-     ``canzona/dp/all_reduce/bucket<i>/wait`` inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
-     (sum, then divide by the DP size: exact for power-of-two DP sizes) and point each owned
-     master's ``.grad`` at its slice;
-   - :meth:`update_bucket` (bucket ``i``): run the local optimizers on the fp32 master copies of
-     what this rank owns *in that bucket* (``canzona/dp/local_update/bucket<i>``; no communication),
-     then clear those ``.grad`` so nothing is stepped twice. Per-parameter optimizers skip
+     phase of its own, ``canzona/dp/reduce_scatter/bucket<i>/wait`` or ``canzona/dp/all_reduce/bucket<i>/wait``
+     inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
+     (sum, then divide by the DP size: exact for power-of-two DP sizes) and keep each owned
+     piece's gradient slice;
+   - :meth:`update_bucket` (bucket ``i``): point the bucket's owned masters' ``.grad`` at their
+     slices, run the local optimizers on the fp32 master copies of what this rank owns *in that
+     bucket* (``canzona/dp/local_update/bucket<i>``; no communication), then clear those ``.grad``
+     so nothing is stepped twice. Per-parameter optimizers skip
      parameters whose ``.grad`` is None, so stepping one instance once per bucket with only that
      bucket's gradients set computes exactly what one step over all of them would (the TP engine
      steps its micro-groups the same way);
@@ -64,9 +70,10 @@ launched at the very end of backward).
   syncs the host, e.g. a finiteness check, moves that wait to its own bucket's update, never
   earlier).
 
-A consequence: an error raised by a local optimizer in bucket ``k`` (a non-finite gradient, say)
-leaves the owned parameters of buckets ``< k`` already updated on this rank's masters; the model's
-parameters are untouched, since values return only after every bucket.
+An error raised by a local optimizer in bucket ``k`` leaves the owned parameters of buckets ``< k``
+already updated on this rank's masters; the model's parameters are untouched, since values return
+only after the second status exchange, which raises the error on every rank. Non-finite gradients
+never get that far: the first exchange refuses them before any update.
 
 Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
 rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
@@ -82,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +99,7 @@ import torch
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime import faults
+from canzona.runtime.agree import STATUS_TIMEOUT_S, agree
 from canzona.runtime.buffer import GradBuffer, local_tensor
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
@@ -107,6 +116,8 @@ from canzona.runtime.phases import (
 
 __all__ = [
     "DPRuntime",
+    "HyperparameterMismatch",
+    "NonFiniteGradient",
     "OptimizerFactory",
     "Piece",
     "elementwise_role",
@@ -117,6 +128,14 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 #: a plan role (canzona.plan.strategies.ROLES) -> the role of a runtime piece (and of checkpoint entries)
 _PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise"}
+
+
+class NonFiniteGradient(ValueError):
+    """A reduced gradient holds NaN or inf; raised on every rank before anything changes."""
+
+
+class HyperparameterMismatch(RuntimeError):
+    """Ranks run different hyperparameters (their per-step digests differ)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +207,8 @@ class DPRuntime:
         master_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "mean",
         param_sync: str = "eager",
+        status_timeout_s: float = STATUS_TIMEOUT_S,
+        overlap_updates: bool = False,
     ) -> None:
         if param_sync not in ("eager", "lazy"):
             raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
@@ -212,6 +233,14 @@ class DPRuntime:
         #: phase timer the hook-launched collectives report to (the front end's ``phase_times``)
         self.timer: PhaseTimer | None = None
         self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self._launch_bucket)
+        self.buffer.on_release = self._release
+        self._warned_release = False
+        #: bound (seconds) on waiting for the other ranks in the step's status exchanges
+        self.status_timeout_s = float(status_timeout_s)
+        #: update each bucket as soon as its collective lands, without the pre-update agreement
+        self.overlap_updates = bool(overlap_updates)
+        self._param_names = [pp.name for pp in plan.params]
+        self._param_index = {n: k for k, n in enumerate(self._param_names)}
         self.pieces = pieces_for_rank(plan, self.dp_rank)
         self._whole_pieces = {pc.name: pc for pc in self.pieces if pc.whole}
         self.pieces_by_bucket: list[list[Piece]] = [[] for _ in plan.buckets]
@@ -281,6 +310,8 @@ class DPRuntime:
                 self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
+        #: this iteration's averaged gradient slice per owned (non-TP) piece, set by gather_bucket
+        self._piece_grads: dict[Piece, torch.Tensor] = {}
         self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
         #: wall seconds the last step() spent blocked on each bucket's gradient collective
         self.bucket_wait_s: dict[int, float] = {}
@@ -327,21 +358,93 @@ class DPRuntime:
         self.wait_all()
         self._launched.clear()
         self._tp_grads.clear()
+        self._piece_grads.clear()
         for m in self.masters.values():
             m.grad = None
         self.buffer.reset()
 
+    def _release(self) -> None:
+        """A gradient arrived after ``step()`` without ``zero_grad()``: drop the retained gradients."""
+        if not self._warned_release:
+            self._warned_release = True
+            warnings.warn(
+                "a backward pass after step() without zero_grad(): canzona starts a new gradient here "
+                "(torch.optim would add it to the previous one); call zero_grad() after step()",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.discard_grads()
+
     # --------------------------------------------------------------------------------- step
-    def step(self) -> None:
-        """One optimizer step: per bucket gather -> compute, then the TP engine, scatter -> apply."""
+    def step(self, digest: int = 0) -> None:
+        """One optimizer step: gather every bucket, agree across ranks, update, TP engine, return values.
+
+        Two status exchanges (:func:`canzona.runtime.agree.agree`, over the world group) bracket
+        the updates, so an error on one rank is raised on every rank instead of leaving the others
+        in a collective:
+
+        1. after every bucket's gradient has arrived and before any state changes: any error so
+           far, which parameters received a gradient on some rank (a parameter with none on every
+           rank is skipped, as ``torch.optim`` skips ``p.grad is None``), which received
+           gradients are non-finite (refused on every rank, naming them, nothing changed), and
+           ``digest`` (the caller's hash of the hyperparameters; ranks that disagree are refused);
+        2. after the local updates and the TP engine, before values return: any error raised there.
+
+        The reduced gradients stay until ``zero_grad()`` (or the next backward, which drops them
+        with a warning): a second ``step()`` without a new backward applies them again, as a
+        single-device ``torch.optim`` optimizer applies an unchanged ``p.grad`` again."""
         self.finish_param_sync()
-        self.buffer.flush()
+        reuse = self.buffer.retained and not any(p.grad is not None for p in self.params.values())
         self.bucket_wait_s = {}
+        n = len(self._param_index)
+        error: BaseException | None = None
+        flags = torch.zeros(2 * n + 2, dtype=torch.int64)
         with phase(OPTIMIZER_STEP):
-            for i in self.launch_order():
-                self.gather_bucket(i)
-                self.update_bucket(i)
-            self.compute_tp()
+            try:
+                if not reuse:
+                    if self.buffer.retained:
+                        self._release()  # p.grad set directly after a step: a new gradient
+                    self.buffer.flush()
+                order = self.launch_order()
+                if self.overlap_updates:
+                    # each bucket's update as soon as its collective lands; no pre-update agreement
+                    for i in order:
+                        self.gather_bucket(i, reuse=reuse)
+                        self.update_bucket(i)
+                else:
+                    for i in order:
+                        self.gather_bucket(i, reuse=reuse)
+                    flags = self._local_flags(digest)
+            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+                error = exc
+            skip: frozenset[str] = frozenset()
+            if not self.overlap_updates:
+                try:
+                    reduced = agree(error, "optimizer step", flags=flags, device=self.buffer.data.device, timeout_s=self.status_timeout_s)
+                    assert reduced is not None
+                    skip = self._check_flags(reduced.cpu(), digest)
+                except BaseException:
+                    self.discard_grads()
+                    raise
+            try:
+                if error is not None:
+                    raise error
+                if not self.overlap_updates:
+                    for i in order:
+                        self.update_bucket(i, skip)
+            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+                error = exc
+            try:
+                # Always: the other TP ranks wait in the engine's exchanges. After an error this rank
+                # joins them without computing (its values are discarded by the exchange below).
+                self.compute_tp(skip, passive=error is not None)
+            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+                error = error or exc
+            try:
+                agree(error, "optimizer step (update)", device=self.buffer.data.device, timeout_s=self.status_timeout_s)
+            except BaseException:
+                self.discard_grads()
+                raise
             if self.param_return == "broadcast":
                 self.broadcast_params()
         if self.reduce_scatter:
@@ -351,8 +454,50 @@ class DPRuntime:
                 self.apply_params(self.scatter_params())
         elif self.param_return == "none":
             self.apply_params({})
-        self.discard_grads()
+        self._tp_grads.clear()
+        if self.buffer.received:
+            self.buffer.retained = True  # a second step() re-applies them, as torch re-applies p.grad
+        else:
+            self.discard_grads()  # nothing to keep: the next backward starts afresh, silently
         self.steps += 1
+
+    def _local_flags(self, digest: int) -> torch.Tensor:
+        """``[digest, -digest, received (n), non-finite (n)]`` for the first status exchange, by plan
+        parameter index: whether this rank received a gradient for it and whether any gradient
+        slice this rank will use is non-finite (one device tensor, one host sync in the exchange)."""
+        n = len(self._param_index)
+        received = torch.zeros(n, dtype=torch.int64)
+        for name in self.buffer.received:
+            received[self._param_index[name]] = 1
+        device = self.buffer.data.device
+        bad = torch.zeros(n, dtype=torch.bool, device=device)
+        for pc in self.pieces:
+            g = self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc)
+            if g is not None:
+                k = self._param_index[pc.name]
+                bad[k] = bad[k] | ~torch.isfinite(g).all()
+        head = torch.tensor([digest, -digest], dtype=torch.int64)
+        return torch.cat([head.to(device), received.to(device), bad.to(torch.int64)])
+
+    def _check_flags(self, reduced: torch.Tensor, digest: int) -> frozenset[str]:
+        """Act on the reduced flags (identical on every rank, so every rank raises alike); returns
+        the parameters no rank had a gradient for."""
+        n = len(self._param_index)
+        hi, neg_lo = int(reduced[0]), int(reduced[1])
+        if hi != -neg_lo:
+            raise HyperparameterMismatch(
+                "hyperparameters differ across ranks (lr, weight_decay or the optimizers' arguments); "
+                "every rank must run the same optimizer settings and schedule"
+            )
+        names = self._param_names
+        bad = [names[k] for k in range(n) if int(reduced[2 + n + k])]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise NonFiniteGradient(
+                f"non-finite gradient in {', '.join(bad[:3])}{more}; no parameter or optimizer state was "
+                "changed on any rank and this step's gradients were dropped"
+            )
+        return frozenset(names[k] for k in range(n) if not int(reduced[2 + k]))
 
     def launch_order(self) -> list[int]:
         """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""
@@ -366,50 +511,65 @@ class DPRuntime:
     def _grad_source(self, i: int) -> torch.Tensor:
         return self._shards[i] if self.reduce_scatter else self.buffer.bucket(i)
 
-    def gather_bucket(self, i: int) -> None:
-        """Wait for bucket ``i``'s collective (only that one), average it, and hand each owned master
-        of the bucket its gradient slice (TP-split pieces are kept for :meth:`compute_tp`)."""
-        w = self._works.pop(i, None)
-        # The wait is the collective's own ``/wait`` range (inside the step), so traces show per
-        # bucket how long the step was blocked on it; on NCCL this is host time only (see module doc).
-        t0 = time.perf_counter()
-        with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
-            if w is not None:
-                w.wait()
-        self.bucket_wait_s[i] = time.perf_counter() - t0
+    def gather_bucket(self, i: int, *, reuse: bool = False) -> None:
+        """Wait for bucket ``i``'s collective (only that one), average it, and keep each owned piece's
+        gradient slice for :meth:`update_bucket` (TP-split pieces for :meth:`compute_tp`).
+        ``reuse``: the bucket already arrived and was averaged in an earlier ``step()``; only
+        hand the slices out again."""
+        if not reuse:
+            w = self._works.pop(i, None)
+            # The wait is the collective's own ``/wait`` range (inside the step), so traces show per
+            # bucket how long the step was blocked on it; on NCCL this is host time only (see module doc).
+            t0 = time.perf_counter()
+            with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+                if w is not None:
+                    w.wait()
+            self.bucket_wait_s[i] = time.perf_counter() - t0
         src = self._grad_source(i)
-        if self.grad_reduce == "mean" and self.dp > 1:
+        if not reuse and self.grad_reduce == "mean" and self.dp > 1:
             src.div_(self.dp)
         for pc, g in self._grad_views[i]:
             if pc.role == "tp":
                 self._tp_grads[pc.name] = g
             else:
-                self.masters[pc].grad = g
+                self._piece_grads[pc] = g
 
-    def update_bucket(self, i: int) -> None:
+    def update_bucket(self, i: int, skip: frozenset[str] = frozenset()) -> None:
         """Local optimizer math on the masters this rank owns in bucket ``i`` (no communication).
 
-        Only this bucket's masters hold a ``.grad`` (earlier buckets' were cleared, later ones' are
+        Only this bucket's masters get a ``.grad`` (earlier buckets' were cleared, later ones' are
         not set yet), and per-parameter optimizers skip parameters without one, so each instance
         steps exactly this bucket's parameters; clearing the grads afterwards (also on error)
-        keeps a later bucket's step from stepping them again."""
+        keeps a later bucket's step from stepping them again. Parameters in ``skip`` (no gradient
+        on any rank) get no ``.grad``, so the optimizer skips them as ``torch.optim`` does."""
         with phase(f"{DP_LOCAL_UPDATE}/bucket{i}"):
             for opt, mine in self._local_steps[i]:
                 try:
+                    live = [pc for pc in mine if pc.name not in skip]
+                    for pc in live:
+                        self.masters[pc].grad = self._piece_grads[pc]
+                    if not live:
+                        continue
                     # Test-only fault hooks (canzona.runtime.faults) see whole parameters; cut pieces are skipped.
-                    with faults.around_step(opt, ((pc.name, self.masters[pc]) for pc in mine if pc.whole)):
+                    with faults.around_step(opt, ((pc.name, self.masters[pc]) for pc in live if pc.whole)):
                         opt.step()
                 finally:
                     for pc in mine:
                         self.masters[pc].grad = None
 
-    def compute_tp(self) -> None:
+    def compute_tp(self, skip: frozenset[str] = frozenset(), *, passive: bool = False) -> None:
         """The TP micro-group engine over the TP-split matrix parameters this rank updates, once every
-        bucket holding one has arrived (simplest: after all buckets; its groups span buckets)."""
+        bucket holding one has arrived (simplest: after all buckets; its groups span buckets).
+        Parameters in ``skip`` had no gradient on any rank: their hosts do not step them.
+        ``passive``: this rank already failed; it takes part in every exchange (zeros for missing
+        gradients) but steps nothing, so its TP peers are not left waiting."""
         if self.tp_engine is None:
             return
         grads, self._tp_grads = self._tp_grads, {}
-        self.tp_engine.step(grads)
+        if passive:
+            grads = {n: grads.get(n, torch.zeros_like(m)) for n, m in self.tp_engine.local_masters.items()}
+            skip = frozenset(self.tp_engine.local_masters) | skip
+        self.tp_engine.step(grads, skip=skip)
 
     def broadcast_params(self) -> None:
         """Params return by ``broadcast`` (``layerwise``): every owner sends its updated parameters to

@@ -5,6 +5,14 @@ free loopback port picked at run time, runs ``fn(rank, world_size, *args)`` in e
 the per-rank results in rank order. It never hangs: the process group has a timeout, the whole run
 has a deadline after which every worker is killed, and a failure on any rank is re-raised in the
 parent as :class:`WorkerError` naming the rank and carrying the worker's traceback text.
+
+Dead and frozen ranks are named too, without waiting for the process-group timeout: a worker
+that dies is reported with its signal (``rank 1 died: killed by signal SIGKILL``) within about a
+second; each worker runs a heartbeat thread that stamps a shared array every
+:data:`HEARTBEAT_INTERVAL_S`, and a rank whose heartbeat is older than ``heartbeat_timeout_s``
+(a SIGSTOPped or otherwise frozen process: its threads stop with it) is reported as frozen,
+with its process state, and every worker is killed. The heartbeat starts once the worker is up,
+so a slow start-up is bounded by the run's deadline only.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -23,7 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "free_port", "run_workers", "init_process_group"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "WorkerError", "describe_exit", "free_port", "init_process_group", "run_workers"]
+
+#: seconds between two heartbeats of a worker
+HEARTBEAT_INTERVAL_S = 0.5
+#: default age (seconds) of a worker's last heartbeat at which it is reported frozen (well below
+#: the process group's 60 s timeout)
+HEARTBEAT_TIMEOUT_S = 15.0
 
 
 class WorkerError(RuntimeError):
@@ -48,6 +64,36 @@ def init_process_group(rank: int, world_size: int, port: int, *, backend: str = 
     )
 
 
+def describe_exit(code: int | None) -> str:
+    """Human words for a process exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by signal {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def _process_state(pid: int | None) -> str:
+    """The kernel's state letter for ``pid`` in words (Linux /proc; "unknown" elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a tracer", "D": "in uninterruptible I/O",
+            "Z": "zombie", "R": "running", "S": "sleeping"}.get(state, state)
+
+
+def _beat(beats: Any, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -58,7 +104,10 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    beats: Any = None,
 ) -> None:
+    if beats is not None:
+        threading.Thread(target=_beat, args=(beats, rank), name="canzona-heartbeat", daemon=True).start()
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
@@ -85,22 +134,26 @@ def run_workers(
     timeout_s: float = 180.0,
     pg_timeout_s: float = 60.0,
     threads: int = 1,
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). Results travel back through a
     queue, so keep them small (tensors are fine). Raises :class:`WorkerError` when any rank raises,
-    or when the run exceeds ``timeout_s`` (all workers are then killed).
+    or when the run exceeds ``timeout_s`` (all workers are then killed), when a worker dies
+    (naming its signal), or when a worker's heartbeat is older than ``heartbeat_timeout_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    # monotonic clock stamps (system-wide on Linux, so comparable across processes); 0: not up yet
+    beats = ctx.Array("d", world_size, lock=False)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, threads, pg_timeout_s, fn, args, results),
+            args=(rank, world_size, port, backend, threads, pg_timeout_s, fn, args, results, beats),
             daemon=True,
         )
         for rank in range(world_size)
@@ -123,7 +176,16 @@ def run_workers(
                 if dead and results.empty():
                     time.sleep(0.2)
                     if results.empty():
-                        raise WorkerError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
+                        what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
+                        raise WorkerError(f"{what} (the other ranks were stopped)") from None
+                now = time.monotonic()
+                frozen = [i for i in range(world_size) if i not in got and beats[i] > 0 and now - beats[i] > heartbeat_timeout_s]
+                if frozen:
+                    what = "; ".join(
+                        f"rank {i} is frozen: no heartbeat for {now - beats[i]:.1f} s (process {_process_state(procs[i].pid)})"
+                        for i in frozen
+                    )
+                    raise WorkerError(f"{what}; every worker was killed") from None
                 continue
             if ok:
                 got[rank] = pickle.loads(payload)  # bytes from our own child process, never from a file
@@ -132,8 +194,20 @@ def run_workers(
                 # One failed rank usually leaves the others blocked in a collective: stop now.
                 break
         if failures:
-            first = failures[0]
-            raise WorkerError(first.rstrip())
+            first = failures[0].rstrip()
+            # A survivor's error is often only the echo of a rank that died ("Connection closed by
+            # peer"): name the dead rank and its signal first when there is one.
+            reported = {int(f.split(":", 1)[0].split()[1]) for f in failures}
+            until = time.monotonic() + 1.0
+            dead: list[int] = []
+            while not dead and time.monotonic() < until:
+                dead = [i for i, p in enumerate(procs) if i not in reported and i not in got and p.exitcode not in (None, 0)]
+                if not dead:
+                    time.sleep(0.05)
+            if dead:
+                what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
+                raise WorkerError(f"{what}; then {first}")
+            raise WorkerError(first)
         return [got[r] for r in range(world_size)]
     finally:
         for p in procs:

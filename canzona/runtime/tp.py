@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -470,16 +470,22 @@ class TPEngine:
                     self.masters[name] = nn.Parameter(t.clone(memory_format=torch.contiguous_format))
 
     # ------------------------------------------------------------------------- the step
-    def step(self, local_grads: Mapping[str, torch.Tensor]) -> None:
+    def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
         """One optimizer step: gather -> compute -> scatter -> apply per micro-group, in plan order,
         pipelined as :func:`pipeline` says (gather ``k+1`` and scatter ``k-1`` in flight while
-        group ``k`` computes)."""
+        group ``k`` computes).
+
+        ``skip``: parameters without a gradient on any rank; hosts do not step them (their values
+        return unchanged). An error in one host's compute does not stop the exchanges (the other
+        TP ranks are waiting in them): that host returns its unchanged values for the group, runs
+        the remaining groups' exchanges, and raises the first error at the end."""
         self._check_grads(local_grads)
         self.last_events = events = []
         groups = self.groups
         works: dict[tuple[str, int], Any] = {}
         full_grads: dict[str, torch.Tensor] = {}
         updated: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
         try:
             for ev, k in self.schedule_events:
                 g = groups[k]
@@ -495,7 +501,13 @@ class TPEngine:
                         full_grads = self._unpack_gather(g)
                 elif ev == COMPUTE:
                     with phase(indexed(TP_COMPUTE, g.phase_index)):
-                        updated = self._compute(g, full_grads)
+                        try:
+                            if error is not None:
+                                raise error
+                            updated = self._compute(g, full_grads, skip)
+                        except Exception as exc:  # noqa: BLE001 - finish the exchanges, raise afterwards
+                            error = error or exc
+                            updated = {name: self.masters[name].detach() for name in g.hosted}
                     full_grads = {}
                 elif ev == SCATTER_LAUNCH:
                     with phase(indexed(TP_SCATTER, g.phase_index, LAUNCH), bytes=g.recv_bytes, group=k, peers=self.tp):
@@ -519,6 +531,8 @@ class TPEngine:
                 with contextlib.suppress(Exception):
                     self._wait(w)
             raise
+        if error is not None:
+            raise error
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):
@@ -562,19 +576,21 @@ class TPEngine:
             return _assemble(recv, g.tasks, self.tp)
         return unpack_gather(recv, g.tasks, self.tp_rank, self.tp)
 
-    def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _compute(self, g: _Group, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """Host side: run the optimizer on this group's full masters only. Other hosted params have
         no ``.grad`` at this point, and per-parameter optimizers skip those, so one optimizer
         steps exactly this group; grads are cleared afterwards so a later group does not re-step it."""
         if not g.hosted:
             return {}
-        params = [self.masters[n] for n in g.hosted]
-        for name, p in zip(g.hosted, params):
+        live = [n for n in g.hosted if n not in skip]
+        params = [self.masters[n] for n in live]
+        for name, p in zip(live, params):
             p.grad = full_grads[name].to(p.dtype)
         assert self.optimizer is not None
         try:
-            with faults.around_step(self.optimizer, zip(g.hosted, params)):
-                self.optimizer.step()
+            if params:
+                with faults.around_step(self.optimizer, zip(live, params)):
+                    self.optimizer.step()
         finally:
             for p in params:
                 p.grad = None

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from canzona.fileio import atomic_write
 from canzona.optimizers import get_optimizer, optimizer_names
 
 __all__ = ["QWEN3_32B_SHAPES", "measure_matrix_timings", "write_timings_csv", "main"]
@@ -89,7 +90,7 @@ def write_timings_csv(rows: Iterable[tuple[str, int, int, str, float]], path: st
     """Write rows in the calibration CSV format (header ``optimizer,m,n,dtype,seconds``)."""
     p = Path(path)
     lines = ["optimizer,m,n,dtype,seconds"] + [f"{o},{m},{n},{d},{s!r}" for o, m, n, d, s in rows]
-    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write(p, "\n".join(lines) + "\n")
     return p
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
+from canzona.fileio import atomic_write
 from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajectories, fig_validation_matrix, load_validation_report
 from canzona.viz.microgroups import cmax_sweep, fig_cmax_sweep, fig_microgroup_gantt, fig_tp_sweep, microgroup_summary, tp_sweep
 from canzona.viz.partition import fig_balance_vs_paper, fig_partition_map, fig_strategy_comparison, strategy_summary
@@ -271,10 +272,10 @@ def write_figures(
     for name, why in skipped.items():
         items.append(f"<li>{html.escape(name)}: not written ({html.escape(why)})</li>")
     index = out / "index.html"
-    index.write_text(
+    atomic_write(
+        index,
         "<!doctype html><html><head><meta charset='utf-8'><title>canzona figures</title></head><body>"
         "<h1>canzona figures</h1><ul>" + "".join(items) + "</ul></body></html>\n",
-        encoding="utf-8",
     )
     extra = [out / "plotly.min.js"] if fmt == "html" and plotlyjs == "directory" else []
     return [*paths, *extra, index]

@@ -1,0 +1,185 @@
+"""Agreement across ranks at the points where one rank can fail alone (issue 17).
+
+A distributed optimizer step, checkpoint load or save runs the same code on every rank, but an
+exception can still happen on one rank only: a non-finite gradient on its owner, an optimizer that
+raises on the parameters one rank owns, a file one rank cannot write. If that rank simply raised,
+the others would block in their next collective until the process-group timeout and then report
+their own network error, never the rank that failed.
+
+:func:`agree` is the small status exchange every rank joins at such a point, *before* the next
+collective of the operation (and before any state changes where the operation allows it):
+
+- one ``all_reduce(MAX)`` of a small int64 vector: ``[error flag, *flags]`` (``flags`` carries
+  what the caller needs agreed as well, e.g. per-parameter "has a gradient" bits);
+- only when some rank reports an error, one ``all_gather`` of a fixed-size message per rank.
+
+Then every rank raises :class:`RankFailure` naming each failing rank and its message (on a failing
+rank chained from its own exception), so all ranks fail within the time of two small collectives.
+Both collectives wait at most ``timeout_s``; a rank that never arrives (dead, frozen, or not
+running this operation) makes the others raise :class:`AgreementTimeout`, naming the missing ranks
+when the default store can tell (every rank marks its arrival there first when ``mark=True``).
+After a timeout the process group has a collective in flight that will never match: destroy it.
+
+The exchange uses ``torch.distributed`` directly, not :class:`canzona.runtime.comm.Comm`: it is
+control traffic (a few bytes per parameter), not one of the paper's phases, and is not counted in
+the per-phase byte accounting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MESSAGE_BYTES",
+    "STATUS_TIMEOUT_S",
+    "AgreementTimeout",
+    "RankFailure",
+    "agree",
+    "describe",
+    "mark_arrival",
+    "missing_ranks",
+    "new_tag",
+]
+
+#: default bound (seconds) on waiting for the other ranks in one status exchange
+STATUS_TIMEOUT_S = 60.0
+#: bytes of each rank's error message carried by the exchange (longer messages are cut)
+MESSAGE_BYTES = 1024
+
+_seq = itertools.count()  # every rank calls agree() in the same order, so this numbers the calls alike
+
+
+class RankFailure(RuntimeError):
+    """An error on one or more ranks, raised on every rank. ``failures`` maps rank -> message."""
+
+    def __init__(self, what: str, failures: dict[int, str]) -> None:
+        self.what = what
+        self.failures = dict(failures)
+        parts = [f"rank {r}: {m}" for r, m in sorted(self.failures.items())]
+        super().__init__(f"{what} failed on {len(parts)} rank(s); " + "; ".join(parts))
+
+
+class AgreementTimeout(RuntimeError):
+    """Some rank did not join a status exchange within its time bound."""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` on one line, the form the exchange carries."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _wait(work: Any, timeout_s: float, what: str, group: Any, tag: str | None) -> None:
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo raises "Operation timed out!"; other backends may return False
+        if "timed out" not in str(exc).lower():
+            raise
+        ok = False
+    if ok is False:
+        missing = _missing(group, tag)
+        who = f"rank(s) {missing}" if missing else "some rank"
+        raise AgreementTimeout(
+            f"{what}: {who} did not join the status exchange within {timeout_s:g} s "
+            "(dead, frozen, or not running this operation); this process group cannot be used further"
+        )
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - only to name missing ranks
+    except Exception:  # noqa: BLE001 - naming is best effort
+        return None
+
+
+def new_tag(kind: str) -> str:
+    """A store key prefix for one exchange (every rank numbers its exchanges in the same order)."""
+    return f"canzona/{kind}/{next(_seq)}"
+
+
+def mark_arrival(tag: str) -> None:
+    """Record in the default store that this rank reached the exchange ``tag`` (best effort)."""
+    _mark(tag)
+
+
+def missing_ranks(tag: str, group: Any = None) -> list[int]:
+    """Ranks of ``group`` that did not :func:`mark_arrival` at ``tag`` (empty when unknown)."""
+    return _missing(group, tag)
+
+
+def _mark(tag: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"{tag}/{dist.get_rank()}", "1")
+        except Exception:  # noqa: BLE001 - naming is best effort
+            pass
+
+
+def _missing(group: Any, tag: str | None) -> list[int]:
+    """Global ranks of ``group`` that did not mark their arrival at ``tag`` (empty: unknown)."""
+    store = _store()
+    if tag is None or store is None:
+        return []
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    try:
+        return [r for r in ranks if not store.check([f"{tag}/{r}"])]
+    except Exception:  # noqa: BLE001 - naming is best effort
+        return []
+
+
+def agree(
+    error: BaseException | None,
+    what: str,
+    *,
+    flags: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    group: Any = None,
+    timeout_s: float = STATUS_TIMEOUT_S,
+    mark: bool = False,
+) -> torch.Tensor | None:
+    """Join the status exchange for operation ``what`` (see the module docstring).
+
+    ``error`` is this rank's exception (None: it succeeded). ``flags`` (int64, 1-D, same length on
+    every rank) are max-reduced with the error flag; the reduced flags are returned when no rank
+    failed. ``mark=True`` records this rank's arrival in the default store first, so a timeout can
+    name the ranks that never came (a few store round trips: use it for rare operations).
+    """
+    tag = new_tag("agree") if mark else None
+    if tag is not None:
+        _mark(tag)
+    n = 0 if flags is None else int(flags.numel())
+    vec = torch.zeros(1 + n, dtype=torch.int64, device=device)
+    if error is not None:
+        vec[0] = 1
+    if flags is not None:
+        vec[1:] = flags.reshape(-1).to(device=device, dtype=torch.int64)
+    work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _wait(work, timeout_s, what, group, tag)
+    if int(vec[0].item()) == 0:
+        return vec[1:]
+    # some rank failed: every rank learns who and why
+    raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
+    msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8, device=device)
+    if error is not None:
+        msg[0] = 1
+        msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else msg[1:1]
+    size = dist.get_world_size(group)
+    out = [torch.zeros_like(msg) for _ in range(size)]
+    work = dist.all_gather(out, msg, group=group, async_op=True)
+    _wait(work, timeout_s, what, group, tag)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    failures: dict[int, str] = {}
+    for r, t in zip(ranks, out):
+        vals = t.cpu()
+        if int(vals[0]) == 1:
+            failures[r] = bytes(vals[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    failure = RankFailure(what, failures)
+    if error is not None:
+        raise failure from error
+    raise failure

@@ -1,0 +1,192 @@
+"""Bounds, one-line errors and atomic outputs of the commands (issue 17; no process group).
+
+Every bad input here ends with exit code 2, exactly one line on stderr, no traceback, and fast
+(the bound is generous: a correctness bound against minutes-long runs, not a speed test). A
+failed write (full disk simulated by a failing fsync, a folder where a file is expected, a path
+under a file) leaves the old file intact and no temporary file, and the results computed before
+it are still printed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from canzona.cli import main
+from canzona.fileio import atomic_write
+
+FAST_S = 10.0
+
+
+def _config(tmp_path: Path, **over) -> str:
+    doc = {
+        "name": "probe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": False,
+    }
+    doc.update(over)
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps(doc).replace('"VOCAB"', "1e30"))
+    return str(p)
+
+
+def _one_line(capsys, argv: list[str]) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside main
+        code = exc.code
+    took = time.monotonic() - t0
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert took < FAST_S, f"{argv}: {took:.1f} s"
+    return out, lines[0], took
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--tp", "16"], "tp=16 does not divide num_key_value_heads=2"),
+        (["plan", "--model", "qwen3-32b", "--dp", "2", "--tp", "3"], "tp=3 does not divide"),
+        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--cmax-mb", "inf"], "--cmax-mb: expected a positive number, got inf"),
+        (["plan", "--model", "qwen3-tiny", "--dp", "100000000"], "dp must be an integer in [1, 131072]"),
+        (["simulate", "--dp", "100000000"], "dp must be an integer in [1, 131072]"),
+        (["simulate", "--cmax-mb", "inf"], "--cmax-mb: expected a positive number"),
+        (["train", "--strategy", "sc", "--tp-schedule", "lpt", "--tp", "2", "--nproc", "2"], "its TP schedule must be 'sync', got 'lpt'"),
+    ],
+)
+def test_bad_sizes_one_line(capsys, argv: list[str], needle: str) -> None:
+    _, line, _ = _one_line(capsys, argv)
+    assert needle in line, line
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"num_hidden_layers": 1_000_000}, "num_hidden_layers = 1000000 is above canzona's bound 4096"),
+        ({"vocab_size": "VOCAB"}, "vocab_size must be a positive integer, got 1e+30"),
+        ({"vocab_size": 10**30}, "is above canzona's bound"),
+        ({"hidden_size": 1 << 25, "intermediate_size": 1 << 25, "num_hidden_layers": 4000}, "parameters, above canzona's bound"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_absurd_configs_one_line(capsys, tmp_path: Path, over: dict, needle: str, command: str) -> None:
+    argv = [command, "--model", _config(tmp_path, **over)] + (["--dp", "2"] if command == "plan" else ["--steps", "1"])
+    _, line, _ = _one_line(capsys, argv)
+    assert needle in line, line
+
+
+def _no_temp(folder: Path) -> None:
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")], list(folder.iterdir())
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path, monkeypatch) -> None:
+    target = tmp_path / "doc.json"
+    atomic_write(target, "old\n")
+    assert oct(target.stat().st_mode & 0o777) != "0o600"  # an ordinary file, not mkstemp's private mode
+
+    def boom(f) -> None:
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        atomic_write(target, boom)
+    assert info.value.filename == str(target) and info.value.errno == errno.ENOSPC
+    assert target.read_text() == "old\n"
+    _no_temp(tmp_path)
+    # a device or a pipe is never renamed over
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        atomic_write(fifo, "x")
+    assert fifo.exists() and not fifo.is_file()
+    _no_temp(tmp_path)
+
+
+def _full_disk(monkeypatch) -> None:
+    import canzona.fileio
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(canzona.fileio.os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_full_disk_keeps_old_output_and_prints_results(capsys, tmp_path: Path, monkeypatch, command: str) -> None:
+    out_file = tmp_path / "out.json"
+    out_file.write_text("previous\n")
+    _full_disk(monkeypatch)
+    argv = (
+        ["plan", "--model", "qwen3-tiny", "--dp", "2", "--json", str(out_file)]
+        if command == "plan"
+        else ["simulate", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1", "--no-sensitivity", "--json", str(out_file)]
+    )
+    out, line, _ = _one_line(capsys, argv)
+    assert f"cannot write {out_file}: No space left on device" in line, line
+    assert out_file.read_text() == "previous\n"
+    _no_temp(tmp_path)
+    # the results computed before the write are on stdout
+    assert ("fingerprint" in out) if command == "plan" else ("lb-asc" in out), out[:300]
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_unwritable_output_refused_before_the_work(capsys, tmp_path: Path, command: str) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for bad, why in ((blocker / "out.json", "does not exist"), (tmp_path, "is a directory")):
+        base = ["plan", "--model", "qwen3-tiny", "--dp", "2"] if command == "plan" else ["simulate", "--model", "qwen3-tiny", "--dp", "2", "--tp", "1"]
+        out, line, _ = _one_line(capsys, [*base, "--json", str(bad)])
+        assert str(bad) in line and why in line, line
+        assert out == "", "the work ran before the output was checked"
+
+
+def test_validate_report_dir_and_failed_write(capsys, tmp_path: Path, monkeypatch) -> None:
+    from validation import report as vr
+    from validation import suite
+
+    # --report DIR: refused in one line before any work, never DIR.json beside the folder
+    folder = tmp_path / "out"
+    folder.mkdir()
+    out, line, _ = _one_line(capsys, ["validate", "--quick", "--report", str(folder)])
+    assert "is a directory" in line and out == ""
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "out.csv").exists()
+    # a failed report write keeps the computed results: the table is printed, then one line
+    rep = vr.build_report([], level="quick", command="test", seconds=0.0, settings={})
+    target = tmp_path / "r"
+    monkeypatch.setattr(suite, "run_suite", lambda *a, **k: suite.SuiteResult(rep, None, f"cannot write the report {target}: No space left on device"))
+    out, line, _ = _one_line(capsys, ["validate", "--quick", "--report", str(target)])
+    assert "No space left on device" in line and str(target) in line
+    assert out.strip(), "the results table was not printed"
+
+
+def test_validate_report_write_is_atomic(tmp_path: Path, monkeypatch) -> None:
+    from validation import report as vr
+
+    rep = vr.build_report([], level="quick", command="test", seconds=0.0, settings={})
+    js, cs = vr.write_report(rep, tmp_path / "report")
+    assert js.is_file() and cs.is_file()
+    before = js.read_text()
+    monkeypatch.setattr(vr.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError):
+        vr.write_report({**rep, "command": "changed"}, tmp_path / "report")
+    assert js.read_text() == before
+    _no_temp(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["figures", "profile"])
+def test_output_folders_checked_before_the_work(capsys, tmp_path: Path, command: str) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    argv = ["figures", "--out", str(blocker / "figs")] if command == "figures" else ["profile", "--summary", str(blocker / "s")]
+    if command == "profile":
+        argv += ["--tensorboard", str(tmp_path / "tb")]
+    out, line, _ = _one_line(capsys, argv)
+    assert f"cannot create {blocker / ('figs' if command == 'figures' else 's')}: {blocker} is not a folder" in line, line
+    assert out == "" and not (tmp_path / "tb").exists()

@@ -1,0 +1,343 @@
+"""Errors on one rank reach every rank within seconds, naming the rank (issue 17).
+
+One spawned world of two ranks runs every case in turn (each case records, per rank, what was
+raised and how long after the failing rank's own error the rank raised); each test asserts on its
+own case. The case that leaves the process group unusable (a rank that never builds the
+optimizer) runs last. Time-to-error is printed (run with ``-s`` to see it) and bounded by a
+generous 20 s: a correctness bound (well under the 60 s collective timeout), not a speed test.
+
+The launcher's own reports (a killed rank's signal, a SIGSTOPped rank's heartbeat) run in
+separate small worlds below.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from canzona.runtime.launch import WorkerError, run_workers
+from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of, unpack
+
+pytestmark = pytest.mark.slow
+
+BOUND_S = 20.0  # time-to-error bound: a correctness bound, not a speed test
+EW_KW = {"lr": 0.01, "weight_decay": 0.1}
+
+
+class FlakyAdamW(torch.optim.AdamW):
+    """AdamW that raises when the class flag is set (set on one rank only)."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if FlakyAdamW.fail and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            raise ArithmeticError("flaky optimizer refused this step")
+        return super().step(closure)
+
+
+def _snapshot(opt) -> dict:
+    """Masters, local optimizer state and model parameters of this rank (cloned)."""
+    rt = opt.runtime
+    state = {}
+    for o in rt.optimizers():
+        for k, st in enumerate(o.state.values()):
+            for key, v in st.items():
+                state[f"{id(o)}/{k}/{key}"] = v.clone() if torch.is_tensor(v) else v
+    return {
+        "masters": [m.clone() for m in rt.masters.values()],
+        "state": state,
+        "params": params_of(opt.model),
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    if len(a["masters"]) != len(b["masters"]) or set(a["state"]) != set(b["state"]):
+        return False
+    ok = all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
+    ok &= all(torch.equal(v, b["state"][k]) if torch.is_tensor(v) else v == b["state"][k] for k, v in a["state"].items())
+    ok &= all(torch.equal(v, b["params"][k]) for k, v in a["params"].items())
+    return bool(ok)
+
+
+def _timed(fn) -> tuple[str, str, float] | None:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+def _opt(model, strategy: str = "lb-asc", **kw):
+    import canzona
+
+    return canzona.DistributedOptimizer(
+        model, kw.pop("optimizer", "muon"), strategy=strategy, optimizer_kwargs={"lr": 0.05},
+        elementwise_kwargs=EW_KW, bucket_numel=40, **{"status_timeout_s": 8, **kw},
+    )
+
+
+def _flip_byte(path: Path, rank: int) -> str:
+    """Flip one byte inside the first tensor data record of a torch.save zip; returns the record."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        at = info.header_offset + 30 + name_len + extra_len + 5
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    return info.filename
+
+
+def errors_worker(rank: int, world: int, folder: str) -> bytes:
+    import torch.distributed as dist
+
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    out: dict = {}
+    # 1. a NaN gradient of an element-wise parameter on rank 1 only: refused on every rank before
+    #    anything changes, naming the parameter (under lb-asc and under sc)
+    for strategy in ("lb-asc", "sc"):
+        model = ToyModel()
+        opt = _opt(model, strategy)
+        inject_grads(model, integer_grads(model, step=0, rank=rank))
+        opt.step()
+        opt.zero_grad()
+        before = _snapshot(opt)
+        grads = integer_grads(model, step=1, rank=rank)
+        if rank == 1:
+            grads["norm.weight"][3] = float("nan")
+        inject_grads(model, grads)
+        out[("nonfinite", strategy)] = _timed(opt.step)
+        out[("nonfinite_untouched", strategy)] = _same(before, _snapshot(opt))
+        # the optimizer keeps working afterwards
+        inject_grads(model, integer_grads(model, step=2, rank=rank))
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+
+    # 2. an exception inside one rank's local optimizer step: every rank raises, naming rank 1
+    model = ToyModel()
+    opt = _opt(model, optimizer="muon", elementwise_optimizer=FlakyAdamW)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    FlakyAdamW.fail = rank == 1
+    t_fail = time.monotonic()
+    out["step_error"] = _timed(opt.step)
+    FlakyAdamW.fail = False
+    opt.zero_grad()
+    dist.barrier()
+
+    # 3. load_checkpoint: one rank cannot read the file (the others get its message)
+    model = ToyModel()
+    opt = _opt(model)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    opt.step()
+    opt.zero_grad()
+    good = Path(folder) / "good.pt"
+    save_checkpoint(opt, good)
+    junk = Path(folder) / f"junk{rank}.pt"
+    junk.write_bytes(b"not a checkpoint")
+    out["load_one_rank"] = _timed(lambda: load_checkpoint(opt, good if rank == 0 else junk))
+
+    # 4. save fails on rank 0 (no such folder): every rank raises, naming rank 0; the old file
+    #    survives a failed write and no temporary file is left
+    out["save_error"] = _timed(lambda: save_checkpoint(opt, Path(folder) / "missing" / "x.pt"))
+    dist.barrier()
+
+    # 5. corrupt files are refused with a message naming the tensor, on every rank
+    if rank == 0:
+        flipped = Path(folder) / "flipped.pt"
+        flipped.write_bytes(good.read_bytes())
+        out["flipped_record"] = _flip_byte(flipped, rank)
+        doc = torch.load(good, weights_only=True)
+        for key, edit in {
+            "lr_nan": lambda d: d["hyper"]["elementwise"].__setitem__("lr", float("nan")),
+            "lr_negative": lambda d: d["hyper"]["elementwise"].__setitem__("lr", -1.0),
+            "betas": lambda d: d["hyper"]["elementwise"].__setitem__("betas", (5.0, -1.0)),
+            "float64": lambda d: d["params"].__setitem__("up.weight", d["params"]["up.weight"].double()),
+            "all_nan": lambda d: d["params"]["up.weight"].fill_(float("nan")),
+        }.items():
+            bad = torch.load(good, weights_only=True)
+            edit(bad)
+            if key in ("float64", "all_nan"):
+                from canzona.runtime.checkpoint import checksums
+
+                bad["checksums"] = checksums(bad)  # consistent sums: the value itself must be refused
+            torch.save(bad, Path(folder) / f"{key}.pt")
+        del doc
+    dist.barrier()
+    before = _snapshot(opt)
+    for key in ("flipped", "lr_nan", "lr_negative", "betas", "float64", "all_nan"):
+        out[("corrupt", key)] = _timed(lambda: load_checkpoint(opt, Path(folder) / f"{key}.pt"))
+    out["corrupt_untouched"] = _same(before, _snapshot(opt))
+    dist.barrier()
+
+    # 6. replicas that start from different seeds, ranks with different learning rates
+    out["seeds"] = _timed(lambda: _opt(ToyModel(seed=rank)))
+    model = ToyModel()
+    import canzona
+
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="sc", optimizer_kwargs={"lr": 0.05 * (1 + rank)}, bucket_numel=40)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    before = params_of(model)
+    out["lr_differs"] = _timed(opt.step)
+    out["lr_differs_untouched"] = all(torch.equal(v, params_of(model)[k]) for k, v in before.items())
+    opt.zero_grad()
+    model = ToyModel()
+    opt = _opt(model, "lb-asc")
+    if rank == 1:
+        opt.param_groups[1]["lr"] = 0.5  # a scheduler that ran on one rank only
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    out["sched_differs"] = _timed(opt.step)
+    dist.barrier()
+
+    # 7. a meta-device model: one clear line instead of "Cannot copy out of meta tensor"
+    with torch.device("meta"):
+        meta_model = ToyModel()
+    out["meta"] = _timed(lambda: _opt(meta_model))
+    dist.barrier()
+
+    # 8. last (leaves the group unusable): rank 1 never builds the optimizer
+    if rank == 0:
+        out["never_built"] = _timed(lambda: _opt(ToyModel(), status_timeout_s=3))
+    else:
+        time.sleep(5)
+    out["t_fail"] = t_fail
+    return pack(out)
+
+
+_RUN: list[dict] = []
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    if not _RUN:
+        folder = tmp_path_factory.mktemp("robust_errors")
+        _RUN.extend(unpack(r) for r in run_workers(errors_worker, 2, str(folder), timeout_s=240, pg_timeout_s=60))
+        _RUN.append({"folder": folder})
+    return _RUN
+
+
+def _report(case: str, got: list) -> None:
+    print(f"\ntime-to-error {case}: " + ", ".join(f"rank {r} {g[2]:.2f} s" for r, g in enumerate(got) if g))
+
+
+@pytest.mark.parametrize("strategy", ["lb-asc", "sc"])
+def test_nonfinite_gradient_refused_everywhere_before_any_change(res, strategy: str) -> None:
+    got = [res[r][("nonfinite", strategy)] for r in range(2)]
+    _report(f"non-finite gradient ({strategy})", got)
+    for rank, g in enumerate(got):
+        assert g is not None and g[0] == "NonFiniteGradient", (rank, g)
+        assert "non-finite gradient in norm.weight;" in g[1] and "no parameter or optimizer state was changed" in g[1]
+        assert g[2] < BOUND_S
+        assert res[rank][("nonfinite_untouched", strategy)], f"rank {rank}: a refused step changed state"
+
+
+def test_step_error_on_one_rank_raised_on_every_rank(res) -> None:
+    got = [res[r]["step_error"] for r in range(2)]
+    _report("optimizer error on rank 1", got)
+    for g in got:
+        assert g is not None and g[0] == "RankFailure", g
+        assert "optimizer step (update) failed on 1 rank(s); rank 1: ArithmeticError: flaky optimizer refused this step" in g[1]
+        assert g[2] < BOUND_S
+
+
+def test_unreadable_checkpoint_on_one_rank(res) -> None:
+    got = [res[r]["load_one_rank"] for r in range(2)]
+    _report("checkpoint unreadable on rank 1", got)
+    assert got[1][0] == "CheckpointError" and "not a readable checkpoint" in got[1][1]
+    assert got[0][0] == "RankFailure" and "rank 1: CheckpointError:" in got[0][1] and "junk1.pt" in got[0][1]
+    assert max(g[2] for g in got) < BOUND_S
+
+
+def test_failed_save_on_rank0_reaches_every_rank(res) -> None:
+    got = [res[r]["save_error"] for r in range(2)]
+    _report("save failed on rank 0", got)
+    for g in got:
+        assert g is not None and g[0] == "RankFailure" and "rank 0: FileNotFoundError" in g[1], g
+        assert g[2] < BOUND_S
+    folder = res[-1]["folder"]
+    assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp")], "a temporary file was left behind"
+
+
+@pytest.mark.parametrize(
+    ("key", "text"),
+    [
+        ("flipped", "fails its checksum (the file is corrupt)"),
+        ("lr_nan", "checkpoint's elementwise hyperparameter 'lr' is nan, not finite"),
+        ("lr_negative", "checkpoint's elementwise lr -1.0 must be in [0, inf)"),
+        ("betas", "checkpoint's elementwise betas (5.0, -1.0) must be numbers in [0, 1)"),
+        ("float64", "up.weight: checkpoint master is torch.float64, this optimizer keeps torch.float32 masters"),
+        ("all_nan", "up.weight: parameter value holds NaN or inf"),
+    ],
+)
+def test_corrupt_checkpoint_refused(res, key: str, text: str) -> None:
+    for rank in range(2):
+        g = res[rank][("corrupt", key)]
+        assert g is not None and g[0] == "CheckpointError" and text in g[1], (rank, g)
+        assert res[rank]["corrupt_untouched"], "a refused checkpoint changed state"
+    if key == "flipped":
+        # the message names a parameter or state tensor of the model
+        names = set(params_of(ToyModel()))
+        assert any(g[1].startswith(n + ":") for n in names), g[1]
+
+
+def test_replicas_must_agree(res) -> None:
+    for rank in range(2):
+        g = res[rank]["seeds"]
+        assert g is not None and g[0] == "RuntimeError" and "parameter values differ across DP ranks at construction" in g[1], g
+        for key in ("lr_differs", "sched_differs"):
+            g = res[rank][key]
+            assert g is not None and g[0] == "HyperparameterMismatch" and "hyperparameters differ across ranks" in g[1], (key, g)
+        assert res[rank]["lr_differs_untouched"]
+
+
+def test_meta_model_one_line(res) -> None:
+    for rank in range(2):
+        g = res[rank]["meta"]
+        assert g is not None and g[0] == "ValueError" and "on the meta device" in g[1] and "to_empty" in g[1], g
+
+
+def test_rank_that_never_builds_the_optimizer_is_named(res) -> None:
+    g = res[0]["never_built"]
+    print(f"\ntime-to-error rank 1 never builds the optimizer: rank 0 {g[2]:.2f} s (status_timeout_s=3)")
+    assert g[0] == "RuntimeError" and "rank(s) [1] never joined it" in g[1], g
+    assert g[2] < BOUND_S
+
+
+# ------------------------------------------------------------------------------ the launcher
+
+
+def _dies(rank: int, world: int, how: str, stamp: str) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both workers are up
+    if rank == 1:
+        time.sleep(0.3)
+        Path(stamp).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    dist.barrier()  # rank 0 blocks here, as it would in a collective
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_launcher_names_dead_and_frozen_ranks(how: str, tmp_path: Path) -> None:
+    stamp = tmp_path / "fault"
+    with pytest.raises(WorkerError) as info:
+        run_workers(_dies, 2, how, str(stamp), timeout_s=60, pg_timeout_s=60, heartbeat_timeout_s=3)
+    took = time.time() - float(stamp.read_text())
+    print(f"\ntime-to-error launcher, rank 1 {'killed' if how == 'kill' else 'SIGSTOPped'}: {took:.2f} s after the fault (heartbeat_timeout_s=3)")
+    msg = str(info.value)
+    if how == "kill":
+        assert "rank 1 died: killed by signal SIGKILL (exit code -9)" in msg, msg
+    else:
+        assert "rank 1 is frozen: no heartbeat for" in msg and "stopped (SIGSTOP" in msg, msg
+    assert took < BOUND_S  # far below the 60 s collective timeout
