@@ -595,7 +595,7 @@ def _final_params(run: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {f"rank{i}/{k}": v for i, r in enumerate(run["ranks"]) for k, v in r["params"][-1].items()}
 
 
-def _training_cells(cells: Sequence[Cell], ctx: _Ctx, opts: Mapping[str, Any], defect: tuple[str, Any] | None, emit: Any) -> list[dict[str, Any]]:
+def _training_cells(cells: Sequence[Cell], ctx: _Ctx, opts: Mapping[str, Any], defects: Mapping[str, Any], emit: Any) -> list[dict[str, Any]]:
     """Run the training cells of one mesh, ``sc`` first per (optimizer, dtype) as the baseline.
 
     Each cell is judged three ways (issue 17's gate that cannot be fooled): against the
@@ -621,7 +621,7 @@ def _training_cells(cells: Sequence[Cell], ctx: _Ctx, opts: Mapping[str, Any], d
             order = [Cell("training", "qwen3", optimizer, BASELINE, group[0].mesh, dtype_name, steps), *order]
         for cell in order:
             t1 = time.perf_counter()
-            armed = defect[1] if defect is not None and defect[0] == cell.name else None
+            armed = defects.get(cell.name)
             try:
                 run = _train_run(ctx, optimizer, okw, cell.strategy, dtype_name, steps, armed)
                 r = None
@@ -747,12 +747,12 @@ def run_mesh(
     world: int,
     mesh_name: str,
     cells: Sequence[Cell],
-    fault: tuple[str, str, Any] | None = None,
+    fault: Sequence[tuple[str, str, Any]] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]] | None:
     """Worker body (module level for spawn): every cell of one mesh; rank 0 returns the results.
 
-    ``fault`` = (cell name, mode, Fault or defect name) plants a defect in that one cell: mode
+    ``fault`` = [(cell name, mode, Fault or defect name), ...] plants a defect in each named cell: mode
     ``runtime`` arms it in :mod:`canzona.runtime.faults` (the runtime perturbs an update or a
     state), ``post-step`` perturbs the model's parameter right after the optimizer step (ulp
     only), ``defect`` arms one of :data:`validation.defects.DEFECTS` (training cells).
@@ -778,7 +778,7 @@ def run_mesh(
         if cell.check != "injected":
             continue
         t0 = time.perf_counter()
-        cell_fault = (fault[1], fault[2]) if fault is not None and fault[0] == cell.name else None
+        cell_fault = next(((f[1], f[2]) for f in fault or () if f[0] == cell.name), None)
         try:
             r = _injected_cell(cell, ctx, cell_fault, opts)
         except Exception as exc:  # noqa: BLE001 - recorded as a failed cell; construction errors raise on every rank
@@ -788,10 +788,8 @@ def run_mesh(
             emit(r)
     training = [c for c in cells if c.check == "training"]
     if training:
-        defect = None
-        if fault is not None and fault[1] == "defect":
-            from validation.defects import DEFECTS
+        from validation.defects import DEFECTS
 
-            defect = (fault[0], DEFECTS[fault[2]]())
-        results.extend(r for r in _training_cells(training, ctx, opts, defect, emit) if rank == 0)
+        defects = {f[0]: DEFECTS[f[2]]() for f in fault or () if f[1] == "defect"}
+        results.extend(r for r in _training_cells(training, ctx, opts, defects, emit) if rank == 0)
     return results if rank == 0 else None

@@ -156,7 +156,7 @@ def run_suite(
     sel: Selection,
     *,
     report_path: str | os.PathLike[str] | None,
-    fault: PlantedFault | None = None,
+    fault: PlantedFault | Sequence[PlantedFault] | None = None,
     command: str = "",
     progress: Callable[[str], None] | None = None,
     mesh_timeout_s: float = MESH_TIMEOUT_S,
@@ -174,12 +174,16 @@ def run_suite(
     from validation.checks import run_mesh
 
     cells = build_matrix(sel)
-    if fault is not None and fault.cell not in {c.name for c in cells}:
-        raise ValueError(f"fault cell {fault.cell!r} is not among the selected cells")
-    if report_path is not None:
-        check_writable(report_path)
+    planted = [] if fault is None else [fault] if isinstance(fault, PlantedFault) else list(fault)
+    if len({f.cell for f in planted}) != len(planted):
+        raise ValueError("at most one planted fault per cell")
+    for f in planted:
+        if f.cell not in {c.name for c in cells}:
+            raise ValueError(f"fault cell {f.cell!r} is not among the selected cells")
     if probe:
         preflight(cells, sel)
+    if report_path is not None:
+        check_writable(report_path)
     say = progress or (lambda _m: None)
     import multiprocessing as mp
     import queue as queue_mod
@@ -209,7 +213,7 @@ def run_suite(
         world = parse_mesh(mesh_name).world
         say(f"mesh {mesh_name}: {len(mesh_cells)} cells on {world} processes ...")
         t1 = time.perf_counter()
-        arg = (fault.cell, fault.mode, fault.fault) if fault is not None and fault.cell in {c.name for c in mesh_cells} else None
+        arg = [(f.cell, f.mode, f.fault) for f in planted if f.cell in {c.name for c in mesh_cells}] or None
         try:
             out = run_workers(run_mesh, world, mesh_name, list(mesh_cells), arg, options, timeout_s=mesh_timeout_s, pg_timeout_s=120.0)
             got = out[0] or []
@@ -297,6 +301,7 @@ def run(
     on_cell: Callable[[dict[str, Any]], None] | None = None,
     fault: PlantedFault | None = None,
     command: str = "",
+    mesh_timeout_s: float = MESH_TIMEOUT_S,
 ) -> SuiteResult:
     """Validate an optimizer (and model) under every selected cell; the Python API of the gate.
 
@@ -334,4 +339,4 @@ def run(
         model_kwargs=parse_kwargs(model_kwargs, "model kwargs") or None,
     )
     report_path = report_dir_paths(report)[0] if report is not None else None
-    return run_suite(sel, report_path=report_path, fault=fault, command=command, progress=progress, on_cell=on_cell)
+    return run_suite(sel, report_path=report_path, fault=fault, command=command, progress=progress, on_cell=on_cell, mesh_timeout_s=mesh_timeout_s)
