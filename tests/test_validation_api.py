@@ -169,11 +169,11 @@ def test_pytest_plugin_is_declared_as_an_entry_point() -> None:
 def test_cli_custom_optimizer_on_custom_model_with_tp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The user's optimizer on the user's model (its canzona_tp_dims split over TP), through the
     CLI: every cell bit-identical, report in the directory asked for."""
-    rc = validate_main(["--optimizer", SIGN, "--optimizer-kwargs", '{"lr": 0.01, "weight_decay": 0.1}', "--model", MLP, "--mesh", "dp2xtp2", "--strategy", "sc,lb-asc", "-q", "--report", str(tmp_path / "rep")])
+    rc = validate_main(["--optimizer", SIGN, "--optimizer-kwargs", '{"lr": 0.01, "weight_decay": 0.1}', "--model", MLP, "--mesh", "tp2", "--strategy", "sc,lb-asc", "--dtype", "float32", "-q", "--report", str(tmp_path / "rep")])
     out = capsys.readouterr().out
     doc = load_report(tmp_path / "rep" / "report.json")
     assert rc == 0, out
-    assert [c["cell"] for c in doc["cells"]] == [f"injected/{MLP}/{SIGN}/{s}/dp2xtp2/float32" for s in ("sc", "lb-asc")]
+    assert [c["cell"] for c in doc["cells"]] == [f"injected/{MLP}/{SIGN}/{s}/tp2/float32" for s in ("sc", "lb-asc")]
     assert all(c["max_abs_diff"] == 0.0 and c["replicas_checked"] > 0 for c in doc["cells"])
     assert "2 passed (2 bit-identical" in out
 
@@ -210,12 +210,12 @@ from examples.sign_momentum import SignMomentum
 
 
 def test_sign_momentum_is_exact(canzona_exact):
-    res = canzona_exact(SignMomentum, meshes=["dp2"], strategies=["sc", "lb-asc"], models=["awkward"], checks=["injected"], dtypes=["float32"])
+    res = canzona_exact(SignMomentum, meshes=["dp2"], strategies=["sc", "lb-asc"], model="awkward", checks=["injected"], dtypes=["float32"])
     assert res.ok and len(res.report["cells"]) == 2
 
 
 def test_per_process_noise_is_not(canzona_exact):
-    canzona_exact(PerProcessNoise, meshes=["dp2"], strategies=["sc"], models=["awkward"], checks=["injected"], dtypes=["float32"])
+    canzona_exact(PerProcessNoise, meshes=["dp2"], strategies=["sc"], model="awkward", checks=["injected"], dtypes=["float32"])
 '''
 
 
