@@ -235,3 +235,25 @@ def test_pytest_plugin_passes_and_fails_with_the_cell_table(pytester: pytest.Pyt
     assert "canzona_exact: 1 of 1 cells failed" in text
     assert "injected/awkward/examples.nonseparable:PerProcessNoise/sc/dp2/float32" in text and "FAIL" in text
     assert "value@dp1" in text or "replica@rank1" in text
+
+
+def test_a_failed_report_write_keeps_the_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk while writing the report: the table is still printed, one error line, exit 1."""
+    import errno
+
+    import validation.suite as suite
+    from validation import SuiteResult
+
+    def fake_run_suite(sel, *, report_path, **kw):  # noqa: ANN001, ANN003 - stands in for the workers
+        rep = build_report([_cell(cell="a", passed=True, max_abs_diff=0.0, bitwise_expected=True, bitwise=True, compared=3)], level="custom", command="t", seconds=1.0, settings={})
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            return SuiteResult(rep, None, f"cannot write the report {report_path}: {exc.strerror}")
+
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    rc = validate_main(["--mesh", "dp2", "--optimizer", "adamw", "--strategy", "sc", "-q", "--report", str(tmp_path / "r")])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "1 cells: 1 passed" in captured.out
+    assert captured.err.strip() == f"canzona validate: error: cannot write the report {tmp_path / 'r' / 'report.json'}: No space left on device"

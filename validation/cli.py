@@ -169,6 +169,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(res.table(full=args.table), end="")
     if res.paths is not None:
         print(f"report: {res.paths[0]} and {res.paths[1]}")
+    if res.write_error is not None:
+        print(f"canzona validate: error: {res.write_error}", file=sys.stderr)
     return res.exit_code
 
 

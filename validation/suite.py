@@ -68,6 +68,8 @@ class PlantedFault:
 class SuiteResult:
     report: dict[str, Any]
     paths: tuple[Path, Path] | None
+    #: why the report files could not be written (a full disk, say): the results are still here
+    write_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,7 +77,7 @@ class SuiteResult:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return 0 if self.ok and self.write_error is None else 1
 
     @property
     def failures(self) -> list[dict[str, Any]]:
@@ -232,8 +234,14 @@ def run_suite(
     explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.meshes, sel.dtypes, sel.checks, sel.models, sel.steps))
     level = "custom" if explicit else sel.level
     report = build_report(results, level=level, command=command, seconds=time.perf_counter() - t0, settings=settings())
-    paths = write_report(report, report_path) if report_path is not None else None
-    return SuiteResult(report, paths)
+    paths, write_error = None, None
+    if report_path is not None:
+        try:
+            paths = write_report(report, report_path)
+        except (OSError, ValueError) as exc:
+            # keep what was computed: the caller prints the table, then this line
+            write_error = f"cannot write the report {report_path}: {getattr(exc, 'strerror', None) or exc}"
+    return SuiteResult(report, paths, write_error)
 
 
 def preflight(cells: Sequence[Cell], sel: Selection) -> None:
