@@ -240,7 +240,8 @@ def cell_detail(c: Mapping[str, Any]) -> str:
     if label == "PASS":
         return f"bit-identical ({c.get('compared', '?')} compared)"
     worst = c.get("worst")
-    prefix = "bit-identical to sc; " if c.get("vs_sc_identical") else ""
+    prefix = "params bit-identical; " if c.get("params_identical") and c.get("check") == "training" else ""
+    prefix += "bit-identical to sc; " if c.get("vs_sc_identical") else ""
     if isinstance(worst, Mapping):
         return f"{prefix}within bound: worst {worst.get('param')} {worst.get('what')} |diff| {_num_text(worst.get('diff'))} <= {_num_text(worst.get('bound'))}"
     return f"{prefix}within bound: |diff| {_num_text(c.get('max_abs_diff'))} <= {_num_text(c.get('bound'))}"

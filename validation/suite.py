@@ -121,7 +121,9 @@ def settings() -> dict[str, Any]:
         "elementwise_optimizer": "AdamW",
         "elementwise_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in checks.ELEMENTWISE_KWARGS.items()},
         "training": {
-            "runner": "canzona.train.train",
+            "runner": "validation.checks._train_run (canzona.models.parallelize, DistributedOptimizer) vs validation.checks._teacher_forced",
+            "grad_rtol": dict(checks.GRAD_RTOL),
+            "param_rtol_wide_dp": dict(checks.PARAM_RTOL_WIDE_DP),
             "lr": {**DEFAULT_LR, "adamw": DEFAULT_ELEMENTWISE_LR},
             "elementwise_lr": DEFAULT_ELEMENTWISE_LR,
             "batch": checks.TRAIN_BATCH,
