@@ -20,18 +20,17 @@ mean over a power-of-two DP size is exact. The gradients enter through a real ba
 - every optimizer state entry, key by key, equals the reference optimizer's state for that
   parameter.
 
-**training** (real forward/backward: :func:`canzona.train.train` on the tiny Qwen3 with its
-default learning rates, DTensor TP via :func:`canzona.models.parallelize`, Markov-chain data): the
-loss trajectory of each strategy against ``sc`` on the same mesh (and, where bitwise equality is
-required, the fingerprint of the final full parameters), and ``sc`` against a single-process run
-on the global batch with the same hyperparameters.
-Bitwise equality is *required* where the floating-point operations are the same: against ``sc``
-on meshes with at most 2 DP ranks (a two-term sum is commutative, so all-reduce and reduce-scatter
-give the same bits; the model, data, TP forward and the optimizer math on whole tensors are the
-same). Elsewhere (DP 4: gloo's all-reduce and reduce-scatter may associate a four-term sum
-differently; ``sc`` vs one process: a mean of per-rank means and TP's row-parallel partial sums
-reassociate the arithmetic) the trajectories must agree within :data:`LOSS_RTOL` (per dtype and
-optimizer) relative to the loss, and the report carries the measured maximum and the reason.
+**training** (real forward/backward of the tiny Qwen3, DTensor TP via
+:func:`canzona.models.parallelize`, Markov-chain data, ``canzona train``'s default learning
+rates), judged against an independent single-process oracle (:func:`_teacher_forced`): per step
+and tensor, the gradients after the TP backward (DP-averaged) within :data:`GRAD_RTOL` of the
+single-process gradient at the same parameters, and the parameters after the step bitwise equal
+to the single-device optimizer stepped with the run's own DP-mean gradients (at most 2 DP ranks;
+:data:`PARAM_RTOL_WIDE_DP` at 4, where gloo may associate 4-term sums differently); every replica
+of every parameter, master and optimizer state bitwise equal on every rank holding it
+(:mod:`validation.replicas`); the loss within :data:`LOSS_RTOL` of the single-process loss and,
+for each strategy, losses and final parameters bitwise equal to ``sc``'s on meshes with at most 2
+DP ranks (the same operations; a two-term sum commutes), within :data:`LOSS_RTOL` elsewhere.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ number of steps:
 
 - ``check``: ``injected`` (gradients that reduce exactly in any order; parameters, fp32 masters
   and optimizer states must equal the single-device optimizer's bit for bit) or ``training``
-  (real forward/backward on the tiny Qwen3; the loss trajectory of each strategy against ``sc``,
-  and ``sc`` against a single-process run).
+  (real forward/backward on the tiny Qwen3, judged per tensor against a single-process oracle,
+  every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
   embeddings) or ``qwen3`` (``data/models/qwen3-tiny.json``).
-- ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones)
-  or ``adamw`` (AdamW on everything).
+- ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
+  ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
+  (:mod:`validation.targets`); the user's model likewise.
 - ``strategy``: the DP strategies ``sc``, ``layerwise``, ``asc``, ``lb-asc`` with their default TP
   schedules (``sync``, ``sync``, ``round-robin``, ``lpt``), ``no-fuse`` (``lb-asc`` with the
   ``no-fuse`` TP schedule, Section 4's fusion ablation; only on meshes with TP, since without TP
