@@ -188,13 +188,20 @@ def test_training_gate_catches_planted_defects_on_every_rank() -> None:
     qk = "training/qwen3/muon/lb-asc/dp2xtp2/float32"
     state = "training/qwen3/muon/sc/dp2/float32"
     lr = "training/qwen3/muon/lb-asc/dp2/float32"
+    injected = "injected/awkward/muon/sc/dp2/float32"  # the injected check reads every replica too
     res = run_suite(
-        Selection(optimizers=("muon",), strategies=("sc", "lb-asc"), meshes=("dp2", "dp2xtp2"), dtypes=("float32",), checks=("training",), steps=2),
+        Selection(optimizers=("muon",), strategies=("sc", "lb-asc"), meshes=("dp2", "dp2xtp2"), dtypes=("float32",), models=("awkward", "qwen3"), steps=2),
         report_path=None,
-        fault=[PlantedFault(qk, "qk-norm-unreduced", "defect"), PlantedFault(state, "state-on-dp1", "defect"), PlantedFault(lr, "lr-on-dp1", "defect")],
+        fault=[
+            PlantedFault(qk, "qk-norm-unreduced", "defect"),
+            PlantedFault(state, "state-on-dp1", "defect"),
+            PlantedFault(lr, "lr-on-dp1", "defect"),
+            PlantedFault(injected, "state-on-dp1", "defect"),
+        ],
     )
     by = {c["cell"]: c for c in res.report["cells"]}
-    assert sorted(c["cell"] for c in res.failures) == sorted([qk, state, lr]), res.table(full=True)
+    assert sorted(c["cell"] for c in res.failures) == sorted([qk, state, lr, injected]), res.table(full=True)
+    assert by[injected]["first_mismatch"]["what"].startswith("replica@rank1:state."), by[injected]
     assert by["training/qwen3/muon/sc/dp2xtp2/float32"]["measured"]["grad"] < 1e-5  # the oracle's rounding, not a defect
     m = by[qk]
     assert m["measured"]["grad"] > 0.1 and any("norm" in p for p in m["mismatched_params"]), m
