@@ -110,6 +110,14 @@ LOSS_RTOL: dict[str, dict[str, float]] = {
 }
 
 
+def _elementwise_optimizer(name: str) -> bool:
+    """Whether ``name`` is a registered element-wise optimizer (AdamW): it then runs on every
+    parameter with one set of hyperparameters (a user's optimizer counts as a matrix one)."""
+    from canzona.optimizers import get_optimizer, optimizer_names
+
+    return name in optimizer_names() and not get_optimizer(name).matrix
+
+
 def optimizer_setup(optimizer: str, user_kwargs: Mapping[str, Any] | None = None) -> tuple[type[torch.optim.Optimizer], dict[str, Any], dict[str, Any]]:
     """(matrix optimizer class, its kwargs, element-wise AdamW kwargs) for a cell's optimizer: a
     built-in name (its :data:`OPTIMIZER_KWARGS`, updated by ``user_kwargs``) or an import path
@@ -118,7 +126,7 @@ def optimizer_setup(optimizer: str, user_kwargs: Mapping[str, Any] | None = None
 
     cls = resolve_optimizer_class(optimizer)
     kw = {**OPTIMIZER_KWARGS.get(optimizer, {}), **dict(user_kwargs or {})} if optimizer in BUILTIN_OPTIMIZERS else dict(user_kwargs or {})
-    ew = dict(kw) if optimizer == "adamw" else dict(ELEMENTWISE_KWARGS)
+    ew = dict(kw) if _elementwise_optimizer(optimizer) else dict(ELEMENTWISE_KWARGS)
     return cls, kw, ew
 
 
@@ -326,7 +334,7 @@ def _train_lr(optimizer: str) -> float | None:
     rate for all parameters makes every strategy's AdamW the same optimizer."""
     from canzona.train import DEFAULT_ELEMENTWISE_LR
 
-    return DEFAULT_ELEMENTWISE_LR if optimizer == "adamw" else None
+    return DEFAULT_ELEMENTWISE_LR if _elementwise_optimizer(optimizer) else None
 
 
 def _train_setup(optimizer: str, user_kwargs: Mapping[str, Any] | None) -> tuple[type[torch.optim.Optimizer], dict[str, Any], dict[str, Any]]:
@@ -400,7 +408,7 @@ def _train_run(
             mesh=ctx.mesh,
             optimizer_kwargs=kw,
             elementwise_optimizer=torch.optim.AdamW,
-            elementwise_kwargs=ew if optimizer != "adamw" else {"lr": kw["lr"]},
+            elementwise_kwargs={"lr": kw["lr"]} if _elementwise_optimizer(optimizer) else ew,
             tp_schedule=schedule,
             master_dtype=torch.float32,
         )
@@ -465,7 +473,7 @@ def _teacher_forced(optimizer: str, okw: Mapping[str, Any] | None, dtype_name: s
     dp = 1 + max(r["dp_rank"] for r in ranks)
     names = [n for n, _ in model.named_parameters()]
     runner = ReferenceRunner(
-        model, cls, kw, torch.optim.AdamW, ew if optimizer != "adamw" else {"lr": kw["lr"]}, all_elementwise=all_elementwise, master_dtype=torch.float32
+        model, cls, kw, torch.optim.AdamW, {"lr": kw["lr"]} if _elementwise_optimizer(optimizer) else ew, all_elementwise=all_elementwise, master_dtype=torch.float32
     )
     probe = copy.deepcopy(model)
     initial = params_of(model)

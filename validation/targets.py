@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from canzona.optimizers import optimizer_names
+
 __all__ = [
     "BUILTIN_MODELS",
     "BUILTIN_OPTIMIZERS",
@@ -41,7 +43,8 @@ __all__ = [
     "check_model_target",
 ]
 
-BUILTIN_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adamw")
+#: the registered optimizer names (:mod:`canzona.optimizers`) at import time
+BUILTIN_OPTIMIZERS: tuple[str, ...] = optimizer_names()
 BUILTIN_MODELS: tuple[str, ...] = ("awkward", "qwen3")
 
 
