@@ -264,3 +264,18 @@ def test_a_failed_report_write_keeps_the_results(tmp_path: Path, monkeypatch: py
     assert rc == 1
     assert "1 cells: 1 passed" in captured.out
     assert captured.err.strip() == f"canzona validate: error: cannot write the report {tmp_path / 'r' / 'report.json'}: No space left on device"
+
+
+def test_replica_comparison_names_the_rank_and_entry() -> None:
+    from validation.compare import Comparator
+    from validation.replicas import compare_replicas
+
+    m = torch.arange(6.0).reshape(2, 3)
+    r0 = {"owner:w[0:6]": {"master": m, "state.momentum_buffer": m * 2, "state.step": 3}, "param:b": torch.ones(2), "owner:only[0:2]": {"master": m}}
+    r1 = {"owner:w[0:6]": {"master": m.clone(), "state.momentum_buffer": m * 4, "state.step": 3}, "param:b": torch.ones(2)}
+    cmp = Comparator()
+    assert compare_replicas([r0, r1], cmp) == 2  # 'only' is held by one rank: nothing to compare
+    assert [(x.param, x.what, x.index) for x in cmp.mismatches] == [("w", "replica@rank1:state.momentum_buffer", 1)]
+    cmp = Comparator()
+    compare_replicas([{"param:b@tp0": torch.ones(2)}, {"param:b@tp0": torch.tensor([1.0, float("nan")])}], cmp, label="@step2")
+    assert cmp.first is not None and cmp.first.what == "replica@rank1@step2:param" and cmp.first.param == "b"
