@@ -483,15 +483,18 @@ EXACTNESS = [
 
 `canzona validate` runs every (optimizer, strategy, mesh, dtype) cell of the exactness suite and
 compares the distributed update with the single-device optimizer bit for bit (`torch.equal`); the
-report also records the training loss per step of each strategy. This notebook reads
-`data/validation/report.json` when a run wrote one, else the shipped sample
-(`data/validation-sample/report.json`); set `REPORT` to read another.
+report also records the training loss per step of each strategy. This notebook reads the newest
+report under `runs/validation/` when a run wrote one, else the shipped sample
+(`data/validation-sample/report.json`); set `REPORT` to read another, or `RUN_VALIDATION = True`
+to run the suite from here with `validation.run` (the Python API behind `canzona validate`; it
+takes your own optimizer as a class or an import path, and spawns worker processes).
 """),
     code("""
 # Parameters
 from canzona.viz.exactness import default_report_path
 
 REPORT = default_report_path()
+RUN_VALIDATION = False
 """, parameters=True),
     code("""
 import pandas as pd
@@ -502,8 +505,13 @@ from canzona.viz import exactness as ve
 
 viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
-report = ve.load_validation_report(REPORT)
-print(REPORT, report["summary"])
+if RUN_VALIDATION:
+    import validation
+
+    report = validation.run("muon", meshes=["dp2"], strategies=["sc", "lb-asc"]).report
+else:
+    report = ve.load_validation_report(REPORT)
+print(report["summary"])
 viz.fig_validation_matrix(report)
 """),
     md("All cells, failures first (`max_abs_diff` is 0 for a passing cell):"),

@@ -151,18 +151,22 @@ def test_validate_report_dir_and_failed_write(capsys, tmp_path: Path, monkeypatc
     from validation import report as vr
     from validation import suite
 
-    # --report DIR: refused in one line before any work, never DIR.json beside the folder
+    # --report DIR: the pair goes inside DIR, never DIR.json beside the folder
     folder = tmp_path / "out"
     folder.mkdir()
-    out, line, _ = _one_line(capsys, ["validate", "--quick", "--report", str(folder)])
-    assert "is a directory" in line and out == ""
-    assert not (tmp_path / "out.json").exists() and not (tmp_path / "out.csv").exists()
-    # a failed report write keeps the computed results: the table is printed, then one line
+    assert vr.report_dir_paths(folder) == (folder / "report.json", folder / "report.csv")
     rep = vr.build_report([], level="quick", command="test", seconds=0.0, settings={})
+    js, cs = vr.write_report(rep, vr.report_dir_paths(folder)[0])
+    assert js.parent == folder and cs.parent == folder
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "out.csv").exists()
+    # a failed report write keeps the computed results: the table is printed, then one line, exit 1
     target = tmp_path / "r"
     monkeypatch.setattr(suite, "run_suite", lambda *a, **k: suite.SuiteResult(rep, None, f"cannot write the report {target}: No space left on device"))
-    out, line, _ = _one_line(capsys, ["validate", "--quick", "--report", str(target)])
-    assert "No space left on device" in line and str(target) in line
+    code = main(["validate", "--quick", "-q", "--report", str(target)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and str(target) in lines[0], err
     assert out.strip(), "the results table was not printed"
 
 

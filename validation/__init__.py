@@ -12,14 +12,22 @@ Run it as ``canzona validate --quick`` (CI) or ``--full``, or ``python -m valida
 :mod:`validation.matrix` (cells, filters), :mod:`validation.models` (the awkward parameter set),
 :mod:`validation.checks` (the worker and both checks), :mod:`validation.compare` (bitwise
 comparison), :mod:`validation.report` (JSON/CSV/table), :mod:`validation.suite` (orchestration),
-:mod:`validation.cli` (arguments, exit codes).
+:mod:`validation.cli` (arguments, exit codes), :mod:`validation.targets` (the user's optimizer and
+model by import path), :mod:`validation.probe` (separability probes), :mod:`validation.replicas`
+(every copy on every rank), :mod:`validation.defects` (planted defects the gate must catch).
+
+Python API: ``validation.run(optimizer, model, meshes=[...])`` returns a :class:`SuiteResult`
+(``ok``, ``failures``, ``table()``, ``report``); the pytest fixture ``canzona_exact``
+(:mod:`canzona.pytest_plugin`) wraps it.
 """
 
 from __future__ import annotations
 
 from validation.matrix import CHECKS, DTYPES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Cell, MeshSpec, Selection, build_matrix, parse_mesh
 from validation.report import format_table, load_report, report_frame, write_report
-from validation.suite import PlantedFault, SuiteResult, run_suite
+from validation.probe import NotSeparableError, probe_separable
+from validation.suite import PlantedFault, SuiteResult, run, run_suite
+from validation.targets import TargetError
 
 __all__ = [
     "CHECKS",
@@ -35,7 +43,11 @@ __all__ = [
     "parse_mesh",
     "PlantedFault",
     "SuiteResult",
+    "run",
     "run_suite",
+    "NotSeparableError",
+    "probe_separable",
+    "TargetError",
     "format_table",
     "load_report",
     "report_frame",

@@ -5,13 +5,14 @@ number of steps:
 
 - ``check``: ``injected`` (gradients that reduce exactly in any order; parameters, fp32 masters
   and optimizer states must equal the single-device optimizer's bit for bit) or ``training``
-  (real forward/backward on the tiny Qwen3; the loss trajectory of each strategy against ``sc``,
-  and ``sc`` against a single-process run).
+  (real forward/backward on the tiny Qwen3, judged per tensor against a single-process oracle,
+  every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
   embeddings) or ``qwen3`` (``data/models/qwen3-tiny.json``).
-- ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones)
-  or ``adamw`` (AdamW on everything).
+- ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
+  ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
+  (:mod:`validation.targets`); the user's model likewise.
 - ``strategy``: the DP strategies ``sc``, ``layerwise``, ``asc``, ``lb-asc`` with their default TP
   schedules (``sync``, ``sync``, ``round-robin``, ``lpt``), ``no-fuse`` (``lb-asc`` with the
   ``no-fuse`` TP schedule, Section 4's fusion ablation; only on meshes with TP, since without TP
@@ -126,9 +127,15 @@ class Cell:
         return parse_mesh(self.mesh)
 
 
-def parse_names(values: Sequence[str] | str | None, allowed: Sequence[str], what: str) -> tuple[str, ...] | None:
+def _is_path(name: str) -> bool:
+    mod, sep, attr = name.partition(":")
+    return bool(sep and mod.strip() and attr.strip())
+
+
+def parse_names(values: Sequence[str] | str | None, allowed: Sequence[str], what: str, *, paths: bool = False) -> tuple[str, ...] | None:
     """Comma-separated and/or repeated names -> a tuple in the order given, or None when not given.
-    Raises ValueError naming the first unknown one and the choices."""
+    Raises ValueError naming the first unknown one and the choices. With ``paths``, an import path
+    ``package.module:Name`` is accepted too (kept as written; the user's optimizer or model)."""
     if values is None:
         return None
     if isinstance(values, str):
@@ -139,8 +146,11 @@ def parse_names(values: Sequence[str] | str | None, allowed: Sequence[str], what
             name = part.strip().lower()
             if not name:
                 continue
-            if name not in allowed:
-                raise ValueError(f"unknown {what} {part.strip()!r}; choose from {', '.join(allowed)}")
+            if paths and _is_path(part.strip()):
+                name = part.strip()
+            elif name not in allowed:
+                extra = " or an import path package.module:Name" if paths else ""
+                raise ValueError(f"unknown {what} {part.strip()!r}; choose from {', '.join(allowed)}{extra}")
             if name not in out:
                 out.append(name)
     if not out:
@@ -167,6 +177,10 @@ class Selection:
     models: tuple[str, ...] | None = None
     steps: int | None = None
     max_procs: int = field(default_factory=default_max_procs)
+    #: keyword arguments for the optimizer (built-in: updates its suite settings) and for the
+    #: user's model factory; plain JSON values
+    optimizer_kwargs: dict | None = None
+    model_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.level not in ("quick", "full"):
@@ -183,6 +197,8 @@ class Selection:
             ("model", MODELS, self.models),
         ):
             for v in vals or ():
+                if what in ("optimizer", "model") and _is_path(v):
+                    continue
                 if v not in allowed:
                     raise ValueError(f"unknown {what} {v!r}; choose from {', '.join(allowed)}")
         for m in self.meshes or ():
@@ -202,8 +218,8 @@ _STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training
 def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     if strategy == "no-fuse" and mesh.tp == 1:
         return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
-    if get_strategy(strategy_args(strategy)[0]).elementwise_only and get_optimizer(optimizer).matrix:
-        return False  # the strategy cuts matrices: element-wise optimizers only
+    if get_strategy(strategy_args(strategy)[0]).elementwise_only and (_is_path(optimizer) or get_optimizer(optimizer).matrix):
+        return False  # the strategy cuts matrices: element-wise optimizers only (a user's optimizer counts as a matrix one)
     if check == "training" and model != "qwen3":
         return False  # only the Qwen3 model has a language-model forward and data
     return True
@@ -218,7 +234,12 @@ _QUICK_PAIR: tuple[str, ...] = ("sc", "lb-asc")
 def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     """The CI subset: every optimizer x strategy x mesh once on the awkward model in fp32 (the bulk
     of the exactness promise), bf16 masters and the Qwen3 model on the two-process meshes, and the
-    training check for Muon on every mesh."""
+    training check for Muon on every mesh. The user's optimizer (an import path) is kept where
+    Muon is, the user's model where the awkward model is."""
+    if _is_path(optimizer):
+        optimizer = "muon"
+    if _is_path(model):
+        model = "awkward"
     if strategy in _QUICK_SKIPS:
         return False
     if check == "training":
@@ -247,7 +268,15 @@ def build_matrix(sel: Selection) -> list[Cell]:
     dtypes = sel.dtypes or DTYPES
     checks = sel.checks or CHECKS
     models = sel.models or MODELS
-    explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.dtypes, sel.checks, sel.models, sel.meshes))
+    custom = any(_is_path(v) for v in (*optimizers, *models))
+    if custom:
+        # the user's optimizer or model: --quick keeps its CI subset on the meshes asked for (a
+        # project's CI job names meshes and must stay fast); other filters narrow it
+        explicit = any(v is not None for v in (sel.strategies, sel.dtypes, sel.checks)) or any(
+            not _is_path(v) for v in (*(sel.optimizers or ()), *(sel.models or ()))
+        )
+    else:
+        explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.dtypes, sel.checks, sel.models, sel.meshes))
     cells: list[Cell] = []
     for mesh in fit:
         for check in checks:

@@ -90,8 +90,23 @@ def shard_plain(model: nn.Module, tp_dims: dict[str, int], tp_rank: int, tp: int
     return dict(tp_dims)
 
 
-def build_model(kind: str, dtype: torch.dtype, *, tp_rank: int = 0, tp: int = 1, seed: int = 0) -> tuple[nn.Module, nn.Module, dict[str, int], int | None]:
-    """(sharded model for this rank, full unsharded copy, tp_dims, bucket_numel or None for the default)."""
+def build_model(
+    kind: str, dtype: torch.dtype, *, tp_rank: int = 0, tp: int = 1, seed: int = 0, model_kwargs: dict | None = None
+) -> tuple[nn.Module, nn.Module, dict[str, int], int | None]:
+    """(sharded model for this rank, full unsharded copy, tp_dims, bucket_numel or None for the default).
+
+    ``kind`` is ``awkward``, ``qwen3`` or the import path of the user's model factory
+    (:mod:`validation.targets`; its ``canzona_tp_dims`` attribute, if any, names the parameters
+    split over TP, sharded here Megatron-style)."""
+    from validation.targets import is_import_path
+
+    if is_import_path(kind):
+        from validation.targets import build_custom_model
+
+        full = build_custom_model(kind, model_kwargs or {}, dtype=dtype)
+        model = copy.deepcopy(full)
+        dims = shard_plain(model, dict(getattr(full, "canzona_tp_dims", None) or {}), tp_rank, tp)
+        return model, full, dims, None
     if kind == "awkward":
         full = AwkwardModel(seed=seed, dtype=dtype)
         model = copy.deepcopy(full)

@@ -45,6 +45,12 @@ __all__ = [
     "load_report",
     "report_frame",
     "default_report_path",
+    "report_dir_paths",
+    "latest_report",
+    "format_summary",
+    "result_label",
+    "cell_detail",
+    "RUNS_DIR",
 ]
 
 SCHEMA = "canzona.validation"
@@ -72,12 +78,36 @@ CSV_COLUMNS: tuple[str, ...] = (
 _REQUIRED_CELL = ("optimizer", "strategy", "mesh", "dtype", "check", "passed", "max_abs_diff", "first_mismatch", "seconds")
 
 
-def default_report_path() -> Path:
-    """``data/validation/report.json`` under the source checkout (where ``pyproject.toml`` is), else
-    under the current directory."""
-    root = Path(__file__).resolve().parents[1]
-    base = root if (root / "pyproject.toml").is_file() else Path.cwd()
-    return base / "data" / "validation" / "report.json"
+#: Where ``canzona validate`` writes its reports unless ``--report`` says otherwise (relative to
+#: the current directory, one timestamped folder per run; never the source tree).
+RUNS_DIR = Path("runs") / "validation"
+
+
+def default_report_path(now: datetime | None = None) -> Path:
+    """``runs/validation/<UTC timestamp>/report.json`` under the current directory."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    base = Path.cwd() / RUNS_DIR / stamp
+    p, n = base, 1
+    while p.exists():  # two runs in the same second
+        n += 1
+        p = base.with_name(f"{stamp}-{n}")
+    return p / "report.json"
+
+
+def report_dir_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``--report PATH``: ``x.json`` or ``x.csv`` name the pair; anything else is a directory that
+    receives ``report.json`` and ``report.csv`` (created if missing)."""
+    p = Path(path)
+    if p.suffix.lower() in (".json", ".csv"):
+        return report_paths(p)
+    return p / "report.json", p / "report.csv"
+
+
+def latest_report(root: str | os.PathLike[str] | None = None) -> Path | None:
+    """The newest ``runs/validation/*/report.json`` under ``root`` (default: the current directory)."""
+    base = Path(root) if root is not None else Path.cwd()
+    found = sorted((base / RUNS_DIR).glob("*/report.json"), key=lambda p: (p.stat().st_mtime, p.name))
+    return found[-1] if found else None
 
 
 def report_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -178,37 +208,82 @@ def _mismatch_text(m: Mapping[str, Any] | None) -> str:
     return f"{m.get('param')} {what}{at}".strip()
 
 
-def _diff_text(v: Any) -> str:
+def _num_text(v: Any) -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, str):
+        return v
     if v == 0:
         return "0"
     return f"{v:.3g}"
 
 
-def format_table(report: Mapping[str, Any]) -> str:
-    """Fixed-width table: cell, result, max abs diff, first differing parameter and index, time;
-    then the summary line."""
-    rows = []
-    for c in report["cells"]:
-        result = "PASS" if c["passed"] else ("ERROR" if c.get("error") else "FAIL")
-        if c["passed"] and c.get("bitwise_expected") is False and not c.get("bitwise", True):
-            result = "PASS~"  # within the documented bound, not bitwise (reason in the report)
-        first = _mismatch_text(c.get("first_mismatch")) or (c.get("error") or "")
-        rows.append((c["cell"], result, _diff_text(c.get("max_abs_diff")), first[:70], f"{c['seconds']:.2f}s"))
-    head = ("cell", "result", "max abs diff", "first mismatch", "time")
+def result_label(c: Mapping[str, Any]) -> str:
+    """``PASS`` (bit-identical where bitwise equality is required), ``PASS~`` (within a documented
+    bound where it is not), ``FAIL`` (a mismatch), ``ERROR`` (the cell raised)."""
+    if not c["passed"]:
+        return "ERROR" if c.get("error") else "FAIL"
+    if c.get("bitwise_expected") is False and not c.get("bitwise", False):
+        return "PASS~"
+    return "PASS"
+
+
+def cell_detail(c: Mapping[str, Any]) -> str:
+    """One phrase per cell that never calls a bounded cell identical: ``bit-identical`` for PASS,
+    the worst difference next to its bound for PASS~, the first mismatch for FAIL."""
+    label = result_label(c)
+    if label == "ERROR":
+        return str(c.get("error") or "")
+    if label == "FAIL":
+        m = c.get("first_mismatch") or {}
+        text = _mismatch_text(m)
+        if m.get("expected") is not None or m.get("got") is not None:
+            text += f": expected {_num_text(m.get('expected'))}, got {_num_text(m.get('got'))}"
+        return text
+    if label == "PASS":
+        return f"bit-identical ({c.get('compared', '?')} compared)"
+    worst = c.get("worst")
+    prefix = "params bit-identical; " if c.get("params_identical") and c.get("check") == "training" else ""
+    prefix += "bit-identical to sc; " if c.get("vs_sc_identical") else ""
+    if isinstance(worst, Mapping):
+        return f"{prefix}within bound: worst {worst.get('param')} {worst.get('what')} |diff| {_num_text(worst.get('diff'))} <= {_num_text(worst.get('bound'))}"
+    return f"{prefix}within bound: |diff| {_num_text(c.get('max_abs_diff'))} <= {_num_text(c.get('bound'))}"
+
+
+def _rows_table(cells: Sequence[Mapping[str, Any]]) -> str:
+    rows = [(c["cell"], result_label(c), cell_detail(c)[:110], f"{c['seconds']:.2f}s" if isinstance(c.get("seconds"), (int, float)) else "") for c in cells]
+    head = ("cell", "result", "detail", "time")
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
     out = io.StringIO()
-    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
-    out.write(line.rstrip() + "\n")
+    out.write("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip() + "\n")
     out.write("  ".join("-" * w for w in widths) + "\n")
     for r in rows:
         out.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
-    s = report["summary"]
-    out.write(f"\n{s['cells']} cells: {s['passed']} passed, {s['failed']} failed ({s.get('errors', 0)} errors) in {s['seconds']:.1f} s\n")
-    if any(c["passed"] and c.get("bitwise_expected") is False and not c.get("bitwise", True) for c in report["cells"]):
-        out.write("PASS~ = within the documented bound where bitwise equality is not expected (see 'reason' in the JSON report)\n")
     return out.getvalue()
+
+
+def _summary_lines(report: Mapping[str, Any]) -> str:
+    s = report["summary"]
+    labels = [result_label(c) for c in report["cells"]]
+    exact, bounded = labels.count("PASS"), labels.count("PASS~")
+    out = (
+        f"\n{s['cells']} cells: {s['passed']} passed ({exact} bit-identical, {bounded} within a documented bound), "
+        f"{s['failed']} failed ({s.get('errors', 0)} errors) in {s['seconds']:.1f} s\n"
+    )
+    if bounded:
+        out += "PASS~ = within the documented bound where bitwise equality is not expected (see 'reason' in the JSON report)\n"
+    return out
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    """Fixed-width table of every cell (cell, result, detail, time), then the summary line."""
+    return _rows_table(report["cells"]) + _summary_lines(report)
+
+
+def format_summary(report: Mapping[str, Any]) -> str:
+    """The compact form: failing cells in full (their table rows), passes counted by kind."""
+    bad = [c for c in report["cells"] if not c["passed"]]
+    return (_rows_table(bad) if bad else "") + _summary_lines(report)
 
 
 def _csv_text(report: Mapping[str, Any]) -> str:

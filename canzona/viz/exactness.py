@@ -110,8 +110,13 @@ def validate_report(doc: Any, *, source: str = "validation report") -> dict[str,
     return doc
 
 
-def default_report_path() -> Path:
-    """``data/validation/report.json`` when a validation run wrote one, else the shipped sample."""
+def default_report_path(root: str | Path | None = None) -> Path:
+    """The newest report ``canzona validate`` wrote under ``runs/validation/`` (of ``root``, default
+    the current directory), else ``data/validation/report.json`` when an older run wrote one there,
+    else the shipped sample."""
+    runs = sorted((Path(root) if root is not None else Path.cwd()).glob("runs/validation/*/report.json"), key=lambda p: (p.stat().st_mtime, p.name))
+    if runs:
+        return runs[-1]
     return DEFAULT_REPORT if DEFAULT_REPORT.is_file() else SAMPLE_REPORT
 
 

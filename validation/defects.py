@@ -1,0 +1,84 @@
+"""Planted defects that the training gate must catch: the suite's own proof that it can fail.
+
+Each defect reproduces a class of bug the gate once missed (issue 17: a gate that compared every
+strategy with ``sc``, which shares the model's TP code, and read state from DP rank 0 only). They
+are armed for one cell inside the validation worker (``PlantedFault(cell, "<name>", "defect")``
+or ``CANZONA_FAULT="defect=<name>"``), never in the runtime's hot path:
+
+- ``qk-norm-unreduced``: the tiny Qwen3's per-head q/k-norm gradients are no longer summed over
+  the TP ranks (``canzona.models.tp``'s all-reduce hook becomes the identity): each TP rank
+  steps its replica with a partial gradient;
+- ``state-on-dp1``: after the last step, DP rank 1 doubles every floating-point optimizer-state
+  tensor it holds (a replica that drifted where a ``state_dict`` never looks);
+- ``lr-on-dp1``: DP rank 1 runs with 1.5 x the matrix learning rate (ranks disagree on a
+  hyperparameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["DEFECTS", "Defect"]
+
+
+class Defect:
+    """Hooks the worker calls around one cell: ``setup`` before the model is built (returns an
+    undo callable), ``before_step``/``after_step`` around each optimizer step."""
+
+    name = ""
+
+    def setup(self) -> Callable[[], None]:
+        return lambda: None
+
+    def before_step(self, step: int, dopt: Any, dp_rank: int) -> None:
+        pass
+
+    def after_step(self, step: int, steps: int, dopt: Any, dp_rank: int) -> None:
+        pass
+
+
+class QKNormUnreduced(Defect):
+    name = "qk-norm-unreduced"
+
+    def setup(self) -> Callable[[], None]:
+        from canzona.models import tp as model_tp
+
+        original = model_tp._allreduce_grad_hook
+        model_tp._allreduce_grad_hook = lambda group: (lambda grad: grad)
+
+        def undo() -> None:
+            model_tp._allreduce_grad_hook = original
+
+        return undo
+
+
+class StateOnDP1(Defect):
+    name = "state-on-dp1"
+
+    def after_step(self, step: int, steps: int, dopt: Any, dp_rank: int) -> None:
+        if step != steps or dp_rank != 1:
+            return
+        rt = dopt.runtime
+        opts = [rt.matrix_opt, rt.elementwise_opt] + ([rt.tp_engine.optimizer] if rt.tp_engine is not None else [])
+        with torch.no_grad():
+            for opt in opts:
+                if opt is None:
+                    continue
+                for st in opt.state.values():
+                    for v in st.values():
+                        if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                            v.mul_(2.0)
+
+
+class LROnDP1(Defect):
+    name = "lr-on-dp1"
+
+    def before_step(self, step: int, dopt: Any, dp_rank: int) -> None:
+        if step == 1 and dp_rank == 1:
+            dopt.param_groups[0]["lr"] *= 1.5
+
+
+DEFECTS: dict[str, type[Defect]] = {d.name: d for d in (QKNormUnreduced, StateOnDP1, LROnDP1)}
