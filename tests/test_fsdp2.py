@@ -499,3 +499,26 @@ def test_unsupported_placement_and_mixed_mesh_are_refused() -> None:
         _check_mesh(None, 4)
     with pytest.raises(ValueError, match="not a DTensor"):
         _check_placements("w", torch.zeros(2, 2), FakeMesh())
+
+
+def test_cli_plan_fsdp_prints_ratios_and_writes_the_document(capsys, tmp_path) -> None:
+    import json
+
+    from canzona.cli import main
+
+    path = tmp_path / "fsdp.json"
+    code = main(["plan", "--model", "qwen3-32b", "--fsdp", "32", "--tp", "8", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert "256 ranks" in out and "atomic bound" in out and str(path) in out
+    plan = FSDPPlan.from_dict(json.loads(path.read_text()))
+    assert plan.inputs.world == 256 and plan.inputs.strategy == "lb-asc"
+    assert f"{plan.metrics['flops_ratio']:.3f}" in out
+    for argv, msg in (
+        (["--fsdp", "4", "--dp", "4"], "give one of them"),
+        (["--fsdp", "4", "--strategy", "zero1"], "ZeRO-1"),
+        (["--dp", "4", "--strategy", "no-fuse"], "FSDP2 only"),
+    ):
+        code = main(["plan", "--model", "qwen3-tiny", *argv])
+        out, err = capsys.readouterr()
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1

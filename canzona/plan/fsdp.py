@@ -61,6 +61,7 @@ __all__ = [
     "piece_numels",
     "params_from_specs",
     "plan_fsdp",
+    "plan_fsdp_model",
 ]
 
 SCHEMA = "canzona.fsdp_plan"
@@ -355,3 +356,30 @@ def params_from_specs(specs: Sequence[ParamSpec]) -> list[FSDPParam]:
     """:class:`FSDPParam` records (unplanned) from planner specs (TP split dim kept)."""
     return [FSDPParam(s.name, tuple(s.shape), s.kind, s.tp_dim if s.tp_split else None) for s in specs]
 
+
+
+def plan_fsdp_model(
+    model: Any,
+    *,
+    dp_shard: int,
+    tp: int = 1,
+    dp_replicate: int = 1,
+    layout: str = "hf",
+    optimizer: str = "muon",
+    strategy: str = "lb-asc",
+    cost: str = "numel",
+    cmax_bytes: int = 512 * 2**20,
+) -> FSDPPlan:
+    """Plan a shipped model (name), a config file (path) or a ``ModelConfig`` for FSDP2 over
+    ``dp_replicate x dp_shard x tp`` ranks. ``layout="hf"`` (separate q/k/v and gate/up, as
+    torchtitan's models) is the FSDP default; ``megatron`` fuses them."""
+    from canzona.plan.build import resolve_model
+    from canzona.specs import specs_from_config
+
+    cfg = resolve_model(model)
+    for k, v in (("dp_shard", dp_shard), ("tp", tp), ("dp_replicate", dp_replicate)):
+        _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
+    # ParamSpec checks TP divisibility; FSDP2's own dim-0 chunking may be uneven (any size works)
+    specs = specs_from_config(cfg, tp=tp, layout=layout)
+    inputs = FSDPInputs(cfg.name, dp_shard, tp, dp_replicate, optimizer, strategy, cost, cmax_bytes)
+    return plan_fsdp(params_from_specs(specs), inputs)
