@@ -229,6 +229,19 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
         out[label] = {"mismatches": res.mismatches, "params": res.params, "state": res.document, "hosted": res.hosted,
                       "group": (res.group_rank, res.group_size), "state_bytes": res.state_bytes, "stats": res.comm}
         dist.barrier()
+    if mesh_key == "dp_shard2":
+        # planted defects inside the FSDP2 engine: one ulp on a hosted update, one lost state update
+        from canzona.runtime import faults
+
+        planted = {}
+        for kind, param in (("ulp", "layers.1.up"), ("stale_state", "layers.0.o")):
+            faults.arm(faults.Fault(kind, param, step=2, index=3))
+            try:
+                res = run_fsdp_case(mesh, "muon", "lb-asc", {"lr": 0.02}, EW_KWARGS, steps=STEPS)
+            finally:
+                faults.disarm()
+            planted[kind] = res.mismatches
+        out["planted"] = planted
     # resume: save after 2 steps, load into a fresh model and optimizer, step once; compare with
     # 3 uninterrupted steps (the first case above)
     label, opt_name, kw, strategy, dtype_name = CASES[mesh_key][0]
@@ -356,6 +369,18 @@ def test_state_dict_round_trip_resumes_bitwise(key: str) -> None:
 
 
 @pytest.mark.slow
+def test_planted_defects_are_caught_and_named() -> None:
+    planted = _mesh_results("dp_shard2")[0]["planted"]
+
+    def names(mismatches: list[str]) -> set[str]:
+        return {m.split(":", 1)[1].split("[")[0] for m in mismatches}
+
+    assert names(planted["ulp"]) == {"layers.1.up"} and "param:layers.1.up" in planted["ulp"]
+    assert names(planted["stale_state"]) == {"layers.0.o"}
+    assert any(m.startswith("state:layers.0.o[") for m in planted["stale_state"])
+
+
+@pytest.mark.slow
 def test_refusals_are_one_clear_error() -> None:
     errors = _mesh_results("dp_shard2")[0]["errors"]
     assert "zero1" in errors["zero1"] and "FSDP2" in errors["zero1"]
@@ -401,3 +426,22 @@ def test_cli_plan_fsdp_prints_ratios_and_writes_the_document(capsys, tmp_path) -
         code = main(["plan", "--model", "qwen3-tiny", *argv])
         out, err = capsys.readouterr()
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_fsdp_at_cluster_scale(capsys) -> None:
+    from canzona.cli import main
+    from canzona.plan.fsdp import plan_fsdp_model
+    from canzona.sim.fsdp import simulate_fsdp
+    from canzona.sim.hardware import load_hardware
+
+    hw = load_hardware("h800-ib400")
+    pred = {s: simulate_fsdp(plan_fsdp_model("qwen3-32b", dp_shard=32, tp=8, strategy=s, cost="flops"), hw) for s in ("lb-asc", "asc", "sc")}
+    assert pred["lb-asc"].ranks == 256 and len(pred["lb-asc"].per_rank_s) == 256
+    assert pred["lb-asc"].optimizer_s < pred["asc"].optimizer_s < pred["sc"].optimizer_s
+    assert pred["lb-asc"].rank_imbalance < pred["asc"].rank_imbalance
+    code = main(["simulate", "--model", "qwen3-32b", "--fsdp", "32", "--tp", "8", "--strategies", "lb-asc,asc"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "256 GPUs" in out and "asc" in out and "relative to lb-asc" in out
+    code = main(["simulate", "--model", "qwen3-32b", "--fsdp", "32", "--strategies", "zero1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "FSDP2 strategy" in err
