@@ -102,10 +102,12 @@ class FSDPToy(nn.Module):
         return self.embed(grads) + sum(layer(grads) for layer in self.layers)
 
 
-def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32) -> FSDPToy:
+def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32, *, mixed_precision: bool = False) -> FSDPToy:
     """:class:`FSDPToy`, TP-parallelized on ``mesh["tp"]`` when present, then ``fully_shard`` per
-    layer and at the root on ``dp_shard`` (``dp_replicate x dp_shard`` for HSDP)."""
-    from torch.distributed.fsdp import fully_shard
+    layer and at the root on ``dp_shard`` (``dp_replicate x dp_shard`` for HSDP). With
+    ``mixed_precision``, FSDP2's ``MixedPrecisionPolicy`` computes in bf16 and reduces in fp32 (the
+    sharded parameters stay in ``dtype``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     model = FSDPToy(dtype)
@@ -117,9 +119,12 @@ def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32) -> FSDPToy:
                 if tp_dim is not None:
                     setattr(layer, n, nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [Shard(tp_dim)])))
     shard_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
+    kw: dict[str, Any] = {"mesh": shard_mesh}
+    if mixed_precision:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 
@@ -198,6 +203,7 @@ def run_fsdp_case(
     dtype: torch.dtype = torch.float32,
     steps: int = 3,
     compare: bool = True,
+    mixed_precision: bool = False,
 ) -> FSDPCaseResult:
     """Run one exactness case on every rank of ``mesh`` (collective; see the module docstring)."""
     import torch.distributed as dist
@@ -207,7 +213,7 @@ def run_fsdp_case(
 
     kw = dict(optimizer_kwargs or {"lr": 0.02})
     ew = dict(elementwise_kwargs or {"lr": 0.01, "weight_decay": 0.1})
-    model = build_fsdp_toy(mesh, dtype)
+    model = build_fsdp_toy(mesh, dtype, mixed_precision=mixed_precision)
     opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=ew)
     for s in range(steps):
         model(fsdp_local_grads(mesh, s)).backward()

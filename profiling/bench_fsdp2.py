@@ -11,7 +11,8 @@ One Qwen3-like model (q/k/v/o with grouped KV heads, gate/up/down MLP, norms, un
 head; shapes divisible by the world so muon-fsdp2's even-shard gather works), sharded with
 ``fully_shard`` per layer and at the root on a 1-D ``dp_shard`` mesh. Every contender gets the same
 injected gradients through a real FSDP2 backward; only ``optimizer.step()`` is timed, between two
-barriers (so the wall time is the slowest rank's). Contenders:
+barriers (so the wall time is the slowest rank's); the contenders' steps are interleaved in a
+rotating order, so changes of machine load hit all of them alike. Contenders:
 
 - ``canzona lb-asc``  hosts balanced by Muon FLOPs (Algorithm 2 micro-groups, loads carried);
 - ``canzona asc``     round-robin hosts (the peers' placement) with canzona's fused exchanges;
@@ -191,41 +192,56 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import canzona
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    out: dict[str, Any] = {}
-    contenders = [f"canzona {s}" for s in STRATEGIES] + ["peer"]
-    for name in contenders:
+    contenders: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    for name in [f"canzona {s}" for s in STRATEGIES] + ["peer"]:
         model = _build(args, mesh)
         if name == "peer":
-            opt, label = _peer(model, args.lr)
+            opt, name = _peer(model, args.lr)
         else:
             opt = canzona.DistributedOptimizer(
-                model, "muon", strategy=name.split()[1], mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops"
+                model, "muon", strategy=name.split()[1], mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=args.cmax_mb
             )
-            label = name
-        grads = _grads(model, rank)
-        walls, cpus = [], []
-        for step in range(args.warmup + args.steps):
-            model(grads).backward()
-            if step == args.warmup and hasattr(opt, "comm_stats"):
-                opt.comm_stats.reset()
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            opt.step()
-            c1 = time.thread_time()
-            dist.barrier()
-            t1 = time.perf_counter()
-            opt.zero_grad()
-            if step >= args.warmup:
-                walls.append(t1 - t0)
-                cpus.append(c1 - c0)
+        contenders[name] = (model, opt)
+    grads = _grads(next(iter(contenders.values()))[0], rank)
+    walls: dict[str, list[float]] = {n: [] for n in contenders}
+    cpus: dict[str, list[float]] = {n: [] for n in contenders}
+
+    def one_step(name: str) -> tuple[float, float]:
+        model, opt = contenders[name]
+        model(grads).backward()
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        opt.step()
+        c1 = time.thread_time()
+        dist.barrier()
+        t1 = time.perf_counter()
+        opt.zero_grad()
+        return t1 - t0, c1 - c0
+
+    names = list(contenders)
+    for _ in range(args.warmup):  # compiles muon-fsdp2's Newton-Schulz, allocates every state
+        for name in names:
+            one_step(name)
+    for name in names:
+        opt = contenders[name][1]
+        if hasattr(opt, "comm_stats"):
+            opt.comm_stats.reset()
+    # interleaved, in a rotating order, so a change of machine load hits every contender alike
+    for step in range(args.steps):
+        for j in range(len(names)):
+            name = names[(j + step) % len(names)]
+            w, c = one_step(name)
+            walls[name].append(w)
+            cpus[name].append(c)
+    out: dict[str, Any] = {}
+    for name, (model, opt) in contenders.items():
         if hasattr(opt, "comm_stats"):
             sent = opt.comm_stats.total_sent() / args.steps
             state = opt.state_bytes()
         else:
             sent = _peer_bytes(model, world) / world  # per rank on average; summed over ranks below
             state = _state_bytes(opt)
-        out[label] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus), "sent": sent, "state": state}
-        dist.barrier()
+        out[name] = {"wall": statistics.median(walls[name]), "cpu": statistics.median(cpus[name]), "sent": sent, "state": state}
     return out
 
 
@@ -262,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", type=int, default=128, help="key/value width (grouped KV heads)")
     p.add_argument("--ffn", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per contender")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contender (interleaved)")
+    p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8: several groups, so exchanges overlap compute)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.02)
     args = p.parse_args(argv)
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
     print(
         f"Qwen3-like model: {args.layers} layers, hidden {args.hidden}, q {args.q}, kv {args.kv}, ffn {args.ffn}, vocab {args.vocab}; "
-        f"Muon lr {args.lr}; {args.steps} timed steps after {args.warmup} warm-up"
+        f"Muon lr {args.lr}; canzona C_max {args.cmax_mb:g} MiB; {args.steps} interleaved timed steps after {args.warmup} warm-up"
     )
     for w in worlds:
         per_rank = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)

@@ -163,7 +163,7 @@ def test_planner_at_cluster_scale_sits_at_the_atomic_bound() -> None:
 
 MESHES = FSDP_MESHES
 
-# (label, optimizer, optimizer kwargs, strategy, dtype)
+# (label, optimizer, optimizer kwargs, strategy, dtype[+mp: FSDP2 MixedPrecisionPolicy bf16 compute, fp32 reduce])
 CASES: dict[str, list[tuple[str, str, dict, str, str]]] = {
     "dp_shard2": [
         ("muon/lb-asc", "muon", {"lr": 0.02}, "lb-asc", "float32"),
@@ -187,6 +187,7 @@ CASES: dict[str, list[tuple[str, str, dict, str, str]]] = {
         ("shampoo/asc", "shampoo", {"lr": 0.01}, "asc", "float32"),
         ("soap/lb-asc", "soap", {"lr": 0.01}, "lb-asc", "float32"),
         ("sgd/no-fuse", "sgd", {"lr": 0.1, "momentum": 0.9}, "no-fuse", "float32"),
+        ("muon/lb-asc/mixed-precision", "muon", {"lr": 0.02}, "lb-asc", "float32+mp"),
     ],
     "dp_replicate2_dp_shard2": [
         ("muon/lb-asc", "muon", {"lr": 0.02}, "lb-asc", "float32"),
@@ -225,7 +226,8 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     out: dict[str, object] = {}
     for label, opt_name, kw, strategy, dtype_name in CASES[mesh_key]:
-        res = run_fsdp_case(mesh, _optimizer(opt_name), strategy, kw, EW_KWARGS, dtype=getattr(torch, dtype_name), steps=STEPS)
+        dtype, _, mp = dtype_name.partition("+")
+        res = run_fsdp_case(mesh, _optimizer(opt_name), strategy, kw, EW_KWARGS, dtype=getattr(torch, dtype), steps=STEPS, mixed_precision=mp == "mp")
         out[label] = {"mismatches": res.mismatches, "params": res.params, "state": res.document, "hosted": res.hosted,
                       "group": (res.group_rank, res.group_size), "state_bytes": res.state_bytes, "stats": res.comm}
         dist.barrier()
