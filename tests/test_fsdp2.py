@@ -250,11 +250,22 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
     model = build_fsdp_toy(mesh, torch.float32)
     opt = canzona.DistributedOptimizer(model, _optimizer(opt_name), strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
     _run(model, opt, mesh, range(2))
-    doc = [opt.state_dict()]
-    dist.broadcast_object_list(doc, src=0)
-    fresh = build_fsdp_toy(mesh, torch.float32)
+    # through a checkpoint file (rank 0 writes atomically, every rank reads with weights_only=True)
+    import os
+    import tempfile
+
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    path = [os.path.join(tempfile.mkdtemp(prefix="canzona-fsdp2-"), "opt.pt") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    save_checkpoint(opt, path[0])
+    fresh = build_fsdp_toy(mesh, torch.float32)  # initial values: the load must write the step-2 pieces
     opt2 = canzona.DistributedOptimizer(fresh, _optimizer(opt_name), strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
-    opt2.load_state_dict(doc[0])
+    load_checkpoint(opt2, path[0])
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path[0])
+        os.rmdir(os.path.dirname(path[0]))
     _run(fresh, opt2, mesh, range(2, STEPS))
     out["resume"] = {"params": _full_params(fresh), "state": opt2.state_dict(), "steps": opt2.steps}
     # refusals (same on every rank, before any collective)
