@@ -137,8 +137,9 @@ def _check_placements(name: str, p: torch.Tensor, mesh: Any) -> int | None:
         raise ValueError(f"{name}: its mesh {pnames} has no 'dp_shard' dimension; shard it with fully_shard(mesh=mesh['dp_shard'])")
     tp_dim: int | None = None
     for dim_name, pl in zip(pnames, p.placements):
-        if dim_name not in FSDP_MESH_DIMS or pm.size(pnames.index(dim_name)) != mesh.size(mesh.mesh_dim_names.index(dim_name)):
-            raise ValueError(f"{name}: mesh dimension {dim_name!r} does not match the optimizer's mesh")
+        names = tuple(mesh.mesh_dim_names)
+        if dim_name not in names or pm.size(pnames.index(dim_name)) != mesh.size(names.index(dim_name)):
+            raise ValueError(f"{name}: its mesh dimension {dim_name!r} is not a dimension of the same size in the optimizer's mesh {names}")
         kind = type(pl).__name__
         if dim_name == "dp_shard":
             # Shard(0), or FSDP2's _StridedShard(0) when TP also cuts dim 0 (FSDP chunks the TP-local rows)
@@ -151,7 +152,7 @@ def _check_placements(name: str, p: torch.Tensor, mesh: Any) -> int | None:
             ok = isinstance(pl, Replicate)
         if not ok:
             raise ValueError(
-                f"{name}: placement {pl} ({kind}) on mesh dimension {dim_name!r} is not supported on the FSDP2 path "
+                f"{name}: placement {pl!r} on mesh dimension {dim_name!r} is not supported on the FSDP2 path "
                 "(expected Shard(0) on dp_shard, Shard(d) or Replicate on tp, Replicate on dp_replicate)"
             )
     return tp_dim
@@ -305,6 +306,9 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
     def _exchange_layouts(self, plan: FSDPPlan, named: Mapping[str, torch.Tensor]) -> dict[str, PieceLayout]:
         """Every rank's block of every parameter, from the DTensor placements (one all-gather of
         offsets and shapes over the shard group; not counted in ``comm_stats``)."""
+        # DTensor's own rule for a rank's block (it understands FSDP2's _StridedShard under TP); a
+        # private helper, also what torch.distributed.checkpoint uses. PieceLayout re-checks that
+        # the gathered blocks tile every tensor exactly, so a changed rule fails loudly.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         nd = max(len(p.shape) for p in plan.params)

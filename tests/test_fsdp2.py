@@ -278,6 +278,27 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
             errors[key] = None
         except (ValueError, TypeError) as exc:
             errors[key] = str(exc)
+    if mesh_key == "dp_shard2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        from canzona.testing_fsdp import FSDPToy
+
+        # canzona's own ZeRO-1 mesh on an FSDP2 model
+        try:
+            canzona.DistributedOptimizer(build_fsdp_toy(mesh), "muon", mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+            errors["dp_mesh"] = None
+        except ValueError as exc:
+            errors["dp_mesh"] = str(exc)
+        # FSDP2 sharding matrices on dim 1: a placement the path does not serve
+        m = FSDPToy()
+        fully_shard(m, mesh=mesh["dp_shard"], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None)
+        try:
+            canzona.DistributedOptimizer(m, "muon", mesh=mesh)
+            errors["shard1"] = None
+        except ValueError as exc:
+            errors["shard1"] = str(exc)
     out["errors"] = errors
     if rank != 0:  # only rank 0 holds the consolidated documents; the others report where state lives
         return {k: {"hosted": v["hosted"], "group": v["group"], "state_bytes": v["state_bytes"], "stats": v["stats"]}
@@ -399,6 +420,16 @@ def test_refusals_are_one_clear_error() -> None:
     assert "zero1" in errors["zero1"] and "FSDP2" in errors["zero1"]
     assert "bucket_numel" in errors["zero1_option"]
     assert "mesh=" in errors["no_mesh"]
+    assert "'dp'" in errors["dp_mesh"] and "mixing" in errors["dp_mesh"]
+    assert "Shard(dim=1)" in errors["shard1"] and "not supported" in errors["shard1"]
+
+
+def test_shard_groups_of_a_mesh() -> None:
+    from canzona.fsdp import fsdp_group_ranks
+
+    assert fsdp_group_ranks((4,), ("dp_shard",), [0, 1, 2, 3]) == [[0, 1, 2, 3]]
+    assert fsdp_group_ranks((2, 2), ("dp_replicate", "dp_shard"), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert fsdp_group_ranks((2, 2, 2), ("dp_replicate", "dp_shard", "tp"), list(range(8))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_unsupported_placement_and_mixed_mesh_are_refused() -> None:
