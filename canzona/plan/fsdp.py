@@ -188,6 +188,12 @@ class FSDPPlan:
             in_groups += g.names
         matrices = [p.name for p in self.params if p.kind == "matrix"]
         _check(sorted(in_groups) == sorted(matrices), "every matrix parameter must be in exactly one micro-group")
+        where = {n: (h, k) for k, g in enumerate(self.groups) for n, h in zip(g.names, g.hosts)}
+        for p in self.params:
+            if p.kind == "matrix":
+                _check((p.host, p.group) == where[p.name], f"{p.name}: host/group {(p.host, p.group)} disagree with the micro-groups {where[p.name]}")
+            else:
+                _check(p.host is None and p.group is None, f"{p.name}: an element-wise parameter has no host")
 
     def by_name(self) -> dict[str, FSDPParam]:
         return {p.name: p for p in self.params}
