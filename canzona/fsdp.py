@@ -54,7 +54,6 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.distributed import (
-    _PLAN_OPTIMIZER,
     GROUP_NAMES,
     DistributedOptimizer,
     check_per_parameter,
@@ -62,6 +61,7 @@ from canzona.distributed import (
     resolve_optimizer,
     scheduled_hyperparams,
 )
+from canzona.optimizers import cost_key_for_class
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.fsdp import Block, FSDPRuntime, PieceLayout, local_block
@@ -236,7 +236,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
                 dp_shard=size["dp_shard"],
                 tp=size["tp"],
                 dp_replicate=size["dp_replicate"],
-                optimizer=_PLAN_OPTIMIZER.get(matrix_cls.__name__, "muon"),
+                optimizer=cost_key_for_class(matrix_cls),  # classes the registry does not know are costed as Muon
                 strategy=strategy,
                 cost=cost,
                 cmax_bytes=max(1, int(cmax_mb * 2**20)),
