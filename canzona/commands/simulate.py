@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.fsdp is not None:
         from canzona.commands.simulate_fsdp import run_fsdp_sim
+        from canzona.sim.model import SIM_STRATEGIES
 
         return run_fsdp_sim(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
     if args.dp < 1 or args.tp < 1:
