@@ -290,7 +290,6 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             elementwise_factory=self._factory(ew_cls, self.elementwise_kwargs),
             master_dtype=master_dtype,
         )
-        self.runtime.timer = self.phase_times
         self.comm_stats.reset()
 
     # ------------------------------------------------------------------------------ construction

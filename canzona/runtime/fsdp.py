@@ -454,7 +454,6 @@ class FSDPRuntime:
         initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
         self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype)
         self.steps = 0
-        self.timer: Any = None
 
     def _grad(self, name: str) -> torch.Tensor:
         p = self.params[name]
