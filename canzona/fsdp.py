@@ -45,6 +45,7 @@ What differs from the ZeRO-1 path (:mod:`canzona.distributed`):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -80,11 +81,11 @@ def is_fsdp2_model(model: Any) -> bool:
     """True when ``model`` (an ``nn.Module``) contains a module wrapped by FSDP2's ``fully_shard``."""
     if not isinstance(model, nn.Module):
         return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    # a model can only hold fully_shard modules once torch.distributed.fsdp is loaded: do not pay
+    # its import (seconds) on canzona's ZeRO-1 path
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return module_cls is not None and any(isinstance(m, module_cls) for m in model.modules())
 
 
 def fsdp_group_ranks(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...], ranks: list[int]) -> list[list[int]]:
