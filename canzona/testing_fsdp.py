@@ -21,6 +21,7 @@ mesh with dimensions from ``("dp_replicate", "dp_shard", "tp")`` works.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "build_fsdp_toy",
     "compare_with_reference",
     "fsdp_local_grads",
+    "fsdp_mesh_worker",
     "fsdp_reference",
     "run_fsdp_case",
 ]
@@ -253,3 +255,44 @@ def compare_with_reference(params: Mapping[str, torch.Tensor], doc: Mapping[str,
                 bad.append(f"state:{name}[{k}]")
     return bad
 
+
+
+def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A :func:`canzona.runtime.launch.run_workers` target: every case of one mesh of
+    :data:`FSDP_MESHES` on ``world`` spawned ranks. A case is a dict with ``label``, ``optimizer``
+    (name), ``strategy`` and optionally ``optimizer_kwargs``, ``dtype`` (``"float32"``/``"bfloat16"``),
+    ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
+    :class:`canzona.runtime.faults.Fault`, armed on every rank for that case only: a planted
+    defect the comparison must name). Returns, per case, ``{"label", "mismatches"}``
+    (mismatches are filled on rank 0 only; other ranks return empty lists)::
+
+        run_workers(fsdp_mesh_worker, 4, "dp_shard2_tp2", [{"label": "muon/lb-asc", "optimizer": "muon", "strategy": "lb-asc"}])
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = FSDP_MESHES[mesh_name]
+    if math.prod(shape) != world:
+        raise ValueError(f"mesh {mesh_name} needs {math.prod(shape)} ranks, the world has {world}")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    from canzona.runtime import faults
+
+    out = []
+    for case in cases:
+        if case.get("fault"):
+            faults.arm(faults.Fault(**case["fault"]))
+        try:
+            res = run_fsdp_case(
+                mesh,
+                case["optimizer"],
+                case["strategy"],
+                case.get("optimizer_kwargs"),
+                dtype=getattr(torch, case.get("dtype", "float32")),
+                steps=int(case.get("steps", 3)),
+                mixed_precision=bool(case.get("mixed_precision", False)),
+            )
+        finally:
+            faults.disarm()
+        out.append({"label": case["label"], "mismatches": res.mismatches})
+        dist.barrier()
+    return out

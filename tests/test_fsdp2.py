@@ -232,18 +232,16 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
                       "group": (res.group_rank, res.group_size), "state_bytes": res.state_bytes, "stats": res.comm}
         dist.barrier()
     if mesh_key == "dp_shard2":
-        # planted defects inside the FSDP2 engine: one ulp on a hosted update, one lost state update
-        from canzona.runtime import faults
+        # canzona validate's entry point, with planted defects inside the FSDP2 engine: one ulp on a
+        # hosted update, one lost state update; and a clean case
+        from canzona.testing_fsdp import fsdp_mesh_worker
 
-        planted = {}
-        for kind, param in (("ulp", "layers.1.up"), ("stale_state", "layers.0.o")):
-            faults.arm(faults.Fault(kind, param, step=2, index=3))
-            try:
-                res = run_fsdp_case(mesh, "muon", "lb-asc", {"lr": 0.02}, EW_KWARGS, steps=STEPS)
-            finally:
-                faults.disarm()
-            planted[kind] = res.mismatches
-        out["planted"] = planted
+        base = {"optimizer": "muon", "strategy": "lb-asc", "optimizer_kwargs": {"lr": 0.02}}
+        out["validation"] = fsdp_mesh_worker(rank, 2, "dp_shard2", [
+            {"label": "clean", "optimizer": "soap", "strategy": "asc", "optimizer_kwargs": {"lr": 0.01}, "steps": 2},
+            dict(base, label="ulp", fault={"kind": "ulp", "param": "layers.1.up", "step": 2, "index": 3}),
+            dict(base, label="stale_state", fault={"kind": "stale_state", "param": "layers.0.o", "step": 2, "index": 3}),
+        ])
     # resume: save after 2 steps, load into a fresh model and optimizer, step once; compare with
     # 3 uninterrupted steps (the first case above)
     label, opt_name, kw, strategy, dtype_name = CASES[mesh_key][0]
@@ -403,15 +401,18 @@ def test_state_dict_round_trip_resumes_bitwise(key: str) -> None:
 
 
 @pytest.mark.slow
-def test_planted_defects_are_caught_and_named() -> None:
-    planted = _mesh_results("dp_shard2")[0]["planted"]
+def test_validation_worker_names_planted_defects() -> None:
+    """canzona.testing_fsdp.fsdp_mesh_worker (what ``canzona validate`` calls): a clean case is
+    empty, a planted one-ulp error and a lost state update are named, nothing else."""
+    out = {c["label"]: c["mismatches"] for c in _mesh_results("dp_shard2")[0]["validation"]}
 
     def names(mismatches: list[str]) -> set[str]:
         return {m.split(":", 1)[1].split("[")[0] for m in mismatches}
 
-    assert names(planted["ulp"]) == {"layers.1.up"} and "param:layers.1.up" in planted["ulp"]
-    assert names(planted["stale_state"]) == {"layers.0.o"}
-    assert any(m.startswith("state:layers.0.o[") for m in planted["stale_state"])
+    assert out["clean"] == []
+    assert names(out["ulp"]) == {"layers.1.up"} and "param:layers.1.up" in out["ulp"]
+    assert names(out["stale_state"]) == {"layers.0.o"}
+    assert any(m.startswith("state:layers.0.o[") for m in out["stale_state"])
 
 
 @pytest.mark.slow
