@@ -19,8 +19,10 @@ a matrix spread over that group (DESIGN: "one exchange engine"). Per micro-group
 4. apply    every rank copies its blocks into the destinations it was given (the model's local
             tensors), casting to their dtype.
 
-Group ``k+1``'s gather is launched before group ``k`` computes, so one exchange is in flight
-while a host computes, as in :class:`canzona.runtime.tp.TPEngine`. Under ``sc`` every rank is
+Group ``k+1``'s gather is launched before group ``k`` computes and group ``k-1``'s scatter is
+still in flight while it does (applied right after), so a host's compute overlaps an exchange in
+each direction (the pattern of the authors' FSDP executor; :class:`canzona.runtime.tp.TPEngine`
+waits for each scatter). Under ``sc`` every rank is
 the host of every task (host ``-1``): the gather all-gathers the full gradient everywhere, every
 rank computes every update with its own full state, keeps its block, and nothing is scattered.
 
@@ -313,14 +315,16 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------------- the step
     def step(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor]) -> None:
-        """One matrix step: gather -> compute -> scatter -> apply per micro-group, the next group's
-        gather in flight during each compute. ``grads[name]`` is this rank's gradient block,
-        ``dest[name]`` the tensor that receives this rank's block of the updated value."""
+        """One matrix step: gather -> compute -> scatter -> apply per micro-group. While group k
+        computes, group k+1's gather and group k-1's scatter are in flight (the one-group lookahead
+        both ways); group k-1 is applied once group k has computed. ``grads[name]`` is this rank's
+        gradient block, ``dest[name]`` the tensor that receives this rank's block of the new value."""
         n = len(self.groups)
         if n == 0:
             return
         with phase(f"{TP_GATHER}/group0/{LAUNCH}"):
             pending = self._launch(self.groups[0], grads)
+        returning: tuple[_Group, torch.Tensor, Any] | None = None  # the previous group's scatter
         for k, g in enumerate(self.groups):
             with phase(f"{TP_GATHER}/group{k}/{WAIT}"):
                 full_grads = self._wait(pending)
@@ -329,14 +333,27 @@ class FSDPEngine:
                     pending = self._launch(self.groups[k + 1], grads)
             with phase(f"{TP_COMPUTE}/group{k}"):
                 updated = self._compute(g, full_grads)
-            if any(t.host == -1 for t in g.tasks):
-                blocks = {t.name: updated[t.name][t.layout.blocks[self.rank].index()] for t in g.tasks}
+            if returning is not None:
+                self._finish_scatter(returning, dest)
+                returning = None
+            if any(t.host == -1 for t in g.tasks):  # sc: every rank computed everything, keeps its block
+                with phase(f"{TP_APPLY}/group{k}"), torch.no_grad():
+                    for t in g.tasks:
+                        dest[t.name].copy_(updated[t.name][t.layout.blocks[self.rank].index()])
             else:
-                with phase(f"{TP_SCATTER}/group{k}"):
-                    blocks = self._scatter(g, updated)
-            with phase(f"{TP_APPLY}/group{k}"), torch.no_grad():
-                for name, b in blocks.items():
-                    dest[name].copy_(b)
+                with phase(f"{TP_SCATTER}/group{k}/{LAUNCH}"):
+                    returning = self._launch_scatter(g, updated)
+        if returning is not None:
+            self._finish_scatter(returning, dest)
+
+    def _finish_scatter(self, pending: tuple[_Group, torch.Tensor, Any], dest: Mapping[str, torch.Tensor]) -> None:
+        g, out, work = pending
+        with phase(f"{TP_SCATTER}/group{g.index}/{WAIT}"):
+            if work is not None:
+                work.wait()
+        with phase(f"{TP_APPLY}/group{g.index}"), torch.no_grad():
+            for name, b in unpack_from_hosts(out, g.tasks, self.rank, self.n).items():
+                dest[name].copy_(b)
 
     def _launch(self, g: _Group, pieces: Mapping[str, torch.Tensor]) -> tuple[_Group, torch.Tensor, Any]:
         send, send_sizes = pack_to_hosts(g.tasks, pieces, self.rank, self.n, dtype=self.dtype, device=self._device)
@@ -366,14 +383,14 @@ class FSDPEngine:
             p.grad = None
         return {n: self.masters[n].detach() for n in g.hosted}
 
-    def _scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _launch_scatter(self, g: _Group, updated: Mapping[str, torch.Tensor]) -> tuple[_Group, torch.Tensor, Any]:
+        """Start returning the hosts' new values (async; the send buffer holds copies, so the
+        masters may change before it lands)."""
         send, send_sizes = pack_from_hosts(g.tasks, updated, self.rank, self.n, dtype=self.dtype, device=self._device)
         recv_sizes = from_hosts_recv_sizes(g.tasks, self.rank, self.n)
         self.peak_exchange_numel = max(self.peak_exchange_numel, send.numel(), sum(recv_sizes))
-        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes)
-        if work is not None:
-            work.wait()
-        return unpack_from_hosts(out, g.tasks, self.rank, self.n)
+        out, work = self.comm.all_to_all_v(send, send_sizes, recv_sizes, async_op=True)
+        return g, out, work
 
     # ------------------------------------------------------------------------- hyperparameters, state
     def set_hyperparams(self, values: Mapping[str, Any]) -> None:
