@@ -282,6 +282,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     torch-style skipping of parameters without a gradient and the pre-update non-finite check.
     """
 
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+        """A model holding FSDP2 (``fully_shard``) modules gets the FSDP2 engine
+        (:class:`canzona.fsdp.FSDPDistributedOptimizer`, a subclass); any other the ZeRO-1 path."""
+        if cls is DistributedOptimizer:
+            from canzona.fsdp import FSDPDistributedOptimizer, is_fsdp2_model
+
+            if is_fsdp2_model(model):
+                return super().__new__(FSDPDistributedOptimizer)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: nn.Module,
@@ -512,6 +522,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if mesh.size() != world:
             raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
         names = mesh.mesh_dim_names
+        if names is not None and "dp_shard" in names:
+            raise ValueError(
+                f"the mesh {names} names FSDP2 dimensions but the model holds no fully_shard module; shard the model "
+                "with fully_shard first, or use a ('dp',) / ('dp', 'tp') mesh for canzona's own ZeRO-1 path"
+            )
         if mesh.ndim == 1 and names not in (None, ("dp",)):
             raise ValueError(f"a 1-D mesh must be named ('dp',), got {names}")
         if mesh.ndim > 1 and (names is None or "dp" not in names or set(names) - {"dp", "tp"} or mesh.ndim != 2):

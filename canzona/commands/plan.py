@@ -8,6 +8,7 @@ Examples::
     canzona plan --model qwen3-32b --dp 4 --tp 8 --pp 4
     canzona plan --model qwen3-32b --dp 32 --tp 8 --convention paper
     canzona plan --list-strategies
+    canzona plan --model qwen3-32b --fsdp 32 --tp 8          # FSDP2 (see canzona.commands.plan_fsdp)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from canzona.optimizers import optimizer_names
 from canzona.plan.build import resolve_model
 from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
+from canzona.plan.fsdp import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS, specs_from_config
 
@@ -57,9 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"shipped model ({', '.join(available_models())}) or a config JSON path")
     parser.add_argument("--dp", type=_int, default=None, help="data-parallel size (ZeRO-1 ranks)")
     parser.add_argument("--tp", type=_int, default=1, help="tensor-parallel size (default 1)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="megatron", help="parameter layout (default megatron)")
+    parser.add_argument("--fsdp", type=_int, default=None, help="plan FSDP2 instead: dp_shard size (ranks per replica = fsdp x tp)")
+    parser.add_argument("--dp-replicate", type=_int, default=1, help="with --fsdp: HSDP replicas (default 1)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=None, help="parameter layout (default megatron; hf with --fsdp)")
     parser.add_argument("--optimizer", choices=optimizer_names(matrix=True), default="muon", help="matrix optimizer (default muon)")
-    parser.add_argument("--strategy", choices=strategy_names(), default="lb-asc", help="DP strategy (default lb-asc)")
+    parser.add_argument("--strategy", choices=tuple(dict.fromkeys(strategy_names() + FSDP_STRATEGIES)), default="lb-asc",
+                        help="DP strategy (default lb-asc); with --fsdp one of " + ", ".join(FSDP_STRATEGIES))
     parser.add_argument("--alpha", type=_float, default=1.0, help="Algorithm 1 balance factor in [0, 1] (default 1.0)")
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default=DEFAULT_FLOPS_SHAPE,
@@ -201,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         raise UserError("--model is required (a shipped model name or a config JSON path)")
+    if args.fsdp is not None:
+        from canzona.commands.plan_fsdp import run_fsdp
+
+        return run_fsdp(args, output_path(args.json, "--json") if args.json else None)
+    if args.strategy not in strategy_names():
+        raise UserError(f"strategy {args.strategy!r} runs on FSDP2 only (--fsdp); choose one of {', '.join(strategy_names())}")
+    args.layout = args.layout or "megatron"
     if args.dp is None:
         raise UserError("--dp is required")
     if args.dp < 1:

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="qwen3-32b", help="shipped model name, config path, or qwen3-moe-1t (default: qwen3-32b)")
     g.add_argument("--dp", type=int, default=32, help="data-parallel size (default 32)")
     g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    g.add_argument("--fsdp", type=int, default=None, help="simulate FSDP2 instead: dp_shard size (see canzona.commands.simulate_fsdp)")
+    g.add_argument("--dp-replicate", type=int, default=1, help="with --fsdp: HSDP replicas (default 1)")
     g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
     g.add_argument("--hardware", default="h800-ib400", help="profile name in data/hardware or a profile JSON path (default h800-ib400)")
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
@@ -375,6 +377,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:
         output_path(args.json, "--json")  # before the work: an unwritable output fails at once
+    if args.fsdp is not None:
+        from canzona.commands.simulate_fsdp import run_fsdp_sim
+        from canzona.sim.model import SIM_STRATEGIES
+
+        return run_fsdp_sim(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
     strategies = _strategies(args)
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None

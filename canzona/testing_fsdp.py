@@ -1,0 +1,298 @@
+"""Exactness checks for the FSDP2 path, callable from any spawned rank (tests, ``canzona validate``).
+
+Importing this module has no side effects. :func:`run_fsdp_case` runs on every rank of an
+initialized process group:
+
+1. builds :class:`FSDPToy` (odd shapes that FSDP2 pads, a ``1 x n`` matrix whose row lives on
+   one rank, tied embedding and head, norms and biases), TP-parallelizes it when the mesh has a
+   ``tp`` dimension (DTensor ``Shard(0|1)``; uneven TP chunks too) and shards it with
+   ``fully_shard`` (per layer, then the root; HSDP on a ``dp_replicate x dp_shard`` mesh);
+2. runs ``steps`` steps of ``canzona.DistributedOptimizer`` with integer-valued gradients
+   injected through a real FSDP2 backward (``sum(p * g)``), so FSDP2's reduce-scatter and HSDP's
+   all-reduce are exact;
+3. on world rank 0, replays the same steps with the single-device optimizers on full tensors
+   (:class:`canzona.testing.ReferenceRunner`) and compares parameters, fp32 masters and every
+   optimizer-state entry with ``torch.equal``.
+
+It returns, on every rank, a :class:`FSDPCaseResult`; on rank 0 ``mismatches`` lists what
+differs (empty: bitwise equal). Meshes: :data:`FSDP_MESHES` (the four the issue names); any
+mesh with dimensions from ``("dp_replicate", "dp_shard", "tp")`` works.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from canzona.testing import ReferenceRunner, integer_grads, mean_grads, tensors_equal
+
+__all__ = [
+    "FSDP_MESHES",
+    "FSDP_TOY_SHAPES",
+    "FSDPCaseResult",
+    "FSDPToy",
+    "build_fsdp_toy",
+    "compare_with_reference",
+    "fsdp_local_grads",
+    "fsdp_mesh_worker",
+    "fsdp_reference",
+    "run_fsdp_case",
+]
+
+#: the meshes of issue 12: name -> (shape, dimension names)
+FSDP_MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+    "dp_shard2": ((2,), ("dp_shard",)),
+    "dp_shard4": ((4,), ("dp_shard",)),
+    "dp_shard2_tp2": ((2, 2), ("dp_shard", "tp")),
+    "dp_replicate2_dp_shard2": ((2, 2), ("dp_replicate", "dp_shard")),
+}
+
+#: name -> (full shape, TP split dim under a ``tp`` mesh: 0/1 = ``Shard(d)``, None = not TP-split)
+FSDP_TOY_SHAPES: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "embed.weight": ((13, 6), None),  # tied with head.weight; element-wise
+    "layers.0.q": ((7, 6), 0),  # uneven under dp 2 x tp 2 (TP chunks 4/3, then FSDP chunks)
+    "layers.0.o": ((6, 7), 1),
+    "layers.0.norm": ((6,), None),
+    "layers.0.bias": ((5,), None),
+    "layers.1.up": ((10, 6), 0),
+    "layers.1.down": ((6, 10), 1),
+    "layers.1.row": ((1, 9), None),  # 1 x n: one rank holds the row, the others empty pieces
+    "layers.1.mix": ((9, 5), None),
+}
+
+
+class _Leaf(nn.Module):
+    """Parameters whose forward returns ``sum(p * g[name])``: the gradient of ``p`` is ``g`` exactly."""
+
+    def __init__(self, prefix: str, names: list[str], gen: torch.Generator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.prefix = prefix
+        for n in names:
+            shape = FSDP_TOY_SHAPES[f"{prefix}{n}"][0]
+            self.register_parameter(n, nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(dtype)))
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros(())
+        for n, p in self.named_parameters(recurse=False):
+            key = f"{self.prefix}{n}"
+            if key in grads:
+                loc = p.to_local() if hasattr(p, "to_local") else p
+                total = total + (loc * grads[key].to(loc.dtype)).sum().float()
+        return total
+
+
+class FSDPToy(nn.Module):
+    """Embedding, two layers of :data:`FSDP_TOY_SHAPES` parameters and a head tied to the
+    embedding; ``forward(grads)`` injects ``grads`` (TP-local shapes) as the gradients."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = _Leaf("embed.", ["weight"], g, dtype)
+        self.layers = nn.ModuleList(
+            [_Leaf("layers.0.", ["q", "o", "norm", "bias"], g, dtype), _Leaf("layers.1.", ["up", "down", "row", "mix"], g, dtype)]
+        )
+        self.head = nn.Module()
+        self.head.weight = self.embed.weight  # tied: named_parameters yields it once, as embed.weight
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.embed(grads) + sum(layer(grads) for layer in self.layers)
+
+
+def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32, *, mixed_precision: bool = False) -> FSDPToy:
+    """:class:`FSDPToy`, TP-parallelized on ``mesh["tp"]`` when present, then ``fully_shard`` per
+    layer and at the root on ``dp_shard`` (``dp_replicate x dp_shard`` for HSDP). With
+    ``mixed_precision``, FSDP2's ``MixedPrecisionPolicy`` computes in bf16 and reduces in fp32 (the
+    sharded parameters stay in ``dtype``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = FSDPToy(dtype)
+    names = mesh.mesh_dim_names
+    if "tp" in names:
+        for layer in model.layers:
+            for n, p in list(layer.named_parameters(recurse=False)):
+                tp_dim = FSDP_TOY_SHAPES[f"{layer.prefix}{n}"][1]
+                if tp_dim is not None:
+                    setattr(layer, n, nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [Shard(tp_dim)])))
+    shard_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
+    kw: dict[str, Any] = {"mesh": shard_mesh}
+    if mixed_precision:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _dp(mesh: Any) -> tuple[int, int]:
+    """(this rank's data-parallel index, data-parallel size) over ``dp_replicate x dp_shard``."""
+    names = mesh.mesh_dim_names
+    shard, n_shard = mesh.get_local_rank("dp_shard"), mesh.size(names.index("dp_shard"))
+    rep = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+    n_rep = mesh.size(names.index("dp_replicate")) if "dp_replicate" in names else 1
+    return rep * n_shard + shard, n_rep * n_shard
+
+
+def _full_shapes() -> dict[str, tuple[int, ...]]:
+    return {n: s for n, (s, _) in FSDP_TOY_SHAPES.items()}
+
+
+def fsdp_local_grads(mesh: Any, step: int) -> dict[str, torch.Tensor]:
+    """This rank's injected gradients at ``step``: its data-parallel index's integer gradients,
+    cut to the TP-local piece (``torch.chunk``) on a ``tp`` mesh."""
+    dp_rank, _ = _dp(mesh)
+    full = integer_grads(_full_shapes(), step=step, rank=dp_rank)
+    if "tp" not in mesh.mesh_dim_names:
+        return full
+    t, tp = mesh.get_local_rank("tp"), mesh.size(mesh.mesh_dim_names.index("tp"))
+    out = {}
+    for n, g in full.items():
+        dim = FSDP_TOY_SHAPES[n][1]
+        out[n] = g.chunk(tp, dim=dim)[t].contiguous() if dim is not None else g
+    return out
+
+
+def fsdp_reference(
+    matrix_cls: type[torch.optim.Optimizer],
+    matrix_kwargs: Mapping[str, Any],
+    elementwise_kwargs: Mapping[str, Any],
+    *,
+    dtype: torch.dtype,
+    dp: int,
+    steps: int,
+) -> ReferenceRunner:
+    """The single-device ground truth: the same optimizers on full tensors, fed the mean of the
+    ``dp`` data-parallel ranks' gradients."""
+    ref = ReferenceRunner(FSDPToy(dtype), matrix_cls, matrix_kwargs, torch.optim.AdamW, elementwise_kwargs)
+    for s in range(steps):
+        ref.step(mean_grads([integer_grads(_full_shapes(), step=s, rank=r) for r in range(dp)]))
+    return ref
+
+
+@dataclass
+class FSDPCaseResult:
+    """What one rank saw. ``mismatches`` (rank 0 only) names every parameter, master or state
+    entry that differs from the single-device optimizer; ``document`` is the consolidated state
+    (rank 0 only); ``hosted`` the matrices whose state this rank holds."""
+
+    mismatches: list[str] = field(default_factory=list)
+    hosted: list[str] = field(default_factory=list)
+    group_rank: int = 0
+    group_size: int = 1
+    state_bytes: int = 0
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    document: dict[str, Any] = field(default_factory=dict)
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def run_fsdp_case(
+    mesh: Any,
+    optimizer: Any = "muon",
+    strategy: str = "lb-asc",
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    elementwise_kwargs: Mapping[str, Any] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    steps: int = 3,
+    compare: bool = True,
+    mixed_precision: bool = False,
+) -> FSDPCaseResult:
+    """Run one exactness case on every rank of ``mesh`` (collective; see the module docstring)."""
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.distributed import resolve_optimizer
+
+    kw = dict(optimizer_kwargs or {"lr": 0.02})
+    ew = dict(elementwise_kwargs or {"lr": 0.01, "weight_decay": 0.1})
+    model = build_fsdp_toy(mesh, dtype, mixed_precision=mixed_precision)
+    opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=ew)
+    for s in range(steps):
+        model(fsdp_local_grads(mesh, s)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = _full_params(model)
+    doc = opt.state_dict()
+    res = FSDPCaseResult(
+        hosted=list(opt.runtime.engine.hosted),
+        group_rank=opt.group_rank,
+        group_size=opt.group_size,
+        state_bytes=opt.state_bytes(),
+        comm=opt.comm_stats.as_dict(),
+    )
+    if dist.get_rank() != 0:
+        return res
+    res.params, res.document = params, doc
+    if compare:
+        _, dp = _dp(mesh)
+        ref = fsdp_reference(resolve_optimizer(optimizer), kw, ew, dtype=dtype, dp=dp, steps=steps)
+        res.mismatches = compare_with_reference(params, doc, ref)
+    return res
+
+
+def compare_with_reference(params: Mapping[str, torch.Tensor], doc: Mapping[str, Any], ref: ReferenceRunner) -> list[str]:
+    """Names (``param:``, ``master:``, ``state:<name>[<key>]``) that differ from ``ref`` in any bit."""
+    bad = [f"param:{n}" for n in tensors_equal(params, ref.params())]
+    bad += [f"master:{n}" for n in tensors_equal(doc["params"], ref.master_values())]
+    ref_states = ref.states()
+    bad += [f"state:{n}" for n in sorted(set(doc["state"]) ^ set(ref_states))]
+    for name, st in ref_states.items():
+        got_st = doc["state"].get(name, {})
+        for k, v in st.items():
+            got = got_st.get(k)
+            same = (isinstance(got, torch.Tensor) and got.dtype == v.dtype and torch.equal(got, v)) if isinstance(v, torch.Tensor) else got == v
+            if not same:
+                bad.append(f"state:{name}[{k}]")
+    return bad
+
+
+
+def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A :func:`canzona.runtime.launch.run_workers` target: every case of one mesh of
+    :data:`FSDP_MESHES` on ``world`` spawned ranks. A case is a dict with ``label``, ``optimizer``
+    (name), ``strategy`` and optionally ``optimizer_kwargs``, ``dtype`` (``"float32"``/``"bfloat16"``),
+    ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
+    :class:`canzona.runtime.faults.Fault`, armed on every rank for that case only: a planted
+    defect the comparison must name). Returns, per case, ``{"label", "mismatches"}``
+    (mismatches are filled on rank 0 only; other ranks return empty lists)::
+
+        run_workers(fsdp_mesh_worker, 4, "dp_shard2_tp2", [{"label": "muon/lb-asc", "optimizer": "muon", "strategy": "lb-asc"}])
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = FSDP_MESHES[mesh_name]
+    if math.prod(shape) != world:
+        raise ValueError(f"mesh {mesh_name} needs {math.prod(shape)} ranks, the world has {world}")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    from canzona.runtime import faults
+
+    out = []
+    for case in cases:
+        if case.get("fault"):
+            faults.arm(faults.Fault(**case["fault"]))
+        try:
+            res = run_fsdp_case(
+                mesh,
+                case["optimizer"],
+                case["strategy"],
+                case.get("optimizer_kwargs"),
+                dtype=getattr(torch, case.get("dtype", "float32")),
+                steps=int(case.get("steps", 3)),
+                mixed_precision=bool(case.get("mixed_precision", False)),
+            )
+        finally:
+            faults.disarm()
+        out.append({"label": case["label"], "mismatches": res.mismatches})
+        dist.barrier()
+    return out
