@@ -145,6 +145,10 @@ def _py_key(name: str, k: str) -> str:
     return f"optim.{name}.pystate.{k}"
 
 
+def _stride_key(name: str, k: str) -> str:
+    return f"optim.{name}.stride.{k}"
+
+
 def _py_tensor(v: Any, what: str) -> torch.Tensor:
     if isinstance(v, bool):
         return torch.tensor(v)
@@ -169,6 +173,11 @@ def _add_state(chunks: _Chunks, name: str, st: Mapping[str, Any], *, piece: tupl
                 chunks.add_piece(_state_key(name, k), spec, tp_rank, s, e, v.detach().reshape(-1))
             else:
                 chunks.add_whole(_state_key(name, k), v.detach())
+                if not v.is_contiguous():
+                    # DCP stores values, not memory layout; some optimizers' math depends on it
+                    # (SOAP's eigenvector matrices are column-major, and a matmul over a transposed
+                    # layout rounds differently), so the layout travels beside the values
+                    chunks.add_whole(_stride_key(name, k), torch.tensor(v.stride(), dtype=torch.int64))
         else:
             chunks.add_whole(_py_key(name, k), _py_tensor(v, f"{name}.{k}"))
 
@@ -242,14 +251,21 @@ def save_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> No
 # ------------------------------------------------------------------------------------- load
 
 
-def _read_meta(reader: Any, md: Any) -> dict[str, Any]:
+def _read_meta(reader: Any, md: Any) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """``canzona.meta`` and the saved memory layouts (strides) of non-contiguous state tensors."""
     import torch.distributed.checkpoint as dcp
 
     item = md.state_dict_metadata.get(META_KEY)
     if item is None or not hasattr(item, "size") or len(item.size) != 1:
         raise CheckpointError("not a canzona sharded checkpoint (no canzona.meta entry)")
     buf = {META_KEY: torch.empty(tuple(item.size), dtype=torch.uint8)}
+    for key, it in md.state_dict_metadata.items():
+        if key.startswith("optim.") and ".stride." in key:
+            if len(getattr(it, "size", ())) != 1:
+                raise CheckpointError(f"{key}: not a stride vector")
+            buf[key] = torch.empty(tuple(it.size), dtype=torch.int64)
     dcp.load(buf, storage_reader=reader)
+    strides = {k.replace(".stride.", ".state.", 1): tuple(int(x) for x in v.tolist()) for k, v in buf.items() if k != META_KEY}
     try:
         meta = json.loads(bytes(buf[META_KEY].tolist()).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -258,7 +274,7 @@ def _read_meta(reader: Any, md: Any) -> dict[str, Any]:
         raise CheckpointError("not a canzona sharded checkpoint (canzona.meta has another format)")
     if meta.get("version") != DCP_VERSION:
         raise CheckpointError(f"unsupported sharded checkpoint version {meta.get('version')!r} (this canzona reads {DCP_VERSION})")
-    return meta
+    return meta, strides
 
 
 def _check_meta(dopt: DistributedOptimizer, meta: Mapping[str, Any]) -> None:
@@ -305,12 +321,26 @@ def _state_keys(md: Any, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, pys
 
 
-def _fresh(item: Any, what: str, device: torch.device) -> torch.Tensor:
+def _fresh(item: Any, what: str, device: torch.device, stride: tuple[int, ...] | None = None) -> torch.Tensor:
     size = getattr(item, "size", None)
     props = getattr(item, "properties", None)
     if size is None or props is None:
         raise CheckpointError(f"{what}: saved as an object, not a tensor")
+    if stride is not None:
+        if len(stride) != len(size) or not _dense(tuple(size), stride):
+            raise CheckpointError(f"{what}: saved stride {stride} does not describe a dense tensor of shape {tuple(size)}")
+        return torch.empty_strided(tuple(size), stride, dtype=props.dtype, device=device)
     return torch.empty(tuple(size), dtype=props.dtype, device=device)
+
+
+def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``size`` out densely (a permutation of a contiguous layout)."""
+    expect = 1
+    for st, n in sorted(zip(stride, size)):
+        if n > 1 and st != expect:
+            return False
+        expect *= max(n, 1)
+    return True
 
 
 def _fresh_like(t: torch.Tensor) -> torch.Tensor:
@@ -324,9 +354,10 @@ def _fresh_like(t: torch.Tensor) -> torch.Tensor:
 class _LoadPlan:
     """Fresh destination buffers for what this rank holds under its own plan, and how to commit them."""
 
-    def __init__(self, dopt: DistributedOptimizer, md: Any) -> None:
+    def __init__(self, dopt: DistributedOptimizer, md: Any, strides: Mapping[str, tuple[int, ...]]) -> None:
         rt = dopt.runtime
         self.dopt = dopt
+        self.strides = dict(strides)
         self.chunks = _Chunks()
         self.whole: dict[str, torch.Tensor] = {}  # 0-dim and whole-tensor keys (matrix state, pystate)
         self.masters: list[tuple[Any, torch.Tensor]] = []
@@ -384,7 +415,7 @@ class _LoadPlan:
     def _whole(self, key: str, item: Any, device: torch.device) -> torch.Tensor:
         t = self.whole.get(key)
         if t is None:
-            t = self.whole[key] = _fresh(item, key, device)
+            t = self.whole[key] = _fresh(item, key, device, self.strides.get(key))
         return t
 
     def _whole_state(self, md: Any, name: str, device: torch.device) -> dict[str, str]:
@@ -436,6 +467,7 @@ def load_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> No
     layout (collective over the world group). Refuses a checkpoint that does not fit with one
     :class:`CheckpointError` on every rank, leaving the in-memory state untouched."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     if not (path / ".metadata").is_file():
@@ -446,21 +478,49 @@ def load_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> No
         md = reader.read_metadata()
     except Exception as exc:  # noqa: BLE001 - a corrupt directory must say so, not crash obscurely
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
+    _check_files(path, md)
     try:
-        meta = _read_meta(reader, md)
+        meta, strides = _read_meta(reader, md)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path}: unreadable canzona.meta ({type(exc).__name__}: {_first_line(exc)})") from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: reading the checkpoint failed (canzona.meta: {type(exc).__name__}: {_first_line(exc)})") from None
     _check_meta(dopt, meta)
-    plan = _LoadPlan(dopt, md)
+    plan = _LoadPlan(dopt, md, strides)
     try:
         dcp.load(plan.state_dict(), storage_reader=dcp.FileSystemReader(str(path)))
-    except Exception as exc:  # noqa: BLE001 - DCP reports any rank's read failure on every rank
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP reports any rank's read failure on every rank
         raise CheckpointError(f"{path}: reading the checkpoint failed ({type(exc).__name__}: {_first_line(exc)})") from None
     plan.commit(meta)
 
 
+def _check_files(path: Path, md: Any) -> None:
+    """Every data file the metadata points into exists and is long enough (a truncated or missing
+    file is refused before anything is read)."""
+    need: dict[str, int] = {}
+    for info in getattr(md, "storage_data", {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: data file {rel} is missing")
+        have = f.stat().st_size
+        if have < size:
+            raise CheckpointError(f"{path}: data file {rel} is truncated ({have} bytes, the metadata needs {size})")
+
+
 def _first_line(exc: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):  # one entry per failed rank: name the first cause
+        failures = getattr(exc, "failures", {}) or {}
+        if failures:
+            rank, cause = sorted(failures.items(), key=lambda kv: kv[0])[0]
+            if isinstance(cause, tuple):  # (exception, traceback frames)
+                cause = cause[0]
+            return f"rank {rank}: {type(cause).__name__} {_first_line(cause)}".rstrip()
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
