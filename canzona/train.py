@@ -395,8 +395,13 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     if not config.progress:
         result = train(config)
     else:
+        import threading
+
         from tqdm import tqdm
 
+        # A thread lock, not tqdm's default multiprocessing lock: a worker stopped by the launcher
+        # (SIGTERM) cannot release a named semaphore, and the leak would be reported at exit.
+        tqdm.set_lock(threading.RLock())
         bar = tqdm(total=config.steps, desc=f"{config.strategy} dp{config.dp}xtp{config.tp}", unit="step", file=sys.stderr)
 
         def on_step(step: int, loss: float, phases: dict[str, float]) -> None:

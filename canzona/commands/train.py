@@ -2,19 +2,27 @@
 
 Examples::
 
-    canzona train --nproc 4 --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20
+    canzona train --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20   # spawns dp*tp = 4 workers
     canzona train --steps 30                              # one process, dp = tp = 1
-    torchrun --nproc-per-node 4 -m canzona.train --dp 2 --tp 2
+    torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2                   # torchrun starts the ranks
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
+        --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 -m canzona train --dp 4 --tp 4
+
+Without torchrun, ``canzona train`` is its own launcher: ``--nproc`` defaults to ``dp * tp`` (and
+must equal it); SIGINT or SIGTERM stops every worker within seconds and exits with 128 + the signal
+number and one line; a worker that dies makes the others stop (see :mod:`canzona.runtime.launch`).
+Under torchrun (``WORLD_SIZE`` set) this process is one rank and torchrun supervises the ranks.
 
 Rank 0 prints one line per step (global loss, wall time per phase), a tqdm bar on stderr and a
 final summary: first/last loss, per-phase times (``DistributedOptimizer.phase_times``) and bytes
-per phase (``DistributedOptimizer.comm_stats``). ``--nproc`` must equal ``dp * tp``.
+per phase (``DistributedOptimizer.comm_stats``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from canzona.commands._args import positive_float, positive_int
 from canzona.plan.plan import TP_SCHEDULES
@@ -112,15 +120,21 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     _check_model(config)
     world_env = os.environ.get("WORLD_SIZE")
-    if args.nproc is not None:
-        if args.nproc != config.world_size:
-            raise ValueError(f"--nproc {args.nproc} must equal dp*tp = {config.dp}*{config.tp} = {config.world_size}")
-        if world_env is not None and int(world_env) > 1:
-            raise ValueError("--nproc spawns its own workers; do not combine it with torchrun (WORLD_SIZE is set)")
-        from canzona.runtime.launch import WorkerError, run_workers
+    if args.nproc is not None and world_env is not None and int(world_env) > 1:
+        raise ValueError("--nproc spawns its own workers; do not combine it with torchrun (WORLD_SIZE is set)")
+    # Own launcher unless torchrun (WORLD_SIZE) started this process: --nproc defaults to dp * tp.
+    nproc = args.nproc if args.nproc is not None else (config.world_size if world_env is None and config.world_size > 1 else None)
+    if nproc is not None:
+        if nproc != config.world_size:
+            raise ValueError(f"--nproc {nproc} must equal dp*tp = {config.dp}*{config.tp} = {config.world_size}")
+        from canzona.runtime.launch import LaunchInterrupted, WorkerError, run_workers
 
         try:
-            run_workers(train_worker, args.nproc, config, backend=config.resolved_backend, timeout_s=args.timeout_s)
+            run_workers(train_worker, nproc, config, backend=config.resolved_backend, timeout_s=args.timeout_s)
+        except LaunchInterrupted as exc:
+            # a fresh line: rank 0's progress bar may have left the cursor mid-line on stderr
+            print(("\n" if config.progress else "") + f"canzona train: {exc}", file=sys.stderr)
+            return 128 + exc.signum
         except WorkerError as exc:
             # The worker's traceback is in the message; the first line names the rank and the error.
             first = str(exc).splitlines()[0]
@@ -130,10 +144,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if world_env is not None:
         return _torchrun(config)  # under torchrun: this process is one rank
-    if config.world_size != 1:
-        raise ValueError(
-            f"dp*tp = {config.world_size} needs {config.world_size} processes: add --nproc {config.world_size} (or use torchrun -m canzona.train)"
-        )
     train_worker(0, 1, config)
     return 0
 
