@@ -9,7 +9,7 @@ number of steps:
   and ``sc`` against a single-process run).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
-  embeddings) or ``qwen3`` (``data/models/qwen3-tiny.json``).
+  embeddings) or ``qwen3`` (``canzona/data/models/qwen3-tiny.json``).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones)
   or ``adamw`` (AdamW on everything).
 - ``strategy``: the DP strategies ``sc``, ``layerwise``, ``asc``, ``lb-asc`` with their default TP

@@ -1,4 +1,4 @@
-"""Model configurations the simulator knows beyond the shipped ``data/models`` (the issue's 1T MoE)."""
+"""Model configurations the simulator knows beyond the shipped ``canzona/data/models`` (the issue's 1T MoE)."""
 
 from __future__ import annotations
 
