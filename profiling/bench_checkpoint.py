@@ -69,7 +69,7 @@ class Peak:
 def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict:
     import canzona
     from canzona.config import ModelConfig
-    from canzona.models import Qwen3, batch, lm_loss
+    from canzona.models import Qwen3, lm_loss
     from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
     from canzona.runtime.dcp import load_sharded, save_sharded
 
@@ -82,7 +82,9 @@ def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict
     torch.manual_seed(0)
     model = Qwen3(cfg).to("cuda" if cuda else "cpu")
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", optimizer_kwargs={"lr": 0.02})
-    ids, labels = batch(0, rank, world, 2 * world, 16, 0, vocab=cfg.vocab_size)
+    # random tokens (the Markov sample data keeps a vocab x vocab table: 4 GB at this vocabulary)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
     lm_loss(model(ids.to(model.lm_head.weight.device)), labels.to(model.lm_head.weight.device)).backward()
     opt.step()
     opt.zero_grad()

@@ -1,5 +1,8 @@
 """Sharded DCP checkpoints (canzona.runtime.dcp): written per rank, read at another layout, bitwise.
 
+The world-4 run also trains a transformers Qwen3 at DP2 x TP2 under transformers' own TP plan
+(the Hugging Face DP x TP case, with a sharded save and resume in the middle).
+
 One world-4 run saves (ToyModel at DP4 under four strategies; the tiny Qwen3 at DP2 x TP2 with
 DTensor TP and hosted micro-group state) and resumes the Qwen3 checkpoint at DP4 and at DP2 x TP2;
 one world-2 run resumes the ToyModel checkpoints at DP2 and the Qwen3 one at DP2 and DP1 x TP2, and
@@ -116,6 +119,69 @@ def _tiny_resume(folder: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     return _full(model)
 
 
+# ------------------------------------------------------------------------------ a transformers model at DP2 x TP2
+
+try:
+    import transformers  # noqa: F401
+
+    _HAVE_TRANSFORMERS = True
+except ImportError:  # pragma: no cover - transformers is in the dev extra
+    _HAVE_TRANSFORMERS = False
+
+HF_STEPS = 3
+
+
+def _hf_model():
+    import transformers
+
+    from canzona.config import load_model_config
+    from canzona.hf import hf_config
+
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(hf_config(load_model_config("qwen3-tiny"), attn_implementation="eager")).float()
+
+
+def _hf_dp2xtp2(folder: str) -> dict:
+    """A transformers Qwen3 under its own TP plan at DP2 x TP2 (README order: optimizer before the
+    first forward), injected gradients; two steps, a sharded save, a fresh model loads it, one more
+    step: bitwise against one device (the q/k norms get transformers' gradient all-reduce)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+    from canzona.hf import apply_tp_plan
+    from canzona.runtime.dcp import load_sharded, save_sharded
+    from canzona.specs import specs_from_module
+    from canzona.testing import tp_cut
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build():
+        model = apply_tp_plan(_hf_model(), mesh["tp"])
+        opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW)
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))  # first forward: transformers registers its hooks
+        return model, opt
+
+    model, opt = build()
+    specs = specs_from_module(model)
+    tp_dims = {s.name: s.tp_dim for s in specs if s.tp_split}
+    shapes = {s.name: s.shape for s in specs}
+    partial = _qk_norms(shapes)
+
+    def run(model, opt, steps) -> None:
+        for s in steps:
+            full = integer_grads(shapes, step=s, rank=opt.dp_rank, seed=3)
+            inject_grads(model, tp_cut(full, tp_dims, opt.tp_rank, 2, partial=partial))
+            opt.step()
+            opt.zero_grad()
+
+    run(model, opt, range(HF_STEPS - 1))
+    save_sharded(opt, Path(folder) / "hf")
+    model, opt = build()
+    load_sharded(opt, Path(folder) / "hf")
+    run(model, opt, range(HF_STEPS - 1, HF_STEPS))
+    return {"params": params_of(model), "tp_dims": tp_dims, "tp_rank": opt.tp_rank}
+
+
 # ------------------------------------------------------------------------------ workers
 
 
@@ -131,7 +197,10 @@ def world4_worker(rank: int, world: int, folder: str) -> bytes:
     _tiny_run(model, opt, range(SAVE_STEPS))
     save_sharded(opt, Path(folder) / "tiny")
     files = sorted(p.name for p in (Path(folder) / "tiny").iterdir())
-    return pack({"files": files, "dp4": _tiny_resume(folder, 4, 1), "dp2xtp2": _tiny_resume(folder, 2, 2)})
+    out = {"files": files, "dp4": _tiny_resume(folder, 4, 1), "dp2xtp2": _tiny_resume(folder, 2, 2)}
+    if _HAVE_TRANSFORMERS:
+        out["hf"] = _hf_dp2xtp2(folder)
+    return pack(out)
 
 
 def world2_worker(rank: int, world: int, folder: str) -> bytes:
@@ -272,6 +341,23 @@ def test_dcp_tools_read_the_checkpoint(folder: Path, tmp_path: Path) -> None:
         assert torch.equal(doc[f"model.{n}"], m), n
         for k, v in states[n].items():
             assert torch.equal(doc[f"optim.{n}.state.{k}"], v), f"{n}.{k}"
+
+
+@pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="transformers is not installed")
+def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
+    from canzona.optim import Muon
+    from canzona.testing import tp_cut
+
+    model = _hf_model()
+    ref = ReferenceRunner(model, Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for s in range(HF_STEPS):
+        ref.step(mean_grads([integer_grads(shapes, step=s, rank=r, seed=3) for r in range(2)]))
+    want = ref.params()
+    for rank, r in enumerate(_results(4, folder)):
+        got = r["hf"]
+        assert got["tp_dims"], "transformers' TP plan must shard some parameters"
+        assert tensors_equal(tp_cut(want, got["tp_dims"], got["tp_rank"], 2), got["params"]) == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize(
