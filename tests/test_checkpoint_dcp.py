@@ -12,6 +12,7 @@ run (gradients are integers times 2**-4: any reduction order and DP size give th
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -121,12 +122,7 @@ def _tiny_resume(folder: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ a transformers model at DP2 x TP2
 
-try:
-    import transformers  # noqa: F401
-
-    _HAVE_TRANSFORMERS = True
-except ImportError:  # pragma: no cover - transformers is in the dev extra
-    _HAVE_TRANSFORMERS = False
+_HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # in the dev extra
 
 HF_STEPS = 3
 

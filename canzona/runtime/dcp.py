@@ -202,6 +202,8 @@ def _owned_chunks(dopt: DistributedOptimizer) -> _Chunks:
 
 
 def _meta(dopt: DistributedOptimizer) -> dict[str, Any]:
+    from canzona.distributed import SCHEDULED_KEYS
+
     inp = dopt.plan.inputs
     return {
         "format": DCP_FORMAT,
@@ -212,7 +214,7 @@ def _meta(dopt: DistributedOptimizer) -> dict[str, Any]:
         "master_dtype": str(dopt.master_dtype).removeprefix("torch."),
         "saved_with": {f.name: getattr(inp, f.name) for f in fields(inp)},
         "params": {s.name: {"shape": list(s.shape), "kind": s.kind} for s in dopt.plan.specs},
-        "hyper": {g["name"]: {k: g[k] for k in ("lr", "weight_decay") if k in g} for g in dopt.param_groups},
+        "hyper": {g["name"]: {k: g[k] for k in SCHEDULED_KEYS if k in g} for g in dopt.param_groups},
     }
 
 
@@ -243,8 +245,10 @@ def save_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> No
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        if old.exists():
+        if old.is_dir():
             shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
     dist.barrier()
 
 
