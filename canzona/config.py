@@ -1,6 +1,6 @@
 """Model configurations: the shape facts a plan is built from.
 
-A config file under ``data/models/`` is JSON with Hugging Face ``config.json`` key names, plus a
+A config file under ``canzona/data/models/`` (shipped inside the package) is JSON with Hugging Face ``config.json`` key names, plus a
 ``name`` and a ``sources`` map (key -> where the number comes from). Files are data: they are parsed
 strictly (unknown keys, wrong types and non-positive sizes are errors), never executed.
 """
@@ -21,6 +21,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_LAYERS",
     "MAX_PARAMS",
+    "PACKAGE_DATA",
     "available_models",
     "check_tp_degree",
     "load_model_config",
@@ -32,8 +33,11 @@ MAX_LAYERS = 4096
 MAX_DIM = 1 << 26  # hidden/intermediate/vocab/head sizes and counts (67 M)
 MAX_PARAMS = 10**15  # total parameters (1000 T)
 
+#: the repository's ``data/`` folder (sample traces and reports, generated outputs); absent in a wheel
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-MODELS_DIR = DATA_DIR / "models"
+#: data the package itself needs, shipped inside it (package data of the wheel)
+PACKAGE_DATA = Path(__file__).resolve().parent / "data"
+MODELS_DIR = PACKAGE_DATA / "models"
 
 
 class ConfigError(ValueError):
@@ -183,8 +187,15 @@ def check_tp_degree(cfg: ModelConfig, tp: int) -> None:
 
 
 def available_models() -> list[str]:
-    """Names of the model configs shipped under ``data/models/``."""
+    """Names of the model configs shipped inside the package (``canzona/data/models/``)."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+def _available_text() -> str:
+    names = available_models()
+    if not names:
+        return f"none found in {MODELS_DIR} (the package's data is missing: reinstall canzona)"
+    return ", ".join(names)
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
@@ -200,7 +211,7 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
         candidate = MODELS_DIR / f"{str(name_or_path).lower()}.json"
         if not candidate.exists():
             raise ConfigError(
-                f"unknown model {str(name_or_path)!r}; available: {', '.join(available_models())} (or a path to a .json config)"
+                f"unknown model {str(name_or_path)!r}; available: {_available_text()} (or a path to a .json config)"
             )
         path = candidate
     if not path.is_file():

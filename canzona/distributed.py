@@ -29,8 +29,10 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
   forward pre-hook of the first module that uses it, overlapping the gathers with the next
   forward; parameters read outside a forward need ``opt.finish_param_sync()`` first.
 - Gradients live in the ZeRO-1 buffer, not in ``p.grad`` (the hooks move them there and free
-  ``p.grad``); ``zero_grad()`` discards them. Gradients assigned directly to ``p.grad`` (no
-  backward) are taken in at ``step()``. For gradient accumulation wrap all but the last
+  ``p.grad`` once every other hook on the parameter has run: hooks registered before or after
+  canzona's, e.g. transformers' TP-plan gradient all-reduce, see ``p.grad`` set and canzona takes
+  what they leave; :mod:`canzona.runtime.buffer`); ``zero_grad()`` discards them. Gradients
+  assigned directly to ``p.grad`` (no backward) are taken in at ``step()``. For gradient accumulation wrap all but the last
   micro-batch in ``opt.no_sync()``.
 - Missing gradients follow ``torch.optim``: a parameter without a gradient on every rank is
   skipped (agreed across ranks in the step's first status exchange), ``step()`` without a

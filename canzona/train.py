@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -378,8 +378,13 @@ class Progress:
             bar = _isatty(sys.stdout) and _isatty(sys.stderr)
         self.bar: Any = None
         if bar:
+            import threading
+
             from tqdm import tqdm
 
+            # A thread lock, not tqdm's default multiprocessing lock: a worker stopped by the launcher
+            # (SIGTERM) cannot release a named semaphore, and the leak would be reported at exit.
+            tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=config.steps, desc=f"{config.strategy} dp{config.dp}xtp{config.tp}", unit="step", file=sys.stderr)
         self._legend = False
 

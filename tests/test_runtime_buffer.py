@@ -118,3 +118,119 @@ def test_plan_for_other_shapes_is_rejected() -> None:
     other = ToyModel(ffn=12)
     with pytest.raises(ValueError, match="the plan expects"):
         GradBuffer(plan, dict(other.named_parameters()))
+
+
+# ------------------------------------------------------------------------------ other code's hooks
+
+
+def _real_backward(model: ToyModel, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model.loss(torch.randint(0, 13, (3, 7), generator=g)).backward()
+
+
+def _reference_grads(seed: int = 0) -> dict[str, torch.Tensor]:
+    ref = ToyModel()
+    _real_backward(ref, seed)
+    return {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_hooks_of_other_code_see_the_gradient_and_the_buffer_sees_theirs(when: str) -> None:
+    """A post-accumulate-grad hook registered before or after canzona's (a TP plan that all-reduces a
+    replicated parameter's gradient, a user hook) receives ``p.grad`` set, and what it leaves in
+    ``p.grad`` (here: the gradient times 3, in place or replaced) is what the buffer takes."""
+    model = ToyModel()
+    named = dict(model.named_parameters())
+    seen: dict[str, bool] = {}
+
+    def user_hook(name: str):
+        def hook(p: torch.Tensor) -> None:
+            seen[name] = p.grad is not None
+            if name.endswith("bias"):
+                p.grad.mul_(3)  # in place, as an all-reduce does
+            else:
+                p.grad = p.grad * 3  # replaced
+
+        return hook
+
+    def register() -> None:
+        for n, p in named.items():
+            p.register_post_accumulate_grad_hook(user_hook(n))
+
+    if when == "before":
+        register()
+    plan, buf, launched = _buffer(model)
+    if when == "after":
+        register()
+    _real_backward(model)
+    assert seen == dict.fromkeys(named, True), f"hooks saw p.grad None: {sorted(n for n, v in seen.items() if not v)}"
+    ref = _reference_grads()
+    for n, p in named.items():
+        assert p.grad is None, "the buffer frees p.grad once every hook has run"
+        assert torch.equal(buf.slots[n], (ref[n] * 3).reshape(-1)), n
+    assert launched == list(range(len(plan.buckets))) and buf.all_launched
+
+
+def test_node_hooks_and_plain_tensor_hooks_run_before_the_gradient_is_taken() -> None:
+    """A hook on the parameter's ``AccumulateGrad`` node (DDP-style reducers) runs after every
+    post-accumulate hook; the buffer still takes the gradient only after it."""
+    model = ToyModel()
+    named = dict(model.named_parameters())
+    _, buf, _ = _buffer(model)
+    acc_nodes = []  # keep the nodes alive: their hooks live on them
+    for n, p in named.items():
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+
+        def hook(_grad_inputs, _grad_outputs, p=p) -> None:
+            assert p.grad is not None
+            p.grad.add_(1)
+
+        node.register_hook(hook)
+        acc_nodes.append(node)
+    _real_backward(model)
+    ref = _reference_grads()
+    for n in named:
+        assert torch.equal(buf.slots[n], (ref[n] + 1).reshape(-1)), n
+
+
+def test_buckets_still_launch_during_backward() -> None:
+    """Deferring each gradient by one parameter keeps the per-bucket overlap: the first bucket is
+    launched while autograd is still producing the last bucket's gradients."""
+    model = ToyModel()
+    plan, buf, launched = _buffer(model, bucket_numel=20)
+    assert len(plan.buckets) >= 3
+    named = dict(model.named_parameters())
+    at_last_bucket: list[list[int]] = []
+    for n in plan.buckets[-1].params:
+        named[n].register_post_accumulate_grad_hook(lambda _p: at_last_bucket.append(list(launched)))
+    _real_backward(model)
+    assert at_last_bucket and all(0 in seen for seen in at_last_bucket), at_last_bucket
+    assert launched == list(range(len(plan.buckets)))
+
+
+def test_a_failed_backward_leaves_nothing_stale() -> None:
+    """A backward pass that raises in a hook never runs its end-of-backward callback; the next pass
+    queues its own, and every gradient is still taken."""
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    named = dict(model.named_parameters())
+    fail = {"on": True}
+
+    def boom(_p: torch.Tensor) -> None:
+        if fail["on"]:
+            raise RuntimeError("boom")
+
+    first = plan.buckets[-1].params[0]
+    named[first].register_post_accumulate_grad_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        _real_backward(model)
+    buf.reset()
+    launched.clear()
+    for p in named.values():
+        p.grad = None
+    fail["on"] = False
+    _real_backward(model)
+    assert buf.all_launched and launched == list(range(len(plan.buckets)))
+    ref = _reference_grads()
+    for n in named:
+        assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n

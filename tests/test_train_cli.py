@@ -84,7 +84,7 @@ def test_cli_single_process_prints_summary(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--dp", "2", "--tp", "2"], "needs 4 processes"),
+        (["--dp", "0"], "positive integer"),
         (["--dp", "2", "--tp", "2", "--nproc", "3"], "--nproc 3 must equal dp*tp"),
         (["--tp", "4", "--nproc", "4"], "num_key_value_heads"),
         (["--strategy", "zero1"], "zero1"),

@@ -9,7 +9,7 @@ number of steps:
   every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
-  embeddings) or ``qwen3`` (``data/models/qwen3-tiny.json``).
+  embeddings) or ``qwen3`` (``canzona/data/models/qwen3-tiny.json``).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
   ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
   (:mod:`validation.targets`); the user's model likewise.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from pathlib import Path
 
 from canzona.cli import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
@@ -220,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
     # the TP degrees `canzona train` refuses (heads, KV heads, MLP rows, vocabulary must divide)
-    from canzona.plan import resolve_model
 
     check_tp_degree(resolve_model(args.model), args.tp)
     if not 0.0 <= args.alpha <= 1.0:

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp", type=int, default=None, help="simulate FSDP2 instead: dp_shard size (see canzona.commands.simulate_fsdp)")
     g.add_argument("--dp-replicate", type=int, default=1, help="with --fsdp: HSDP replicas (default 1)")
     g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
-    g.add_argument("--hardware", default="h800-ib400", help="profile name in data/hardware or a profile JSON path (default h800-ib400)")
+    g.add_argument("--hardware", default="h800-ib400", help="profile name in canzona/data/hardware or a profile JSON path (default h800-ib400)")
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
     g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
     g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
@@ -218,7 +218,7 @@ def _print_assumptions(hw, setup) -> None:
 
     print()
     assumed = [(k, c) for k, c in hw.constants().items() if c.assumed]
-    print("assumptions (named; full sources in --json and data/hardware/" + hw.name + ".json):")
+    print("assumptions (named; full sources in --json and canzona/data/hardware/" + hw.name + ".json):")
     for k, c in assumed:
         print(f"  hardware.{k} = {c.value:g}")
     for f in fields(setup):

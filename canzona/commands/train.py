@@ -2,9 +2,16 @@
 
 Examples::
 
-    canzona train --nproc 4 --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20
+    canzona train --dp 2 --tp 2 --optimizer muon --strategy lb-asc --steps 20   # spawns dp*tp = 4 workers
     canzona train --steps 30                              # one process, dp = tp = 1
-    torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2
+    torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2                   # torchrun starts the ranks
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
+        --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 -m canzona train --dp 4 --tp 4
+
+Without torchrun, ``canzona train`` is its own launcher: ``--nproc`` defaults to ``dp * tp`` (and
+must equal it); SIGINT or SIGTERM stops every worker within seconds and exits with 128 + the signal
+number and one line; a worker that dies makes the others stop (see :mod:`canzona.runtime.launch`).
+Under torchrun (``WORLD_SIZE`` set) this process is one rank and torchrun supervises the ranks.
 
 Rank 0 prints a legend of the per-step columns, one line per step (global loss, wall ms per
 phase; a tqdm bar as well only on a terminal) and a final summary: first/last loss, per-phase
@@ -12,14 +19,14 @@ times (``DistributedOptimizer.phase_times``) and bytes per phase
 (``DistributedOptimizer.comm_stats``). Each run logs its loss and phase times to
 ``runs/train-<strategy>-dp<d>xtp<t>-<time>/metrics.csv`` (and TensorBoard scalars when
 tensorboard is installed; ``--log-dir`` chooses the directory, ``--no-log`` turns it off).
-``--nproc`` must equal ``dp * tp``. Under torchrun
-(``WORLD_SIZE`` set) this process is one rank and :func:`canzona.train.train_from_env` joins the job.
+Under torchrun :func:`canzona.train.train_from_env` joins the job.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from canzona.commands._args import positive_float, positive_int
 from canzona.plan.plan import TP_SCHEDULES
@@ -136,15 +143,21 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     _check_model(config)
     world_env = os.environ.get("WORLD_SIZE")
-    if args.nproc is not None:
-        if args.nproc != config.world_size:
-            raise ValueError(f"--nproc {args.nproc} must equal dp*tp = {config.dp}*{config.tp} = {config.world_size}")
-        if world_env is not None and int(world_env) > 1:
-            raise ValueError("--nproc spawns its own workers; do not combine it with torchrun (WORLD_SIZE is set)")
-        from canzona.runtime.launch import WorkerError, run_workers
+    if args.nproc is not None and world_env is not None and int(world_env) > 1:
+        raise ValueError("--nproc spawns its own workers; do not combine it with torchrun (WORLD_SIZE is set)")
+    # Own launcher unless torchrun (WORLD_SIZE) started this process: --nproc defaults to dp * tp.
+    nproc = args.nproc if args.nproc is not None else (config.world_size if world_env is None and config.world_size > 1 else None)
+    if nproc is not None:
+        if nproc != config.world_size:
+            raise ValueError(f"--nproc {nproc} must equal dp*tp = {config.dp}*{config.tp} = {config.world_size}")
+        from canzona.runtime.launch import LaunchInterrupted, WorkerError, run_workers
 
         try:
-            run_workers(train_worker, args.nproc, config, backend=config.resolved_backend, timeout_s=args.timeout_s)
+            run_workers(train_worker, nproc, config, backend=config.resolved_backend, timeout_s=args.timeout_s)
+        except LaunchInterrupted as exc:
+            # a fresh line: rank 0's progress bar may have left the cursor mid-line on stderr
+            print(("\n" if config.progress else "") + f"canzona train: {exc}", file=sys.stderr)
+            return 128 + exc.signum
         except WorkerError as exc:
             # The worker's traceback is in the message; the first line names the rank and the error.
             first = str(exc).splitlines()[0]
@@ -155,9 +168,5 @@ def run(args: argparse.Namespace) -> int:
     if world_env is not None:
         train_from_env(config)  # under torchrun: this process is one rank
         return 0
-    if config.world_size != 1:
-        raise ValueError(
-            f"dp*tp = {config.world_size} needs {config.world_size} processes: add --nproc {config.world_size} (or use torchrun -m canzona train)"
-        )
     train_worker(0, 1, config)
     return 0

@@ -109,29 +109,6 @@ def _equal_elementwise_buckets(layout, a: dpmod.DPAssignment, sp: Sequence[Param
     return dpmod.DPAssignment(cuts, dpmod.owners_from_cuts(layout, cuts))
 
 
-#: where each cost model's W(p) of a TP task (Algorithm 2) sits in :func:`_task_metric`'s triple
-_TASK_COST_INDEX = {"flops": 0, "memory": 1, "numel": 2}
-
-
-def _check_assignment(a: object, layout: BufferLayout, dp: int, record: Strategy) -> None:
-    """A partitioner's answer has the shape its record promises (a registered partitioner is user
-    code: a wrong answer should name the strategy, not fail later in the metrics)."""
-    name = record.name
-    cuts, owner = getattr(a, "cuts", None), getattr(a, "owner", None)
-    if not isinstance(cuts, tuple) or len(cuts) != len(layout.bounds):
-        raise PlanError(f"strategy {name}: partitioner must return one cut tuple per bucket ({len(layout.bounds)})")
-    if not isinstance(owner, np.ndarray) or owner.shape != (layout.n_params,):
-        raise PlanError(f"strategy {name}: partitioner must return one owner per parameter ({layout.n_params})")
-    if owner.size and (owner.min() < -1 or owner.max() >= dp):
-        raise PlanError(f"strategy {name}: partitioner returned an owner outside -1..{dp - 1}")
-    if not record.reduce_scatter and any(cuts):
-        raise PlanError(f"strategy {name}: an all-reduce strategy has no cut points")
-    if record.every_rank_updates and owner.size and owner.max() >= 0:
-        raise PlanError(f"strategy {name}: every rank updates every parameter, so no parameter has an owner (-1)")
-    if not record.every_rank_updates and not record.reduce_scatter and owner.size and owner.min() < 0:
-        raise PlanError(f"strategy {name}: without cut points every parameter needs an owner")
-
-
 def _check_inputs(specs: Sequence[ParamSpec], inp: PlanInputs, record: Strategy) -> None:
     """Inputs the planner refuses before doing any work (each a PlanError naming the problem)."""
     if not specs:

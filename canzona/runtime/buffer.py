@@ -9,14 +9,33 @@ the buffer side of that contract:
 - :class:`GradBuffer` lays out one flat tensor (``plan.buffer_numel`` elements of ``dtype``,
   fp32 by default) with the plan's bucket starts and parameter offsets. Each parameter's slot holds
   its TP-local gradient shard, flattened.
-- :meth:`GradBuffer.attach` registers a ``post_accumulate_grad`` hook on every parameter: the hook
-  adds ``p.grad`` (``.to_local()`` for DTensor parameters) into the slot in the buffer's dtype and
-  frees ``p.grad``, then marks the parameter as reported. When every parameter of a bucket has
+- :meth:`GradBuffer.attach` registers a ``post_accumulate_grad`` hook on every parameter. The hook
+  does *not* take the gradient: it only marks the parameter as finished by autograd (see "Other
+  code's hooks" below). The gradient is taken later, once every other hook on that parameter has
+  run: ``p.grad`` (``.to_local()`` for DTensor parameters) is added into the slot in the buffer's
+  dtype, ``p.grad`` is freed and the parameter is reported. When every parameter of a bucket has
   reported, the bucket is *ready*; ready buckets are handed to ``on_ready`` strictly in bucket
   index order, so every rank launches its collectives in the same order even if hooks fire in a
   different order (gloo and NCCL both require one collective order per group).
 - :meth:`GradBuffer.no_sync` accumulates gradients of several micro-batches without reporting, for
   gradient accumulation: the backward pass after the block reports and launches.
+
+Other code's hooks (the rule). Libraries register their own gradient hooks on the same parameters,
+before or after canzona does: a tensor-parallel plan that all-reduces the gradients of replicated
+parameters over the TP group (transformers' ``replicated_with_grad_allreduce``, registered at the
+first forward, i.e. *after* the optimizer was built), DDP-style reducers, user clipping or logging
+hooks. canzona must see the *final* gradient and must never leave ``p.grad`` as None for any of
+them. The autograd engine runs all hooks of one parameter (its ``register_hook`` tensor hooks, then
+every ``post_accumulate_grad`` hook in registration order, then the hooks of its ``AccumulateGrad``
+node) as one uninterrupted block when that parameter's gradient is accumulated, before it runs any
+other node of the graph. So canzona's hook records the parameter as *pending* and takes it in
+(1) when the next parameter's canzona hook fires: by then the pending parameter's whole block of
+hooks has finished, or (2) in a callback queued on the autograd engine
+(``Variable._execution_engine.queue_callback``) that runs when the whole backward pass has
+finished, for the last parameters. A bucket is therefore launched at most one parameter later than
+if canzona took the gradient first, which keeps the per-bucket overlap with the rest of backward.
+The block-of-hooks argument holds for the parameters of one device (the engine processes one
+device's nodes on one thread); :meth:`flush` at ``step()`` takes in anything still pending.
 
 The buffer never communicates; whoever owns it (:mod:`canzona.runtime.dp`) launches the
 collectives from ``on_ready``.
@@ -110,6 +129,9 @@ class GradBuffer:
         #: parameters that received a gradient since the last reset (with or without ``no_sync``)
         self.received: set[str] = set()
         self._reported: set[str] = set()
+        #: parameters whose canzona hook fired but whose gradient is not taken yet (name, param, syncing)
+        self._pending: list[tuple[str, torch.Tensor, bool]] = []
+        self._callback_task = -1  # graph task of the backward pass whose end-of-backward callback is queued
         self._count = [0] * len(self._size)
         self._ready = [False] * len(self._size)
         self._next = 0  # first bucket not yet handed to on_ready
@@ -147,9 +169,37 @@ class GradBuffer:
 
     def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            self.accumulate(name, p)
+            self.defer(name, p)
 
         return hook
+
+    def defer(self, name: str, p: torch.Tensor) -> None:
+        """canzona's ``post_accumulate_grad`` hook: autograd has finished ``p``, other hooks on ``p``
+        may still be running. Take in the parameters pending before it (their hooks have all run,
+        see the module docstring), then leave ``p`` pending until the next hook or the end of the
+        backward pass."""
+        self.take_pending()
+        self._pending.append((name, p, self._syncing))
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # not inside a backward pass (the hook was called directly): take it in now
+            self.take_pending()
+        elif task != self._callback_task:
+            # once per backward pass (keyed by the engine's graph task, so a pass that failed before
+            # its callbacks ran cannot leave a stale flag behind)
+            from torch.autograd import Variable
+
+            Variable._execution_engine.queue_callback(self.take_pending)
+            self._callback_task = task
+
+    def take_pending(self) -> None:
+        """Take in the gradients of every pending parameter (their other hooks have all run)."""
+        while self._pending:
+            name, p, syncing = self._pending.pop(0)
+            prev, self._syncing = self._syncing, syncing
+            try:
+                self.accumulate(name, p)
+            finally:
+                self._syncing = prev
 
     def accumulate(self, name: str, p: torch.Tensor) -> None:
         """Add ``p.grad`` into its slot, free it, and report the parameter unless in :meth:`no_sync`."""
@@ -196,6 +246,7 @@ class GradBuffer:
         """Make every bucket ready: gradients set directly on ``p.grad`` (no backward hook fired) are
         taken in, parameters that got no gradient hold zeros (:attr:`received` tells them apart), and
         the remaining buckets launch."""
+        self.take_pending()
         for name, p in self.params.items():
             if p.grad is not None:  # set directly (no hook fired); an error if its bucket already left
                 self.accumulate(name, p)

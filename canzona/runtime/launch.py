@@ -13,15 +13,29 @@ second; each worker runs a heartbeat thread that stamps a shared array every
 (a SIGSTOPped or otherwise frozen process: its threads stop with it) is reported as frozen,
 with its process state, and every worker is killed. The heartbeat starts once the worker is up,
 so a slow start-up is bounded by the run's deadline only.
+
+No orphans, no stragglers:
+
+- a worker that fails or dies (any exit, even ``SIGKILL``) is noticed by the parent within about a
+  second; the parent then kills every other worker (they would otherwise sit in a collective until
+  the process group's timeout) and raises;
+- SIGINT or SIGTERM to the parent stops every worker (terminate, then kill after a grace period)
+  and raises :class:`LaunchInterrupted` naming the signal; workers ignore SIGINT themselves (a
+  Ctrl-C on the terminal reaches the whole process group), so the parent alone decides;
+- a worker whose parent disappears (killed with ``SIGKILL``) exits on its own: on Linux the kernel
+  sends it SIGKILL (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread notices within a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -33,17 +47,46 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "WorkerError", "describe_exit", "free_port", "init_process_group", "run_workers"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "LaunchInterrupted", "WorkerError", "describe_exit", "free_port", "init_process_group", "run_workers"]
 
 #: seconds between two heartbeats of a worker
 HEARTBEAT_INTERVAL_S = 0.5
 #: default age (seconds) of a worker's last heartbeat at which it is reported frozen (well below
 #: the process group's 60 s timeout)
 HEARTBEAT_TIMEOUT_S = 15.0
+#: seconds a terminated worker gets to exit before it is killed
+GRACE_S = 3.0
 
 
 class WorkerError(RuntimeError):
     """A worker failed or the run timed out; the message names the rank(s) and the cause."""
+
+
+class LaunchInterrupted(RuntimeError):
+    """SIGINT or SIGTERM reached the launcher; every worker has been stopped."""
+
+    def __init__(self, signum: int, stopped: int) -> None:
+        self.signum = signum
+        self.stopped = stopped
+        super().__init__(f"stopped by {signal.Signals(signum).name}: {stopped} worker process(es) terminated")
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make this worker exit when the launcher dies, even by SIGKILL (no orphan holding ports)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="canzona-parent-watch", daemon=True).start()
 
 
 def free_port() -> int:
@@ -104,8 +147,11 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    parent: int,
     beats: Any = None,
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what an interrupt means
+    _die_with_parent(parent)
     if beats is not None:
         threading.Thread(target=_beat, args=(beats, rank), name="canzona-heartbeat", daemon=True).start()
     torch.set_num_threads(threads)
@@ -153,24 +199,35 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, threads, pg_timeout_s, fn, args, results, beats),
+            args=(rank, world_size, port, backend, threads, pg_timeout_s, fn, args, results, os.getpid(), beats),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+        raise LaunchInterrupted(signum, 0)
+
+    # Only the main thread may install handlers; elsewhere (a test runner's thread) keep the defaults.
+    handlers: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, on_signal)
     deadline = time.monotonic() + timeout_s
     got: dict[int, Any] = {}
     failures: list[str] = []
     try:
+        for p in procs:
+            p.start()
         while len(got) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(got))
                 raise WorkerError(f"distributed run timed out after {timeout_s:.0f} s; ranks {missing} did not finish")
             try:
-                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
                 if dead and results.empty():
@@ -209,10 +266,28 @@ def run_workers(
                 raise WorkerError(f"{what}; then {first}")
             raise WorkerError(first)
         return [got[r] for r in range(world_size)]
+    except LaunchInterrupted:
+        raise LaunchInterrupted(interrupted[0], _stop(procs)) from None
     finally:
+        clean = not failures and len(got) == world_size and not interrupted
         for p in procs:
-            p.join(timeout=5 if not failures and len(got) == world_size else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5 if clean else 0.5)
+        _stop(procs)
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+
+
+def _stop(procs: list[Any]) -> int:
+    """Terminate the live workers, kill those still alive after :data:`GRACE_S`; how many were live."""
+    live = [p for p in procs if p.is_alive()]
+    for p in live:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    end = time.monotonic() + GRACE_S
+    for p in live:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in live:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    return len(live)

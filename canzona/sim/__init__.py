@@ -3,7 +3,7 @@
 Predicts one training iteration per strategy (sc, layerwise, asc, lb-asc, zero1-AdamW) from a
 canzona :class:`~canzona.plan.Plan`, a model config and a hardware profile:
 
-* :mod:`canzona.sim.hardware` -- profiles in ``data/hardware/*.json`` (every constant with its
+* :mod:`canzona.sim.hardware` -- profiles in ``canzona/data/hardware/*.json`` (every constant with its
   source), strict parsing, the per-shape matmul efficiency model and its calibration from CSV;
 * :mod:`canzona.sim.comm` -- the alpha-beta collective costs per link class and the overlap rule;
 * :mod:`canzona.sim.model` -- fwd-bwd, optimizer-step and iteration per plan (:func:`simulate_plan`);

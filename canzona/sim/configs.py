@@ -1,4 +1,4 @@
-"""Model configurations the simulator knows beyond the shipped ``data/models`` (a hypothetical 1T-parameter MoE)."""
+"""Model configurations the simulator knows beyond the shipped ``canzona/data/models`` (a hypothetical 1T-parameter MoE)."""
 
 from __future__ import annotations
 

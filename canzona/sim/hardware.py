@@ -1,6 +1,6 @@
 """Hardware profiles: every constant the step-time simulator uses, each with its source.
 
-A profile is a JSON document under ``data/hardware/<name>.json`` (``schema`` =
+A profile is a JSON document under ``canzona/data/hardware/<name>.json`` (shipped inside the package) (``schema`` =
 ``canzona.hardware``, ``version`` = 1). Every constant is an object ``{"value": number,
 "source": text}``; the source is a citation or starts with the word ``assumption`` and says why.
 Files are data: parsing is strict (unknown, missing or mistyped keys are errors, never defaults).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from canzona.config import DATA_DIR
+from canzona.config import PACKAGE_DATA
 from canzona.cost import matrix_flops
 from canzona.optimizers import get_optimizer, optimizer_names
 
@@ -42,7 +42,7 @@ __all__ = [
     "read_timings_csv",
 ]
 
-HARDWARE_DIR = DATA_DIR / "hardware"
+HARDWARE_DIR = PACKAGE_DATA / "hardware"
 SCHEMA = "canzona.hardware"
 VERSION = 1
 #: canzona.cost counts a matrix-product "flop" as one multiply-add; a GPU's peak counts two.
@@ -184,7 +184,7 @@ def parse_hardware(doc: Any, where: str = "hardware profile") -> HardwareProfile
 
 
 def available_hardware() -> list[str]:
-    """Names of the profiles shipped in ``data/hardware``."""
+    """Names of the profiles shipped inside the package (``canzona/data/hardware``)."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.json"))
 
 

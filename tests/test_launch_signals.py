@@ -1,0 +1,144 @@
+"""The launcher stops cleanly: SIGINT/SIGTERM stop every worker within seconds with one line and a
+non-zero exit, a dying worker stops the others, a killed launcher leaves no orphan (Linux /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from canzona.runtime.launch import WorkerError, run_workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(x) for x in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        left = {p for p in pids if _alive(p)}
+        if not left:
+            return set()
+        time.sleep(0.1)
+    return {p for p in pids if _alive(p)}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
+    """``canzona train --dp 2`` (its own launcher, ``--nproc`` defaulting to dp*tp) is signalled once
+    rank 0 has trained a step: every worker is gone within seconds, one line says why, exit 128+sig."""
+    cmd = [sys.executable, "-m", "canzona", "train", "--dp", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 150
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("step 1/"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
+        assert line.startswith("step 1/"), "training never reached its first step"
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, workers
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
+    assert took < 15, f"stopping took {took:.1f} s"
+    last = err.strip().splitlines()[-1]
+    assert last == f"canzona train: stopped by {sig.name}: 2 worker process(es) terminated", last
+    assert "Traceback" not in err, err[-2000:]
+    assert _wait_gone(workers, 10) == set(), "orphaned worker processes"
+
+
+def _die_or_wait(rank: int, world: int) -> None:
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(7)  # no message, no cleanup: as a crash or the OOM killer would
+    time.sleep(300)  # busy for minutes (a long compute): only the launcher can stop it
+
+
+def test_a_dying_worker_stops_the_others_promptly() -> None:
+    import multiprocessing as mp
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank\(s\) \[1\] died \(exit codes \[7\]\)"):
+        run_workers(_die_or_wait, 2, timeout_s=120, pg_timeout_s=60)
+    took = time.monotonic() - t0
+    assert took < 60, f"took {took:.1f} s (rank 0 would have run for 300 s)"
+    assert [p for p in mp.active_children() if p.name.startswith("Process")] == []
+
+
+_SLEEPER = """
+import sys, time
+from canzona.runtime.launch import run_workers
+
+def sleep(rank, world):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    print("started", flush=True)
+    run_workers(sleep, 2, timeout_s=600)
+"""
+
+
+def test_a_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        workers: set[int] = set()
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.5)
+            workers = {p for p in _children(proc.pid) if "sleep" in _cmdline(p) or "spawn_main" in _cmdline(p)}
+        assert len(workers) >= 2, "workers never started"
+        time.sleep(2.0)  # let them reach the sleep (past the parent-death setup)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _wait_gone(workers, 10) == set(), "workers outlived their killed launcher"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
