@@ -49,6 +49,10 @@ ALLOWED: set[tuple[str, str]] = {
     # checkpoints read and restore DistributedOptimizer's hyperparameters (docs/architecture.md)
     ("canzona.runtime.checkpoint", "canzona.distributed"),
     ("canzona.runtime.checkpoint", "canzona.distributed.DistributedOptimizer"),
+    # the sharded (DCP) format reads the same front-end hyperparameters
+    ("canzona.runtime.dcp", "canzona.distributed"),
+    ("canzona.runtime.dcp", "canzona.distributed.DistributedOptimizer"),
+    ("canzona.runtime.dcp", "canzona.distributed.SCHEDULED_KEYS"),
 }
 
 
