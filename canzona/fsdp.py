@@ -66,7 +66,7 @@ from canzona.optimizers import cost_key_for_class
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.fsdp import Block, FSDPRuntime, PieceLayout, local_block
-from canzona.runtime.phases import PhaseTimer
+from canzona.runtime.phases import PhaseTimer, timing
 from canzona.specs import is_matrix_param
 
 __all__ = ["FSDP_MESH_DIMS", "FSDPDistributedOptimizer", "is_fsdp2_model", "fsdp_group_ranks"]
@@ -355,6 +355,19 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             "no_sync() belongs to canzona's ZeRO-1 path; on an FSDP2 model use FSDP2's own "
             "model.set_requires_gradient_sync(False) for gradient accumulation"
         )
+
+    def step(self, closure: Any = None) -> Any:
+        """Element-wise pieces, then the matrix micro-groups (FSDP2 has already reduced ``p.grad``).
+
+        The ZeRO-1 path's per-step status exchange (hyperparameter digest, gradient flags) is not
+        run here: FSDP2's own collectives already tie the ranks together at every step."""
+        if closure is not None:
+            raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
+        self._check_params_unchanged()
+        self._push_hyperparams()
+        with timing(self.phase_times):
+            self.runtime.step()
+        return None
 
     def refresh_masters(self) -> None:
         """Re-read the fp32 masters from the model (collective): call after overwriting parameters."""

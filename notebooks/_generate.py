@@ -137,10 +137,14 @@ the updated shards back. Algorithm 2 packs tasks into micro-groups whose per-hos
 stays under C_max, assigning hosts by LPT inside each group.
 
 * **Gantt chart**: one row per host TP rank, one bar per task, coloured by micro-group, for one DP
-  rank (by default the one with the longest schedule). `sync` timeline: groups run one after the
-  other, each as long as its busiest host; `free`: hosts run through their tasks without waiting.
+  rank (by default the one whose schedule shows the plan's character: the busiest GPU's DP rank
+  among those with more than one micro-group). A group with a single task says why on the figure
+  (its gathered gradient alone exceeds C_max). `sync` timeline: groups run one after the other,
+  each as long as its busiest host; `free`: hosts run through their tasks without waiting.
 * **TP host loads**: each TP rank's whole optimizer load (including the element-wise and replicated
   work every TP rank does) with R_LB in the title.
+* **Load over all GPUs**: every GPU of the mesh (DP x TP) in mesh order, with the mean and the
+  atomic lower bound (largest task / mean): no schedule can go below it while matrices stay whole.
 
 Bar lengths are optimizer work in GFLOP (multiply-adds) on the shape the host processes;
 communication is the simulator's business (last section).

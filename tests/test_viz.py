@@ -623,7 +623,8 @@ def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
     from canzona.viz import widgets as vw
 
     ex = vw.microgroup_explorer(model="qwen3-tiny", dp=2, tp=2, strategy="lb-asc", tp_schedule="lpt")
-    assert len(ex.figures) == 2 and "DP2 x TP2" in ex.figures[0].layout.title.text
+    assert len(ex.figures) == 3 and "DP2 x TP2" in ex.figures[0].layout.title.text
+    assert "lower bound" in " ".join(t.name or "" for t in ex.figures[2].data).lower() + (ex.figures[2].layout.title.text or "").lower()
     ex.controls["dp"].value = 4
     assert ex.error is None and "DP4 x TP2" in ex.figures[0].layout.title.text
     before = ex.figures
@@ -930,3 +931,25 @@ def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatc
     figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["timeline"])
     assert list(figs.figures) == ["timeline"] and figs.notes == [f"profile: the newest run, {raw.resolve()}"]
     assert export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["partition_map"]).notes == []
+
+
+def test_gantt_states_why_a_one_host_group_exists_and_explorer_opens_on_an_illustrative_rank() -> None:
+    import warnings
+
+    from canzona.plan import plan_model
+    from canzona.viz import meshload as vml
+    from canzona.viz import microgroups as vm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp32 fc1 gradients exceed C_max: the plan warns about it
+        plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt")
+    r = vml.illustrative_dp_rank(plan)
+    assert len(plan.micro_groups[r]) > 1
+    lone = [k for k in range(plan.inputs.dp) if vml.one_host_groups(plan, k)]
+    assert lone, "expected one-task groups above C_max at DP32 x TP8 with fp32 gradients"
+    title = vm.fig_microgroup_gantt(plan, lone[0]).layout.title.text
+    assert "alone is" in title and "C_max" in title
+    # a rank without such groups says nothing about them
+    quiet = [k for k in range(plan.inputs.dp) if not vml.one_host_groups(plan, k)]
+    if quiet:
+        assert "alone is" not in vm.fig_microgroup_gantt(plan, quiet[0]).layout.title.text

@@ -368,13 +368,20 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     empty = "" if len(t) else " (no micro-groups)"
     if not len(t):
         what = "TP schedule sync or TP 1, every TP rank runs every task this DP rank owns"
+    from canzona.viz.meshload import one_host_groups  # meshload builds on this module
+
+    lone = one_host_groups(plan, dp_rank)
+    why = ""
+    if lone:
+        more = f" (and {len(lone) - 1} more such group(s))" if len(lone) > 1 else ""
+        why = f"<br>one-host {lone[0]}{more}"
     return finish(
         fig,
         title=(
             f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit}<br>"
             f"<sup>{plan_label(plan)}, FLOPs on {inp.flops_shape} shapes, TP schedule {inp.tp_schedule}, "
             f"C_max {inp.cmax_bytes / 2**20:.0f} MiB<br>makespan: {what}; this rank's TP R_LB FLOPs "
-            f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}</sup>"
+            f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}{why}</sup>"
         ),
         x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
         y_title="host TP rank",

@@ -173,17 +173,20 @@ def microgroup_explorer(
     tp_schedule: str = "lpt", cmax_mb: int = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> Explorer:
     """Gantt chart of one DP rank's micro-groups and that rank's TP host loads. ``dp_rank`` None
-    starts on the DP rank with the longest schedule."""
-    from canzona.viz.microgroups import fig_microgroup_gantt, fig_tp_host_loads, microgroup_summary
+    starts on the DP rank whose schedule shows the plan's character (:func:`canzona.viz.meshload.illustrative_dp_rank`)
+    and adds the load over every GPU of the mesh with the atomic lower bound."""
+    from canzona.viz.meshload import fig_gpu_loads, illustrative_dp_rank
+    from canzona.viz.microgroups import fig_microgroup_gantt, fig_tp_host_loads
 
     def build(model: str, dp: int, tp: int, optimizer: str, strategy: str, tp_schedule: str, cmax_mb: int, dp_rank: int,
               timeline: str, flops_shape: str) -> Figures:
         plan = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, tp_schedule=tp_schedule,
                            cmax_bytes=int(cmax_mb) * 2**20, flops_shape=flops_shape)
-        r = int(microgroup_summary(plan)["makespan_sync"].idxmax()) if dp_rank < 0 else dp_rank
+        r = illustrative_dp_rank(plan) if dp_rank < 0 else dp_rank
         if r >= dp:
             raise ValueError(f"dp rank {r} does not exist with dp={dp}")
-        return [fig_microgroup_gantt(plan, r, timeline=timeline), fig_tp_host_loads(plan, r)]
+        # the companion view: every GPU of the mesh with the mean and the atomic lower bound
+        return [fig_microgroup_gantt(plan, r, timeline=timeline), fig_tp_host_loads(plan, r), fig_gpu_loads(plan)]
 
     return Explorer(build, {
         **_plan_controls(model, dp, tp, optimizer),
