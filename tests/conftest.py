@@ -11,6 +11,9 @@ import pytest
 
 from canzona.testing import file_init_method, process_group
 
+#: the plugin test drives a nested pytest run (tests/test_validation_api.py)
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def _runs_in_tmp(tmp_path_factory, monkeypatch) -> None:

@@ -33,6 +33,10 @@ SKIPPED: dict[str, str] = {
     "tensorboard --logdir": "starts a web server that runs until stopped",
     "python profiling/nsys_profile.py": "needs Nsight Systems and a GPU (tests/test_profiling.py checks that it fails cleanly without)",
     "python profiling/bench_strategies.py": "a benchmark: minutes of timed runs by design",
+    "pip install": "installs packages from the network (transformers is in the dev extra the suite runs with)",
+    "torchrun": "starts a multi-process (or multi-node) torchrun job; tests/test_torchrun.py runs canzona under torchrun",
+    "PYTHONPATH=. canzona validate --optimizer examples.": "a validation matrix on a user optimizer (minutes); tests/test_validation_api.py runs the same path on examples.sign_momentum",
+    "pytest -q tests/test_gpu.py": "the suite runs tests/test_gpu.py itself (its cases skip without CUDA)",
 }
 
 #: exact command line -> why the test does not run it
@@ -57,7 +61,8 @@ def readme_commands() -> list[tuple[str, list[str]]]:
         # optional parts in brackets are examples of further options: run them too
         groups.append((f"table: {m.group(1)}", [m.group(1).replace("[", "").replace("]", "")]))
     for i, m in enumerate(re.finditer(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)):
-        lines = [ln.split("  #")[0].split(" # ")[0].strip() for ln in m.group(1).splitlines()]
+        body = re.sub(r"\\\n\s*", " ", m.group(1))  # a trailing backslash continues the line
+        lines = [ln.split("  #")[0].split(" # ")[0].strip() for ln in body.splitlines()]
         groups.append((f"bash block {i + 1}", [ln for ln in lines if ln and not ln.startswith("#")]))
     return groups
 
