@@ -24,7 +24,11 @@ group. Per iteration:
    ``overlap_updates=True`` gather and compute run *per bucket*, in the order the buckets'
    collectives were launched, so the step waits only for what it needs next:
 
-   - :meth:`gather_bucket` (bucket ``i``): wait for that bucket's collective only (the wait is a
+   One vocabulary for the collectives (Megatron's): :meth:`start_grad_sync` / :meth:`finish_grad_sync`
+   for a bucket's gradient collective, :meth:`start_param_sync` / :meth:`finish_param_sync` for
+   the parameter return (:meth:`sync_params` starts and finishes it at once, eager).
+
+   - :meth:`finish_grad_sync` (bucket ``i``): wait for that bucket's collective only (the wait is a
      phase of its own, ``canzona/dp/reduce_scatter/bucket<i>/wait`` or ``canzona/dp/all_reduce/bucket<i>/wait``
      inside the step, and its wall seconds are kept in :attr:`DPRuntime.bucket_wait_s`), average
      (sum, then divide by the DP size: exact for power-of-two DP sizes) and keep each owned
@@ -41,7 +45,7 @@ group. Per iteration:
      bucket has arrived: its micro-groups mix parameters of several buckets, and the engine's
      fused exchanges need all of a group's gradients, so waiting for the buckets of each group
      separately would buy little and cost a second ordering contract;
-   - :meth:`scatter_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
+   - :meth:`sync_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
      parameter from its owner inside the step (``canzona/layerwise/broadcast``); the
      reduce-scatter strategies run one variable-size all-gather per bucket
      (``canzona/dp/all_gather/bucket<i>/launch`` and ``/wait``) right after the optimizer-step phase closes; ``sc``
@@ -232,7 +236,7 @@ class DPRuntime:
         self._shard_sizes = [b.shard_sizes() for b in plan.buckets]
         #: phase timer the hook-launched collectives report to (the front end's ``phase_times``)
         self.timer: PhaseTimer | None = None
-        self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self._launch_bucket)
+        self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self.start_grad_sync)
         self.buffer.on_release = self._release
         self._warned_release = False
         #: bound (seconds) on waiting for the other ranks in the step's status exchanges
@@ -310,7 +314,7 @@ class DPRuntime:
                 self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
-        #: this iteration's averaged gradient slice per owned (non-TP) piece, set by gather_bucket
+        #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
         self._piece_grads: dict[Piece, torch.Tensor] = {}
         self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
         #: wall seconds the last step() spent blocked on each bucket's gradient collective
@@ -331,7 +335,7 @@ class DPRuntime:
             h.remove()
         self._hooks.clear()
 
-    def _launch_bucket(self, i: int) -> None:
+    def start_grad_sync(self, i: int) -> None:
         """Start bucket ``i``'s gradient collective without waiting (called by the buffer)."""
         ctx = timing(self.timer) if self.timer is not None else contextlib.nullcontext()
         with ctx:
@@ -409,11 +413,11 @@ class DPRuntime:
                 if self.overlap_updates:
                     # each bucket's update as soon as its collective lands; no pre-update agreement
                     for i in order:
-                        self.gather_bucket(i, reuse=reuse)
+                        self.finish_grad_sync(i, reuse=reuse)
                         self.update_bucket(i)
                 else:
                     for i in order:
-                        self.gather_bucket(i, reuse=reuse)
+                        self.finish_grad_sync(i, reuse=reuse)
                     flags = self._local_flags(digest)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
@@ -449,9 +453,9 @@ class DPRuntime:
                 self.broadcast_params()
         if self.reduce_scatter:
             if self.lazy:
-                self.launch_param_gather()
+                self.start_param_sync()
             else:
-                self.apply_params(self.scatter_params())
+                self.apply_params(self.sync_params())
         elif self.param_return == "none":
             self.apply_params({})
         self._tp_grads.clear()
@@ -511,7 +515,7 @@ class DPRuntime:
     def _grad_source(self, i: int) -> torch.Tensor:
         return self._shards[i] if self.reduce_scatter else self.buffer.bucket(i)
 
-    def gather_bucket(self, i: int, *, reuse: bool = False) -> None:
+    def finish_grad_sync(self, i: int, *, reuse: bool = False) -> None:
         """Wait for bucket ``i``'s collective (only that one), average it, and keep each owned piece's
         gradient slice for :meth:`update_bucket` (TP-split pieces for :meth:`compute_tp`).
         ``reuse``: the bucket already arrived and was averaged in an earlier ``step()``; only
@@ -604,14 +608,14 @@ class DPRuntime:
             if work is not None:
                 work.wait()
 
-    def scatter_params(self) -> dict[int, torch.Tensor]:
+    def sync_params(self) -> dict[int, torch.Tensor]:
         """Variable-size all-gather of every bucket's updated values (to the plan's cut points), waited."""
         launched = {i: self._pack_and_launch(i) for i in range(len(self.plan.buckets))}
         for i, (_, w) in launched.items():
             self._wait_param_gather(i, w)
         return {i: out for i, (out, _) in launched.items()}
 
-    def launch_param_gather(self) -> None:
+    def start_param_sync(self) -> None:
         """``param_sync="lazy"``: launch every bucket's all-gather without waiting; forward pre-hooks
         (:meth:`install_forward_hooks`) finish each bucket just before a module first uses it."""
         for i in range(len(self.plan.buckets)):
