@@ -64,6 +64,7 @@ from canzona.distributed import (
 )
 from canzona.optimizers import cost_key_for_class
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
+from canzona.runtime.agree import STATUS_TIMEOUT_S
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.fsdp import Block, FSDPRuntime, PieceLayout, local_block
 from canzona.runtime.phases import PhaseTimer, timing
@@ -211,6 +212,8 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         names = tuple(mesh.mesh_dim_names)
         self.mesh = mesh
         self.model = model
+        # bound on the checkpoint status exchanges (canzona.runtime.checkpoint), as on the ZeRO-1 path
+        self.status_timeout_s = STATUS_TIMEOUT_S
         self.strategy = strategy
         self.matrix_cls, self.elementwise_cls = matrix_cls, ew_cls
         self.master_dtype = master_dtype

@@ -206,7 +206,7 @@ def consolidated_state_dict(dopt: DistributedOptimizer) -> dict[str, Any]:
         mine = _exports(dopt)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    agree(error, "consolidating the optimizer state", device=_device(dopt), timeout_s=_timeout(dopt), mark=True)
+    agree(error, "consolidating the optimizer state", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
     rank = dist.get_rank()
     # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
     got = Comm(None, dopt.comm_stats).gather_object(mine, dst=0)
@@ -252,12 +252,6 @@ def _device(dopt: DistributedOptimizer) -> torch.device:
     if buffer is not None:
         return buffer.data.device
     return next(dopt.model.parameters()).device
-
-
-def _timeout(dopt: DistributedOptimizer) -> float:
-    from canzona.runtime.agree import STATUS_TIMEOUT_S
-
-    return float(getattr(dopt, "status_timeout_s", STATUS_TIMEOUT_S))
 
 
 def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -393,7 +387,7 @@ def load_consolidated_state_dict(dopt: DistributedOptimizer, doc: Mapping[str, A
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
     try:
-        agree(error, "loading the checkpoint", device=_device(dopt), timeout_s=_timeout(dopt), mark=True)
+        agree(error, "loading the checkpoint", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None  # this rank's own error says it best
@@ -449,7 +443,7 @@ def save_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
             atomic_write(path, lambda f: torch.save(doc, f))
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
             error = exc
-    agree(error, f"saving the checkpoint {path}", device=_device(dopt), timeout_s=_timeout(dopt), mark=True)
+    agree(error, f"saving the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
 
 
 def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
@@ -464,7 +458,7 @@ def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})")
     try:
-        agree(error, f"reading the checkpoint {path}", device=_device(dopt), timeout_s=_timeout(dopt), mark=True)
+        agree(error, f"reading the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None
