@@ -142,7 +142,19 @@ def test_orthogonal_change_of_basis_invariance(grafting: str | None) -> None:
         w.grad, w_rot.grad = g.clone(), u @ g @ v.T
         opt.step()
         opt_rot.step()
-    torch.testing.assert_close(w_rot.detach(), u @ w.detach() @ v.T, rtol=1e-9, atol=1e-11)
+    # Invariance holds in real arithmetic; in float64 the two runs differ by rounding amplified by
+    # the preconditioners' conditioning. At t = 1 the statistic L = G G^T (5 x 4 gradient) has a
+    # zero eigenvalue, computed by eigh (backward stable) only to within u * ||L||, and matrix_inverse_root
+    # raises (that value + eps) to -1/4: a relative change of order u * ||L|| / eps in the largest
+    # root, hence in the step. The bound below is that amplification, kappa = max ||L_t||, ||R_t||
+    # over the preconditioner updates divided by eps, times a small constant for the 6 steps of
+    # momentum and decay; it depends on the data, not on the machine's BLAS kernels.
+    stats_l = torch.cumsum(torch.stack([g @ g.T for g in grads]), 0)
+    stats_r = torch.cumsum(torch.stack([g.T @ g for g in grads]), 0)
+    kappa = max(torch.linalg.matrix_norm(stats_l, 2).max(), torch.linalg.matrix_norm(stats_r, 2).max()).item() / kw["eps"]
+    bound = 8 * torch.finfo(F64).eps * kappa * w_rot.detach().abs().max().item()
+    assert bound < 1e-6  # the check stays meaningful: far below the size of one step (lr 0.05)
+    torch.testing.assert_close(w_rot.detach(), u @ w.detach() @ v.T, rtol=0, atol=bound)
 
 
 def test_beats_sgd_on_ill_conditioned_least_squares() -> None:
