@@ -33,9 +33,11 @@ MAX_LAYERS = 4096
 MAX_DIM = 1 << 26  # hidden/intermediate/vocab/head sizes and counts (67 M)
 MAX_PARAMS = 10**15  # total parameters (1000 T)
 
-#: the repository's ``data/`` folder (sample traces and reports, generated outputs); absent in a wheel
+#: the repository's top-level ``data/`` folder: outputs written in a checkout, never read by default
+#: except an old validation report (absent in a wheel)
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-#: data the package itself needs, shipped inside it (package data of the wheel)
+#: data the package itself reads, shipped inside it (package data of the wheel): model configs,
+#: hardware profiles, the sample trace summary and the sample validation report
 PACKAGE_DATA = Path(__file__).resolve().parent / "data"
 MODELS_DIR = PACKAGE_DATA / "models"
 

@@ -232,8 +232,8 @@ Reads a *trace summary*: a phase table (`phases.csv` or `phases.parquet`: rank, 
 start_us, dur_us, depth) and `meta.json`, written by the profiling scripts from NVTX /
 `record_function` ranges (phase names are those of `canzona.phase_names`). By default it opens
 your newest run under `runs/` (written by `canzona profile --tensorboard runs/<name>`; a raw trace
-directory is summarised on the fly) and falls back to the shipped sample under
-`data/profiles/sample/`, saying so; set `PROFILE_DIR` to open another run.
+directory is summarised on the fly) and falls back to the sample shipped inside the package
+(`canzona/data/profiles/sample/`), saying so; set `PROFILE_DIR` to open another run.
 
 * **Timeline**: one row per rank, one bar per phase; nested phases are thinner bars inside their
   parents. Pick the step and the nesting depth with the controls.
@@ -488,8 +488,8 @@ EXACTNESS = [
 `canzona validate` runs every (optimizer, strategy, mesh, dtype) cell of the exactness suite and
 compares the distributed update with the single-device optimizer bit for bit (`torch.equal`); the
 report also records the training loss per step of each strategy. This notebook reads the newest
-report under `runs/validation/` when a run wrote one, else the shipped sample
-(`data/validation-sample/report.json`); set `REPORT` to read another, or `RUN_VALIDATION = True`
+report under `runs/validation/` when a run wrote one, else the sample shipped inside the package
+(`canzona/data/validation-sample/report.json`); set `REPORT` to read another, or `RUN_VALIDATION = True`
 to run the suite from here with `validation.run` (the Python API behind `canzona validate`; it
 takes your own optimizer as a class or an import path, and spawns worker processes).
 """),
@@ -514,6 +514,7 @@ if RUN_VALIDATION:
 
     report = validation.run("muon", meshes=["dp2"], strategies=["sc", "lb-asc"]).report
 else:
+    print(f"report: {REPORT}")
     report = ve.load_validation_report(REPORT)
 print(report["summary"])
 viz.fig_validation_matrix(report)

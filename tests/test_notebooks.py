@@ -71,45 +71,6 @@ def _kernel_manager():
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
 
 
-def _sample_profile(path: Path) -> Path:
-    rows = ["rank,step,phase,part,start_us,dur_us,depth"]
-    for step in range(2):
-        for rank in range(4):
-            t = step * 10_000 + rank * 5
-            rows += [
-                f"{rank},{step},canzona/forward,,{t},2000,0",
-                f"{rank},{step},canzona/backward,,{t + 2000},3000,0",
-                f"{rank},{step},canzona/dp/reduce_scatter,bucket0,{t + 3000},1500,1",
-                f"{rank},{step},canzona/optimizer/step,,{t + 5000},{1000 + 300 * rank},0",
-                f"{rank},{step},canzona/tp/gather,group0,{t + 5010},200,1",
-                f"{rank},{step},canzona/tp/compute,group0,{t + 5250},{400 + 300 * rank},1",
-                f"{rank},{step},canzona/tp/scatter,group0,{t + 5700 + 300 * rank},200,1",
-            ]
-    path.mkdir(parents=True)
-    (path / "phases.csv").write_text("\n".join(rows) + "\n")
-    (path / "meta.json").write_text(json.dumps({"strategy": "lb-asc", "optimizer": "muon", "dp": 2, "tp": 2, "steps": 2, "model": "qwen3-tiny"}))
-    return path
-
-
-def _sample_report(path: Path) -> Path:
-    """A report in the validation suite's format: injected cells, and training cells that carry
-    their loss trajectories."""
-    cells = [
-        {"cell": f"injected/{o}/{s}", "optimizer": o, "strategy": s, "mesh": "dp2xtp2", "dtype": "float32", "check": "injected",
-         "passed": True, "max_abs_diff": 0.0, "first_mismatch": None, "seconds": 0.5}
-        for o in ("muon", "shampoo", "soap") for s in ("asc", "lb-asc", "layerwise")
-    ]
-    loss = [5.5, 5.1, 4.8, 4.6]
-    cells += [
-        {"cell": f"training/muon/{s}", "optimizer": "muon", "strategy": s, "mesh": "dp2xtp2", "dtype": "float32", "check": "training",
-         "passed": True, "max_abs_diff": 0.0, "first_mismatch": None, "seconds": 0.7, "losses": loss, "reference_losses": loss}
-        for s in ("sc", "asc", "lb-asc", "layerwise")
-    ]
-    summary = {"cells": len(cells), "passed": len(cells), "failed": 0, "errors": 0, "seconds": 9.3}
-    path.write_text(json.dumps({"schema": "canzona.validation", "version": 1, "summary": summary, "cells": cells}))
-    return path
-
-
 def _sample_runs() -> None:
     """Two small metrics logs in the runs folder the suite uses (tests/conftest.py)."""
     from canzona.runs import MetricsLog, runs_dir
@@ -121,33 +82,18 @@ def _sample_runs() -> None:
                 log.log(step, 5.5 - 0.2 * step, 0.01 * (1 + k), {"canzona/forward": 0.003})
 
 
-def _overrides(name: str, tmp_path: Path) -> str:
-    """Parameter overrides: notebooks 3 and 5 read data that other parts of the project ship;
-    when it is not there, the test gives them a small sample of the same format."""
-    from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT
-    from canzona.viz.timeline import DEFAULT_PROFILE_DIR
-
-    if name.startswith("03"):
-        _sample_runs()  # the loss cell draws two runs' metrics logs
-    if name.startswith("03") and not DEFAULT_PROFILE_DIR.is_dir():
-        run = _sample_profile(tmp_path / "profiles" / "sample")
-        return f"from pathlib import Path\nPROFILE_DIR = Path({str(run)!r})\nPROFILE_ROOT = PROFILE_DIR.parent\n"
-    if name.startswith("05") and not (DEFAULT_REPORT.is_file() or SAMPLE_REPORT.is_file()):
-        rep = _sample_report(tmp_path / "report.json")
-        return f"from pathlib import Path\nREPORT = Path({str(rep)!r})\n"
-    return ""
+def _stdout(nb: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_headless(name: str, tmp_path: Path) -> None:
+def test_notebook_runs_headless(name: str) -> None:
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    extra = _overrides(name, tmp_path)
-    if extra:
-        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-        cell.source += "\n" + extra
+    if name.startswith("03"):
+        _sample_runs()  # the loss cell draws two runs' metrics logs
     client = NotebookClient(nb, km=_kernel_manager(), kernel_name="python3", timeout=CELL_TIMEOUT_S,
                             resources={"metadata": {"path": str(NOTEBOOKS)}}, allow_errors=False)
     t0 = time.perf_counter()
@@ -166,6 +112,16 @@ def test_notebook_runs_headless(name: str, tmp_path: Path) -> None:
         assert layout["title"]["text"]
         # an HTML copy beside the JSON (viz.use_notebook_renderer): what exporters and nbviewer show
         assert "text/html" in o["data"], f"{name}: a figure carries no HTML fallback"
+    # notebooks 3 and 5 read the samples shipped inside the package when the user has no run of
+    # their own (this test's runs folder holds metrics logs only, no profile or report)
+    if name.startswith("03"):
+        from canzona.viz.timeline import DEFAULT_PROFILE_DIR
+
+        assert f"showing the shipped sample {DEFAULT_PROFILE_DIR}" in _stdout(nb), _stdout(nb)[:2000]
+    if name.startswith("05"):
+        from canzona.viz.exactness import default_report_path
+
+        assert f"report: {default_report_path(NOTEBOOKS)}\n" in _stdout(nb), _stdout(nb)[:2000]
     if name.startswith("03"):
         titles = [o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"] for o in figures]
         assert any(t.startswith("Training loss of 2 runs") for t in titles), "the loss cell drew no runs"

@@ -1,4 +1,5 @@
-"""The conda environment and pyproject list the same dependencies; the CLI front door works."""
+"""The conda environment and pyproject list the same dependencies; everything the package reads
+is package data; the CLI front door works."""
 
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ def test_environment_yml_matches_pyproject() -> None:
     env_reqs = [ln.strip()[2:].strip() for ln in env_lines if ln.strip().startswith("- ")]
     env_reqs = [r for r in env_reqs if r not in ("conda-forge", "pip:") and not r.startswith("-e")]
     assert _names(declared) == _names(env_reqs)
+
+
+def test_package_data_globs_cover_canzona_data() -> None:
+    """Every file under canzona/data/ matches a package-data glob, so the wheel ships it (a new
+    sample or config cannot be forgotten); tests/test_wheel.py checks the built wheel itself."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["canzona"]
+    pkg = ROOT / "canzona"
+    shipped = {p for g in globs for p in pkg.glob(g) if p.is_file()}
+    on_disk = {p for p in (pkg / "data").rglob("*") if p.is_file()}
+    assert sorted(str(p.relative_to(pkg)) for p in on_disk - shipped) == []
+    assert all(any(pkg.glob(g)) for g in globs), "a package-data glob matches nothing"
+
+
+def test_default_inputs_live_in_the_package() -> None:
+    """The files the library opens when the user names none resolve inside the installed package,
+    never relative to a checkout's top-level data/ or the working directory, and they load."""
+    from canzona.config import MODELS_DIR, PACKAGE_DATA, available_models
+    from canzona.sim.hardware import HARDWARE_DIR
+    from canzona.viz.exactness import SAMPLE_REPORT, load_validation_report
+    from canzona.viz.timeline import DEFAULT_PROFILE_DIR, load_profile
+
+    assert PACKAGE_DATA == Path(__import__("canzona").__file__).resolve().parent / "data"
+    for path in (MODELS_DIR, HARDWARE_DIR, DEFAULT_PROFILE_DIR, SAMPLE_REPORT):
+        assert path.is_relative_to(PACKAGE_DATA) and path.exists(), path
+    assert "qwen3-32b" in available_models()
+    assert load_validation_report(SAMPLE_REPORT)["summary"]["cells"] > 0
+    prof = load_profile(DEFAULT_PROFILE_DIR)
+    assert len(prof.phases) > 0 and prof.meta["strategy"] == "lb-asc"
 
 
 def test_torch_requirement_is_a_range_not_a_bare_name() -> None:

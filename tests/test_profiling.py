@@ -50,7 +50,7 @@ from canzona.runtime.phases import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "data" / "profiles" / "sample"
+SAMPLE = ROOT / "canzona" / "data" / "profiles" / "sample"
 EPS = 1e-3  # us: Kineto rounding of nested ranges
 
 # ------------------------------------------------------------------------------------ the real profile

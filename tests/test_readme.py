@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 
 #: command prefix -> why the test does not run it
 SKIPPED: dict[str, str] = {
-    "make demo": "builds a fresh .venv and installs packages (network); `canzona demo` is tested in tests/test_demo.py",
+    "make demo": "builds a fresh .venv and installs packages (network); `canzona demo` is tested in tests/test_demo.py (plan act) and tests/test_wheel.py (all acts, from an installed wheel)",
     "make test": "runs the whole suite (this test is part of it)",
     "canzona validate --quick": "about a minute by design; the suite's own checks are tests/test_validation.py",
     "canzona validate --full": "552 cells, many minutes by design",

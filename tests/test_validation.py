@@ -19,7 +19,7 @@ from validation.models import AWKWARD_TP_DIMS, AwkwardModel, shard_plain
 from validation.report import CSV_COLUMNS, build_report, format_table, report_paths, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "data" / "validation-sample" / "report.json"
+SAMPLE = ROOT / "canzona" / "data" / "validation-sample" / "report.json"
 
 
 # ------------------------------------------------------------------------------ matrix and models

@@ -1,6 +1,6 @@
 """The exactness-validation report as tables and figures.
 
-A report (``data/validation/report.json``, written by ``canzona validate``) is strict JSON::
+A report (``runs/validation/<time>/report.json``, written by ``canzona validate``) is strict JSON::
 
     {"summary": {"cells": int, "passed": int, "failed": int, ...},
      "cells": [{"optimizer", "strategy", "mesh", "dtype", "check", "passed", "max_abs_diff",
@@ -27,7 +27,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from canzona.config import DATA_DIR
+from canzona.config import DATA_DIR, PACKAGE_DATA
 from canzona.viz._style import finish, strategy_color
 
 __all__ = [
@@ -49,8 +49,10 @@ __all__ = [
     "loss_views",
 ]
 
+#: where older versions of ``canzona validate`` wrote their report (a checkout's ``data/``)
 DEFAULT_REPORT = DATA_DIR / "validation" / "report.json"
-SAMPLE_REPORT = DATA_DIR / "validation-sample" / "report.json"
+#: a real ``canzona validate --quick`` report shipped with the package
+SAMPLE_REPORT = PACKAGE_DATA / "validation-sample" / "report.json"
 CELL_KEYS: tuple[str, ...] = ("optimizer", "strategy", "mesh", "dtype", "check", "passed", "max_abs_diff", "first_mismatch", "seconds")
 
 

@@ -37,7 +37,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from canzona.config import DATA_DIR
+from canzona.config import PACKAGE_DATA
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
 
 __all__ = [
@@ -71,8 +71,9 @@ PHASE_COLUMNS: dict[str, str] = {
     "dur_us": "float64",
     "depth": "int64",
 }
-#: the shipped sample trace summary the timeline notebook opens by default
-DEFAULT_PROFILE_DIR = DATA_DIR / "profiles" / "sample"
+#: the sample trace summary shipped with the package, which the timeline notebook opens when there
+#: is no run of the user's own
+DEFAULT_PROFILE_DIR = PACKAGE_DATA / "profiles" / "sample"
 _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
 #: where user runs live: ``runs/`` of the working directory and of its parent (so that a notebook
 #: started in notebooks/ finds the runs of the repository root), or ``$CANZONA_RUNS_DIR``
