@@ -57,8 +57,10 @@ def _ref_rows(runner: ReferenceRunner, grads_per_step: list[dict[str, torch.Tens
 def _zero1_case(rank: int, world: int, case: str) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     from canzona.distributed import DistributedOptimizer
-    from validation.checks import ELEMENTWISE_KWARGS, OPTIMIZER_KWARGS, _make_mesh
+    from validation.checks import ELEMENTWISE_KWARGS, OPTIMIZER_KWARGS
     from validation.models import build_model
 
     dp, tp, strategy = CASES[case]
@@ -68,8 +70,9 @@ def _zero1_case(rank: int, world: int, case: str) -> dict[str, Any]:
 
     # zero1 cuts matrices too, so it runs AdamW on everything
     cls, kw = (torch.optim.AdamW, ELEMENTWISE_KWARGS) if strategy == "zero1" else (Muon, OPTIMIZER_KWARGS["muon"])
+    mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",)) if tp == 1 else init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     opt = DistributedOptimizer(
-        model, cls, strategy=strategy, mesh=_make_mesh(dp, tp), optimizer_kwargs=kw,
+        model, cls, strategy=strategy, mesh=mesh, optimizer_kwargs=kw,
         elementwise_kwargs=ELEMENTWISE_KWARGS, tp_dims=tp_dims or None, bucket_numel=bucket_numel,
     )
     calls, log = _Calls(), UpdateNormLog()
