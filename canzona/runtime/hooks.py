@@ -39,18 +39,10 @@ __all__ = ["RemovableHandle", "UpdateHook", "UpdateHooks", "UpdateNormLog"]
 UpdateHook = Callable[[str, torch.Tensor, torch.optim.Optimizer], None]
 
 
-class UpdateHooks:
-    """The hooks registered on one runtime (shared with the engines it drives). False when empty,
-    so a call site tests it before building anything."""
-
-    def __init__(self) -> None:
-        self._hooks: OrderedDict[int, Any] = OrderedDict()  # RemovableHandle keeps a weak reference
-
-    def __bool__(self) -> bool:
-        return bool(self._hooks)
-
-    def __len__(self) -> int:
-        return len(self._hooks)
+class UpdateHooks(OrderedDict):
+    """The hooks registered on one runtime (shared with the engines it drives), by handle id.
+    A plain (ordered) dict underneath, so the call sites' ``if hooks:`` is the dict's own
+    emptiness test; :class:`RemovableHandle` deletes its entry on ``remove()``."""
 
     def register(self, hook: UpdateHook) -> RemovableHandle:
         if not callable(hook):
@@ -58,14 +50,14 @@ class UpdateHooks:
         before = getattr(hook, "before_update", None)
         if before is not None and not callable(before):
             raise TypeError(f"{type(hook).__name__}.before_update must be callable")
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
+        handle = RemovableHandle(self)
+        self[handle.id] = hook
         return handle
 
     def step(self, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """``optimizer.step()`` (in the caller's grad mode) with every hook around it, for the
         ``(name, master)`` pairs in ``named``."""
-        hooks = list(self._hooks.values())
+        hooks = list(self.values())
         with torch.no_grad():
             for hook in hooks:
                 before = getattr(hook, "before_update", None)
