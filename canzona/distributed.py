@@ -647,6 +647,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with self.runtime.buffer.no_sync():
             yield
 
+    def register_update_hook(self, hook: Any) -> Any:
+        """Call ``hook(name, param, optimizer)`` on the rank that computed it, for every parameter
+        updated whole, right after its update and before the value is sent to the other ranks
+        (``param``: the full-shape master; ``optimizer``: the inner optimizer holding its state).
+        An optional ``hook.before_update`` with the same signature runs just before the update.
+        Returns a handle; ``handle.remove()`` detaches the hook. See :mod:`canzona.runtime.hooks`
+        (e.g. :class:`~canzona.runtime.hooks.UpdateNormLog`)."""
+        return self.runtime.register_update_hook(hook)
+
     @property
     def steps(self) -> int:
         return self.runtime.steps

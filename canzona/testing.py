@@ -16,27 +16,24 @@ Importing this module has no side effects (no process groups, no global seeds, n
   element-wise optimizer, optional fp32 masters for low-precision models.
 - :func:`attempt` / :func:`case_results`: a worker that runs many cases records each outcome, and
   each test reads its own case (a failure names the case and the rank, not the whole run).
-- :func:`file_init_method` / :func:`process_group`: a ``file://`` rendezvous in a fresh directory
-  and a bounded, self-destroying process group around it.
+- :func:`file_init_method` / :func:`process_group` (from :mod:`canzona.runtime.launch`): a
+  ``file://`` rendezvous in a fresh directory and a bounded, self-destroying process group around it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-import os
 import traceback
 import zlib
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from datetime import timedelta
-from pathlib import Path
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from canzona.runtime.buffer import local_tensor as _local
+from canzona.runtime.launch import file_init_method, process_group  # re-exported: the launcher's rendezvous
 from canzona.specs import is_matrix_param
 
 __all__ = [
@@ -302,28 +299,3 @@ def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: objec
             raise AssertionError(f"case {name} failed on rank {rank}: {outcome['error']}")
         out.append(outcome["result"])
     return out
-
-
-def file_init_method(directory: str | os.PathLike[str]) -> str:
-    """A ``file://`` rendezvous for ``torch.distributed.init_process_group`` in ``directory`` (a
-    fresh temporary directory per group, e.g. pytest's ``tmp_path``): unlike a port that was free a
-    moment ago, no other process can take it before the group forms. A file left by an earlier
-    group that did not end cleanly would be joined as if it were fresh, so an existing file is
-    refused."""
-    path = Path(directory).resolve() / "rendezvous"
-    if path.exists():
-        raise ValueError(f"{path} exists: a file rendezvous needs a fresh file per process group")
-    return path.as_uri()
-
-
-@contextlib.contextmanager
-def process_group(init_method: str, rank: int = 0, world_size: int = 1, *, backend: str = "gloo", timeout_s: float = 60.0) -> Iterator[None]:
-    """Join the default process group at ``init_method`` (see :func:`file_init_method`) with a
-    bounded timeout for the duration of the block, then destroy it."""
-    import torch.distributed as dist
-
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()

@@ -22,7 +22,7 @@ mesh with dimensions from ``("dp_replicate", "dp_shard", "tp")`` works.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,8 +206,11 @@ def run_fsdp_case(
     steps: int = 3,
     compare: bool = True,
     mixed_precision: bool = False,
+    update_hooks: Sequence[Any] = (),
 ) -> FSDPCaseResult:
-    """Run one exactness case on every rank of ``mesh`` (collective; see the module docstring)."""
+    """Run one exactness case on every rank of ``mesh`` (collective; see the module docstring).
+    ``update_hooks`` are registered on the optimizer for the case's steps
+    (:meth:`canzona.DistributedOptimizer.register_update_hook`)."""
     import torch.distributed as dist
 
     import canzona
@@ -217,10 +220,15 @@ def run_fsdp_case(
     ew = dict(elementwise_kwargs or {"lr": 0.01, "weight_decay": 0.1})
     model = build_fsdp_toy(mesh, dtype, mixed_precision=mixed_precision)
     opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=ew)
-    for s in range(steps):
-        model(fsdp_local_grads(mesh, s)).backward()
-        opt.step()
-        opt.zero_grad()
+    handles = [opt.register_update_hook(h) for h in update_hooks]
+    try:
+        for s in range(steps):
+            model(fsdp_local_grads(mesh, s)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
     params = _full_params(model)
     doc = opt.state_dict()
     res = FSDPCaseResult(
@@ -262,8 +270,9 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     :data:`FSDP_MESHES` on ``world`` spawned ranks. A case is a dict with ``label``, ``optimizer``
     (name), ``strategy`` and optionally ``optimizer_kwargs``, ``dtype`` (``"float32"``/``"bfloat16"``),
     ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
-    :class:`canzona.runtime.faults.Fault`, armed on every rank for that case only: a planted
-    defect the comparison must name). Returns, per case, ``{"label", "mismatches"}``
+    :class:`canzona.runtime.faults.Fault`, registered as an update hook on every rank's optimizer
+    for that case only: a planted defect the comparison must name; the case fails when it never
+    fired). Returns, per case, ``{"label", "mismatches"}``
     (mismatches are filled on rank 0 only; other ranks return empty lists)::
 
         run_workers(fsdp_mesh_worker, 4, "dp_shard2_tp2", [{"label": "muon/lb-asc", "optimizer": "muon", "strategy": "lb-asc"}])
@@ -275,24 +284,28 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     if math.prod(shape) != world:
         raise ValueError(f"mesh {mesh_name} needs {math.prod(shape)} ranks, the world has {world}")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    from canzona.runtime import faults
+    from canzona.runtime.faults import Fault, FaultHook
 
     out = []
     for case in cases:
-        if case.get("fault"):
-            faults.arm(faults.Fault(**case["fault"]))
-        try:
-            res = run_fsdp_case(
-                mesh,
-                case["optimizer"],
-                case["strategy"],
-                case.get("optimizer_kwargs"),
-                dtype=getattr(torch, case.get("dtype", "float32")),
-                steps=int(case.get("steps", 3)),
-                mixed_precision=bool(case.get("mixed_precision", False)),
-            )
-        finally:
-            faults.disarm()
+        planted = FaultHook(Fault(**case["fault"])) if case.get("fault") else None
+        res = run_fsdp_case(
+            mesh,
+            case["optimizer"],
+            case["strategy"],
+            case.get("optimizer_kwargs"),
+            dtype=getattr(torch, case.get("dtype", "float32")),
+            steps=int(case.get("steps", 3)),
+            mixed_precision=bool(case.get("mixed_precision", False)),
+            update_hooks=() if planted is None else (planted,),
+        )
+        if planted is not None:
+            # a defect that never fired proves nothing: name it, so the case cannot pass cleanly
+            fired = torch.tensor([int(planted.fired)])
+            dist.all_reduce(fired)
+            if not int(fired) and dist.get_rank() == 0:
+                f = planted.fault
+                res.mismatches.append(f"fault:{f.kind} on {f.param} (step {f.step}) never fired")
         out.append({"label": case["label"], "mismatches": res.mismatches})
         dist.barrier()
     return out

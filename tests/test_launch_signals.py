@@ -47,19 +47,25 @@ def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     return {p for p in pids if _alive(p)}
 
 
-def _env() -> dict[str, str]:
+def _env(tmp: Path | None = None) -> dict[str, str]:
+    """The launcher's environment; with ``tmp``, its temporary directories (the rendezvous) go there."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
     return env
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
+def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals, tmp_path: Path) -> None:
     """``canzona train --dp 2`` (its own launcher, ``--nproc`` defaulting to dp*tp) is signalled once
-    rank 0 has trained a step: every worker is gone within seconds, one line says why, exit 128+sig."""
+    rank 0 has trained a step: every worker is gone within seconds, one line says why, exit 128+sig,
+    and the launcher's rendezvous directory is removed."""
     cmd = [sys.executable, "-m", "canzona", "train", "--dp", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp), cwd=ROOT)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 150
@@ -68,6 +74,7 @@ def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, f"launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
         assert line.startswith("step 1/"), "training never reached its first step"
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("canzona-rendezvous-")], "no file rendezvous under TMPDIR"
         workers = _children(proc.pid)
         assert len(workers) >= 2, workers
         t0 = time.monotonic()
@@ -84,6 +91,7 @@ def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
     assert last == f"canzona train: stopped by {sig.name}: 2 worker process(es) terminated", last
     assert "Traceback" not in err, err[-2000:]
     assert _wait_gone(workers, 10) == set(), "orphaned worker processes"
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("canzona-rendezvous-")] == [], "rendezvous directory left behind"
 
 
 def _die_or_wait(rank: int, world: int) -> None:
@@ -120,7 +128,8 @@ if __name__ == "__main__":
 def test_a_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     script = tmp_path / "sleeper.py"
     script.write_text(_SLEEPER)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    # a SIGKILLed launcher cannot remove its rendezvous directory: keep it under tmp_path
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         workers: set[int] = set()

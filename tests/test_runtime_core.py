@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from canzona.runtime import faults
+from canzona.runtime.hooks import UpdateHooks, UpdateNormLog
 from canzona.runtime.comm import Comm, CommStats, even_sizes
 from canzona.runtime.launch import WorkerError, run_workers
 from canzona.runtime.phases import PhaseTimer, base_phase, current_phase, phase, timing
@@ -16,7 +19,8 @@ from canzona.runtime.phases import PhaseTimer, base_phase, current_phase, phase,
 
 # ----------------------------------------------------------------------------- workers (module level: spawn)
 def _echo(rank: int, world: int) -> dict[str, object]:
-    return {"rank": rank, "world": world, "t": torch.arange(4.0) * rank}
+    init = dist.distributed_c10d._default_pg_init_method  # how this group met
+    return {"rank": rank, "world": world, "t": torch.arange(4.0) * rank, "init": init}
 
 
 def _fail_on_one(rank: int, world: int) -> int:
@@ -63,24 +67,37 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
 
 
 # ----------------------------------------------------------------------------- launcher
-def test_run_workers_returns_results_in_rank_order_with_tensors() -> None:
+@pytest.fixture
+def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The launcher's temporary directories go under ``tmp_path`` (to check they are removed)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_run_workers_returns_results_in_rank_order_with_tensors(tmp_tempdir: Path) -> None:
     res = run_workers(_echo, 2, timeout_s=120)
     assert [r["rank"] for r in res] == [0, 1]
     assert torch.equal(res[1]["t"], torch.arange(4.0))
+    # the group met at a file rendezvous in a fresh temporary directory, removed afterwards
+    init = res[0]["init"]
+    assert init == res[1]["init"] and init.startswith("file://") and str(tmp_tempdir.resolve()) in init
+    assert list(tmp_tempdir.iterdir()) == []
 
 
-def test_a_failing_rank_is_named_and_nothing_hangs() -> None:
+def test_a_failing_rank_is_named_and_nothing_hangs(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: planted failure"):
         run_workers(_fail_on_one, 2, timeout_s=120, pg_timeout_s=30)
     assert time.monotonic() - t0 < 60
+    assert list(tmp_tempdir.iterdir()) == []  # the rendezvous directory is gone after a failure too
 
 
-def test_the_run_deadline_kills_workers() -> None:
+def test_the_run_deadline_kills_workers(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="timed out"):
         run_workers(_sleep, 2, timeout_s=8)
     assert time.monotonic() - t0 < 40
+    assert list(tmp_tempdir.iterdir()) == []
 
 
 def test_world_size_must_be_positive() -> None:
@@ -167,47 +184,140 @@ def test_phases_reach_the_profiler_with_identical_names() -> None:
     assert "canzona/dp/local_update" in names
 
 
-# ----------------------------------------------------------------------------- faults
+# ----------------------------------------------------------------------------- faults, update hooks
 def test_fault_from_env_and_ulp_at_the_armed_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CANZONA_FAULT", "kind=ulp,param=w,step=2,index=3")
-    try:
-        f = faults.from_env()
-        assert f == faults.Fault("ulp", "w", 2, 3) and faults.armed() == f
-        v = torch.ones(6)
-        faults.on_update("w", v)  # step 1: untouched
-        assert torch.equal(v, torch.ones(6))
-        faults.on_update("other", v)
-        assert not faults.fired("w")
-        faults.on_update("w", v)  # step 2: element 3 moves by exactly one ulp
-        assert faults.fired("w") and faults.fired() and not faults.fired("other")
-        diff = (v != 1).nonzero().flatten().tolist()
-        assert diff == [3] and v[3].item() == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
-    finally:
-        faults.disarm()
-    assert faults.armed() is None
+    f = faults.from_env()
+    assert f == faults.Fault("ulp", "w", 2, 3)
+    monkeypatch.delenv("CANZONA_FAULT")
+    assert faults.from_env() is None
+    hook = faults.FaultHook(f)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    v = torch.ones(6)
+    hook("w", v, opt)  # step 1: untouched
+    assert torch.equal(v, torch.ones(6)) and not hook.fired
+    hook("other", v, opt)
+    assert not hook.fired and hook.count == 1
+    hook("w", v, opt)  # step 2: element 3 moves by exactly one ulp
+    assert hook.fired
+    diff = (v != 1).nonzero().flatten().tolist()
+    assert diff == [3] and v[3].item() == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    hook("w", v, opt)  # later steps: untouched
+    assert (v != 1).nonzero().flatten().tolist() == [3]
 
 
 def test_stale_state_fault_undoes_one_state_update() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    faults.arm(faults.Fault("stale_state", "p", step=2))
-    try:
-        buffers = []
-        for _ in range(3):
-            p.grad = torch.ones(3)
-            faults.snapshot_state("p", opt, p)
-            opt.step()
-            faults.on_state("p", opt, p)
-            buffers.append(opt.state[p]["momentum_buffer"].clone())
-        assert torch.equal(buffers[1], buffers[0])  # the step-2 state change was lost
-        assert not torch.equal(buffers[2], buffers[1])
-    finally:
-        faults.disarm()
+    hooks = UpdateHooks()
+    hook = faults.FaultHook(faults.Fault("stale_state", "p", step=2))
+    handle = hooks.register(hook)
+    buffers = []
+    for _ in range(3):
+        p.grad = torch.ones(3)
+        hooks.step(opt, [("p", p)])
+        buffers.append(opt.state[p]["momentum_buffer"].clone())
+    assert hook.fired
+    assert torch.equal(buffers[1], buffers[0])  # the step-2 state change was lost
+    assert not torch.equal(buffers[2], buffers[1])
+    handle.remove()
+    assert not hooks
 
 
-@pytest.mark.parametrize("text", ["kind=ulp", "param=x", "kind=bogus,param=x", "kind=ulp,param=x,step=0", "nonsense"])
+@pytest.mark.parametrize("text", ["kind=ulp", "param=x", "kind=bogus,param=x", "kind=ulp,param=x,step=0", "nonsense", "kind=ulp,param=x,step=two"])
 def test_bad_fault_specs_are_rejected(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv("CANZONA_FAULT", text)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="CANZONA_FAULT|fault"):
         faults.from_env()
-    faults.disarm()
+
+
+def test_update_hooks_run_around_the_step_and_remove() -> None:
+    """Hooks see (name, master, optimizer) after the step, ``before_update`` before it, in
+    registration order, under no_grad; a removed hook is never called again."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    hooks = UpdateHooks()
+    calls: list[tuple[str, str, float, bool]] = []
+
+    class Both:
+        def before_update(self, name: str, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+            calls.append(("before", name, float(param[0]), torch.is_grad_enabled()))
+
+        def __call__(self, name: str, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+            assert optimizer is opt and param is p
+            calls.append(("after", name, float(param[0]), torch.is_grad_enabled()))
+
+    h1 = hooks.register(Both())
+    h2 = hooks.register(lambda name, param, optimizer: calls.append(("plain", name, float(param[0]), torch.is_grad_enabled())))
+    assert len(hooks) == 2
+    p.grad = torch.ones(2)
+    hooks.step(opt, [("p", p)])
+    assert calls == [("before", "p", 1.0, False), ("after", "p", 0.5, False), ("plain", "p", 0.5, False)]
+    h1.remove()
+    h1.remove()  # idempotent
+    calls.clear()
+    hooks.step(opt, [("p", p)])
+    assert calls == [("plain", "p", 0.0, False)]
+    h2.remove()
+    assert not hooks
+    with pytest.raises(TypeError, match="callable"):
+        hooks.register(42)  # type: ignore[arg-type]
+
+
+def test_update_norm_log_matches_direct_norms() -> None:
+    """The logger's norms are those of the update and the new value, bit for bit."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    hooks = UpdateHooks()
+    log = UpdateNormLog()
+    hooks.register(log)
+    want = []
+    for _ in range(3):
+        old = p.detach().clone()
+        p.grad = torch.randn(4, 3)
+        hooks.step(opt, [("w", p)])
+        want.append((float(torch.linalg.vector_norm(p.detach() - old)), float(torch.linalg.vector_norm(p.detach()))))
+    rows = log.rows()
+    assert rows == {"w": [(k + 1, u, n) for k, (u, n) in enumerate(want)]}
+    assert log.gather() == rows  # no process group: this rank's rows
+    assert log.ratios()["w"] == [u / n for u, n in want]
+    log.clear()
+    assert log.rows() == {}
+
+
+def test_front_end_hook_sees_every_parameter_once_per_step_and_plants_a_fault(single_rank_group) -> None:
+    """One rank owns everything: the hook registered on ``DistributedOptimizer`` sees each
+    parameter once per step with its own optimizer; a planted ulp moves exactly that element of the
+    model's parameter; after ``remove()`` nothing is called and nothing is perturbed."""
+    import canzona
+    from canzona.testing import ToyModel, inject_grads, integer_grads
+
+    def run(plant: bool) -> tuple[list[tuple[str, int]], dict[str, torch.Tensor]]:
+        model = ToyModel()
+        opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", bucket_numel=40)
+        seen: list[tuple[str, int]] = []
+        inner = {id(o) for o in (opt.runtime.matrix_opt, opt.runtime.elementwise_opt)}
+        h = opt.register_update_hook(lambda n, p, o: seen.append((n, opt.steps)) if id(o) in inner and p in o.state else None)
+        fault = faults.FaultHook(faults.Fault("ulp", "mix.weight", step=2, index=4)) if plant else None
+        hf = opt.register_update_hook(fault) if fault is not None else None
+        for step in range(3):
+            if step == 2:
+                h.remove()
+                if hf is not None:
+                    hf.remove()
+            inject_grads(model, integer_grads(model, step=step, rank=0))
+            opt.step()
+            opt.zero_grad()
+        assert fault is None or fault.fired
+        return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    seen, clean = run(False)
+    names = [n for n, _ in ToyModel().named_parameters()]
+    assert sorted(seen) == sorted((n, s) for n in names for s in (0, 1))
+    _, faulty = run(True)
+    for n in names:
+        if n == "mix.weight":
+            assert (faulty[n] != clean[n]).flatten().nonzero().flatten().tolist() != []
+        else:
+            assert torch.equal(faulty[n], clean[n]), n

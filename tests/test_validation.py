@@ -229,14 +229,14 @@ def _runtime_fault(mesh: str, fault: Fault) -> dict:
     assert res.exit_code == 1
     assert [c["cell"] for c in failed] == [cell]  # the clean sc cell still passes
     got = failed[0]
-    # the runtime calls canzona.runtime.faults around every owner/host step, so the defect must fire
+    # the fault is an update hook on the cell's optimizer, called after every owner/host step: it must fire
     assert got["fault"]["fired"], got.get("error")
     return got
 
 
 @pytest.mark.slow
 def test_planted_ulp_in_a_host_update_is_reported_exactly() -> None:
-    """One ulp in the TP host's full update of big.weight at the last step (canzona.runtime.faults.on_update)."""
+    """One ulp in the TP host's full update of big.weight at the last step (a FaultHook on the TP engine's update)."""
     got = _runtime_fault("tp2", Fault("ulp", "big.weight", step=3, index=7))
     assert got["mismatched_params"] == ["big.weight"]
     assert (got["first_mismatch"]["param"], got["first_mismatch"]["index"]) == ("big.weight", 7)
@@ -244,6 +244,6 @@ def test_planted_ulp_in_a_host_update_is_reported_exactly() -> None:
 
 @pytest.mark.slow
 def test_planted_stale_state_on_an_owner_is_reported_exactly() -> None:
-    """odd.weight's owner loses its step-2 optimizer-state update (canzona.runtime.faults.on_state)."""
+    """odd.weight's owner loses its step-2 optimizer-state update (a FaultHook undoing that state change)."""
     got = _runtime_fault("dp2", Fault("stale_state", "odd.weight", step=2))
     assert got["mismatched_params"] == ["odd.weight"] and got["first_mismatch"]["param"] == "odd.weight"

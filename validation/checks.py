@@ -202,8 +202,8 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
         from validation.defects import DEFECTS
 
         defect = DEFECTS[f]()
-    if mode == "runtime":
-        faults.arm(f)
+    planted = faults.FaultHook(f) if mode == "runtime" else None
+    handle = None
     try:
         dopt = DistributedOptimizer(
             model,
@@ -218,6 +218,8 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
             bucket_numel=bucket_numel,
             master_dtype=torch.float32,
         )
+        if planted is not None:
+            handle = dopt.register_update_hook(planted)
         for step in range(1, cell.steps + 1):
             g_full = _full_grads(shapes, step, dp_rank, dtype)
             inject_grads(model, tp_cut(g_full, tp_dims, tp_rank, tp))
@@ -229,12 +231,10 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
             dopt.zero_grad()
             if mode == "post-step" and step == f.step:
                 _post_step_fault(model, f, tp_dims, shapes[f.param], tp_rank, tp)
-        fired = 0
-        if mode == "runtime":
-            fired = int(faults.fired(f.param))
+        fired = int(planted is not None and planted.fired)
     finally:
-        if mode == "runtime":
-            faults.disarm()
+        if handle is not None:
+            handle.remove()
     sd = dopt.state_dict()
     local = params_of(model)
     copies = {**local_params(model, tp_dims, tp_rank), **local_replicas(dopt, tp_rank)}
@@ -288,8 +288,8 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
         # A defect that could not be planted proves nothing: fail loudly instead of passing.
         r["passed"] = False
         r["error"] = (
-            f"planted {f.kind} fault on {f.param} (step {f.step}) never fired: the runtime did not call "
-            f"canzona.runtime.faults.{'on_update' if f.kind == 'ulp' else 'snapshot_state/on_state'} for it"
+            f"planted {f.kind} fault on {f.param} (step {f.step}) never fired: the runtime's update hooks "
+            "did not see that parameter updated whole that often on any rank"
         )
     return r
 
@@ -761,8 +761,8 @@ def run_mesh(
     """Worker body (module level for spawn): every cell of one mesh; rank 0 returns the results.
 
     ``fault`` = [(cell name, mode, Fault or defect name), ...] plants a defect in each named cell: mode
-    ``runtime`` arms it in :mod:`canzona.runtime.faults` (the runtime perturbs an update or a
-    state), ``post-step`` perturbs the model's parameter right after the optimizer step (ulp
+    ``runtime`` registers a :class:`canzona.runtime.faults.FaultHook` as an update hook on that
+    cell's optimizer (the runtime perturbs an update or a state), ``post-step`` perturbs the model's parameter right after the optimizer step (ulp
     only), ``defect`` arms one of :data:`validation.defects.DEFECTS` (training cells).
     ``options``: ``optimizer_kwargs`` / ``model_kwargs`` for the user's optimizer and model,
     ``progress`` (a queue that receives each finished cell's result on rank 0).

@@ -5,8 +5,8 @@ validation`` call it). It checks everything it can *before* starting a process (
 against the processes available, the report path), so bad input costs nothing and writes nothing.
 
 Test-only fault hook (documented in ``docs/validation.md``): ``fault=PlantedFault(cell, Fault,
-mode)`` plants one defect in one cell. ``mode="runtime"`` arms it in
-:mod:`canzona.runtime.faults` inside the workers for that cell only, so the runtime itself perturbs
+mode)`` plants one defect in one cell. ``mode="runtime"`` registers it as an update hook
+(:class:`canzona.runtime.faults.FaultHook`) on that cell's optimizer only, so the runtime itself perturbs
 the update (``ulp``) or loses a state update (``stale_state``); ``mode="post-step"`` has the
 validation worker add one ulp to the model's copy of the parameter element right after the
 optimizer step (a corrupted value return; ``ulp`` only). From the command line:
@@ -93,7 +93,7 @@ class SuiteResult:
 
 def fault_from_env() -> PlantedFault | None:
     """The planted fault described by ``CANZONA_FAULT`` + ``CANZONA_FAULT_CELL`` (+ ``CANZONA_FAULT_MODE``)."""
-    from canzona.runtime import faults
+    from canzona.runtime.faults import parse
 
     text = os.environ.get("CANZONA_FAULT", "").strip()
     if not text:
@@ -103,10 +103,8 @@ def fault_from_env() -> PlantedFault | None:
         raise ValueError("CANZONA_FAULT is set but CANZONA_FAULT_CELL (the cell to plant it in) is not")
     if text.startswith("defect="):
         return PlantedFault(cell, text.partition("=")[2].strip(), "defect")
-    f = faults.from_env("CANZONA_FAULT")
-    faults.disarm()  # the parent only parses it; workers arm it for the one cell
-    assert f is not None
-    return PlantedFault(cell, f, os.environ.get("CANZONA_FAULT_MODE", "runtime").strip() or "runtime")
+    # the parent only parses it; the workers plant it in the one cell
+    return PlantedFault(cell, parse(text, "CANZONA_FAULT"), os.environ.get("CANZONA_FAULT_MODE", "runtime").strip() or "runtime")
 
 
 def settings() -> dict[str, Any]:

@@ -102,7 +102,7 @@ import torch
 
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
-from canzona.runtime import faults
+from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.agree import STATUS_TIMEOUT_S, agree
 from canzona.runtime.buffer import GradBuffer, local_tensor
 from canzona.runtime.comm import Comm
@@ -231,6 +231,8 @@ class DPRuntime:
         self.master_dtype = master_dtype
         self.params = dict(params)
         self.specs = {pp.name: pp.spec for pp in plan.params}
+        #: per-update hooks (shared with the TP engine); empty: the step only tests it
+        self.update_hooks = UpdateHooks()
         # fixed by the plan, so computed once rather than per step
         self._order = list(plan.buffer_order())
         self._shard_sizes = [b.shard_sizes() for b in plan.buckets]
@@ -290,6 +292,7 @@ class DPRuntime:
                     f"{len(tp_masters)} TP-split matrix parameters need the TP micro-group engine (canzona.runtime.tp)"
                 )
             self.tp_engine = tp_engine_factory(tp_masters)
+            self.tp_engine.update_hooks = self.update_hooks  # one registry for the whole step
         self._works: dict[int, Any] = {}
         # Reserved once: this rank's reduce-scatter shard of every bucket (the collective receives
         # into it every step), and each owned piece's gradient as a view into it (or into the
@@ -334,6 +337,12 @@ class DPRuntime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
+        rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
+        handle whose ``remove()`` detaches it."""
+        return self.update_hooks.register(hook)
 
     def start_grad_sync(self, i: int) -> None:
         """Start bucket ``i``'s gradient collective without waiting (called by the buffer)."""
@@ -554,8 +563,10 @@ class DPRuntime:
                         self.masters[pc].grad = self._piece_grads[pc]
                     if not live:
                         continue
-                    # Test-only fault hooks (canzona.runtime.faults) see whole parameters; cut pieces are skipped.
-                    with faults.around_step(opt, ((pc.name, self.masters[pc]) for pc in live if pc.whole)):
+                    if self.update_hooks:  # hooks see full values only: no cut or TP-sharded pieces
+                        full = [(pc.name, self.masters[pc]) for pc in live if pc.whole and not self.specs[pc.name].tp_split]
+                        self.update_hooks.step(opt, full)
+                    else:
                         opt.step()
                 finally:
                     for pc in mine:

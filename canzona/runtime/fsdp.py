@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from canzona.phase_names import LAUNCH, TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, WAIT
-from canzona.runtime import faults
+from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import phase
 
@@ -276,6 +276,8 @@ class FSDPEngine:
         self.comm = comm
         self.rank, self.n = comm.rank, comm.size
         self.dtype = master_dtype
+        #: per-update hooks on the hosts' full updates (shared with the FSDPRuntime that drives it)
+        self.update_hooks = UpdateHooks()
         for g in groups:
             for t in g:
                 if t.layout.size != self.n:
@@ -377,7 +379,9 @@ class FSDPEngine:
         for name, p in zip(g.hosted, params):
             p.grad = full_grads[name]
         assert self.optimizer is not None
-        with faults.around_step(self.optimizer, zip(g.hosted, params)):
+        if self.update_hooks:
+            self.update_hooks.step(self.optimizer, list(zip(g.hosted, params)))
+        else:
             self.optimizer.step()
         for p in params:
             p.grad = None
@@ -470,6 +474,7 @@ class FSDPRuntime:
         tasks = [[ExchangeTask(self.layouts[n], h) for n, h in g] for g in groups]
         initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
         self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype)
+        self.update_hooks = self.engine.update_hooks  # one registry for the whole step
         self.steps = 0
 
     def _grad(self, name: str) -> torch.Tensor:
@@ -493,7 +498,10 @@ class FSDPRuntime:
                 for n, m in self.ew_masters.items():
                     m.grad = self._grad(n)
                 if self.ew_optimizer is not None:
-                    with faults.around_step(self.ew_optimizer, self.ew_masters.items()):
+                    if self.update_hooks:  # whole pieces only: a rank holding all of a parameter
+                        whole = [(n, m) for n, m in self.ew_masters.items() if tuple(m.shape) == self.layouts[n].full_shape]
+                        self.update_hooks.step(self.ew_optimizer, whole)
+                    else:
                         self.ew_optimizer.step()
                 for n, m in self.ew_masters.items():
                     m.grad = None
@@ -502,6 +510,12 @@ class FSDPRuntime:
             dest = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
             self.engine.step(grads, dest)
         self.steps += 1
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
+        rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
+        handle whose ``remove()`` detaches it."""
+        return self.update_hooks.register(hook)
 
     def discard_grads(self) -> None:
         """Nothing to discard: gradients live in ``p.grad`` (the front end clears them)."""

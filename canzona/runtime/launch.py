@@ -1,8 +1,10 @@
 """Start a small process group on this machine: tests, the validation suite, ``canzona train --nproc``.
 
-:func:`run_workers` spawns ``world_size`` processes, joins them into a gloo (or NCCL) group on a
-free loopback port picked at run time, runs ``fn(rank, world_size, *args)`` in each and returns
-the per-rank results in rank order. It never hangs: the process group has a timeout, the whole run
+:func:`run_workers` spawns ``world_size`` processes, joins them into a gloo (or NCCL) group at a
+``file://`` rendezvous in a fresh temporary directory (no TCP port that another process could take
+between picking and binding it; the directory is removed when the run ends, however it ends,
+unless the launcher itself is killed with SIGKILL), runs ``fn(rank, world_size, *args)`` in each
+and returns the per-rank results in rank order. It never hangs: the process group has a timeout, the whole run
 has a deadline after which every worker is killed, and a failure on any rank is re-raised in the
 parent as :class:`WorkerError` naming the rank and carrying the worker's traceback text.
 
@@ -24,6 +26,10 @@ No orphans, no stragglers:
   Ctrl-C on the terminal reaches the whole process group), so the parent alone decides;
 - a worker whose parent disappears (killed with ``SIGKILL``) exits on its own: on Linux the kernel
   sends it SIGKILL (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread notices within a second.
+
+:func:`file_init_method` and :func:`process_group` are the same rendezvous for a group formed by
+hand (the tests' one-rank groups; ``canzona.testing`` re-exports them). torchrun jobs keep
+``env://``.
 """
 
 from __future__ import annotations
@@ -33,21 +39,23 @@ import ctypes
 import os
 import pickle
 import queue
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "LaunchInterrupted", "WorkerError", "describe_exit", "free_port", "init_process_group", "run_workers"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "HEARTBEAT_TIMEOUT_S", "LaunchInterrupted", "WorkerError", "describe_exit", "file_init_method", "init_process_group", "process_group", "run_workers"]
 
 #: seconds between two heartbeats of a worker
 HEARTBEAT_INTERVAL_S = 0.5
@@ -89,22 +97,38 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="canzona-parent-watch", daemon=True).start()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def file_init_method(directory: str | os.PathLike[str]) -> str:
+    """A ``file://`` rendezvous for ``torch.distributed.init_process_group`` in ``directory`` (a
+    fresh temporary directory per group, e.g. pytest's ``tmp_path``): unlike a port that was free a
+    moment ago, no other process can take it before the group forms. A file left by an earlier
+    group that did not end cleanly would be joined as if it were fresh, so an existing file is
+    refused."""
+    path = Path(directory).resolve() / "rendezvous"
+    if path.exists():
+        raise ValueError(f"{path} exists: a file rendezvous needs a fresh file per process group")
+    return path.as_uri()
 
 
-def init_process_group(rank: int, world_size: int, port: int, *, backend: str = "gloo", timeout_s: float = 60.0) -> None:
-    """Join the default process group over TCP on loopback with a bounded timeout."""
+def init_process_group(rank: int, world_size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 60.0) -> None:
+    """Join the default process group at ``init_method`` (see :func:`file_init_method`) with a bounded timeout."""
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+@contextlib.contextmanager
+def process_group(init_method: str, rank: int = 0, world_size: int = 1, *, backend: str = "gloo", timeout_s: float = 60.0) -> Iterator[None]:
+    """Join the default process group at ``init_method`` (see :func:`file_init_method`) with a
+    bounded timeout for the duration of the block, then destroy it."""
+    init_process_group(rank, world_size, init_method, backend=backend, timeout_s=timeout_s)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def describe_exit(code: int | None) -> str:
@@ -140,7 +164,7 @@ def _beat(beats: Any, rank: int) -> None:
 def _worker(
     rank: int,
     world_size: int,
-    port: int,
+    init_method: str,
     backend: str,
     threads: int,
     pg_timeout_s: float,
@@ -157,7 +181,7 @@ def _worker(
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
-        init_process_group(rank, world_size, port, backend=backend, timeout_s=pg_timeout_s)
+        init_process_group(rank, world_size, init_method, backend=backend, timeout_s=pg_timeout_s)
         out = fn(rank, world_size, *args)
         # Plain pickle (not the multiprocessing reducer, which shares tensor storage through file
         # descriptors that vanish when this worker exits before the parent reads them).
@@ -193,13 +217,15 @@ def run_workers(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # the rendezvous file's directory: fresh per run, removed in the ``finally`` below
+    rendezvous = tempfile.mkdtemp(prefix="canzona-rendezvous-")
+    init_method = file_init_method(rendezvous)
     # monotonic clock stamps (system-wide on Linux, so comparable across processes); 0: not up yet
     beats = ctx.Array("d", world_size, lock=False)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, threads, pg_timeout_s, fn, args, results, os.getpid(), beats),
+            args=(rank, world_size, init_method, backend, threads, pg_timeout_s, fn, args, results, os.getpid(), beats),
             daemon=True,
         )
         for rank in range(world_size)
@@ -273,6 +299,7 @@ def run_workers(
         for p in procs:
             p.join(timeout=5 if clean else 0.5)
         _stop(procs)
+        shutil.rmtree(rendezvous, ignore_errors=True)
         for sig, old in handlers.items():
             signal.signal(sig, old)
 

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from canzona.plan.plan import Plan
-from canzona.runtime import faults
+from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.comm import Comm
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
@@ -360,6 +360,8 @@ class TPEngine:
         self.tp_rank = comm.rank
         self.schedule = inp.tp_schedule
         self.local_masters = local_masters
+        #: per-update hooks on the hosts' full updates (a DP runtime replaces it with its own)
+        self.update_hooks = UpdateHooks()
         if inp.tp != self.tp:
             raise ValueError(f"plan has tp={inp.tp} but the TP group has {self.tp} ranks")
         if not isinstance(dp_rank, int) or not 0 <= dp_rank < inp.dp:
@@ -588,9 +590,10 @@ class TPEngine:
             p.grad = full_grads[name].to(p.dtype)
         assert self.optimizer is not None
         try:
-            if params:
-                with faults.around_step(self.optimizer, zip(live, params)):
-                    self.optimizer.step()
+            if params and self.update_hooks:
+                self.update_hooks.step(self.optimizer, list(zip(live, params)))
+            elif params:
+                self.optimizer.step()
         finally:
             for p in params:
                 p.grad = None
@@ -615,6 +618,12 @@ class TPEngine:
     def _apply(self, shards: Mapping[str, torch.Tensor]) -> None:
         for name, s in shards.items():
             self.local_masters[name].copy_(s)
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
+        rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
+        handle whose ``remove()`` detaches it."""
+        return self.update_hooks.register(hook)
 
     # ------------------------------------------------------------------------- hyperparameters
     def set_hyperparams(self, values: Mapping[str, Any]) -> None:
