@@ -264,7 +264,8 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
     :class:`canzona.runtime.faults.Fault`, armed on every rank for that case only: a planted
     defect the comparison must name). Returns, per case, ``{"label", "mismatches"}``
-    (mismatches are filled on rank 0 only; other ranks return empty lists)::
+    plus ``"params"`` and ``"document"`` (rank 0's full parameters and consolidated state, for a
+    per-tensor report); all three are filled on rank 0 only, other ranks return empty ones::
 
         run_workers(fsdp_mesh_worker, 4, "dp_shard2_tp2", [{"label": "muon/lb-asc", "optimizer": "muon", "strategy": "lb-asc"}])
     """
@@ -293,6 +294,6 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
             )
         finally:
             faults.disarm()
-        out.append({"label": case["label"], "mismatches": res.mismatches})
+        out.append({"label": case["label"], "mismatches": res.mismatches, "params": res.params, "document": res.document})
         dist.barrier()
     return out
