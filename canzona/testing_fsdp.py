@@ -272,8 +272,9 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
     :class:`canzona.runtime.faults.Fault`, registered as an update hook on every rank's optimizer
     for that case only: a planted defect the comparison must name; the case fails when it never
-    fired). Returns, per case, ``{"label", "mismatches"}``
-    (mismatches are filled on rank 0 only; other ranks return empty lists)::
+    fired). Returns, per case, ``{"label", "mismatches"}`` plus ``"params"`` and ``"document"``
+    (rank 0's full parameters and consolidated state, for a per-tensor report); all three are
+    filled on rank 0 only, other ranks return empty ones::
 
         run_workers(fsdp_mesh_worker, 4, "dp_shard2_tp2", [{"label": "muon/lb-asc", "optimizer": "muon", "strategy": "lb-asc"}])
     """
@@ -306,6 +307,6 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
             if not int(fired) and dist.get_rank() == 0:
                 f = planted.fault
                 res.mismatches.append(f"fault:{f.kind} on {f.param} (step {f.step}) never fired")
-        out.append({"label": case["label"], "mismatches": res.mismatches})
+        out.append({"label": case["label"], "mismatches": res.mismatches, "params": res.params, "document": res.document})
         dist.barrier()
     return out

@@ -14,7 +14,7 @@ from canzona.runtime.faults import Fault
 from validation import PlantedFault, Selection, build_matrix, load_report, run_suite
 from validation.cli import main as validate_main
 from validation.compare import Comparator, compare_tensors
-from validation.matrix import OPTIMIZERS, STANDARD_MESHES, parse_mesh
+from validation.matrix import FSDP_MESH_NAMES, OPTIMIZERS, STANDARD_MESHES, parse_mesh, process_groups
 from validation.models import AWKWARD_TP_DIMS, AwkwardModel, shard_plain
 from validation.report import CSV_COLUMNS, build_report, format_table, report_paths, write_report
 
@@ -35,8 +35,8 @@ def test_quick_matrix_covers_every_optimizer_strategy_and_mesh() -> None:
         for opt in OPTIMIZERS:
             for s in strategies:
                 assert (opt, s, mesh) in seen, (opt, s, mesh)
-    assert not any(c.strategy == "no-fuse" and parse_mesh(c.mesh).tp == 1 for c in cells)
-    assert {c.dtype for c in cells} == {"float32", "bfloat16"}
+    assert not any(c.strategy == "no-fuse" and parse_mesh(c.mesh).tp == 1 and parse_mesh(c.mesh).fsdp is None for c in cells)
+    assert {c.dtype for c in cells} == {"float32", "bfloat16", "bf16-mixed"}
     assert {c.check for c in cells} == {"injected", "training"}
     full = build_matrix(Selection(level="full"))
     assert set(names) < {c.name for c in full}
@@ -45,9 +45,62 @@ def test_quick_matrix_covers_every_optimizer_strategy_and_mesh() -> None:
 def test_parse_mesh_canonical_names() -> None:
     assert parse_mesh("DP2xTP2") == parse_mesh("dp2xtp2")
     assert (parse_mesh("tp2").dp, parse_mesh("tp2").tp) == (1, 2)
+    assert parse_mesh("dp2").fsdp is None
     for bad in ("dp3", "tp4", "pp2", "", "dp1"):
         with pytest.raises(ValueError):
             parse_mesh(bad)
+
+
+def test_parse_mesh_fsdp_names_match_the_fsdp_meshes() -> None:
+    """The four FSDP2 names map onto canzona.testing_fsdp's meshes, with their process count; any
+    other fsdp/hsdp spelling is refused in one line that lists the four."""
+    import math
+
+    from canzona.testing_fsdp import FSDP_MESHES
+
+    want = {"fsdp2": "dp_shard2", "fsdp4": "dp_shard4", "fsdp2xtp2": "dp_shard2_tp2", "hsdp2x2": "dp_replicate2_dp_shard2"}
+    assert FSDP_MESH_NAMES == tuple(want)
+    for name, key in want.items():
+        spec = parse_mesh(name.upper())
+        assert (spec.name, spec.fsdp) == (name, key)
+        shape, dims = FSDP_MESHES[key]
+        assert spec.world == math.prod(shape)
+        assert spec.tp == (shape[dims.index("tp")] if "tp" in dims else 1)
+    for bad in ("fsdp8", "fsdp3", "fsdp", "hsdp2", "hsdp4x2", "fsdp2xtp4", "fsdp2x tp2", "fsdp2xdp2", "hsdp2x2xtp2"):
+        with pytest.raises(ValueError) as info:
+            parse_mesh(bad)
+        msg = str(info.value)
+        assert "\n" not in msg and f"unknown FSDP2 mesh {bad!r}" in msg and "fsdp2, fsdp4, fsdp2xtp2, hsdp2x2" in msg
+    with pytest.raises(ValueError, match="or an FSDP2 mesh \\(fsdp2, fsdp4, fsdp2xtp2, hsdp2x2\\)"):
+        parse_mesh("pp2")
+
+
+def test_quick_and_full_select_the_fsdp_cells() -> None:
+    """--full: every FSDP2 mesh x FSDP2 strategy x optimizer x dtype on the FSDP2 toy (injected
+    check only); --quick: a few of them on every FSDP2 mesh; nothing FSDP2-only leaks onto a
+    ZeRO-1 mesh. FSDP2 meshes share the process group of the ZeRO-1 mesh of their size."""
+    full = build_matrix(Selection(level="full"))
+    fsdp = [c for c in full if parse_mesh(c.mesh).fsdp is not None]
+    assert {(c.mesh, c.strategy, c.optimizer, c.dtype) for c in fsdp} == {
+        (m, s, o, d) for m in FSDP_MESH_NAMES for s in ("sc", "asc", "lb-asc", "no-fuse") for o in OPTIMIZERS for d in ("float32", "bfloat16", "bf16-mixed")
+    }
+    assert {(c.check, c.model) for c in fsdp} == {("injected", "fsdp-toy")} and len(fsdp) == len({c.name for c in fsdp})
+    zero1 = [c for c in full if parse_mesh(c.mesh).fsdp is None]
+    assert not any(c.model == "fsdp-toy" or c.dtype == "bf16-mixed" for c in zero1)
+    quick = [c for c in build_matrix(Selection(level="quick")) if parse_mesh(c.mesh).fsdp is not None]
+    assert {c.mesh for c in quick} == set(FSDP_MESH_NAMES) and 4 <= len(quick) <= 16
+    assert {c.dtype for c in quick} == {"float32", "bfloat16", "bf16-mixed"}
+    assert {c.optimizer for c in quick if c.mesh == "fsdp2"} == set(OPTIMIZERS)
+    assert {c.strategy for c in quick if c.mesh == "fsdp2"} == {"sc", "asc", "lb-asc", "no-fuse"}
+    assert {c.name for c in quick} < {c.name for c in fsdp}
+    # the user's optimizer takes Muon's FSDP2 cells
+    sign = "examples.sign_momentum:SignMomentum"
+    custom = build_matrix(Selection(optimizers=(sign,), meshes=("fsdp2", "hsdp2x2")))
+    assert {c.optimizer for c in custom} == {sign} and {c.mesh for c in custom} == {"fsdp2", "hsdp2x2"}
+    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy model"):
+        build_matrix(Selection(meshes=("fsdp2",), models=("awkward",)))
+    assert process_groups(["dp2", "tp2", "dp2xtp2", "dp4", *FSDP_MESH_NAMES]) == [["dp2", "fsdp2"], ["tp2"], ["dp2xtp2", "fsdp4", "fsdp2xtp2", "hsdp2x2"], ["dp4"]]
+    assert process_groups(["hsdp2x2", "fsdp2", "fsdp4", "dp4"]) == [["dp4", "hsdp2x2", "fsdp4"], ["fsdp2"]]
 
 
 def test_awkward_model_has_the_promised_shapes() -> None:
@@ -149,6 +202,9 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--mesh", "dp8"], "needs 8 processes"),
         (["--mesh", "dp2xtp2", "--max-procs", "2"], "needs 4 processes"),
         (["--mesh", "dp3"], "power of two"),
+        (["--mesh", "fsdp8"], "unknown FSDP2 mesh 'fsdp8'; the FSDP2 meshes are fsdp2, fsdp4, fsdp2xtp2, hsdp2x2"),
+        (["--mesh", "hsdp2x2", "--max-procs", "2"], "needs 4 processes"),
+        (["--mesh", "fsdp2", "--dtype", "bf16"], "unknown dtype 'bf16'"),
     ],
 )
 def test_bad_names_exit_2_with_one_line(argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,3 +303,89 @@ def test_planted_stale_state_on_an_owner_is_reported_exactly() -> None:
     """odd.weight's owner loses its step-2 optimizer-state update (a FaultHook undoing that state change)."""
     got = _runtime_fault("dp2", Fault("stale_state", "odd.weight", step=2))
     assert got["mismatched_params"] == ["odd.weight"] and got["first_mismatch"]["param"] == "odd.weight"
+
+
+# ------------------------------------------------------------------------------ FSDP2 cells
+
+
+_FSDP_CELL = "injected/fsdp-toy/muon/lb-asc/fsdp2/float32"
+
+
+def test_fsdp_judgement_needs_both_comparisons_and_a_visible_fault() -> None:
+    """An FSDP2 cell passes only when the per-tensor comparison and canzona.testing_fsdp's agree
+    that nothing differs; a planted fault that left no trace fails it; a differing state entry is
+    named with its element."""
+    from validation.fsdp import compare_fsdp, judge_fsdp
+    from validation.matrix import Cell
+
+    cell = Cell("injected", "fsdp-toy", "muon", "lb-asc", "fsdp2", "float32", 3)
+    w = torch.arange(6.0).reshape(2, 3)
+
+    class Ref:
+        def params(self) -> dict:
+            return {"w": w}
+
+        def master_values(self) -> dict:
+            return {"w": w}
+
+        def states(self) -> dict:
+            return {"w": {"momentum_buffer": w * 2}}
+
+    clean = compare_fsdp({"w": w.clone()}, {"params": {"w": w.clone()}, "state": {"w": {"momentum_buffer": w * 2}}}, Ref())
+    assert clean.equal and clean.compared == 3
+    ok = judge_fsdp(cell, clean, [], None, 0.5)
+    assert ok["passed"] and ok["max_abs_diff"] == 0.0 and ok["bitwise_expected"] and ok["cell"] == _FSDP_CELL
+    disagree = judge_fsdp(cell, clean, ["param:w"], None, 0.5)
+    assert not disagree["passed"] and "canzona.testing_fsdp's comparison" in disagree["error"]
+    silent = judge_fsdp(cell, clean, [], Fault("ulp", "nosuch", step=2, index=0), 0.5)
+    assert not silent["passed"] and "left no trace" in silent["error"] and silent["fault"]["detected"] is False
+    off = (w * 2).clone()
+    off.view(-1)[4] = torch.nextafter(off.view(-1)[4], torch.tensor(float("inf")))
+    bad = compare_fsdp({"w": w.clone()}, {"params": {"w": w.clone()}, "state": {"w": {"momentum_buffer": off}}}, Ref())
+    caught = judge_fsdp(cell, bad, ["state:w[momentum_buffer]"], Fault("stale_state", "w", step=2), 0.5)
+    assert not caught["passed"] and caught.get("error") is None and caught["fault"]["detected"]
+    assert (caught["first_mismatch"]["param"], caught["first_mismatch"]["what"], caught["first_mismatch"]["index"]) == ("w", "state.momentum_buffer", 4)
+    missing = compare_fsdp({"w": w.clone()}, {"params": {}, "state": {}}, Ref())
+    assert [m.what for m in missing.mismatches] == ["master", "state.momentum_buffer"]
+
+
+def test_fsdp_cells_refuse_post_step_faults_before_any_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    sel = Selection(meshes=("fsdp2",), optimizers=("muon",), strategies=("lb-asc",), dtypes=("float32",))
+    with pytest.raises(ValueError, match="runtime faults only"):
+        run_suite(sel, report_path=None, fault=PlantedFault(_FSDP_CELL, Fault("ulp", "layers.1.up"), "post-step"))
+    monkeypatch.setenv("CANZONA_FAULT", "kind=ulp,param=layers.1.up,step=2,index=3")
+    monkeypatch.setenv("CANZONA_FAULT_CELL", _FSDP_CELL)
+    monkeypatch.setenv("CANZONA_FAULT_MODE", "post-step")
+    rc = validate_main(["--mesh", "fsdp2", "--optimizer", "muon", "--strategy", "lb-asc", "--dtype", "float32", "--report", str(tmp_path / "out" / "r.json")])
+    assert rc == 2
+    assert "is on an FSDP2 mesh, which takes runtime faults only" in _one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_cells_pass_and_a_planted_ulp_fails_only_its_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """One spawned group of 2 processes: dp2's ZeRO-1 cells, then fsdp2's FSDP2 cells (built-in
+    and the user's optimizer) in the same processes. A one-ulp error planted through the documented
+    environment variables in one FSDP2 cell's hosted update fails that cell alone; the report names
+    the parameter and element, the FSDP2 cells around it are bit-identical."""
+    sign = "examples.sign_momentum:SignMomentum"
+    monkeypatch.setenv("CANZONA_FAULT", "kind=ulp,param=layers.1.up,step=2,index=3")
+    monkeypatch.setenv("CANZONA_FAULT_CELL", _FSDP_CELL)
+    monkeypatch.delenv("CANZONA_FAULT_MODE", raising=False)
+    argv = ["--mesh", "dp2,fsdp2", "--optimizer", f"muon,{sign}", "--strategy", "sc,lb-asc", "--check", "injected", "--model", "awkward,fsdp-toy"]
+    rc = validate_main([*argv, "--dtype", "float32", "--steps", "3", "--report", str(tmp_path / "f.json")])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.out + captured.err
+    assert "mesh dp2 + fsdp2: 8 cells on 2 processes" in captured.err
+    doc = load_report(tmp_path / "f.json")
+    assert len(doc["cells"]) == 8 and {c["mesh"] for c in doc["cells"]} == {"dp2", "fsdp2"}
+    failed = [c for c in doc["cells"] if not c["passed"]]
+    assert [c["cell"] for c in failed] == [_FSDP_CELL], [(c["cell"], c.get("error")) for c in failed]
+    got = failed[0]
+    assert got["mismatched_params"] == ["layers.1.up"] and got["fault"]["detected"]
+    assert (got["first_mismatch"]["param"], got["first_mismatch"]["what"], got["first_mismatch"]["index"]) == ("layers.1.up", "value", 3)
+    assert 0 < got["max_abs_diff"] < 1e-6
+    assert f"{_FSDP_CELL}  FAIL    layers.1.up value[3]" in captured.out
+    clean = [c for c in doc["cells"] if c["mesh"] == "fsdp2" and c["passed"]]
+    assert {c["optimizer"] for c in clean} == {"muon", sign} and len(clean) == 3
+    assert all(c["max_abs_diff"] == 0.0 and c["compared"] >= 27 for c in clean)

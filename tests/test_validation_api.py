@@ -65,6 +65,18 @@ def test_run_refuses_classes_workers_cannot_import() -> None:
         run(Local, meshes="dp2")
 
 
+def test_run_takes_fsdp_mesh_names_strictly() -> None:
+    """``validation.run`` reads FSDP2 mesh names as ``--mesh`` does: any case, exact names only,
+    one-line errors before any process starts."""
+    with pytest.raises(ValueError, match="^unknown FSDP2 mesh 'fsdp8'; the FSDP2 meshes are fsdp2, fsdp4, fsdp2xtp2, hsdp2x2$"):
+        run("muon", meshes="dp2,fsdp8")
+    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy model"):
+        run("muon", "awkward", meshes=["FSDP2"])
+    cells = build_matrix(Selection(optimizers=(SIGN,), meshes=("fsdp2xtp2",), level="full"))
+    assert {(c.model, c.check) for c in cells} == {("fsdp-toy", "injected")} and {c.optimizer for c in cells} == {SIGN}
+    assert {c.strategy for c in cells} == {"sc", "asc", "lb-asc", "no-fuse"} and {c.dtype for c in cells} == {"float32", "bfloat16", "bf16-mixed"}
+
+
 def test_custom_names_build_the_quick_subset_on_the_meshes_asked_for() -> None:
     cells = build_matrix(Selection(optimizers=(SIGN,), meshes=("dp2", "dp2xtp2")))
     assert {c.optimizer for c in cells} == {SIGN} and {c.mesh for c in cells} == {"dp2", "dp2xtp2"}

@@ -1,7 +1,8 @@
 """Canzona's exactness-validation suite: the package's promise made checkable.
 
 Every Canzona strategy (``sc``, ``layerwise``, ``asc``, ``lb-asc``, ``no-fuse``, ``zero1``) on every
-mesh (``dp2``, ``tp2``, ``dp2xtp2``, ``dp4``) must compute *exactly* what the single-device optimizer
+ZeRO-1 mesh (``dp2``, ``tp2``, ``dp2xtp2``, ``dp4``), and the FSDP2 strategies on the FSDP2 meshes
+(``fsdp2``, ``fsdp4``, ``fsdp2xtp2``, ``hsdp2x2``), must compute *exactly* what the single-device optimizer
 (Muon, Shampoo, SOAP; AdamW on element-wise parameters) computes on the full tensors: parameters,
 fp32 masters and optimizer states equal with ``torch.equal`` (the paper's Sections 3-4 claim that
 alpha-balanced partitioning and micro-group hosting never split a matrix). Real training adds the
@@ -10,7 +11,8 @@ loss trajectory of each strategy against ``sc``.
 Run it as ``canzona validate --quick`` (CI) or ``--full``, or ``python -m validation``; see
 ``docs/validation.md`` for the matrix, the report format and the fault hook. Modules:
 :mod:`validation.matrix` (cells, filters), :mod:`validation.models` (the awkward parameter set),
-:mod:`validation.checks` (the worker and both checks), :mod:`validation.compare` (bitwise
+:mod:`validation.checks` (the worker and both checks), :mod:`validation.fsdp` (the injected
+check on FSDP2 meshes), :mod:`validation.compare` (bitwise
 comparison), :mod:`validation.report` (JSON/CSV/table), :mod:`validation.suite` (orchestration),
 :mod:`validation.cli` (arguments, exit codes), :mod:`validation.targets` (the user's optimizer and
 model by import path), :mod:`validation.probe` (separability probes), :mod:`validation.replicas`
@@ -23,7 +25,7 @@ Python API: ``validation.run(optimizer, model, meshes=[...])`` returns a :class:
 
 from __future__ import annotations
 
-from validation.matrix import CHECKS, DTYPES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Cell, MeshSpec, Selection, build_matrix, parse_mesh
+from validation.matrix import CHECKS, DTYPES, FSDP_MESH_NAMES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Cell, MeshSpec, Selection, build_matrix, parse_mesh
 from validation.report import format_table, load_report, report_frame, write_report
 from validation.probe import NotSeparableError, probe_separable
 from validation.suite import PlantedFault, SuiteResult, run, run_suite
@@ -35,6 +37,7 @@ __all__ = [
     "MODELS",
     "OPTIMIZERS",
     "STANDARD_MESHES",
+    "FSDP_MESH_NAMES",
     "STRATEGIES",
     "Cell",
     "MeshSpec",

@@ -18,7 +18,7 @@ import shlex
 import sys
 from typing import Any
 
-from validation.matrix import CHECKS, DTYPES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Selection, build_matrix, default_max_procs, parse_mesh, parse_names
+from validation.matrix import CHECKS, DTYPES, FSDP_MESH_NAMES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Selection, build_matrix, default_max_procs, parse_mesh, parse_names
 
 __all__ = ["add_arguments", "selection_from_args", "run", "main"]
 
@@ -37,16 +37,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--optimizer-kwargs", metavar="JSON", default=None, help="keyword arguments for the optimizer as a JSON object, e.g. '{\"lr\": 0.01}' (default: the suite's settings for built-ins, none for yours)")
     parser.add_argument("--model-kwargs", metavar="JSON", default=None, help="keyword arguments for a model given as an import path, as a JSON object (default: none)")
-    parser.add_argument("--strategy", action="append", metavar="NAMES", help=f"only these strategies: {', '.join(STRATEGIES)}")
-    parser.add_argument("--mesh", action="append", metavar="NAMES", help=f"only these meshes: dp<N>, tp<M>, dp<N>xtp<M> (standard: {', '.join(STANDARD_MESHES)})")
-    parser.add_argument("--dtype", action="append", metavar="NAMES", help=f"only these parameter dtypes: {', '.join(DTYPES)}")
+    parser.add_argument(
+        "--strategy", action="append", metavar="NAMES", help=f"only these strategies: {', '.join(STRATEGIES)} (FSDP2 meshes: sc, asc, lb-asc, no-fuse)"
+    )
+    parser.add_argument(
+        "--mesh",
+        action="append",
+        metavar="NAMES",
+        help=f"only these meshes: ZeRO-1 dp<N>, tp<M>, dp<N>xtp<M> (standard: {', '.join(STANDARD_MESHES)}) and FSDP2 "
+        f"{', '.join(FSDP_MESH_NAMES)} (dp_shard 2, dp_shard 4, dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2); default: all eight",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        metavar="NAMES",
+        help=f"only these parameter dtypes: {', '.join(DTYPES)} (bf16-mixed: FSDP2 meshes only, fp32 parameters with "
+        "FSDP2's MixedPrecisionPolicy, bf16 compute and fp32 gradient reduction)",
+    )
     parser.add_argument("--check", action="append", metavar="NAMES", help=f"only these checks: {', '.join(CHECKS)}")
     parser.add_argument(
         "--model",
         action="append",
         metavar="NAMES",
-        help=f"models: {', '.join(MODELS)}, or an import path package.module:factory to a callable returning an nn.Module "
-        "(injected check; optional attribute canzona_tp_dims declares its TP splits); default: the built-ins",
+        help=f"models: {', '.join(MODELS)} (fsdp-toy: the FSDP2 meshes' model, and theirs only), or an import path "
+        "package.module:factory to a callable returning an nn.Module (injected check on ZeRO-1 meshes; optional attribute "
+        "canzona_tp_dims declares its TP splits); default: the built-ins",
     )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per cell (default: 3 quick, 4-5 full)")
     parser.add_argument("--max-procs", type=int, default=None, help="processes the suite may start at once (default: CPU count, at least 4)")

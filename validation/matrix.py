@@ -9,19 +9,26 @@ number of steps:
   every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
-  embeddings) or ``qwen3`` (``canzona/data/models/qwen3-tiny.json``).
+  embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``) or ``fsdp-toy``
+  (:class:`canzona.testing_fsdp.FSDPToy`: odd shapes FSDP2 pads, uneven TP chunks, a 1 x n
+  matrix, a tied embedding; the one model of the FSDP2 meshes, injected check only).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
   ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
-  (:mod:`validation.targets`); the user's model likewise.
+  (:mod:`validation.targets`); the user's model likewise (ZeRO-1 meshes only).
 - ``strategy``: the DP strategies ``sc``, ``layerwise``, ``asc``, ``lb-asc`` with their default TP
   schedules (``sync``, ``sync``, ``round-robin``, ``lpt``), ``no-fuse`` (``lb-asc`` with the
   ``no-fuse`` TP schedule, Section 4's fusion ablation; only on meshes with TP, since without TP
   it *is* ``lb-asc``), ``zero1`` (equal chunks: AdamW only, the paper's ZeRO-1 reference) and
   ``lb-asc-joint`` (canzona's planner beyond the paper, FLOPs and memory balanced together).
-  ``zero1`` and ``lb-asc-joint`` run in ``--full`` or when asked for by name.
-- ``mesh``: ``dp<N>``, ``tp<M>`` or ``dp<N>xtp<M>``; the standard ones are ``dp2``, ``tp2``,
-  ``dp2xtp2`` and ``dp4``.
-- ``dtype``: ``float32`` or ``bfloat16`` (bf16 model parameters, fp32 masters).
+  ``zero1`` and ``lb-asc-joint`` run in ``--full`` or when asked for by name. FSDP2 meshes run
+  the FSDP2 planner's ``sc``, ``asc``, ``lb-asc`` and ``no-fuse`` (one micro-group per matrix).
+- ``mesh``: ZeRO-1 meshes ``dp<N>``, ``tp<M>`` or ``dp<N>xtp<M>`` (standard: ``dp2``, ``tp2``,
+  ``dp2xtp2``, ``dp4``) and the FSDP2 (``fully_shard``) meshes ``fsdp2`` (dp_shard 2),
+  ``fsdp4`` (dp_shard 4), ``fsdp2xtp2`` (dp_shard 2 x tp 2) and ``hsdp2x2`` (dp_replicate 2 x
+  dp_shard 2), exactly these four (:data:`canzona.testing_fsdp.FSDP_MESHES`).
+- ``dtype``: ``float32``, ``bfloat16`` (bf16 model parameters, fp32 masters) or ``bf16-mixed``
+  (FSDP2 meshes only: fp32 sharded parameters, FSDP2's ``MixedPrecisionPolicy`` computing in bf16
+  and reducing gradients in fp32).
 
 This module is pure: no torch.distributed, no processes. Bad names raise :class:`ValueError`
 with one readable line (the CLI turns it into exit code 2).
@@ -35,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from canzona.optimizers import get_optimizer, optimizer_names
+from canzona.plan.fsdp import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy
 
 __all__ = [
@@ -44,6 +52,8 @@ __all__ = [
     "STRATEGIES",
     "DTYPES",
     "STANDARD_MESHES",
+    "FSDP_MESH_NAMES",
+    "DEFAULT_MESHES",
     "MAX_TP",
     "MeshSpec",
     "Cell",
@@ -52,15 +62,32 @@ __all__ = [
     "strategy_args",
     "parse_names",
     "build_matrix",
+    "group_by_mesh",
+    "process_groups",
     "default_max_procs",
 ]
 
 CHECKS: tuple[str, ...] = ("injected", "training")
-MODELS: tuple[str, ...] = ("awkward", "qwen3")
+MODELS: tuple[str, ...] = ("awkward", "qwen3", "fsdp-toy")
 OPTIMIZERS: tuple[str, ...] = optimizer_names()
 STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bf16-mixed")
 STANDARD_MESHES: tuple[str, ...] = ("dp2", "tp2", "dp2xtp2", "dp4")
+#: FSDP2 mesh name -> (key of :data:`canzona.testing_fsdp.FSDP_MESHES`, DP size, TP size); the DP
+#: size counts every data-parallel rank (dp_replicate x dp_shard)
+_FSDP_LAYOUTS: dict[str, tuple[str, int, int]] = {
+    "fsdp2": ("dp_shard2", 2, 1),
+    "fsdp4": ("dp_shard4", 4, 1),
+    "fsdp2xtp2": ("dp_shard2_tp2", 2, 2),
+    "hsdp2x2": ("dp_replicate2_dp_shard2", 4, 1),
+}
+FSDP_MESH_NAMES: tuple[str, ...] = tuple(_FSDP_LAYOUTS)
+#: the meshes a selection without ``--mesh`` runs
+DEFAULT_MESHES: tuple[str, ...] = STANDARD_MESHES + FSDP_MESH_NAMES
+#: the model the FSDP2 meshes run (and that runs only there)
+FSDP_MODEL = "fsdp-toy"
+#: dtypes that exist only on FSDP2 meshes
+_FSDP_ONLY_DTYPES: tuple[str, ...] = ("bf16-mixed",)
 #: The tiny Qwen3 has 2 key/value heads and the awkward model's TP dims are even, so TP is at most 2.
 MAX_TP = 2
 
@@ -69,11 +96,14 @@ _MESH_RE = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?$")
 
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
-    """A DP x TP process mesh; ``world = dp * tp`` processes, ranks laid out row-major (dp, tp)."""
+    """A DP x TP process mesh; ``world = dp * tp`` processes, ranks laid out row-major (dp, tp).
+    ``fsdp``: for an FSDP2 mesh, its key in :data:`canzona.testing_fsdp.FSDP_MESHES` (None: a
+    ZeRO-1 mesh of canzona's own)."""
 
     name: str
     dp: int
     tp: int
+    fsdp: str | None = None
 
     @property
     def world(self) -> int:
@@ -82,11 +112,20 @@ class MeshSpec:
 
 def parse_mesh(name: str) -> MeshSpec:
     """``dp2`` -> (2, 1), ``tp2`` -> (1, 2), ``dp2xtp2`` -> (2, 2). DP sizes must be powers of two
-    (the injected check divides exact integer sums by the DP size, exact only for powers of two)."""
+    (the injected check divides exact integer sums by the DP size, exact only for powers of two).
+    FSDP2 meshes are exactly :data:`FSDP_MESH_NAMES` (case-insensitive)."""
     text = str(name).strip().lower()
+    if text.startswith(("fsdp", "hsdp")):
+        if text not in _FSDP_LAYOUTS:
+            raise ValueError(f"unknown FSDP2 mesh {name!r}; the FSDP2 meshes are {', '.join(FSDP_MESH_NAMES)}")
+        key, dp, tp = _FSDP_LAYOUTS[text]
+        return MeshSpec(text, dp, tp, key)
     m = _MESH_RE.match(text)
     if not text or m is None or (m.group(1) is None and m.group(2) is None):
-        raise ValueError(f"unknown mesh {name!r}; use dp<N>, tp<M> or dp<N>xtp<M> (standard: {', '.join(STANDARD_MESHES)})")
+        raise ValueError(
+            f"unknown mesh {name!r}; use dp<N>, tp<M> or dp<N>xtp<M> (standard: {', '.join(STANDARD_MESHES)}) "
+            f"or an FSDP2 mesh ({', '.join(FSDP_MESH_NAMES)})"
+        )
     dp = int(m.group(1)) if m.group(1) else 1
     tp = int(m.group(2)) if m.group(2) else 1
     if dp < 1 or dp & (dp - 1):
@@ -216,6 +255,11 @@ _STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training
 
 
 def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
+    if mesh.fsdp is not None:
+        # canzona.testing_fsdp: the FSDP2 toy with injected gradients, the FSDP2 planner's strategies
+        return check == "injected" and model == FSDP_MODEL and strategy in FSDP_STRATEGIES
+    if model == FSDP_MODEL or dtype in _FSDP_ONLY_DTYPES:
+        return False
     if strategy == "no-fuse" and mesh.tp == 1:
         return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
     if get_strategy(strategy_args(strategy)[0]).elementwise_only and (_is_path(optimizer) or get_optimizer(optimizer).matrix):
@@ -229,6 +273,10 @@ def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSp
 #: them), and the pair it runs with bf16 masters and the Qwen3 model (the baseline and Canzona)
 _QUICK_SKIPS: tuple[str, ...] = ("zero1", "lb-asc-joint")
 _QUICK_PAIR: tuple[str, ...] = ("sc", "lb-asc")
+#: the quick FSDP2 subset (a few seconds: these cells share the ZeRO-1 meshes' process groups):
+#: on fsdp2 every optimizer with lb-asc and Muon with every strategy in fp32, Muon lb-asc with bf16
+#: parameters and with bf16 mixed precision; on each four-process FSDP2 mesh Muon lb-asc in fp32
+_QUICK_FSDP_WIDE = "fsdp2"
 
 
 def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
@@ -242,6 +290,12 @@ def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: Mes
         model = "awkward"
     if strategy in _QUICK_SKIPS:
         return False
+    if mesh.fsdp is not None:
+        if mesh.name != _QUICK_FSDP_WIDE:
+            return optimizer == "muon" and strategy == "lb-asc" and dtype == "float32"
+        if dtype == "float32":
+            return optimizer == "muon" or strategy == "lb-asc"
+        return optimizer == "muon" and strategy == "lb-asc"
     if check == "training":
         return optimizer == "muon" and dtype == "float32"
     if model == "awkward":
@@ -259,7 +313,7 @@ def build_matrix(sel: Selection) -> list[Cell]:
     thins out (for example ``--quick --dtype bfloat16``) keeps every cell of that value that the
     full matrix has for the other quick dimensions, so a filter never silently selects nothing.
     """
-    meshes = [parse_mesh(m) for m in (sel.meshes or STANDARD_MESHES)]
+    meshes = [parse_mesh(m) for m in (sel.meshes or DEFAULT_MESHES)]
     fit = [m for m in meshes if m.world <= sel.max_procs]
     if not fit:
         raise ValueError(f"no selected mesh fits in {sel.max_procs} processes")
@@ -293,13 +347,34 @@ def build_matrix(sel: Selection) -> list[Cell]:
                             steps = sel.steps or _STEPS[(sel.level, check)]
                             cells.append(Cell(check, model, optimizer, strategy, mesh.name, dtype, steps))
     if not cells:
-        raise ValueError("the filters select no cell (for example no-fuse needs a mesh with TP, zero1 needs --optimizer adamw)")
+        raise ValueError(
+            "the filters select no cell (for example no-fuse needs a mesh with TP, zero1 needs --optimizer adamw, "
+            "FSDP2 meshes run only the fsdp-toy model with the injected check)"
+        )
     return cells
 
 
 def group_by_mesh(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
-    """Cells per mesh name, keeping order (each mesh runs in one spawned process group)."""
+    """Cells per mesh name, keeping order."""
     out: dict[str, list[Cell]] = {}
     for c in cells:
         out.setdefault(c.mesh, []).append(c)
     return out
+
+
+def process_groups(meshes: Iterable[str]) -> list[list[str]]:
+    """Which meshes share one spawned process group, in run order: every ZeRO-1 mesh gets its own;
+    an FSDP2 mesh joins the first group with the same number of processes (after that group's
+    meshes: spawning the processes and importing FSDP2 cost far more than its cells), else opens
+    a group of its own."""
+    specs = [parse_mesh(m) for m in meshes]
+    groups: list[list[MeshSpec]] = [[s] for s in specs if s.fsdp is None]
+    for s in specs:
+        if s.fsdp is None:
+            continue
+        host = next((g for g in groups if g[0].world == s.world), None)
+        if host is None:
+            groups.append([s])
+        else:
+            host.append(s)
+    return [[s.name for s in g] for g in groups]

@@ -1,5 +1,8 @@
 """Run a selection of cells: one spawned process group per mesh, results gathered into a report.
 
+An FSDP2 mesh shares the process group of a selected mesh with the same number of processes
+(:func:`validation.matrix.process_groups`), running after that mesh's cells.
+
 :func:`run_suite` is the programmatic entry point (``canzona validate`` and ``python -m
 validation`` call it). It checks everything it can *before* starting a process (names, meshes
 against the processes available, the report path), so bad input costs nothing and writes nothing.
@@ -13,7 +16,8 @@ optimizer step (a corrupted value return; ``ulp`` only). From the command line:
 ``CANZONA_FAULT="kind=ulp,param=NAME,step=S,index=I"`` with ``CANZONA_FAULT_CELL=<cell name>``
 (and optionally ``CANZONA_FAULT_MODE=post-step``). ``mode="defect"`` arms one of the training
 gate's planted defects (:mod:`validation.defects`: ``qk-norm-unreduced``, ``state-on-dp1``,
-``lr-on-dp1``), from the command line ``CANZONA_FAULT="defect=<name>"``.
+``lr-on-dp1``), from the command line ``CANZONA_FAULT="defect=<name>"``. FSDP2 cells take
+``runtime`` faults only (:mod:`canzona.testing_fsdp` arms them for the one case).
 
 :func:`run` is the Python API behind ``canzona validate``, the pytest plugin and the exactness
 notebook: the user's optimizer and model by name, class or import path, returning the
@@ -30,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from canzona.runtime.faults import Fault
-from validation.matrix import Cell, Selection, build_matrix, group_by_mesh, parse_mesh
+from validation.matrix import Cell, Selection, build_matrix, group_by_mesh, parse_mesh, process_groups
 from validation.report import build_report, check_writable, write_report
 
-__all__ = ["PlantedFault", "SuiteResult", "run", "run_suite", "fault_from_env", "settings", "preflight", "MESH_TIMEOUT_S"]
+__all__ = ["PlantedFault", "SuiteResult", "run", "run_suite", "run_group", "fault_from_env", "settings", "preflight", "MESH_TIMEOUT_S"]
 
-#: Upper bound on one mesh's process group (all its cells); a hung collective ends there.
+#: Upper bound on one mesh's cells (a process group running several meshes gets this per mesh); a
+#: hung collective ends there.
 MESH_TIMEOUT_S = 900.0
 FAULT_MODES = ("runtime", "post-step", "defect")
 
@@ -111,6 +116,8 @@ def settings() -> dict[str, Any]:
     """What the cells were run with (recorded in the report)."""
     from canzona.train import DEFAULT_ELEMENTWISE_LR, DEFAULT_LR
     from validation import checks
+    from validation.fsdp import FSDP_DEFAULT_KWARGS, FSDP_ELEMENTWISE_KWARGS
+    from validation.matrix import FSDP_MESH_NAMES
 
     return {
         "injected_gradients": f"integers in [-8, 8] x 2**{checks.GRAD_EXPONENT} per DP rank, seed {checks.GRAD_SEED}",
@@ -118,6 +125,13 @@ def settings() -> dict[str, Any]:
         "optimizer_kwargs": {k: {kk: (list(vv) if isinstance(vv, tuple) else vv) for kk, vv in v.items()} for k, v in checks.OPTIMIZER_KWARGS.items()},
         "elementwise_optimizer": "AdamW",
         "elementwise_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in checks.ELEMENTWISE_KWARGS.items()},
+        "fsdp": {
+            "runner": "canzona.testing_fsdp.fsdp_mesh_worker (FSDPToy under fully_shard) vs canzona.testing_fsdp.fsdp_reference",
+            "meshes": {m: parse_mesh(m).fsdp for m in FSDP_MESH_NAMES},
+            "injected_gradients": "canzona.testing.integer_grads (its default seed and scale) per DP rank",
+            "elementwise_kwargs": dict(FSDP_ELEMENTWISE_KWARGS),
+            "optimizer_kwargs_when_none": dict(FSDP_DEFAULT_KWARGS),
+        },
         "training": {
             "runner": "validation.checks._train_run (canzona.models.parallelize, DistributedOptimizer) vs validation.checks._teacher_forced",
             "grad_rtol": dict(checks.GRAD_RTOL),
@@ -132,7 +146,7 @@ def settings() -> dict[str, Any]:
     }
 
 
-def _mesh_failure(cells: Sequence[Cell], message: str, seconds: float) -> list[dict[str, Any]]:
+def _mesh_failure(cells: Sequence[Cell], message: str, seconds: float, group: str | None = None) -> list[dict[str, Any]]:
     line = message.strip().splitlines()[0][:500] if message.strip() else "process group failed"
     return [
         {
@@ -148,7 +162,7 @@ def _mesh_failure(cells: Sequence[Cell], message: str, seconds: float) -> list[d
             "max_abs_diff": None,
             "first_mismatch": None,
             "seconds": round(seconds / max(1, len(cells)), 3),
-            "error": f"mesh {c.mesh} process group failed: {line}",
+            "error": f"mesh {group or c.mesh} process group failed: {line}",
         }
         for c in cells
     ]
@@ -173,7 +187,6 @@ def run_suite(
     and probe the optimizer's separability (:mod:`validation.probe`) before any process starts.
     """
     from canzona.runtime.launch import WorkerError, run_workers
-    from validation.checks import run_mesh
 
     cells = build_matrix(sel)
     planted = [] if fault is None else [fault] if isinstance(fault, PlantedFault) else list(fault)
@@ -182,6 +195,8 @@ def run_suite(
     for f in planted:
         if f.cell not in {c.name for c in cells}:
             raise ValueError(f"fault cell {f.cell!r} is not among the selected cells")
+        if f.mode != "runtime" and parse_mesh(next(c.mesh for c in cells if c.name == f.cell)).fsdp is not None:
+            raise ValueError(f"fault cell {f.cell!r} is on an FSDP2 mesh, which takes runtime faults only (not {f.mode!r})")
     if probe:
         preflight(cells, sel)
     if report_path is not None:
@@ -211,21 +226,25 @@ def run_suite(
     options = {"optimizer_kwargs": sel.optimizer_kwargs, "model_kwargs": sel.model_kwargs, "progress": events}
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
-    for mesh_name, mesh_cells in group_by_mesh(cells).items():
-        world = parse_mesh(mesh_name).world
+    by_mesh = group_by_mesh(cells)
+    for group in process_groups(by_mesh):
+        parts = [(m, list(by_mesh[m])) for m in group]
+        mesh_cells = [c for _, mc in parts for c in mc]
+        mesh_name = " + ".join(group)
+        world = parse_mesh(group[0]).world
         say(f"mesh {mesh_name}: {len(mesh_cells)} cells on {world} processes ...")
         t1 = time.perf_counter()
         arg = [(f.cell, f.mode, f.fault) for f in planted if f.cell in {c.name for c in mesh_cells}] or None
         try:
-            out = run_workers(run_mesh, world, mesh_name, list(mesh_cells), arg, options, timeout_s=mesh_timeout_s, pg_timeout_s=120.0)
+            out = run_workers(run_group, world, parts, arg, options, timeout_s=mesh_timeout_s * len(parts), pg_timeout_s=120.0)
             got = out[0] or []
             by_name = {r["cell"]: r for r in got}
             missing = [c for c in mesh_cells if c.name not in by_name]
             results.extend(by_name[c.name] for c in mesh_cells if c.name in by_name)
             if missing:
-                results.extend(_mesh_failure(missing, "the worker returned no result for these cells", 0.0))
+                results.extend(_mesh_failure(missing, "the worker returned no result for these cells", 0.0, mesh_name))
         except WorkerError as exc:
-            results.extend(_mesh_failure(mesh_cells, str(exc), time.perf_counter() - t1))
+            results.extend(_mesh_failure(mesh_cells, str(exc), time.perf_counter() - t1, mesh_name))
         n_pass = sum(1 for r in results[-len(mesh_cells) :] if r["passed"])
         say(f"mesh {mesh_name}: {n_pass}/{len(mesh_cells)} passed in {time.perf_counter() - t1:.1f} s")
     if reader is not None:
@@ -242,6 +261,30 @@ def run_suite(
             # keep what was computed: the caller prints the table, then this line
             write_error = f"cannot write the report {report_path}: {getattr(exc, 'strerror', None) or exc}"
     return SuiteResult(report, paths, write_error)
+
+
+def run_group(
+    rank: int,
+    world: int,
+    parts: Sequence[tuple[str, Sequence[Cell]]],
+    fault: Sequence[tuple[str, str, Any]] | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]] | None:
+    """Worker body (module level for spawn): the cells of each ``(mesh, cells)`` part in turn in
+    this one process group, ZeRO-1 meshes through :func:`validation.checks.run_mesh`, FSDP2 meshes
+    through :func:`validation.fsdp.run_fsdp_mesh`; rank 0 returns every result."""
+    import torch.distributed as dist
+
+    from validation.checks import run_mesh
+    from validation.fsdp import run_fsdp_mesh
+
+    results: list[dict[str, Any]] = []
+    for mesh_name, cells in parts:
+        worker = run_fsdp_mesh if parse_mesh(mesh_name).fsdp is not None else run_mesh
+        got = worker(rank, world, mesh_name, cells, fault, options)
+        results.extend(got or ())
+        dist.barrier()
+    return results if rank == 0 else None
 
 
 def preflight(cells: Sequence[Cell], sel: Selection) -> None:
