@@ -37,7 +37,7 @@ def test_config_loads_strictly_with_sources(name):
     numeric = [k for k in raw if k not in ("name", "sources")]
     missing = [k for k in numeric if k not in src]
     assert not missing, f"{name}: no source for {missing}"
-    assert all(f"Qwen/Qwen3-" in v for k, v in src.items() if k in numeric)
+    assert all("Qwen/Qwen3-" in v for k, v in src.items() if k in numeric)
     assert cfg.head_dim == 128 and cfg.vocab_size == 151936 and cfg.rope_theta == 1e6 and cfg.rms_norm_eps == 1e-6
 
 

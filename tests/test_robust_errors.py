@@ -158,7 +158,6 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
         flipped = Path(folder) / "flipped.pt"
         flipped.write_bytes(good.read_bytes())
         out["flipped_record"] = _flip_byte(flipped, rank)
-        doc = torch.load(good, weights_only=True)
         for key, edit in {
             "lr_nan": lambda d: d["hyper"]["elementwise"].__setitem__("lr", float("nan")),
             "lr_negative": lambda d: d["hyper"]["elementwise"].__setitem__("lr", -1.0),

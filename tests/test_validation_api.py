@@ -5,7 +5,6 @@ planted defects, the pytest plugin, progress and report wording."""
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import sys
 from pathlib import Path
