@@ -1,25 +1,34 @@
-"""Consolidated optimizer checkpoints that resume bitwise and re-shard to any DP size.
+"""Consolidated optimizer checkpoints that resume bitwise and re-shard to any layout.
+
+The contract with the front ends: :class:`Checkpointable`. Checkpoint code (this module and
+:mod:`canzona.runtime.dcp`) reads an optimizer only through it: which parameters exist
+(:class:`ParamRecord`), which regions of them this rank holds with their masters and optimizer
+state (:class:`Held`), where the model keeps its values (:class:`ModelPiece`), the
+hyperparameters, and a ``finish_load`` step. ``canzona.DistributedOptimizer`` implements it for
+canzona's ZeRO-1 path and for FSDP2 models, so both formats serve both engines and a checkpoint
+of one engine loads into the other. Saved hyperparameters come back in one place,
+:func:`restore_hyperparams`.
 
 Format (``format = "canzona.optimizer_state"``, ``version = 2``): one ``torch.save`` document
 holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so it loads with
 ``torch.load(..., weights_only=True)``::
 
     {
-      "format": "canzona.optimizer_state", "version": 1,
+      "format": "canzona.optimizer_state", "version": 2,
       "meta": {                                  # JSON-able
-        "strategy", "dp", "tp", "fingerprint", "plan_inputs": {...}, "steps",
-        "matrix_optimizer", "elementwise_optimizer", "master_dtype",
+        "engine": "dp" | "fsdp2", "strategy", "dp", "tp", "fingerprint", "plan_inputs": {...},
+        "steps", "matrix_optimizer", "elementwise_optimizer", "master_dtype",
         "params": {name: {"shape": [...], "kind": "matrix" | "elementwise", "tp_dim": int | None}},
       },
       "params": {name: full-shape master value (master dtype)},
       "state":  {name: {key: tensor | number}},  # what a single-device optimizer would hold for
-                                                 # the full parameter: element-wise pieces and TP
+                                                 # the full parameter: element-wise pieces and
                                                  # shards reassembled, matrix state full-shape
-      "hyper":  {"matrix": {...}, "elementwise": {...}},   # param-group hyperparameters
+      "hyper":  {"matrix": {...}, "elementwise": {...}},   # the inner optimizers' hyperparameters
       "checksums": {"params": {name: int}, "state": {name: {key: int}}},   # 62-bit, per tensor
     }
 
-Integrity (issue 17): every tensor of ``params`` and ``state`` has a checksum
+Integrity: every tensor of ``params`` and ``state`` has a checksum
 (:func:`canzona.runtime.integrity.tensor_checksum`) that loading verifies, so a flipped byte is
 refused with an error naming the tensor; files are written atomically
 (:func:`canzona.runtime.integrity.atomic_write`: the old file survives a failed save). Before
@@ -27,26 +36,26 @@ anything is written, loading also refuses: masters whose dtype is not the optimi
 ``master_dtype`` (a float64 master in an fp32 run), non-finite values in masters or state, and
 hyperparameters out of range (non-finite numbers, ``lr`` or ``weight_decay`` < 0, ``eps`` <= 0,
 ``betas``/``momentum`` outside [0, 1)). The saved hyperparameters **override** the constructor's:
-every saved param-group value (``lr``, ``weight_decay``, ``betas``, ``momentum`` ...) that the
-inner optimizers also have is restored, as ``torch.optim.Optimizer.load_state_dict`` restores its
-param groups; to change one after resuming, set it in ``opt.param_groups`` (``lr``,
-``weight_decay``) after loading.
+every saved value of a role is written into its inner optimizers and the groups' ``lr`` /
+``weight_decay`` into ``param_groups``, as ``torch.optim.Optimizer.load_state_dict`` restores its
+param groups; to change one after resuming, set it in ``opt.param_groups`` after loading.
 
 Errors reach every rank: saving and loading each join a status exchange
 (:func:`canzona.runtime.agree.agree`), so a rank that cannot read the file, a document refused on
 one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank.
 
-The document is *consolidated per parameter name* and independent of the plan it was written
-under: :func:`consolidated_state_dict` gathers every owner's pieces to world rank 0 (one
+The document is *consolidated per parameter name* and independent of the layout it was written
+under: :func:`consolidated_state_dict` gathers every canonical held region to world rank 0 (one
 ``gather_object``; the whole state passes through rank 0's memory), and
-:func:`load_consolidated_state_dict` lets every rank pick what its own (possibly different) plan
-makes it own, writes the masters, the optimizer state and the model parameters, and re-assembles
-the TP hosts' full masters. Saving at DP=2 and loading at DP=1 or DP=4 therefore continues exactly
-as an uninterrupted run would (tests/test_checkpoint.py checks it bitwise).
+:func:`load_consolidated_state_dict` lets every rank cut out the regions its own layout makes it
+hold, writes the masters, the optimizer state and the model's values, and lets the front end
+re-assemble what derives from them (the TP hosts' full masters). Saving at DP=2 and loading at
+DP=1 or DP=4, or on an FSDP2 mesh, continues exactly as an uninterrupted run would
+(tests/test_checkpoint.py and tests/test_fsdp2.py check it bitwise).
 
 Element-wise optimizer state is re-sliced like the parameter (tensors of the piece's shape);
 0-dim tensors and numbers (step counters) are copied to every piece. A state tensor of any other
-shape on a cut piece cannot be re-sliced and is refused with an error naming it.
+shape on a sliced region cannot be re-sliced and is refused with an error naming it.
 """
 
 from __future__ import annotations
