@@ -181,26 +181,27 @@ def _py_tensor(v: Any, what: str) -> torch.Tensor:
     raise CheckpointError(f"{what}: optimizer state of type {type(v).__name__} cannot be written to a sharded checkpoint")
 
 
-def _model_boxes(src: Checkpointable) -> dict[str, tuple[Box, torch.Tensor]]:
-    """Each model ``state_dict()`` entry's box on this rank and the local tensor holding it: the
-    front end's own record for trainable parameters, a DTensor's placements otherwise."""
+def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, torch.Tensor]]:
+    """Each model ``state_dict()`` entry's full shape, its box on this rank and the local tensor
+    holding it: the front end's own record for trainable parameters, a DTensor's placements
+    otherwise."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     pieces = {mp.name: mp for mp in src.model_pieces()}
-    out: dict[str, tuple[Box, torch.Tensor]] = {}
+    out: dict[str, tuple[tuple[int, ...], Box, torch.Tensor]] = {}
     for k, v in src.model.state_dict().items():
         if not torch.is_tensor(v):
             raise CheckpointError(f"model entry {k!r} is a {type(v).__name__}, not a tensor; sharded checkpoints hold tensors only")
         v = v.detach()
         if k in pieces:
             mp = pieces[k]
-            out[k] = ((tuple(mp.box[0]), tuple(mp.box[1])), mp.local)
+            out[k] = (tuple(v.shape), (tuple(mp.box[0]), tuple(mp.box[1])), mp.local)
         elif isinstance(v, DTensor):
             shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-            out[k] = ((tuple(offset), tuple(shape)), v.to_local())
+            out[k] = (tuple(v.shape), (tuple(offset), tuple(shape)), v.to_local())
         else:
-            out[k] = (whole_box(v.shape), v)
+            out[k] = (tuple(v.shape), whole_box(v.shape), v)
     return out
 
 
@@ -257,16 +258,22 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     src.finish_param_sync()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
-    chunks = _Chunks(chunk_bytes)
-    for k, (box, local) in _model_boxes(src).items():
-        chunks.add_box(f"model.{k}", tuple(src.model.state_dict()[k].shape), box, local)
-    for h in src.held():
-        if h.master is not None:
-            chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
-        _add_state(chunks, h, shapes[h.name])
-    sd = chunks.state_dict(src.mesh)
-    sd[META_KEY] = _meta_tensor(_meta(src, chunk_bytes))
+    sd: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
+        chunks = _Chunks(chunk_bytes)
+        for k, (shape, box, local) in _model_boxes(src).items():
+            chunks.add_box(f"model.{k}", shape, box, local)
+        for h in src.held():
+            if h.master is not None:
+                chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
+            _add_state(chunks, h, shapes[h.name])
+        sd = chunks.state_dict(src.mesh)
+        sd[META_KEY] = _meta_tensor(_meta(src, chunk_bytes))
+    except Exception as exc:  # noqa: BLE001 - every rank must learn that this rank cannot save
+        error = exc
+    _agree(src, error, f"preparing the sharded checkpoint {path}")
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
@@ -388,9 +395,8 @@ class _LoadPlan:
         self.states: list[tuple[Held, dict[str, Any]]] = []
         self.new_state_bytes = 0
         shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
-        for k, (box, local) in _model_boxes(src).items():
+        for k, (want, box, local) in _model_boxes(src).items():
             size, _ = _item(md, f"model.{k}")
-            want = tuple(src.model.state_dict()[k].shape)
             if size != want:
                 raise CheckpointError(f"model entry {k!r}: checkpoint holds shape {size}, the model {want}")
             self._add(f"model.{k}", size, box, local)
