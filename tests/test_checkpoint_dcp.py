@@ -250,18 +250,27 @@ def _outcome(model, opt) -> dict:
 
 
 def _save_then(build, folder: str, name: str) -> None:
+    """SAVE_STEPS steps, then a sharded save (a consolidated file when ``name`` ends in .pt)."""
+    from canzona.runtime.checkpoint import save_checkpoint
     from canzona.runtime.dcp import save_sharded
 
     model, opt, run = build()
     run(range(SAVE_STEPS))
-    save_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
+    if name.endswith(".pt"):
+        save_checkpoint(opt, Path(folder) / name)
+    else:
+        save_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
 
 
 def _resume(build, folder: str, name: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
     from canzona.runtime.dcp import load_sharded
 
     model, opt, run = build()
-    load_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
+    if name.endswith(".pt"):
+        load_checkpoint(opt, Path(folder) / name)
+    else:
+        load_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
     run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
     return _outcome(model, opt)
 
@@ -481,6 +490,9 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     cases["zero1_save"] = attempt(_save_then, _zero1_toy, folder, "zero1-toy")
     cases["zero1_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "zero1-toy")
     cases["fsdp2_to_zero1"] = attempt(_resume, _zero1_toy, folder, "fsdp2")
+    # the consolidated format across the engines too
+    cases["zero1_single_save"] = attempt(_save_then, _zero1_toy, folder, "zero1-toy.pt")
+    cases["zero1_to_fsdp2_single"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "zero1-toy.pt")
     cases["fsdp4_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "fsdp4")
     cases["fsdp22_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "fsdp22")
     refusals = attempt(_fsdp_refusals, folder)
@@ -631,6 +643,7 @@ FSDP_RESUMES = {
     "fsdp2_to_fsdp2": (2, (2, 2)),
     "zero1_to_fsdp2": (2, (2, 2)),
     "fsdp2_to_zero1": (2, (2, 2)),
+    "zero1_to_fsdp2_single": (2, (2, 2)),
     "fsdp4_to_fsdp2": (2, (4, 2)),
     "fsdp22_to_fsdp2": (2, (2, 2)),
     "fsdp4_to_fsdp22": (4, (4, 2)),
@@ -640,8 +653,8 @@ FSDP_RESUMES = {
 
 @pytest.mark.parametrize("case", list(FSDP_RESUMES))
 def test_fsdp2_sharded_resume_is_bitwise_in_parameters_and_every_state_entry(folder: Path, case: str) -> None:
-    """Saved on one layout (FSDP2 dp_shard 2 / 4 / 2 x tp 2, or canzona's ZeRO-1 dp 2), loaded on
-    another, MORE_STEPS more steps: parameters, masters and every optimizer-state entry equal one
+    """Saved on one layout (FSDP2 dp_shard 2 / 4 / 2 x tp 2, or canzona's ZeRO-1 dp 2; sharded, and
+    one consolidated file), loaded on another, MORE_STEPS more steps: parameters, masters and every optimizer-state entry equal one
     uninterrupted process's (canzona.testing_fsdp.compare_with_reference: torch.equal)."""
     from canzona.testing_fsdp import compare_with_reference
 
