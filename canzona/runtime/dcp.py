@@ -106,7 +106,13 @@ def _slabs(box: Box, view: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...]
     step = max(1, cap // max(row, 1))
     if step >= sizes[0]:
         return [(tuple(offs), view)]
-    return [((offs[0] + r, *offs[1:]), view[r : r + step]) for r in range(0, sizes[0], step)]
+    # The last row is a slab of its own. DCP's writer clones every slab (a view of a larger
+    # tensor), writes a rank's items largest first, and keeps the last item written under each
+    # key alive until the rank's file is closed: with a one-row slab last, what it keeps is one
+    # row per key instead of up to ``cap`` bytes per key (profiling/bench_checkpoint.py measures it).
+    n = sizes[0] - 1
+    out = [((offs[0] + r, *offs[1:]), view[r : min(r + step, n)]) for r in range(0, n, step)]
+    return out + [((offs[0] + n, *offs[1:]), view[n:])]
 
 
 class _Chunks:
