@@ -91,6 +91,7 @@ from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag
 from canzona.runtime.buffer import local_tensor
+from canzona.runtime.checkpoint import GROUP_NAMES, SCHEDULED_KEYS, Held, ModelPiece, ParamRecord, flat_range_boxes, inner_hyperparams, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
@@ -111,10 +112,6 @@ __all__ = [
 #: Optimizers known not to keep per-parameter state (they cannot run on a subset of parameters).
 _NOT_PER_PARAMETER: tuple[str, ...] = ("LBFGS",)
 FINGERPRINT_TIMEOUT_S = 60.0
-#: the front end's parameter groups, in ``param_groups`` order (one per inner-optimizer role)
-GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
-#: group hyperparameters that schedulers may change and ``step()`` pushes into the inner optimizers
-SCHEDULED_KEYS: tuple[str, ...] = ("lr", "weight_decay")
 
 
 #: the registered optimizer names (:mod:`canzona.optimizers`) at import time
@@ -679,21 +676,90 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return consolidated_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a consolidated state (every rank passes the whole document); re-shards to this plan.
+        """Load a consolidated state (every rank passes the whole document); re-shards to this layout.
 
-        The groups' ``lr``/``weight_decay`` are restored from the document's ``"hyper"`` section as
-        well (the next ``step()`` pushes them again); a group the document has no values for (the
-        empty ``"matrix"`` group of ``zero1``) keeps its own. Load a scheduler's state after this."""
+        The groups' ``lr``/``weight_decay`` and the inner optimizers' other hyperparameters are
+        restored from the document's ``"hyper"`` section
+        (:func:`canzona.runtime.checkpoint.restore_hyperparams`); a group the document has no values
+        for keeps its own. Load a scheduler's state after this."""
         from canzona.runtime.checkpoint import load_consolidated_state_dict
 
         self.finish_param_sync()
         load_consolidated_state_dict(self, state)
-        hyper = state["hyper"]  # load_consolidated_state_dict checked it is a mapping of mappings
-        for group in self.param_groups:
-            saved = hyper.get(group["name"], {})
-            for k in self._scheduled[group["name"]]:
-                if k in saved:
-                    group[k] = saved[k]
+
+    # ------------------------------------------------------------------------------ checkpoint source
+    # What canzona.runtime.checkpoint and canzona.runtime.dcp read (their Checkpointable protocol).
+    def checkpoint_params(self) -> list[ParamRecord]:
+        return [ParamRecord(s.name, tuple(s.shape), s.kind, s.tp_dim, elementwise_role(self.plan, s.name)) for s in self.plan.specs]
+
+    def checkpoint_describe(self) -> dict[str, Any]:
+        from dataclasses import fields
+
+        inp = self.plan.inputs
+        return {
+            "engine": "dp",
+            "strategy": inp.strategy,
+            "dp": inp.dp,
+            "tp": inp.tp,
+            "fingerprint": self.plan.fingerprint,
+            "plan_inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
+        }
+
+    def _tp_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A box of this rank's TP-local shard of ``spec`` in the full tensor's coordinates."""
+        if not spec.tp_split:
+            return box
+        off = list(box[0])
+        off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
+        return tuple(off), box[1]
+
+    def held(self) -> list[Held]:
+        rt = self.runtime
+        # every DP rank holds the same values under sc: DP rank 0's copy is canonical
+        replica = rt.plan.every_rank_updates and rt.dp_rank != 0
+        out: list[Held] = []
+        for pc in rt.pieces:
+            spec = rt.specs[pc.name]
+            region = tuple(self._tp_box(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
+            m = rt.masters[pc]
+            opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
+            # replicated across TP: TP rank 0's copy is canonical
+            canonical = not replica and (spec.tp_split or self.tp_rank == 0)
+            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, pc.role == "elementwise", canonical))
+        eng = rt.tp_engine
+        if eng is not None:
+            # TP hosts hold each task's full state (its full master is re-assembled from the shards);
+            # under the sync schedule every TP rank holds it: TP rank 0's is canonical
+            for name in eng.hosted:
+                canonical = not replica and (not eng.sync or self.tp_rank == 0)
+                out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
+        return out
+
+    def model_pieces(self) -> list[ModelPiece]:
+        rt = self.runtime
+        return [
+            ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))
+            for name, p in rt.params.items()
+        ]
+
+    def hyperparams(self) -> dict[str, dict[str, Any]]:
+        inner = getattr(self, "_inner_hyper", None)
+        if inner is None:
+            inner = self._inner_hyper = {
+                "matrix": inner_hyperparams(self.matrix_cls, self.optimizer_kwargs),
+                "elementwise": inner_hyperparams(self.elementwise_cls, self.elementwise_kwargs),
+            }
+        return {g["name"]: {**inner[g["name"]], **{k: g[k] for k in self._scheduled[g["name"]]}} for g in self.param_groups}
+
+    def status_device(self) -> torch.device:
+        return self.runtime.buffer.data.device
+
+    def finish_load(self, steps: int) -> None:
+        rt = self.runtime
+        if rt.tp_engine is not None:
+            rt.tp_engine.refresh_masters()  # hosts re-assemble their full masters from the loaded shards
+        rt.steps = int(steps)
+        rt.discard_grads()
 
     def __repr__(self) -> str:
         return (

@@ -37,10 +37,10 @@ What differs from the ZeRO-1 path (:mod:`canzona.distributed`):
   updated values across replicas; it is not done here.
 - Uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with
   per-rank sizes.
-- ``state_dict()`` is consolidated on world rank 0 (one ``gather_object``) in the ZeRO-1 path's
-  document family (``canzona.optimizer_state``, ``meta["engine"] = "fsdp2"``), full-shape
-  masters and state per parameter name; ``load_state_dict`` takes it on every rank, re-slices it
-  to this mesh and writes the model's pieces from the masters.
+- Checkpoints: the same formats as the ZeRO-1 path (:mod:`canzona.runtime.checkpoint`, one
+  consolidated ``torch.save`` document with ``meta["engine"] = "fsdp2"``; :mod:`canzona.runtime.dcp`,
+  a sharded DCP directory where each rank writes its element-wise blocks and hosted matrices),
+  with the same checks and refusals; both re-slice to any mesh and load across the two paths.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from canzona.distributed import (
 from canzona.optimizers import cost_key_for_class
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
 from canzona.runtime.agree import STATUS_TIMEOUT_S
+from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.fsdp import Block, FSDPRuntime, PieceLayout, local_block
 from canzona.runtime.phases import PhaseTimer, timing
@@ -75,7 +76,6 @@ __all__ = ["FSDP_MESH_DIMS", "FSDPDistributedOptimizer", "is_fsdp2_model", "fsdp
 #: mesh dimension names of the FSDP2 path (torchtitan's), outermost first
 FSDP_MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
 GROUP_TIMEOUT_S = 300.0
-STATE_FORMAT, STATE_VERSION = "canzona.optimizer_state", 1
 
 
 def is_fsdp2_model(model: Any) -> bool:
@@ -376,101 +376,54 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         """Re-read the fp32 masters from the model (collective): call after overwriting parameters."""
         self.runtime.refresh_masters()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The consolidated optimizer state (collective; world rank 0 gets it, other ranks ``{}``):
-        full-shape masters and optimizer state per parameter name, the groups' hyperparameters."""
-        self._push_hyperparams()
-        rt = self.runtime
-        contrib: dict[str, Any] = {"matrix": {}, "pieces": {}}
-        if self.replica == 0:
-            for name in rt.engine.hosted:
-                if rt.engine.tasks[name].host == -1 and self.group_rank != 0:
-                    continue  # sc: every rank holds the same; rank 0 of the group reports it
-                contrib["matrix"][name] = (rt.engine.masters[name].detach().clone(), rt.engine.state_dict()[name])
-            ew_state = rt.ew_optimizer.state if rt.ew_optimizer is not None else {}
-            for name, m in rt.ew_masters.items():
-                if rt.layouts[name].sources[self.group_rank]:
-                    st = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in ew_state.get(m, {}).items()}
-                    contrib["pieces"][name] = (rt.layouts[name].blocks[self.group_rank], m.detach().clone(), st)
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(contrib, gathered, dst=0)
-        if gathered is None:
-            return {}
-        params: dict[str, torch.Tensor] = {}
-        state: dict[str, dict[str, Any]] = {}
-        by_name = self.plan.by_name()
-        for c in gathered:
-            for name, (master, st) in c["matrix"].items():
-                params[name], state[name] = master, st
-            for name, (block, piece, st) in c["pieces"].items():
-                shape = by_name[name].shape
-                if name not in params:
-                    params[name] = torch.empty(shape, dtype=piece.dtype)
-                    state[name] = {}
-                params[name][block.index()] = piece
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and tuple(v.shape) == block.shape and v.ndim > 0:
-                        state[name].setdefault(k, torch.empty(shape, dtype=v.dtype))[block.index()] = v
-                    elif isinstance(v, torch.Tensor) and v.ndim > 0:
-                        raise ValueError(f"{name}: element-wise state {k!r} of shape {tuple(v.shape)} cannot be assembled from pieces")
-                    else:
-                        state[name][k] = v
-        hyper = {g["name"]: {k: g[k] for k in self._scheduled[g["name"]]} for g in self.param_groups}
-        meta = {
+    # ------------------------------------------------------------------------------ checkpoint source
+    # state_dict / load_state_dict are DistributedOptimizer's (canzona.runtime.checkpoint's
+    # consolidated document, the same family on both paths); these say what this path holds.
+    def checkpoint_params(self) -> list[ParamRecord]:
+        return [ParamRecord(p.name, tuple(p.shape), p.kind, p.tp_dim, p.kind != "matrix") for p in self.plan.params]
+
+    def checkpoint_describe(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {
             "engine": "fsdp2",
             "strategy": self.strategy,
+            "dp": self.dp,
+            "tp": self.tp,
             "fingerprint": self.plan.fingerprint,
-            "steps": self.steps,
-            "matrix_optimizer": self.matrix_cls.__name__,
-            "elementwise_optimizer": self.elementwise_cls.__name__,
-            "master_dtype": str(self.master_dtype).removeprefix("torch."),
-            "params": {p.name: {"shape": list(p.shape), "kind": p.kind, "tp_dim": p.tp_dim} for p in self.plan.params},
+            "plan_inputs": asdict(self.plan.inputs),
         }
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "meta": meta, "params": params, "state": state, "hyper": hyper}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s document (every rank passes the whole document): masters and
-        optimizer state re-sliced to this mesh, the model's pieces written from the masters."""
-        doc = state
-        if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
-            raise ValueError(f"not a canzona optimizer state document (format {STATE_FORMAT!r} version {STATE_VERSION})")
-        meta = doc.get("meta")
-        if not isinstance(meta, Mapping) or meta.get("engine") != "fsdp2":
-            raise ValueError("this optimizer state was written by canzona's ZeRO-1 path; load it into an FSDP2 optimizer is not supported")
-        want = {p.name: {"shape": list(p.shape), "kind": p.kind} for p in self.plan.params}
-        got = {n: {"shape": list(v["shape"]), "kind": v["kind"]} for n, v in dict(meta["params"]).items()}
-        if want != got:
-            raise ValueError("the optimizer state was saved for other parameters (names, shapes or kinds differ)")
-        params, states = doc["params"], doc["state"]
-        for name in want:
-            t = params.get(name)
-            if not isinstance(t, torch.Tensor) or list(t.shape) != want[name]["shape"]:
-                raise ValueError(f"{name}: the document's master is missing or has the wrong shape")
-        rt = self.runtime
-        # the model's pieces from the masters (then every master re-read from them, exactly)
-        for name in want:
-            block = rt.layouts[name].blocks[self.group_rank]
-            local_block(rt.params[name].detach()).copy_(params[name][block.index()])
-        ew_state = rt.ew_optimizer.state if rt.ew_optimizer is not None else None
+    def held(self) -> list[Held]:
+        """Element-wise pieces (this rank's block, state shaped like it) and the hosted matrices
+        (full master and state). Replica 0 is canonical under HSDP; among ranks holding the same
+        block (replicated over ``tp``) the layout's source; under ``sc`` group rank 0."""
+        rt, eng = self.runtime, self.runtime.engine
+        first = self.replica == 0
+        out: list[Held] = []
         for name, m in rt.ew_masters.items():
-            block = rt.layouts[name].blocks[self.group_rank]
-            m.copy_(params[name][block.index()])
-            if ew_state is not None:
-                ew_state[m] = {
-                    k: (v[block.index()].clone() if isinstance(v, torch.Tensor) and v.ndim > 0 else (v.clone() if isinstance(v, torch.Tensor) else v))
-                    for k, v in dict(states.get(name, {})).items()
-                }
-        for name in rt.engine.hosted:
-            rt.engine.masters[name].copy_(params[name])
-        rt.engine.load_state_dict({n: dict(states.get(n, {})) for n in rt.engine.hosted})
-        rt.steps = int(meta.get("steps", 0))
-        hyper = doc.get("hyper", {})
-        for group in self.param_groups:
-            saved = hyper.get(group["name"], {})
-            for k in self._scheduled[group["name"]]:
-                if k in saved:
-                    group[k] = saved[k]
+            lay = rt.layouts[name]
+            b = lay.blocks[self.group_rank]
+            out.append(Held(name, ((b.offset, b.shape),), m, rt.ew_optimizer, m, True, first and lay.sources[self.group_rank]))
+        for name in eng.hosted:
+            m = eng.masters[name]
+            canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
+            out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+        return out
+
+    def model_pieces(self) -> list[ModelPiece]:
+        rt = self.runtime
+        out = []
+        for name, p in rt.params.items():
+            b = rt.layouts[name].blocks[self.group_rank]
+            out.append(ModelPiece(name, local_block(p.detach()), (b.offset, b.shape)))
+        return out
+
+    def status_device(self) -> torch.device:
+        return local_block(next(iter(self.runtime.params.values())).detach()).device
+
+    def finish_load(self, steps: int) -> None:
+        self.runtime.steps = int(steps)  # hosts hold full masters, loaded whole: nothing to re-assemble
 
     def __repr__(self) -> str:
         i = self.plan.inputs

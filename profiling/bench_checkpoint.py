@@ -2,16 +2,26 @@
 
 A Qwen3-architecture model of about 100M parameters (hidden 768, 8 layers, ffn 2048, vocab 32000)
 trains one step with lb-asc Muon on ``--dp`` local processes (gloo on CPU), then every rank saves
-and loads both formats. For each phase the benchmark prints, per rank, the peak resident memory
-*above* the resident memory before the phase (Linux: ``/proc/self/status`` VmHWM, reset through
-``/proc/self/clear_refs``; on CUDA the allocator's peak), next to the bytes of optimizer state the
-rank owns (fp32 masters plus optimizer state). Sharded save/load stay at about the owned state on
-every rank; the consolidated format passes the whole state through rank 0.
+and loads both formats into its trained optimizer. For each phase the benchmark prints, per rank,
+the peak resident memory *above* the resident memory before the phase, next to the bytes of
+optimizer state the rank owns (fp32 masters plus optimizer state) and the sharded format's chunk
+cap (``--chunk-mib``).
+
+How peak memory is measured: on Linux CPU, ``/proc/self/status`` VmHWM (the kernel's high-water
+mark of resident memory) after resetting it to the current RSS through ``/proc/self/clear_refs``
+(after ``gc.collect`` and ``malloc_trim``, so freed heap is not counted at the start); the figure
+is VmHWM minus the RSS at entry. On CUDA, ``torch.cuda.max_memory_allocated`` minus the
+allocation at entry. No tracing allocator (tracemalloc) is involved.
+
+The sharded load reads every region twice through a scratch buffer of at most the cap and writes
+the state in place (``canzona.runtime.dcp``), so its peak stays near the cap plus DCP's own
+per-file bookkeeping; the consolidated format passes the whole state through rank 0 and every
+rank holds the whole document while loading.
 
 Run from the repository root::
 
     .venv/bin/python profiling/bench_checkpoint.py              # dp2, ~100M parameters
-    .venv/bin/python profiling/bench_checkpoint.py --dp 4 --layers 4
+    .venv/bin/python profiling/bench_checkpoint.py --dp 4 --layers 4 --chunk-mib 4
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict
     from canzona.config import ModelConfig
     from canzona.models import Qwen3, lm_loss
     from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from canzona.runtime import dcp
     from canzona.runtime.dcp import load_sharded, save_sharded
 
     cfg = ModelConfig(
@@ -90,9 +101,10 @@ def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict
     opt.zero_grad()
     owned = opt.runtime.master_bytes() + opt.state_bytes()
     out = {"params": sum(p.numel() for p in model.parameters()), "owned": owned, "peaks": {}}
+    cap = int(args.chunk_mib * 2**20)
     steps = (
-        ("sharded save", lambda: save_sharded(opt, Path(folder) / "dcp")),
-        ("sharded load", lambda: load_sharded(opt, Path(folder) / "dcp")),
+        ("sharded save", lambda: save_sharded(opt, Path(folder) / "dcp", chunk_bytes=cap)),
+        ("sharded load", lambda: load_sharded(opt, Path(folder) / "dcp", chunk_bytes=cap)),
         ("consolidated save", lambda: save_checkpoint(opt, Path(folder) / "single.pt")),
         ("consolidated load", lambda: load_checkpoint(opt, Path(folder) / "single.pt")),
     )
@@ -101,16 +113,19 @@ def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict
         with Peak(cuda) as peak:
             fn()
         out["peaks"][name] = peak.peak
+        if name == "sharded load":
+            out["load_stats"] = dict(dcp.last_load_stats)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--ffn", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dp", type=int, default=2, help="local processes (DP ranks, gloo on CPU)")
+    ap.add_argument("--hidden", type=int, default=768, help="model hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="transformer layers")
+    ap.add_argument("--ffn", type=int, default=2048, help="MLP intermediate size")
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    ap.add_argument("--chunk-mib", type=float, default=32, help="sharded format: largest stored chunk and load scratch buffer (MiB)")
     args = ap.parse_args()
     if not Path("/proc/self/clear_refs").exists() and not torch.cuda.is_available():
         print("bench_checkpoint: needs Linux /proc (or CUDA) to measure peak memory", file=sys.stderr)
@@ -119,10 +134,12 @@ def main() -> int:
         res = run_workers(worker, args.dp, args, folder, timeout_s=1800, pg_timeout_s=600)
     mib = 2**20
     print(f"model: {res[0]['params'] / 1e6:.1f}M parameters, dp={args.dp}, lb-asc Muon + AdamW, fp32 masters")
-    print(f"{'rank':>4}  {'owned state':>12}  " + "  ".join(f"{p:>18}" for p in PHASES))
+    print(f"sharded chunk cap: {args.chunk_mib:g} MiB")
+    print(f"{'rank':>4}  {'owned state':>12}  " + "  ".join(f"{p:>18}" for p in PHASES) + f"  {'load scratch':>12}")
     for r, out in enumerate(res):
         cells = "  ".join(f"{out['peaks'][p] / mib:>14.1f} MiB" for p in PHASES)
-        print(f"{r:>4}  {out['owned'] / mib:>8.1f} MiB  {cells}")
+        scratch = out["load_stats"]["scratch_bytes"] / mib
+        print(f"{r:>4}  {out['owned'] / mib:>8.1f} MiB  {cells}  {scratch:>8.1f} MiB")
     print("peak = resident memory above the level before the phase (VmHWM on CPU, allocator peak on CUDA)")
     return 0
 

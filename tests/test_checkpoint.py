@@ -20,6 +20,8 @@ from canzona.runtime.launch import run_workers
 from canzona.testing import (
     ReferenceRunner,
     ToyModel,
+    attempt,
+    case_results,
     inject_grads,
     integer_grads,
     mean_grads,
@@ -51,70 +53,112 @@ def _opt(model, strategy: str, optname: str):
     )
 
 
-def save_worker(rank: int, world: int, folder: str) -> None:
+def _save_case(rank: int, folder: str, strategy: str, optname: str) -> None:
     from canzona.runtime.checkpoint import save_checkpoint
 
-    for strategy, optname in CASES:
-        model = ToyModel()
-        opt = _opt(model, strategy, optname)
-        for s in range(SAVE_STEPS):
-            inject_grads(model, integer_grads(model, step=s, rank=rank))
-            opt.step()
-            opt.zero_grad()
-        save_checkpoint(opt, Path(folder) / f"{strategy}.pt")
+    model = ToyModel()
+    opt = _opt(model, strategy, optname)
+    for s in range(SAVE_STEPS):
+        inject_grads(model, integer_grads(model, step=s, rank=rank))
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(opt, Path(folder) / f"{strategy}.pt")
+
+
+def save_worker(rank: int, world: int, folder: str) -> bytes:
+    cases = {strategy: attempt(_save_case, rank, folder, strategy, optname) for strategy, optname in CASES}
+    return pack({"cases": cases})
+
+
+def _resume_case(rank: int, folder: str, strategy: str, optname: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
+
+    model = ToyModel(seed=5)
+    opt = _opt(model, strategy, optname)
+    load_checkpoint(opt, Path(folder) / f"{strategy}.pt")
+    assert opt.steps == SAVE_STEPS
+    out: dict = {}
+    # a round trip through the new layout's owners reproduces the saved document
+    again = opt.state_dict()
+    if rank == 0:
+        saved = torch.load(Path(folder) / f"{strategy}.pt", weights_only=True)
+        out["roundtrip"] = tensors_equal(saved["params"], again["params"]) + [
+            f"{n}.{k}"
+            for n, st in saved["state"].items()
+            for k, v in st.items()
+            if not (torch.equal(v, again["state"][n][k]) if torch.is_tensor(v) else v == again["state"][n][k])
+        ]
+    for s in range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS):
+        inject_grads(model, integer_grads(model, step=s, rank=rank))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = params_of(model)
+    return out
+
+
+def _refused(opt, load) -> dict:
+    """Load ``load(opt)``; the error and whether masters, state and model stayed as they were."""
+    from canzona.runtime.checkpoint import CheckpointError
+
+    before = _snapshot(opt)
+    try:
+        load(opt)
+        msg = "loaded"
+    except CheckpointError as exc:
+        msg = str(exc)
+    return {"error": msg, "untouched": tensors_equal(before, _snapshot(opt)) == []}
+
+
+def _snapshot(opt) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, h in enumerate(opt.held()):
+        if h.master is not None:
+            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
+        for k, v in h.state().items():
+            if torch.is_tensor(v):
+                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
+    for mp in opt.model_pieces():
+        out[f"model.{mp.name}"] = mp.local.detach().clone()
+    return out
+
+
+def _wrong_optimizer(rank: int, folder: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
+
+    return _refused(_opt(ToyModel(), "lb-asc", "shampoo"), lambda o: load_checkpoint(o, Path(folder) / "lb-asc.pt"))
+
+
+def _junk(rank: int, folder: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
+
+    junk = Path(folder) / "junk.pt"
+    torch.save({"hello": torch.zeros(1)}, junk)
+    return _refused(_opt(ToyModel(), "lb-asc", "muon"), lambda o: load_checkpoint(o, junk))
+
+
+def _bad_state(rank: int, folder: str) -> dict:
+    """A mis-shaped state of the last parameter is refused before any master is written."""
+    fresh = _opt(ToyModel(seed=7), "zero1", "adamw")
+    bad = torch.load(Path(folder) / "zero1.pt", weights_only=True)
+    last = list(fresh.plan.buffer_order())[-1].name
+    bad["state"][last]["exp_avg"] = bad["state"][last]["exp_avg"].reshape(-1)[1:]
+    return _refused(fresh, lambda o: o.load_state_dict(bad))
+
+
+REFUSALS = {
+    "wrong_optimizer": (_wrong_optimizer, "written by matrix_optimizer 'Muon'"),
+    "junk": (_junk, "not a canzona optimizer checkpoint"),
+    "bad_state": (_bad_state, "state 'exp_avg' has shape"),
+}
 
 
 def resume_worker(rank: int, world: int, folder: str) -> bytes:
-    from canzona.runtime.checkpoint import CheckpointError, load_checkpoint
-
-    out: dict = {}
-    for strategy, optname in CASES:
-        model = ToyModel(seed=5)
-        opt = _opt(model, strategy, optname)
-        load_checkpoint(opt, Path(folder) / f"{strategy}.pt")
-        assert opt.steps == SAVE_STEPS
-        # a round trip through the new plan's owners reproduces the saved document
-        again = opt.state_dict()
-        if rank == 0:
-            saved = torch.load(Path(folder) / f"{strategy}.pt", weights_only=True)
-            out[(strategy, "roundtrip")] = tensors_equal(saved["params"], again["params"]) + [
-                f"{n}.{k}"
-                for n, st in saved["state"].items()
-                for k, v in st.items()
-                if not (torch.equal(v, again["state"][n][k]) if torch.is_tensor(v) else v == again["state"][n][k])
-            ]
-        for s in range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS):
-            inject_grads(model, integer_grads(model, step=s, rank=rank))
-            opt.step()
-            opt.zero_grad()
-        out[strategy] = params_of(model)
+    cases = {strategy: attempt(_resume_case, rank, folder, strategy, optname) for strategy, optname in CASES}
     if world == 4:
-        out["tp"] = _tp_resume(rank, folder)
+        cases["tp"] = attempt(_tp_resume, rank, folder)
     if world == 1:
-        model = ToyModel()
-        wrong = _opt(model, "lb-asc", "shampoo")
-        try:
-            load_checkpoint(wrong, Path(folder) / "lb-asc.pt")
-        except CheckpointError as exc:
-            out["wrong_optimizer"] = str(exc)
-        junk = Path(folder) / "junk.pt"
-        torch.save({"hello": torch.zeros(1)}, junk)
-        try:
-            load_checkpoint(wrong, junk)
-        except CheckpointError as exc:
-            out["junk"] = str(exc)
-        # a mis-shaped state of the last parameter is refused before any master is written
-        fresh = _opt(ToyModel(seed=7), "zero1", "adamw")
-        before = [m.clone() for m in fresh.runtime.masters.values()]
-        bad = torch.load(Path(folder) / "zero1.pt", weights_only=True)
-        last = list(fresh.plan.buffer_order())[-1].name
-        bad["state"][last]["exp_avg"] = bad["state"][last]["exp_avg"].reshape(-1)[1:]
-        try:
-            fresh.load_state_dict(bad)
-        except CheckpointError as exc:
-            out["bad_state"] = str(exc)
-        out["bad_state_untouched"] = all(torch.equal(a, m) for a, m in zip(before, fresh.runtime.masters.values()))
-    return pack(out)
+        cases.update({key: attempt(fn, rank, folder) for key, (fn, _) in REFUSALS.items()})
+    return pack({"cases": cases})
 
 
 # ------------------------------------------------------------------------------ TP shards re-sharded
@@ -143,44 +187,48 @@ def _full(model) -> dict[str, torch.Tensor]:
     return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()) for n, p in model.named_parameters()}
 
 
-def _tp_resume(rank: int, folder: str) -> dict:
-    """Save under DP2 x TP2 (DTensor TP, micro-groups), resume under DP2 x TP2 and under pure DP4."""
+def _tp_mesh_opt(seed: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     import canzona
     from canzona.models.tp import parallelize
-    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from canzona.testing import tp_local
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = parallelize(_tiny(seed), mesh["tp"])
+    return model, canzona.DistributedOptimizer(
+        model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096
+    )
+
+
+def _tp_run(model, opt, steps) -> None:
+    from canzona.testing import tp_local
+
+    for s in steps:
+        full = _tiny_grads(s, opt.dp_rank)
+        inject_grads(model, tp_local(full, opt.plan.specs, opt.tp_rank, partial=_qk_norms(full)) if opt.tp > 1 else full)
+        opt.step()
+        opt.zero_grad()
+
+
+def _tp_resume(rank: int, folder: str) -> dict:
+    """Save the tiny Qwen3 under DP2 x TP2 (DTensor TP, micro-groups) after SAVE_STEPS; resume it
+    under DP2 x TP2 and under pure DP4."""
+    import canzona
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+
     path = Path(folder) / "tp.pt"
-
-    def tp_opt(seed: int):
-        model = parallelize(_tiny(seed), mesh["tp"])
-        return model, canzona.DistributedOptimizer(
-            model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096
-        )
-
-    def run(model, opt, steps, dp: int, r: int, tp_r: int) -> None:
-        for s in steps:
-            full = _tiny_grads(s, r)
-            inject_grads(model, tp_local(full, opt.plan.specs, tp_r, partial=_qk_norms(full)) if opt.tp > 1 else full)
-            opt.step()
-            opt.zero_grad()
-
-    model, opt = tp_opt(0)
-    run(model, opt, range(SAVE_STEPS), 2, dp_rank, tp_rank)
+    model, opt = _tp_mesh_opt(0)
+    _tp_run(model, opt, range(SAVE_STEPS))
     save_checkpoint(opt, path)
     out = {}
-    model, opt = tp_opt(5)
+    model, opt = _tp_mesh_opt(5)
     load_checkpoint(opt, path)
-    run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS), 2, dp_rank, tp_rank)
+    _tp_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
     out["dp2xtp2"] = _full(model)
     model = _tiny(5)
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096)
     load_checkpoint(opt, path)
-    run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS), 4, rank, 0)
+    _tp_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
     out["dp4"] = _full(model)
     return out
 
@@ -204,27 +252,67 @@ def _reference(strategy: str, optname: str, resume_world: int) -> dict[str, torc
     return ref.params()
 
 
-def test_save_dp2_resume_dp1_and_dp4_bitwise(tmp_path: Path) -> None:
-    run_workers(save_worker, 2, str(tmp_path), timeout_s=120)
-    doc = torch.load(tmp_path / "lb-asc.pt", weights_only=True)
-    assert doc["format"] == "canzona.optimizer_state" and doc["meta"]["dp"] == 2 and doc["meta"]["steps"] == SAVE_STEPS
+# ------------------------------------------------------------------------------ one spawn per world
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    """Save once at world 2 (the ToyModel cases), then resume at world 1 and world 4 (which also
+    saves and resumes the TP case): one spawned group each, shared by every test of this module."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    cache: dict[str, list[dict]] = {}
+
+    def get(run: str, case: str) -> list:
+        if run not in cache:
+            if run == "save2":
+                cache[run] = [unpack(r) for r in run_workers(save_worker, 2, str(folder), timeout_s=150)]
+            else:
+                get("save2", CASES[0][0])
+                world = int(run.removeprefix("resume"))
+                cache[run] = [unpack(r) for r in run_workers(resume_worker, world, str(folder), timeout_s=240)]
+        return case_results(cache[run], "cases", case)
+
+    get.folder = folder  # type: ignore[attr-defined]
+    return get
+
+
+@pytest.mark.parametrize("strategy,optname", CASES)
+def test_saved_document_is_plain_data(runs, strategy: str, optname: str) -> None:
     import json
 
+    runs("save2", strategy)
+    doc = torch.load(runs.folder / f"{strategy}.pt", weights_only=True)
+    assert doc["format"] == "canzona.optimizer_state" and doc["meta"]["dp"] == 2 and doc["meta"]["steps"] == SAVE_STEPS
+    assert doc["meta"]["engine"] == "dp" and doc["meta"]["matrix_optimizer"] == _cls(optname).__name__
     json.dumps(doc["meta"])  # metadata is JSON-able
-    for resume_world in (1, 4):
-        res = [unpack(r) for r in run_workers(resume_worker, resume_world, str(tmp_path), timeout_s=150)]
-        for strategy, optname in CASES:
-            assert res[0][(strategy, "roundtrip")] == [], f"{strategy}: state changed in a load/save round trip"
-            want = _reference(strategy, optname, resume_world)
-            for rank, r in enumerate(res):
-                assert tensors_equal(want, r[strategy]) == [], f"{strategy} resumed at DP={resume_world}, rank {rank}"
-        if resume_world == 4:
-            for key, dp in (("dp2xtp2", 2), ("dp4", 4)):
-                want = _tp_reference(dp)
-                for rank, r in enumerate(res):
-                    assert tensors_equal(want, r["tp"][key]) == [], f"TP checkpoint resumed as {key}, rank {rank}"
-        if resume_world == 1:
-            assert "written by matrix_optimizer 'Muon'" in res[0]["wrong_optimizer"]
-            assert "not a canzona optimizer checkpoint" in res[0]["junk"]
-            assert "state 'exp_avg' has shape" in res[0]["bad_state"]
-            assert res[0]["bad_state_untouched"], "a refused checkpoint overwrote masters"
+    json.dumps(doc["hyper"])
+    assert doc["hyper"]["elementwise"]["lr"] == EW_KW["lr"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("strategy,optname", CASES)
+def test_resume_at_another_dp_size_bitwise(runs, world: int, strategy: str, optname: str) -> None:
+    want = _reference(strategy, optname, world)
+    for rank, r in enumerate(runs(f"resume{world}", strategy)):
+        assert tensors_equal(want, r["params"]) == [], f"{strategy} resumed at DP={world}, rank {rank}"
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("strategy,optname", CASES)
+def test_load_then_save_reproduces_the_document(runs, world: int, strategy: str, optname: str) -> None:
+    assert runs(f"resume{world}", strategy)[0]["roundtrip"] == [], f"{strategy}: state changed in a load/save round trip at DP={world}"
+
+
+@pytest.mark.parametrize("layout,dp", [("dp2xtp2", 2), ("dp4", 4)])
+def test_tp_checkpoint_resumes_bitwise(runs, layout: str, dp: int) -> None:
+    want = _tp_reference(dp)
+    for rank, r in enumerate(runs("resume4", "tp")):
+        assert tensors_equal(want, r[layout]) == [], f"TP checkpoint resumed as {layout}, rank {rank}"
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_with_one_error_and_nothing_changed(runs, case: str) -> None:
+    (got,) = runs("resume1", case)
+    assert REFUSALS[case][1] in got["error"], got["error"]
+    assert "\n" not in got["error"], "one line"
+    assert got["untouched"], f"{case}: a refused checkpoint changed masters, state or the model"

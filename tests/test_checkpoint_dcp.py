@@ -1,13 +1,15 @@
 """Sharded DCP checkpoints (canzona.runtime.dcp): written per rank, read at another layout, bitwise.
 
-The world-4 run also trains a transformers Qwen3 at DP2 x TP2 under transformers' own TP plan
-(the Hugging Face DP x TP case, with a sharded save and resume in the middle).
-
-One world-4 run saves (ToyModel at DP4 under four strategies; the tiny Qwen3 at DP2 x TP2 with
-DTensor TP and hosted micro-group state) and resumes the Qwen3 checkpoint at DP4 and at DP2 x TP2;
-one world-2 run resumes the ToyModel checkpoints at DP2 and the Qwen3 one at DP2 and DP1 x TP2, and
-checks refusals. Every resumed run must equal, bit for bit, one process that continued the original
-run (gradients are integers times 2**-4: any reduction order and DP size give the exact mean).
+One world-4 run saves (ToyModel at DP4 under two strategies; the tiny Qwen3 at DP2 x TP2 with
+DTensor TP and hosted micro-group state; FSDPToy under fully_shard at dp_shard 4 and at dp_shard 2
+x tp 2) and resumes the Qwen3 checkpoint at DP4 and at DP2 x TP2 and each FSDP2 checkpoint at the
+other FSDP2 layout; it also trains a transformers Qwen3 at DP2 x TP2 under transformers' own TP
+plan with a sharded save and resume in the middle. One world-2 run resumes the ToyModel
+checkpoints at DP2, the Qwen3 one at DP2 and DP1 x TP2, the FSDP2 ones at dp_shard 2, saves and
+resumes at dp_shard 2 and across the engines (ZeRO-1 dp 2 <-> FSDP2 dp_shard 2), checks refusals on
+both paths and the load's memory bound. Every resumed run must equal, bit for bit, one process
+that continued the original run (gradients are integers times 2**-4: any reduction order and DP
+size give the exact mean). Each case runs under ``canzona.testing.attempt`` and fails on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from canzona.runtime.launch import run_workers
 from canzona.testing import (
     ReferenceRunner,
     ToyModel,
+    attempt,
+    case_results,
     inject_grads,
     integer_grads,
     mean_grads,
@@ -178,77 +182,335 @@ def _hf_dp2xtp2(folder: str) -> dict:
     return {"params": params_of(model), "tp_dims": tp_dims, "tp_rank": opt.tp_rank}
 
 
+# ------------------------------------------------------------------------------ FSDP2 (fully_shard) and across engines
+
+#: bytes: every stored chunk and the load's scratch buffer of the FSDP2 cases are cut this small
+#: (the toy's rows are 20-40 bytes), so chunked saves and the two-pass load run on every region
+CHUNK = 96
+FSDP_KW = {"lr": 0.02}
+
+
+def _fsdp_mesh(name: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.testing_fsdp import FSDP_MESHES
+
+    shape, names = FSDP_MESHES[name]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _fsdp(mesh_name: str, optname: str = "muon"):
+    """FSDPToy under fully_shard on a mesh of canzona.testing_fsdp.FSDP_MESHES, lb-asc."""
+    import canzona
+    from canzona.testing_fsdp import build_fsdp_toy, fsdp_local_grads
+
+    mesh = _fsdp_mesh(mesh_name)
+    model = build_fsdp_toy(mesh)
+    opt = canzona.DistributedOptimizer(model, optname, strategy="lb-asc", mesh=mesh, optimizer_kwargs=FSDP_KW, elementwise_kwargs=EW_KW)
+
+    def run(steps) -> None:
+        for s in steps:
+            model(fsdp_local_grads(mesh, s)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return model, opt, run
+
+
+def _fsdp_shapes() -> dict[str, tuple[int, ...]]:
+    from canzona.testing_fsdp import FSDP_TOY_SHAPES
+
+    return {n: s for n, (s, _) in FSDP_TOY_SHAPES.items()}
+
+
+def _zero1_toy(optname: str = "muon"):
+    """The same FSDPToy on canzona's own ZeRO-1 path (1-D dp mesh, plain tensors)."""
+    import canzona
+    from canzona.testing_fsdp import FSDPToy
+
+    model = FSDPToy()
+    opt = canzona.DistributedOptimizer(model, optname, strategy="lb-asc", optimizer_kwargs=FSDP_KW, elementwise_kwargs=EW_KW, bucket_numel=40)
+
+    def run(steps) -> None:
+        for s in steps:
+            model(integer_grads(_fsdp_shapes(), step=s, rank=opt.dp_rank)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return model, opt, run
+
+
+def _outcome(model, opt) -> dict:
+    """Full parameters and the consolidated document (masters and every state entry; rank 0)."""
+    from canzona.testing_fsdp import _full_params
+
+    params = _full_params(model)
+    doc = opt.state_dict()
+    return {"params": params, "doc": doc, "steps": opt.steps}
+
+
+def _save_then(build, folder: str, name: str) -> None:
+    """SAVE_STEPS steps, then a sharded save (a consolidated file when ``name`` ends in .pt)."""
+    from canzona.runtime.checkpoint import save_checkpoint
+    from canzona.runtime.dcp import save_sharded
+
+    model, opt, run = build()
+    run(range(SAVE_STEPS))
+    if name.endswith(".pt"):
+        save_checkpoint(opt, Path(folder) / name)
+    else:
+        save_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
+
+
+def _resume(build, folder: str, name: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
+    from canzona.runtime.dcp import load_sharded
+
+    model, opt, run = build()
+    if name.endswith(".pt"):
+        load_checkpoint(opt, Path(folder) / name)
+    else:
+        load_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
+    run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+    return _outcome(model, opt)
+
+
+def _fsdp_reference(dps: tuple[int, int]) -> object:
+    """One process: SAVE_STEPS steps with the means of dps[0] data-parallel ranks, then MORE_STEPS
+    with those of dps[1]."""
+    from canzona.optim import Muon
+    from canzona.testing_fsdp import FSDPToy
+
+    ref = ReferenceRunner(FSDPToy(), Muon, FSDP_KW, torch.optim.AdamW, EW_KW)
+    for s in range(SAVE_STEPS + MORE_STEPS):
+        dp = dps[0] if s < SAVE_STEPS else dps[1]
+        ref.step(mean_grads([integer_grads(_fsdp_shapes(), step=s, rank=r) for r in range(dp)]))
+    return ref
+
+
+def _snapshot(opt) -> dict[str, torch.Tensor]:
+    """Every master, state tensor and model piece this rank holds (copies)."""
+    out = {}
+    for i, h in enumerate(opt.held()):
+        if h.master is not None:
+            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
+        for k, v in h.state().items():
+            if torch.is_tensor(v):
+                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
+    for mp in opt.model_pieces():
+        out[f"model.{mp.name}"] = mp.local.detach().clone()
+    return out
+
+
+def _refused(opt, load) -> dict:
+    """``load(opt)`` must raise one CheckpointError and leave masters, state and model as they were."""
+    from canzona.runtime.checkpoint import CheckpointError
+
+    before = _snapshot(opt)
+    try:
+        load(opt)
+        msg = "loaded"
+    except CheckpointError as exc:
+        msg = str(exc)
+    return {"error": msg, "untouched": tensors_equal(before, _snapshot(opt)) == []}
+
+
+def _trained_fsdp(optname: str = "muon"):
+    """A dp_shard 2 FSDP2 optimizer two steps in, so a refused load would visibly change it."""
+    model, opt, run = _fsdp("dp_shard2", optname)
+    run(range(2))
+    return opt
+
+
+def _damaged(folder: str, src: str, name: str, how: str) -> Path:
+    """A copy of checkpoint directory ``src`` with every data file truncated or overwritten by
+    bytes of the same length (rank 0 writes it; every rank waits)."""
+    broken = Path(folder) / name
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(Path(folder) / src, broken)
+        for f in sorted(broken.glob("*.distcp")):
+            data = f.read_bytes()
+            f.write_bytes(data[: len(data) // 2] if how == "truncate" else bytes((b + 97) % 256 for b in data))
+    torch.distributed.barrier()
+    return broken
+
+
+def _fsdp_single(folder: str, name: str, optname: str = "muon", truncate: bool = False) -> Path:
+    from canzona.runtime.checkpoint import save_checkpoint
+
+    model, opt, run = _fsdp("dp_shard2", optname)
+    run(range(1))
+    path = Path(folder) / name
+    save_checkpoint(opt, path)
+    if truncate and torch.distributed.get_rank() == 0:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    torch.distributed.barrier()
+    return path
+
+
+def _fsdp_refusals(folder: str) -> dict:
+    from canzona.runtime.checkpoint import load_checkpoint
+    from canzona.runtime.dcp import load_sharded
+
+    def sharded(d):
+        return lambda o: load_sharded(o, d, chunk_bytes=CHUNK)
+
+    out = {
+        "fsdp_wrong_optimizer": _refused(_trained_fsdp("shampoo"), sharded(Path(folder) / "fsdp2")),
+        "fsdp_other_model": _refused(_trained_fsdp(), sharded(Path(folder) / "tiny")),
+        "fsdp_truncated": _refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-truncated", "truncate"))),
+        "fsdp_corrupt": _refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-corrupt", "overwrite"))),
+    }
+    single = _fsdp_single(folder, "fsdp-single.pt")
+    out["fsdp_single_wrong_optimizer"] = _refused(_trained_fsdp("shampoo"), lambda o: load_checkpoint(o, single))
+    out["fsdp_single_other_model"] = _refused(_trained_fsdp(), lambda o: load_checkpoint(o, Path(folder) / "single.pt"))
+    truncated = _fsdp_single(folder, "fsdp-single-truncated.pt", truncate=True)
+    out["fsdp_single_truncated"] = _refused(_trained_fsdp(), lambda o: load_checkpoint(o, truncated))
+    return out
+
+
+def _bounded_load(folder: str) -> dict:
+    """The tiny Qwen3 at DP2: saved and loaded with 4 KiB chunks, into a trained optimizer (state
+    exists: written in place) and into a fresh one. Records the largest tensor DCP materialised
+    while reading (torch.load wrapped for the duration: DCP decodes every stored item with it) and
+    what the loader allocated; and, as a control, the same figures for a checkpoint saved with
+    one chunk per tensor."""
+    import canzona.runtime.dcp as dcp_mod
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    cap = 4096
+    model, opt = _tiny_opt(0, 2, 1)
+    _tiny_run(model, opt, range(2))
+    save_sharded(opt, Path(folder) / "bounded", chunk_bytes=cap)
+    save_sharded(opt, Path(folder) / "unbounded", chunk_bytes=2**40)
+    owned = opt.runtime.master_bytes() + opt.state_bytes()
+    seen: list[int] = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        t = real_load(*args, **kwargs)
+        if torch.is_tensor(t) and t.dtype != torch.uint8:  # canzona.meta is a uint8 JSON document
+            seen.append(t.numel() * t.element_size())
+        return t
+
+    out: dict = {"cap": cap, "owned": owned}
+    torch.load = spy
+    try:
+        for key, target, name in (("trained", opt, "bounded"), ("fresh", _tiny_opt(3, 2, 1)[1], "bounded"), ("control", opt, "unbounded")):
+            seen.clear()
+            load_sharded(target, Path(folder) / name, chunk_bytes=cap)
+            out[key] = {"largest_item": max(seen), "items": len(seen), **dcp_mod.last_load_stats}
+    finally:
+        torch.load = real_load
+    return out
+
+
 # ------------------------------------------------------------------------------ workers
 
 
 def world4_worker(rank: int, world: int, folder: str) -> bytes:
     from canzona.runtime.dcp import save_sharded
 
-    for strategy, optname in CASES:
-        model = ToyModel()
-        opt = _toy_opt(model, strategy, optname)
-        _run(model, opt, range(SAVE_STEPS), rank)
-        save_sharded(opt, Path(folder) / strategy)
-    model, opt = _tiny_opt(0, 2, 2)
-    _tiny_run(model, opt, range(SAVE_STEPS))
-    save_sharded(opt, Path(folder) / "tiny")
-    files = sorted(p.name for p in (Path(folder) / "tiny").iterdir())
-    out = {"files": files, "dp4": _tiny_resume(folder, 4, 1), "dp2xtp2": _tiny_resume(folder, 2, 2)}
+    def save_toys() -> None:
+        for strategy, optname in CASES:
+            model = ToyModel()
+            opt = _toy_opt(model, strategy, optname)
+            _run(model, opt, range(SAVE_STEPS), rank)
+            save_sharded(opt, Path(folder) / strategy)
+
+    def save_tiny() -> list[str]:
+        model, opt = _tiny_opt(0, 2, 2)
+        _tiny_run(model, opt, range(SAVE_STEPS))
+        save_sharded(opt, Path(folder) / "tiny")
+        return sorted(p.name for p in (Path(folder) / "tiny").iterdir())
+
+    cases = {"toys": attempt(save_toys), "files": attempt(save_tiny)}
+    cases["dp4"] = attempt(_tiny_resume, folder, 4, 1)
+    cases["dp2xtp2"] = attempt(_tiny_resume, folder, 2, 2)
     if _HAVE_TRANSFORMERS:
-        out["hf"] = _hf_dp2xtp2(folder)
-    return pack(out)
+        cases["hf"] = attempt(_hf_dp2xtp2, folder)
+    # FSDP2: save at dp_shard 4 and at dp_shard 2 x tp 2, each resumed at the other layout
+    cases["fsdp4_save"] = attempt(_save_then, lambda: _fsdp("dp_shard4"), folder, "fsdp4")
+    cases["fsdp22_save"] = attempt(_save_then, lambda: _fsdp("dp_shard2_tp2"), folder, "fsdp22")
+    cases["fsdp4_to_fsdp22"] = attempt(_resume, lambda: _fsdp("dp_shard2_tp2"), folder, "fsdp4")
+    cases["fsdp22_to_fsdp4"] = attempt(_resume, lambda: _fsdp("dp_shard4"), folder, "fsdp22")
+    return pack({"cases": cases})
 
 
 def world2_worker(rank: int, world: int, folder: str) -> bytes:
-    from canzona.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
     from canzona.runtime.dcp import load_sharded
 
-    out: dict = {}
-    for strategy, optname in CASES:
+    def toy_resume(strategy: str, optname: str) -> dict:
         model = ToyModel(seed=5)
         opt = _toy_opt(model, strategy, optname)
         load_sharded(opt, Path(folder) / strategy)
         _run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS), rank)
-        out[strategy] = params_of(model)
-    out["tiny_dp2"] = _tiny_resume(folder, 2, 1)
-    out["tiny_dp1xtp2"] = _tiny_resume(folder, 1, 2)
+        return params_of(model)
 
-    # ---- refusals: one CheckpointError, in-memory state untouched
-    def refused(opt, load, path) -> tuple[str, bool]:
-        model = opt.model
-        before = [m.clone() for m in opt.runtime.masters.values()] + [p.detach().clone() for p in model.parameters()]
-        try:
-            load(opt, path)
-        except CheckpointError as exc:
-            msg = str(exc)
-        else:
-            msg = "loaded"
-        after = list(opt.runtime.masters.values()) + [p.detach() for p in model.parameters()]
-        return msg, all(torch.equal(a, b) for a, b in zip(before, after))
+    cases = {strategy: attempt(toy_resume, strategy, optname) for strategy, optname in CASES}
+    cases["tiny_dp2"] = attempt(_tiny_resume, folder, 2, 1)
+    cases["tiny_dp1xtp2"] = attempt(_tiny_resume, folder, 1, 2)
 
-    out["wrong_optimizer"] = refused(_toy_opt(ToyModel(seed=7), "lb-asc-joint", "shampoo"), load_sharded, Path(folder) / "lb-asc-joint")
-    out["other_model"] = refused(_toy_opt(ToyModel(seed=7, ffn=12), "lb-asc-joint", "soap"), load_sharded, Path(folder) / "lb-asc-joint")
-    out["not_a_checkpoint"] = refused(_toy_opt(ToyModel(seed=7), "lb-asc", "muon"), load_sharded, Path(folder))
-    broken = Path(folder) / "truncated"
-    if rank == 0:
-        shutil.copytree(Path(folder) / "zero1", broken)
-        for f in sorted(broken.glob("*.distcp")):
-            data = f.read_bytes()
-            f.write_bytes(data[: len(data) // 2])
-    torch.distributed.barrier()
-    out["truncated"] = refused(_toy_opt(ToyModel(seed=7), "zero1", "adamw"), load_sharded, broken)
-    # the consolidated single-file format: a truncated file is refused the same way
-    model = ToyModel()
-    opt = _toy_opt(model, "lb-asc", "muon")
-    _run(model, opt, range(1), rank)
-    single = Path(folder) / "single.pt"
-    save_checkpoint(opt, single)
-    if rank == 0:
-        data = single.read_bytes()
-        (Path(folder) / "single-truncated.pt").write_bytes(data[: len(data) // 2])
-    torch.distributed.barrier()
-    out["single_truncated"] = refused(_toy_opt(ToyModel(seed=7), "lb-asc", "muon"), load_checkpoint, Path(folder) / "single-truncated.pt")
-    return pack(out)
+    # ---- refusals on the ZeRO-1 path: one CheckpointError, in-memory state untouched
+    def sharded(d):
+        return lambda o: load_sharded(o, d)
+
+    def trained_toy(strategy: str, optname: str, **kw):
+        model = ToyModel(seed=7, **kw)
+        opt = _toy_opt(model, strategy, optname)
+        _run(model, opt, range(1), rank)
+        return opt
+
+    cases["wrong_optimizer"] = attempt(lambda: _refused(trained_toy("lb-asc-joint", "shampoo"), sharded(Path(folder) / "lb-asc-joint")))
+    cases["other_model"] = attempt(lambda: _refused(trained_toy("lb-asc-joint", "soap", ffn=12), sharded(Path(folder) / "lb-asc-joint")))
+    cases["not_a_checkpoint"] = attempt(lambda: _refused(trained_toy("lb-asc", "muon"), sharded(Path(folder))))
+    cases["truncated"] = attempt(lambda: _refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "truncated", "truncate"))))
+    cases["corrupt"] = attempt(lambda: _refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "corrupt", "overwrite"))))
+
+    def single_truncated() -> dict:
+        # the consolidated single-file format: a truncated file is refused the same way
+        model = ToyModel()
+        opt = _toy_opt(model, "lb-asc", "muon")
+        _run(model, opt, range(1), rank)
+        single = Path(folder) / "single.pt"
+        save_checkpoint(opt, single)
+        if rank == 0:
+            data = single.read_bytes()
+            (Path(folder) / "single-truncated.pt").write_bytes(data[: len(data) // 2])
+        torch.distributed.barrier()
+        return _refused(trained_toy("lb-asc", "muon"), lambda o: load_checkpoint(o, Path(folder) / "single-truncated.pt"))
+
+    cases["single_truncated"] = attempt(single_truncated)
+
+    # ---- FSDP2 at dp_shard 2, and across the two engines (the same FSDPToy, the same names)
+    cases["fsdp2_save"] = attempt(_save_then, lambda: _fsdp("dp_shard2"), folder, "fsdp2")
+    cases["fsdp2_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "fsdp2")
+    cases["zero1_save"] = attempt(_save_then, _zero1_toy, folder, "zero1-toy")
+    cases["zero1_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "zero1-toy")
+    cases["fsdp2_to_zero1"] = attempt(_resume, _zero1_toy, folder, "fsdp2")
+    # the consolidated format across the engines too
+    cases["zero1_single_save"] = attempt(_save_then, _zero1_toy, folder, "zero1-toy.pt")
+    cases["zero1_to_fsdp2_single"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "zero1-toy.pt")
+    cases["fsdp4_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "fsdp4")
+    cases["fsdp22_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "fsdp22")
+    refusals = attempt(_fsdp_refusals, folder)
+    for key in FSDP_REFUSALS:
+        cases[key] = {"result": refusals["result"][key]} if "result" in refusals else refusals
+    cases["bounded"] = attempt(_bounded_load, folder)
+    return pack({"cases": cases})
+
+
+FSDP_REFUSALS = {
+    "fsdp_wrong_optimizer": "written by matrix_optimizer 'Muon'",
+    "fsdp_other_model": "checkpoint parameters differ from the model's",
+    "fsdp_truncated": "is truncated",
+    "fsdp_corrupt": "reading the checkpoint failed",
+    "fsdp_single_wrong_optimizer": "written by matrix_optimizer 'Muon'",
+    "fsdp_single_other_model": "checkpoint parameters differ from the model's",
+    "fsdp_single_truncated": "not a readable checkpoint",
+}
 
 
 # ------------------------------------------------------------------------------ references
@@ -273,28 +535,29 @@ def _tiny_reference(resume_dp: int, steps: int = SAVE_STEPS + MORE_STEPS) -> Ref
     return ref
 
 
-_RUNS: dict[int, list[dict]] = {}
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dcp")
 
 
-def _results(world: int, folder: Path) -> list[dict]:
+_RUNS: dict[int, list[dict]] = {}
+
+
+def _case(world: int, folder: Path, case: str) -> list:
+    """Every rank's result of one case; the world-2 run reads what the world-4 run saved."""
     if 4 not in _RUNS:
-        _RUNS[4] = [unpack(r) for r in run_workers(world4_worker, 4, str(folder), timeout_s=240)]
+        _RUNS[4] = [unpack(r) for r in run_workers(world4_worker, 4, str(folder), timeout_s=300)]
     if world == 2 and 2 not in _RUNS:
-        _RUNS[2] = [unpack(r) for r in run_workers(world2_worker, 2, str(folder), timeout_s=240)]
-    return _RUNS[world]
+        _RUNS[2] = [unpack(r) for r in run_workers(world2_worker, 2, str(folder), timeout_s=300)]
+    return case_results(_RUNS[world], "cases", case)
 
 
 # ------------------------------------------------------------------------------ tests
 
 
 def test_each_rank_writes_its_own_file(folder: Path) -> None:
-    res = _results(4, folder)
-    assert res[0]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    res = _case(4, folder, "files")
+    assert res[0] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
     sizes = [(folder / "tiny" / f"__{r}_0.distcp").stat().st_size for r in range(4)]
     # nothing is gathered: no rank's file holds (nearly) everything
     assert max(sizes) < 0.6 * sum(sizes), sizes
@@ -303,22 +566,23 @@ def test_each_rank_writes_its_own_file(folder: Path) -> None:
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2"])
 def test_dp2xtp2_checkpoint_resumes_at_world4_bitwise(folder: Path, layout: str) -> None:
     want = _tiny_reference(4 if layout == "dp4" else 2).params()
-    for rank, r in enumerate(_results(4, folder)):
-        assert tensors_equal(want, r[layout]) == [], f"resumed as {layout}, rank {rank}"
+    for rank, r in enumerate(_case(4, folder, layout)):
+        assert tensors_equal(want, r) == [], f"resumed as {layout}, rank {rank}"
 
 
 @pytest.mark.parametrize("layout,dp", [("tiny_dp2", 2), ("tiny_dp1xtp2", 1)])
 def test_dp2xtp2_checkpoint_resumes_at_world2_bitwise(folder: Path, layout: str, dp: int) -> None:
     want = _tiny_reference(dp).params()
-    for rank, r in enumerate(_results(2, folder)):
-        assert tensors_equal(want, r[layout]) == [], f"resumed as {layout}, rank {rank}"
+    for rank, r in enumerate(_case(2, folder, layout)):
+        assert tensors_equal(want, r) == [], f"resumed as {layout}, rank {rank}"
 
 
 @pytest.mark.parametrize("strategy,optname", CASES)
 def test_dp4_checkpoint_resumes_at_dp2_bitwise(folder: Path, strategy: str, optname: str) -> None:
+    _case(4, folder, "toys")
     want = _toy_reference(strategy, optname)
-    for rank, r in enumerate(_results(2, folder)):
-        assert tensors_equal(want, r[strategy]) == [], f"{strategy} resumed at DP2, rank {rank}"
+    for rank, r in enumerate(_case(2, folder, strategy)):
+        assert tensors_equal(want, r) == [], f"{strategy} resumed at DP2, rank {rank}"
 
 
 def test_dcp_tools_read_the_checkpoint(folder: Path, tmp_path: Path) -> None:
@@ -326,7 +590,7 @@ def test_dcp_tools_read_the_checkpoint(folder: Path, tmp_path: Path) -> None:
     of the one-process run after the saved steps, the model's parameters under their own names."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    _results(4, folder)
+    _case(4, folder, "files")
     out = tmp_path / "full.pt"
     dcp_to_torch_save(folder / "tiny", out)
     doc = torch.load(out, weights_only=True)
@@ -350,8 +614,7 @@ def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
     for s in range(HF_STEPS):
         ref.step(mean_grads([integer_grads(shapes, step=s, rank=r, seed=3) for r in range(2)]))
     want = ref.params()
-    for rank, r in enumerate(_results(4, folder)):
-        got = r["hf"]
+    for rank, got in enumerate(_case(4, folder, "hf")):
         assert got["tp_dims"], "transformers' TP plan must shard some parameters"
         assert tensors_equal(tp_cut(want, got["tp_dims"], got["tp_rank"], 2), got["params"]) == [], f"rank {rank}"
 
@@ -363,12 +626,97 @@ def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
         ("other_model", "checkpoint holds shape"),
         ("not_a_checkpoint", "not a sharded checkpoint directory"),
         ("truncated", "is truncated"),
+        ("corrupt", "reading the checkpoint failed"),
         ("single_truncated", "not a readable checkpoint"),
+        *FSDP_REFUSALS.items(),
     ],
 )
 def test_bad_checkpoints_are_refused_and_change_nothing(folder: Path, case: str, expect: str) -> None:
-    for rank, r in enumerate(_results(2, folder)):
-        msg, untouched = r[case]
-        assert expect in msg, f"rank {rank}: {msg}"
-        assert "\n" not in msg, "one line"
-        assert untouched, f"{case}: rank {rank} changed its state"
+    for rank, r in enumerate(_case(2, folder, case)):
+        assert expect in r["error"], f"rank {rank}: {r['error']}"
+        assert "\n" not in r["error"], "one line"
+        assert r["untouched"], f"{case}: rank {rank} changed its masters, state or model"
+
+
+#: FSDP2 and cross-engine resumes: case -> (world, data-parallel size before and after the save)
+FSDP_RESUMES = {
+    "fsdp2_to_fsdp2": (2, (2, 2)),
+    "zero1_to_fsdp2": (2, (2, 2)),
+    "fsdp2_to_zero1": (2, (2, 2)),
+    "zero1_to_fsdp2_single": (2, (2, 2)),
+    "fsdp4_to_fsdp2": (2, (4, 2)),
+    "fsdp22_to_fsdp2": (2, (2, 2)),
+    "fsdp4_to_fsdp22": (4, (4, 2)),
+    "fsdp22_to_fsdp4": (4, (2, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_RESUMES))
+def test_fsdp2_sharded_resume_is_bitwise_in_parameters_and_every_state_entry(folder: Path, case: str) -> None:
+    """Saved on one layout (FSDP2 dp_shard 2 / 4 / 2 x tp 2, or canzona's ZeRO-1 dp 2; sharded, and
+    one consolidated file), loaded on another, MORE_STEPS more steps: parameters, masters and every optimizer-state entry equal one
+    uninterrupted process's (canzona.testing_fsdp.compare_with_reference: torch.equal)."""
+    from canzona.testing_fsdp import compare_with_reference
+
+    world, dps = FSDP_RESUMES[case]
+    if world == 2:
+        _case(4, folder, "fsdp4_save")
+        _case(4, folder, "fsdp22_save")
+    res = _case(world, folder, case)
+    assert all(r["steps"] == SAVE_STEPS + MORE_STEPS for r in res)
+    assert compare_with_reference(res[0]["params"], res[0]["doc"], _fsdp_reference(dps)) == []
+    for rank, r in enumerate(res[1:], 1):
+        assert tensors_equal(res[0]["params"], r["params"]) == [], f"rank {rank} ended with other parameters"
+
+
+def test_fsdp2_checkpoint_is_chunked_and_read_by_dcp_tools(folder: Path, tmp_path: Path) -> None:
+    """Every stored chunk of the dp_shard 2 checkpoint is at most CHUNK bytes (or one row), and
+    DCP's converter turns it into the one-process run's masters, state and parameters."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _case(2, folder, "fsdp2_save")
+    md = FileSystemReader(str(folder / "fsdp2")).read_metadata()
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata) and key != "canzona.meta" and len(item.size) > 0:
+            es = torch.empty((), dtype=item.properties.dtype).element_size()
+            row = math.prod(item.size[1:]) * es
+            for c in item.chunks:
+                assert math.prod(c.sizes) * es <= max(CHUNK, row), (key, c)
+    out = tmp_path / "full.pt"
+    dcp_to_torch_save(folder / "fsdp2", out)
+    doc = torch.load(out, weights_only=True)
+    from canzona.optim import Muon
+    from canzona.testing_fsdp import FSDPToy
+
+    ref = ReferenceRunner(FSDPToy(), Muon, FSDP_KW, torch.optim.AdamW, EW_KW)
+    for s in range(SAVE_STEPS):
+        ref.step(mean_grads([integer_grads(_fsdp_shapes(), step=s, rank=r) for r in range(2)]))
+    states = ref.states()
+    for n, m in ref.master_values().items():
+        assert torch.equal(doc[f"optim.{n}.master"], m), n
+        assert torch.equal(doc[f"model.{n}"], m), n
+        for k, v in states[n].items():
+            assert torch.equal(doc[f"optim.{n}.state.{k}"], v), f"{n}.{k}"
+
+
+def test_sharded_load_is_bounded_by_the_chunk_size(folder: Path) -> None:
+    """Loading the tiny Qwen3 with 4 KiB chunks: DCP never materialises a stored item larger than
+    the cap, the loader's scratch buffer is at most the cap, a trained optimizer's state is
+    written in place (nothing new allocated) and a fresh one allocates exactly its state once;
+    the cap is far below the owned state, so a full copy would break the bound. The control (a
+    checkpoint saved one chunk per tensor) shows the spy sees DCP's items."""
+    for rank, r in enumerate(_case(2, folder, "bounded")):
+        cap, owned = r["cap"], r["owned"]
+        assert owned > 20 * cap, (owned, cap)
+        for key in ("trained", "fresh"):
+            got = r[key]
+            assert got["items"] > 0 and got["largest_item"] <= cap, (rank, key, got)
+            assert got["scratch_bytes"] <= cap, (rank, key, got)
+            assert got["fresh_bytes"] <= 1024, (rank, key, got)
+        assert r["trained"]["new_state_bytes"] == 0, r["trained"]
+        assert 0 < r["fresh"]["new_state_bytes"] <= owned, r["fresh"]
+        assert r["control"]["largest_item"] > 4 * cap, r["control"]

@@ -1,25 +1,34 @@
-"""Consolidated optimizer checkpoints that resume bitwise and re-shard to any DP size.
+"""Consolidated optimizer checkpoints that resume bitwise and re-shard to any layout.
+
+The contract with the front ends: :class:`Checkpointable`. Checkpoint code (this module and
+:mod:`canzona.runtime.dcp`) reads an optimizer only through it: which parameters exist
+(:class:`ParamRecord`), which regions of them this rank holds with their masters and optimizer
+state (:class:`Held`), where the model keeps its values (:class:`ModelPiece`), the
+hyperparameters, and a ``finish_load`` step. ``canzona.DistributedOptimizer`` implements it for
+canzona's ZeRO-1 path and for FSDP2 models, so both formats serve both engines and a checkpoint
+of one engine loads into the other. Saved hyperparameters come back in one place,
+:func:`restore_hyperparams`.
 
 Format (``format = "canzona.optimizer_state"``, ``version = 2``): one ``torch.save`` document
 holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so it loads with
 ``torch.load(..., weights_only=True)``::
 
     {
-      "format": "canzona.optimizer_state", "version": 1,
+      "format": "canzona.optimizer_state", "version": 2,
       "meta": {                                  # JSON-able
-        "strategy", "dp", "tp", "fingerprint", "plan_inputs": {...}, "steps",
-        "matrix_optimizer", "elementwise_optimizer", "master_dtype",
+        "engine": "dp" | "fsdp2", "strategy", "dp", "tp", "fingerprint", "plan_inputs": {...},
+        "steps", "matrix_optimizer", "elementwise_optimizer", "master_dtype",
         "params": {name: {"shape": [...], "kind": "matrix" | "elementwise", "tp_dim": int | None}},
       },
       "params": {name: full-shape master value (master dtype)},
       "state":  {name: {key: tensor | number}},  # what a single-device optimizer would hold for
-                                                 # the full parameter: element-wise pieces and TP
+                                                 # the full parameter: element-wise pieces and
                                                  # shards reassembled, matrix state full-shape
-      "hyper":  {"matrix": {...}, "elementwise": {...}},   # param-group hyperparameters
+      "hyper":  {"matrix": {...}, "elementwise": {...}},   # the inner optimizers' hyperparameters
       "checksums": {"params": {name: int}, "state": {name: {key: int}}},   # 62-bit, per tensor
     }
 
-Integrity (issue 17): every tensor of ``params`` and ``state`` has a checksum
+Integrity: every tensor of ``params`` and ``state`` has a checksum
 (:func:`canzona.runtime.integrity.tensor_checksum`) that loading verifies, so a flipped byte is
 refused with an error naming the tensor; files are written atomically
 (:func:`canzona.runtime.integrity.atomic_write`: the old file survives a failed save). Before
@@ -27,26 +36,26 @@ anything is written, loading also refuses: masters whose dtype is not the optimi
 ``master_dtype`` (a float64 master in an fp32 run), non-finite values in masters or state, and
 hyperparameters out of range (non-finite numbers, ``lr`` or ``weight_decay`` < 0, ``eps`` <= 0,
 ``betas``/``momentum`` outside [0, 1)). The saved hyperparameters **override** the constructor's:
-every saved param-group value (``lr``, ``weight_decay``, ``betas``, ``momentum`` ...) that the
-inner optimizers also have is restored, as ``torch.optim.Optimizer.load_state_dict`` restores its
-param groups; to change one after resuming, set it in ``opt.param_groups`` (``lr``,
-``weight_decay``) after loading.
+every saved value of a role is written into its inner optimizers and the groups' ``lr`` /
+``weight_decay`` into ``param_groups``, as ``torch.optim.Optimizer.load_state_dict`` restores its
+param groups; to change one after resuming, set it in ``opt.param_groups`` after loading.
 
 Errors reach every rank: saving and loading each join a status exchange
 (:func:`canzona.runtime.agree.agree`), so a rank that cannot read the file, a document refused on
 one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank.
 
-The document is *consolidated per parameter name* and independent of the plan it was written
-under: :func:`consolidated_state_dict` gathers every owner's pieces to world rank 0 (one
+The document is *consolidated per parameter name* and independent of the layout it was written
+under: :func:`consolidated_state_dict` gathers every canonical held region to world rank 0 (one
 ``gather_object``; the whole state passes through rank 0's memory), and
-:func:`load_consolidated_state_dict` lets every rank pick what its own (possibly different) plan
-makes it own, writes the masters, the optimizer state and the model parameters, and re-assembles
-the TP hosts' full masters. Saving at DP=2 and loading at DP=1 or DP=4 therefore continues exactly
-as an uninterrupted run would (tests/test_checkpoint.py checks it bitwise).
+:func:`load_consolidated_state_dict` lets every rank cut out the regions its own layout makes it
+hold, writes the masters, the optimizer state and the model's values, and lets the front end
+re-assemble what derives from them (the TP hosts' full masters). Saving at DP=2 and loading at
+DP=1 or DP=4, or on an FSDP2 mesh, continues exactly as an uninterrupted run would
+(tests/test_checkpoint.py and tests/test_fsdp2.py check it bitwise).
 
 Element-wise optimizer state is re-sliced like the parameter (tensors of the piece's shape);
 0-dim tensors and numbers (step counters) are copied to every piece. A state tensor of any other
-shape on a cut piece cannot be re-sliced and is refused with an error naming it.
+shape on a sliced region cannot be re-sliced and is refused with an error naming it.
 """
 
 from __future__ import annotations
@@ -54,41 +63,229 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.comm import Comm
 from canzona.runtime.agree import RankFailure, agree
-from canzona.runtime.buffer import local_tensor
-from canzona.runtime.dp import elementwise_role
+from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.integrity import atomic_write, tensor_checksum
-
-if TYPE_CHECKING:  # pragma: no cover
-    from canzona.distributed import DistributedOptimizer
 
 __all__ = [
     "FORMAT",
+    "GROUP_NAMES",
+    "SCHEDULED_KEYS",
     "VERSION",
+    "Box",
     "CheckpointError",
+    "Checkpointable",
+    "Held",
+    "ModelPiece",
+    "ParamRecord",
     "check_hyperparams",
     "checksums",
     "consolidated_state_dict",
+    "flat_range_boxes",
     "load_checkpoint",
     "load_consolidated_state_dict",
+    "restore_hyperparams",
     "save_checkpoint",
+    "whole_box",
 ]
 
 FORMAT = "canzona.optimizer_state"
 VERSION = 2
 
+#: the front ends' parameter groups, in ``param_groups`` order (one per inner-optimizer role)
+GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
+#: group hyperparameters that schedulers may change and ``step()`` pushes into the inner optimizers
+SCHEDULED_KEYS: tuple[str, ...] = ("lr", "weight_decay")
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a full tensor
+
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit this optimizer (format, parameters, optimizer classes)."""
+
+
+# ---------------------------------------------------------------------------------- the contract
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One trainable parameter as checkpoints see it: full shape, kind (``matrix`` /
+    ``elementwise``, :func:`canzona.specs.is_matrix_param`), TP split dim and whether its optimizer
+    state is element-wise (tensors shaped like the parameter, sliced like it)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    tp_dim: int | None
+    elementwise: bool
+
+
+@dataclass(frozen=True)
+class Held:
+    """A region of one parameter whose optimizer side this rank holds.
+
+    ``region`` lists boxes of the full tensor in the flat order of ``master`` (this rank's master
+    values of the region; None when the rank holds only state, e.g. a TP host on the ZeRO-1 path,
+    whose full master is re-assembled from the TP shards). ``optimizer.state[param]`` is its
+    state: with ``sliced`` (element-wise optimizers) its tensors are shaped like ``master`` and
+    cover the same region; otherwise they are whole (a matrix host's full-shape state). Several
+    ranks may hold the same region (TP replicas, ``sc``); exactly one of them is ``canonical`` and
+    contributes it to a consolidated document."""
+
+    name: str
+    region: tuple[Box, ...]
+    master: torch.Tensor | None
+    optimizer: torch.optim.Optimizer | None
+    param: torch.Tensor | None
+    sliced: bool
+    canonical: bool
+
+    def state(self) -> Mapping[str, Any]:
+        if self.optimizer is None or self.param is None:
+            return {}
+        return self.optimizer.state.get(self.param, {})
+
+
+@dataclass(frozen=True)
+class ModelPiece:
+    """The model's own storage of one parameter on this rank: ``local`` holds box ``box`` of it."""
+
+    name: str
+    local: torch.Tensor
+    box: Box
+
+
+class Checkpointable(Protocol):
+    """What checkpoints need of an optimizer front end (``canzona.DistributedOptimizer`` on the
+    ZeRO-1 path and on FSDP2 models implement it). The checkpoint code reads nothing else."""
+
+    model: torch.nn.Module
+    mesh: Any
+    master_dtype: torch.dtype
+    matrix_cls: type
+    elementwise_cls: type
+    status_timeout_s: float
+    comm_stats: CommStats
+    param_groups: list[dict[str, Any]]
+    #: the optimizer's runtime; checkpoints call only its ``set_hyperparams(role, values)``
+    runtime: Any
+
+    @property
+    def steps(self) -> int: ...
+
+    def finish_param_sync(self) -> None:
+        """Wait for pending parameter updates (a lazy all-gather) before values are read or written."""
+
+    def checkpoint_params(self) -> list[ParamRecord]:
+        """Every trainable parameter, in a rank-independent order."""
+
+    def checkpoint_describe(self) -> dict[str, Any]:
+        """JSON-able facts about the layout the state was written under (engine, sizes, plan)."""
+
+    def held(self) -> list[Held]:
+        """What this rank holds of the optimizer state (see :class:`Held`)."""
+
+    def model_pieces(self) -> list[ModelPiece]:
+        """Where this rank keeps each trainable parameter's values (see :class:`ModelPiece`)."""
+
+    def hyperparams(self) -> dict[str, dict[str, Any]]:
+        """Per group name, the JSON-able hyperparameters the inner optimizers of that role run
+        (constructor values with the groups' current scheduled ones); identical on every rank."""
+
+    def status_device(self) -> torch.device:
+        """Where this rank's status exchanges run."""
+
+    def finish_load(self, steps: int) -> None:
+        """After masters and state were written: re-assemble what is derived from them
+        (collective where hosts hold full masters built from shards), set the step count and
+        discard pending gradients."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated document (:func:`consolidated_state_dict`) on world rank 0."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a consolidated document (:func:`load_consolidated_state_dict`)."""
+
+
+def restore_hyperparams(src: Checkpointable, hyper: Mapping[str, Any]) -> None:
+    """The one place saved hyperparameters come back: each group's :data:`SCHEDULED_KEYS`
+    (``lr``, ``weight_decay``) into ``src.param_groups``, and every saved value of the role into
+    the inner optimizers (``betas``, ``momentum`` ... override the constructor's, as
+    ``torch.optim.Optimizer.load_state_dict`` restores its param groups). A group the checkpoint
+    has no values for keeps its own. JSON turns tuples into lists; they become tuples again."""
+    for group in src.param_groups:
+        saved = hyper.get(group["name"], {})
+        if not isinstance(saved, Mapping) or not saved:
+            continue
+        for k in SCHEDULED_KEYS:
+            if k in group and k in saved:
+                group[k] = saved[k]
+        src.runtime.set_hyperparams(group["name"], {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+
+
+def inner_hyperparams(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON-able values ``cls(params, **kwargs)`` puts in its param group (its own defaults
+    filled in), read from a throw-away instance over one small tensor."""
+    group = cls([torch.zeros(4, 3)], **dict(kwargs)).param_groups[0]
+    return {k: v for k, v in group.items() if k != "params" and _jsonable(v)}
+
+
+# ---------------------------------------------------------------------------------- regions
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as row-aligned boxes
+    (offsets, sizes), in flat order: each box is a contiguous run of the range, so consecutive
+    slices of the flat values are the boxes' contents. At most ``2 * ndim - 1`` boxes."""
+    if end <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    out: list[Box] = []
+    row, off = divmod(start, inner)
+    if off:  # partial first row
+        stop = min(end, (row + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], off, stop - row * inner)]
+        start = stop
+        if start >= end:
+            return out
+        row = start // inner
+    last, rest = divmod(end, inner)
+    if last > row:
+        out.append(((row, *(0,) * (len(shape) - 1)), (last - row, *shape[1:])))
+    if rest:
+        out += [((last, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, rest)]
+    return out
+
+
+def whole_box(shape: Sequence[int]) -> Box:
+    return (tuple(0 for _ in shape), tuple(int(n) for n in shape))
+
+
+def box_index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(*box))
+
+
+def region_numel(region: Sequence[Box]) -> int:
+    return sum(math.prod(b[1]) for b in region)
+
+
+def _region_values(full: torch.Tensor, region: Sequence[Box]) -> torch.Tensor:
+    """The region's values of a full tensor, flat, in the region's order."""
+    parts = [full[box_index(b)].reshape(-1) for b in region]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------------- consolidation
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -103,155 +300,107 @@ def _jsonable(v: Any) -> bool:
     return True
 
 
-def _hyper(opt: torch.optim.Optimizer | None) -> dict[str, Any]:
-    if opt is None:
-        return {}
-    g = opt.param_groups[0]
-    return {k: v for k, v in g.items() if k != "params" and _jsonable(v)}
+def _exports(src: Checkpointable) -> list[dict[str, Any]]:
+    """This rank's canonical regions: flat master values and state (sliced state flat as well)."""
+    out: list[dict[str, Any]] = []
+    for h in src.held():
+        if not h.canonical:
+            continue
+        entry: dict[str, Any] = {"name": h.name, "region": [list(map(list, b)) for b in h.region], "sliced": h.sliced}
+        if h.master is not None:
+            entry["master"] = _cpu(h.master).reshape(-1)
+        state: dict[str, Any] = {}
+        for k, v in h.state().items():
+            if torch.is_tensor(v) and h.sliced and v.dim() > 0:
+                if h.master is None or tuple(v.shape) != tuple(h.master.shape):
+                    raise CheckpointError(
+                        f"{h.name}: element-wise optimizer state {k!r} has shape {tuple(v.shape)}, not the "
+                        f"parameter's {tuple(h.master.shape) if h.master is not None else '?'}; it cannot be re-sliced"
+                    )
+                state[k] = ("sliced", _cpu(v).reshape(-1))
+            else:
+                state[k] = ("whole", _cpu(v) if torch.is_tensor(v) else v)
+        entry["state"] = state
+        out.append(entry)
+    return out
 
 
-def _exports(dopt: DistributedOptimizer) -> dict[str, Any]:
-    """This rank's share of the consolidated document (canonical copies only)."""
-    rt = dopt.runtime
-    # every DP rank holds the same values under sc: DP rank 0's copy is canonical
-    replica = rt.plan.every_rank_updates and rt.dp_rank != 0
-    pieces: list[dict[str, Any]] = []
-    for pc in () if replica else rt.pieces:
-        spec = rt.specs[pc.name]
-        if not spec.tp_split and dopt.tp_rank != 0:
-            continue  # replicated across TP: TP rank 0's copy is canonical
-        master = rt.masters[pc]
-        entry: dict[str, Any] = {
-            "name": pc.name,
-            "tp_rank": dopt.tp_rank,
-            "start": pc.start,
-            "end": pc.end,
-            "role": pc.role,
-            "master": _cpu(master).reshape(-1),
-        }
-        if pc.role == "elementwise":
-            st = rt.elementwise_opt.state.get(master, {}) if rt.elementwise_opt is not None else {}
-            sliced, scalar = {}, {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    if tuple(v.shape) != tuple(master.shape):
-                        raise CheckpointError(
-                            f"{pc.name}: element-wise optimizer state {k!r} has shape {tuple(v.shape)}, not the "
-                            f"parameter's {tuple(master.shape)}; it cannot be re-sliced"
-                        )
-                    sliced[k] = _cpu(v).reshape(-1)
-                else:
-                    scalar[k] = _cpu(v) if torch.is_tensor(v) else v
-            entry["sliced"], entry["scalar"] = sliced, scalar
-        elif pc.role == "matrix":
-            st = rt.matrix_opt.state.get(master, {}) if rt.matrix_opt is not None else {}
-            entry["state"] = {k: (_cpu(v) if torch.is_tensor(v) else v) for k, v in st.items()}
-        pieces.append(entry)
-    tp_state: dict[str, Any] = {}
-    eng = rt.tp_engine
-    # TP hosts hold each task's state once; under the sync schedule every TP rank holds it: take TP rank 0's
-    if eng is not None and not replica and (not eng.sync or dopt.tp_rank == 0):
-        tp_state = {n: {k: (_cpu(v) if torch.is_tensor(v) else v) for k, v in st.items()} for n, st in eng.state_dict().items()}
-    matrix_opt = rt.matrix_opt if rt.matrix_opt is not None else (eng.optimizer if eng is not None else None)
+def _assemble(name: str, shape: tuple[int, ...], parts: list[tuple[list[Box], torch.Tensor]], what: str) -> torch.Tensor:
+    """Full tensor of ``shape`` from (region, flat values) parts; every element covered once."""
+    full = torch.empty(shape, dtype=parts[0][1].dtype)
+    covered = 0
+    for region, flat in parts:
+        pos = 0
+        for off, size in region:
+            n = math.prod(size)
+            full[box_index((tuple(off), tuple(size)))] = flat[pos : pos + n].view(tuple(size))
+            pos += n
+            covered += n
+    if covered != math.prod(shape):
+        raise CheckpointError(f"{name}: {what} regions cover {covered} of {math.prod(shape)} elements")
+    return full
+
+
+def _meta(src: Checkpointable) -> dict[str, Any]:
     return {
-        "pieces": pieces,
-        "tp_state": tp_state,
-        "hyper": {"matrix": _hyper(matrix_opt), "elementwise": _hyper(rt.elementwise_opt)},
+        **src.checkpoint_describe(),
+        "steps": src.steps,
+        "matrix_optimizer": src.matrix_cls.__name__,
+        "elementwise_optimizer": src.elementwise_cls.__name__,
+        "master_dtype": str(src.master_dtype).removeprefix("torch."),
+        "params": {r.name: {"shape": list(r.shape), "kind": r.kind, "tp_dim": r.tp_dim} for r in src.checkpoint_params()},
     }
 
 
-def _meta(dopt: DistributedOptimizer) -> dict[str, Any]:
-    inp = dopt.plan.inputs
-    return {
-        "strategy": inp.strategy,
-        "dp": inp.dp,
-        "tp": inp.tp,
-        "fingerprint": dopt.plan.fingerprint,
-        "plan_inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
-        "steps": dopt.steps,
-        "matrix_optimizer": dopt.matrix_cls.__name__,
-        "elementwise_optimizer": dopt.elementwise_cls.__name__,
-        "master_dtype": str(dopt.master_dtype).removeprefix("torch."),
-        "params": {s.name: {"shape": list(s.shape), "kind": s.kind, "tp_dim": s.tp_dim} for s in dopt.plan.specs},
-    }
-
-
-def _assemble(spec: Any, parts: list[tuple[int, int, int, torch.Tensor]], what: str) -> torch.Tensor:
-    """Full-shape tensor from (tp_rank, start, end, flat values) pieces of the TP-local shards."""
-    tp = spec.tp if spec.tp_split else 1
-    n = spec.local_numel
-    dtype = parts[0][3].dtype
-    shards = []
-    for t in range(tp):
-        flat = torch.empty(n, dtype=dtype)
-        covered = 0
-        for r, s, e, v in parts:
-            if r == t:
-                flat[s:e] = v
-                covered += e - s
-        if covered != n:
-            raise CheckpointError(f"{spec.name}: {what} pieces of TP rank {t} cover {covered} of {n} elements")
-        shards.append(flat.view(spec.local_shape))
-    return torch.cat(shards, dim=spec.tp_dim) if tp > 1 else shards[0]
-
-
-def consolidated_state_dict(dopt: DistributedOptimizer) -> dict[str, Any]:
-    """Gather the optimizer's state into one plan-independent document on world rank 0.
+def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
+    """Gather the optimizer's state into one layout-independent document on world rank 0.
 
     Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
     """
-    mine: dict[str, Any] = {}
+    mine: list[dict[str, Any]] = []
     error: BaseException | None = None
     try:
-        mine = _exports(dopt)
+        src.finish_param_sync()
+        mine = _exports(src)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    agree(error, "consolidating the optimizer state", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
-    rank = dist.get_rank()
+    agree(error, "consolidating the optimizer state", device=src.status_device(), timeout_s=src.status_timeout_s, mark=True)
     # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
-    got = Comm(None, dopt.comm_stats).gather_object(mine, dst=0)
-    if rank != 0:
+    got = Comm(None, src.comm_stats).gather_object(mine, dst=0)
+    if dist.get_rank() != 0:
         return {}
     assert got is not None
     by_name: dict[str, list[dict[str, Any]]] = {}
-    tp_state: dict[str, Any] = {}
-    hyper: dict[str, dict[str, Any]] = {"matrix": {}, "elementwise": {}}
     for share in got:
-        for e in share["pieces"]:
+        for e in share:
             by_name.setdefault(e["name"], []).append(e)
-        tp_state.update(share["tp_state"])
-        for k, have in hyper.items():
-            if not have and share["hyper"][k]:
-                hyper[k] = share["hyper"][k]
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
-    for spec in dopt.plan.specs:
-        entries = by_name.get(spec.name, [])
-        if not entries:
-            raise CheckpointError(f"{spec.name}: no rank exported it (plan and runtime disagree)")
-        params[spec.name] = _assemble(spec, [(e["tp_rank"], e["start"], e["end"], e["master"]) for e in entries], "master")
-        role = entries[0]["role"]
-        if role == "elementwise":
-            st: dict[str, Any] = dict(entries[0]["scalar"])
-            for k in entries[0]["sliced"]:
-                st[k] = _assemble(spec, [(e["tp_rank"], e["start"], e["end"], e["sliced"][k]) for e in entries], f"state {k!r}")
-            state[spec.name] = st
-        elif role == "matrix":
-            state[spec.name] = dict(entries[0]["state"])
-        else:
-            state[spec.name] = dict(tp_state.get(spec.name, {}))
-    doc = {"format": FORMAT, "version": VERSION, "meta": _meta(dopt), "params": params, "state": state, "hyper": hyper}
+    for rec in src.checkpoint_params():
+        entries = by_name.get(rec.name, [])
+        with_master = [e for e in entries if "master" in e]
+        if not with_master:
+            raise CheckpointError(f"{rec.name}: no rank exported it (layout and runtime disagree)")
+        params[rec.name] = _assemble(rec.name, rec.shape, [(e["region"], e["master"]) for e in with_master], "master")
+        st: dict[str, Any] = {}
+        for e in entries:
+            for k, (how, v) in e["state"].items():
+                if how == "whole":
+                    st.setdefault(k, v)
+        for k in {k for e in entries for k, (how, _) in e["state"].items() if how == "sliced"}:
+            parts = [(e["region"], e["state"][k][1]) for e in entries if k in e["state"] and e["state"][k][0] == "sliced"]
+            st[k] = _assemble(rec.name, rec.shape, parts, f"state {k!r}")
+        state[rec.name] = st
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "meta": _meta(src),
+        "params": params,
+        "state": state,
+        "hyper": src.hyperparams(),
+    }
     doc["checksums"] = checksums(doc)
     return doc
-
-
-def _device(dopt: DistributedOptimizer) -> torch.device:
-    """Where this rank's status exchange runs: the ZeRO-1 buffer's device, or (FSDP2 path, no
-    canzona buffer) the model's."""
-    buffer = getattr(dopt.runtime, "buffer", None)
-    if buffer is not None:
-        return buffer.data.device
-    return next(dopt.model.parameters()).device
 
 
 def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,14 +411,14 @@ def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check_integrity(dopt: DistributedOptimizer, doc: Mapping[str, Any]) -> None:
+def _check_integrity(src: Checkpointable, doc: Mapping[str, Any]) -> None:
     """Checksums, master dtype, finiteness (the structure was checked before)."""
     sums = doc.get("checksums")
     if not isinstance(sums, Mapping) or not isinstance(sums.get("params"), Mapping) or not isinstance(sums.get("state"), Mapping):
         raise CheckpointError("checkpoint carries no checksums; it cannot be verified")
     for name, t in doc["params"].items():
-        if t.dtype != dopt.master_dtype:
-            raise CheckpointError(f"{name}: checkpoint master is {t.dtype}, this optimizer keeps {dopt.master_dtype} masters")
+        if t.dtype != src.master_dtype:
+            raise CheckpointError(f"{name}: checkpoint master is {t.dtype}, this optimizer keeps {src.master_dtype} masters")
         if sums["params"].get(name) != tensor_checksum(t):
             raise CheckpointError(f"{name}: parameter value fails its checksum (the file is corrupt)")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -319,7 +468,7 @@ def check_hyperparams(where: str, values: Mapping[str, Any]) -> None:
                 raise CheckpointError(f"checkpoint's {where} {k} {v!r} must be in [{lo:g}, {hi:g}{']' if closed else ')'}")
 
 
-def _check_document(dopt: DistributedOptimizer, doc: Any) -> None:
+def _check_document(src: Checkpointable, doc: Any) -> None:
     if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
         raise CheckpointError(f"not a canzona optimizer checkpoint (format {doc.get('format') if isinstance(doc, Mapping) else type(doc).__name__!r})")
     if doc.get("version") != VERSION:
@@ -328,125 +477,114 @@ def _check_document(dopt: DistributedOptimizer, doc: Any) -> None:
         if not isinstance(doc.get(key), Mapping):
             raise CheckpointError(f"checkpoint lacks its {key!r} section")
     meta = doc["meta"]
-    for key, mine in (("matrix_optimizer", dopt.matrix_cls.__name__), ("elementwise_optimizer", dopt.elementwise_cls.__name__)):
-        if meta.get(key) != mine:
-            raise CheckpointError(f"checkpoint was written by {key} {meta.get(key)!r}, this optimizer runs {mine!r}")
-    want = {s.name: s for s in dopt.plan.specs}
+    check_optimizers(src, meta)
+    want = {r.name: r for r in src.checkpoint_params()}
     have = doc["params"]
     if set(have) != set(want):
         raise CheckpointError(
             f"checkpoint parameters differ from the model's: missing {sorted(set(want) - set(have))[:3]}, "
             f"unexpected {sorted(set(have) - set(want))[:3]}"
         )
-    kinds = {n: m.get("kind") for n, m in meta.get("params", {}).items()} if isinstance(meta.get("params"), Mapping) else {}
-    for name, spec in want.items():
-        if kinds.get(name) != spec.kind:
+    kinds = {n: m.get("kind") if isinstance(m, Mapping) else None for n, m in meta.get("params", {}).items()} if isinstance(meta.get("params"), Mapping) else {}
+    for name, rec in want.items():
+        if kinds.get(name) != rec.kind:
             raise CheckpointError(
-                f"{name}: checkpoint treats it as {kinds.get(name)!r}, this optimizer as {spec.kind!r}; "
+                f"{name}: checkpoint treats it as {kinds.get(name)!r}, this optimizer as {rec.kind!r}; "
                 "its optimizer state belongs to another optimizer"
             )
         t = have[name]
-        if not torch.is_tensor(t) or tuple(t.shape) != spec.shape:
-            raise CheckpointError(f"{name}: checkpoint holds shape {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}, the model {spec.shape}")
-        # Checked here for every parameter, not only for the pieces this rank loads: a rank that
+        if not torch.is_tensor(t) or tuple(t.shape) != rec.shape:
+            raise CheckpointError(f"{name}: checkpoint holds shape {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}, the model {rec.shape}")
+        # Checked here for every parameter, not only for the regions this rank loads: a rank that
         # failed half-way through the load would leave its masters half-written and the other ranks
-        # waiting in the TP hosts' collective.
+        # waiting in the hosts' collective.
         st = doc["state"].get(name, {})
         if not isinstance(st, Mapping):
             raise CheckpointError(f"{name}: optimizer state is a {type(st).__name__}, not a mapping")
-        if elementwise_role(dopt.plan, name):
+        if rec.elementwise:
             for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != spec.shape:
-                    raise CheckpointError(f"{name}: state {k!r} has shape {tuple(v.shape)}, expected {spec.shape}")
-    for key in ("matrix", "elementwise"):
-        if not isinstance(doc["hyper"].get(key, {}), Mapping):
+                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != rec.shape:
+                    raise CheckpointError(f"{name}: state {k!r} has shape {tuple(v.shape)}, expected {rec.shape}")
+    check_hyper_section(doc["hyper"])
+    if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool) or meta.get("steps", 0) < 0:
+        raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not a non-negative integer")
+    _check_integrity(src, doc)
+
+
+def check_optimizers(src: Checkpointable, meta: Mapping[str, Any]) -> None:
+    """The checkpoint's optimizer classes must be this optimizer's (names compared)."""
+    for key, mine in (("matrix_optimizer", src.matrix_cls.__name__), ("elementwise_optimizer", src.elementwise_cls.__name__)):
+        if meta.get(key) != mine:
+            raise CheckpointError(f"checkpoint was written by {key} {meta.get(key)!r}, this optimizer runs {mine!r}")
+
+
+def check_hyper_section(hyper: Any) -> None:
+    """A mapping of group name -> mapping of acceptable values (:func:`check_hyperparams`)."""
+    if not isinstance(hyper, Mapping):
+        raise CheckpointError("checkpoint's hyperparameters are not a mapping")
+    for key in GROUP_NAMES:
+        if not isinstance(hyper.get(key, {}), Mapping):
             raise CheckpointError(f"checkpoint's {key!r} hyperparameters are not a mapping")
-        check_hyperparams(key, doc["hyper"].get(key, {}))
-    if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool):
-        raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not an integer")
-    _check_integrity(dopt, doc)
+        check_hyperparams(key, hyper.get(key, {}))
 
 
-def _local_flat(spec: Any, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """This TP rank's shard of a full-shape tensor, flattened."""
-    if spec.tp_split:
-        full = full.chunk(spec.tp, dim=spec.tp_dim)[tp_rank]
-    return full.reshape(-1)
+def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) -> None:
+    """Load a :func:`consolidated_state_dict` document on every rank, re-sliced to this layout.
 
-
-def load_consolidated_state_dict(dopt: DistributedOptimizer, doc: Mapping[str, Any]) -> None:
-    """Load a :func:`consolidated_state_dict` document on every rank, re-sharded to this plan.
-
-    Every rank must pass the whole document. Restores masters, optimizer state (local optimizers
-    and TP hosts), hyperparameters, the step count and the model's parameter values. Collective
-    when TP-split matrix parameters exist (the TP hosts re-assemble their full masters).
+    Every rank must pass the whole document. Restores masters, optimizer state, hyperparameters,
+    the step count and the model's parameter values. Collective: the status exchange, and the
+    re-assembly of full masters where hosts build them from shards.
     """
     error: BaseException | None = None
     try:
-        _check_document(dopt, doc)
+        _check_document(src, doc)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
     try:
-        agree(error, "loading the checkpoint", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
+        agree(error, "loading the checkpoint", device=src.status_device(), timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None  # this rank's own error says it best
         raise
-    rt = dopt.runtime
-    rt.finish_param_sync()  # a pending lazy all-gather must not overwrite the loaded values later
-    tp_rank = dopt.tp_rank
+    src.finish_param_sync()  # a pending lazy all-gather must not overwrite the loaded values later
     params, states = doc["params"], doc["state"]
     with torch.no_grad():
-        for pc in rt.pieces:
-            spec = rt.specs[pc.name]
-            m = rt.masters[pc]
-            flat = _local_flat(spec, params[pc.name], tp_rank)[pc.start : pc.end]
-            m.copy_(flat.view(m.shape))
-            st = states.get(pc.name, {})
-            if pc.role == "elementwise" and rt.elementwise_opt is not None:
-                new: dict[str, Any] = {}
-                for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim() > 0:  # full-shape: _check_document checked it
-                        new[k] = _local_flat(spec, v, tp_rank)[pc.start : pc.end].reshape(m.shape).to(m.device, copy=True)
-                    else:
-                        new[k] = v.clone().to(m.device) if torch.is_tensor(v) else v
-                rt.elementwise_opt.state[m] = new
-            elif pc.role == "matrix" and rt.matrix_opt is not None:
-                rt.matrix_opt.state[m] = {k: (v.clone().to(m.device) if torch.is_tensor(v) else v) for k, v in st.items()}
-        eng = rt.tp_engine
-        if eng is not None:
-            eng.refresh_masters()
-            eng.load_state_dict({n: states.get(n, {}) for n in eng.hosted})
-        for name, p in rt.params.items():
-            local = local_tensor(p.detach())
-            spec = rt.specs[name]
-            local.copy_(_local_flat(spec, params[name], tp_rank).view(local.shape))
-    hyper = doc["hyper"]
-    matrix_opts = [o for o in (rt.matrix_opt, eng.optimizer if eng is not None else None) if o is not None]
-    for opts, saved in ((matrix_opts, hyper.get("matrix", {})), ([rt.elementwise_opt] if rt.elementwise_opt else [], hyper.get("elementwise", {}))):
-        for o in opts:
-            for g in o.param_groups:
-                for k, v in saved.items():
-                    if k in g:
-                        g[k] = v
-    rt.steps = int(doc["meta"].get("steps", 0))
-    rt.discard_grads()
+        for h in src.held():
+            if h.master is not None:
+                h.master.copy_(_region_values(params[h.name], h.region).view(h.master.shape))
+            if h.optimizer is None or h.param is None:
+                continue
+            dev = h.param.device
+            new: dict[str, Any] = {}
+            for k, v in states.get(h.name, {}).items():
+                if torch.is_tensor(v) and h.sliced and v.dim() > 0:  # full-shape: _check_document checked it
+                    shape = h.master.shape if h.master is not None else (region_numel(h.region),)
+                    new[k] = _region_values(v, h.region).reshape(shape).to(dev, copy=True)
+                elif torch.is_tensor(v):
+                    new[k] = v.clone().to(dev)
+                else:
+                    new[k] = v
+            h.optimizer.state[h.param] = new
+        for mp in src.model_pieces():
+            mp.local.copy_(params[mp.name][box_index(mp.box)].reshape(mp.local.shape))
+    restore_hyperparams(src, doc["hyper"])
+    src.finish_load(int(doc["meta"].get("steps", 0)))
 
 
-def save_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
+def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename).
-    Goes through ``dopt.state_dict()``, so a scheduler's latest lr is what is saved."""
-    doc = dopt.state_dict()
+    Goes through ``src.state_dict()``, so a scheduler's latest lr is what is saved."""
+    doc = src.state_dict()
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
             atomic_write(path, lambda f: torch.save(doc, f))
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
             error = exc
-    agree(error, f"saving the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
+    agree(error, f"saving the checkpoint {path}", device=src.status_device(), timeout_s=src.status_timeout_s, mark=True)
 
 
-def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
+def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Read ``path`` on every rank (``weights_only=True``: data, not code) and load it. A rank that
     cannot read it raises its :class:`CheckpointError`, the others a ``RankFailure`` naming it."""
     error: CheckpointError | None = None
@@ -456,11 +594,16 @@ def load_checkpoint(dopt: DistributedOptimizer, path: str | os.PathLike[str]) ->
     except FileNotFoundError:
         error = CheckpointError(f"checkpoint not found: {path}")
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
-        error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})")
+        error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {_first_line(exc)})")
     try:
-        agree(error, f"reading the checkpoint {path}", device=_device(dopt), timeout_s=dopt.status_timeout_s, mark=True)
+        agree(error, f"reading the checkpoint {path}", device=src.status_device(), timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None
         raise
-    dopt.load_state_dict(doc)  # restores the groups' lr / weight_decay too
+    src.load_state_dict(doc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""

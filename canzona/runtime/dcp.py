@@ -1,36 +1,51 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes what it owns.
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes what it holds.
 
-:func:`save_sharded` writes one DCP checkpoint directory: the model's own ``state_dict()`` (keys
-``model.<name>``; DTensor parameters write their shards, replicated tensors are written once) and
-canzona's optimizer side, where every rank contributes exactly the pieces its plan makes it hold:
+:func:`save_sharded` writes one DCP checkpoint directory from any
+:class:`~canzona.runtime.checkpoint.Checkpointable` optimizer (canzona's ZeRO-1 path and the
+FSDP2 path alike). Every tensor is a *global* tensor of its full shape, written in chunks by the
+ranks that hold them:
 
-- ``optim.<name>.master``: the fp32 master values, one *global* tensor of the parameter's full
-  shape per parameter; a rank writes the chunks it owns (a whole TP-local shard of an owned or
-  hosted matrix, the flat range of an element-wise piece, which becomes at most a few row-aligned
-  rectangles of the full tensor);
+- ``model.<key>``: the model's own ``state_dict()`` entries; a rank writes its local block
+  (a DTensor's shard, the whole tensor when it is replicated);
+- ``optim.<name>.master``: the fp32 masters; a rank writes the regions it holds (a whole TP-local
+  shard of an owned matrix, the flat range of a ZeRO-1 element-wise piece, which becomes at most a
+  few row-aligned rectangles, an FSDP2 block, a hosted full matrix);
 - ``optim.<name>.state.<key>``: optimizer state. Element-wise state tensors are chunked like the
-  master; a matrix parameter's state (owned whole by its DP owner, or by its TP host) is written
-  whole by that rank; 0-dim tensors (step counters) once;
+  master; a matrix parameter's state (held whole by its DP owner or its host) is written whole
+  by that rank; 0-dim tensors (step counters) once;
+- ``optim.<name>.stride.<key>``: the memory layout of a non-contiguous state tensor (values travel
+  without it; SOAP's column-major eigenvectors round differently in another layout);
 - ``optim.<name>.pystate.<key>``: non-tensor state values (Python ints, floats, bools) as 0-dim tensors;
 - ``canzona.meta``: a JSON document (uint8 tensor, never a pickle) with the format, version,
-  optimizer classes, the parameters' shapes and roles, the step count and the groups' ``lr`` /
-  ``weight_decay``.
+  optimizer classes, the parameters' shapes and kinds, the step count, the hyperparameters and the
+  layout it was saved under.
 
-Pieces held by several ranks (TP-replicated parameters, ``sc``'s replicas, the ``sync`` schedule's
-TP hosts) have identical chunks, which DCP's save planner de-duplicates, so every element is
-written by exactly one rank; nothing is gathered anywhere. The chunks are handed to DCP as
-``LocalShardsWrapper`` local tensors of DTensors (the mechanism torchrec uses for row-wise shards),
-so the directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
+Chunks are cut into row slabs of at most ``chunk_bytes`` (default :data:`CHUNK_BYTES`; a slab is
+at least one row of dim 0), so no single stored item is larger. Chunks held by several ranks (TP
+replicas, ``sc``, HSDP replicas, the ``sync`` schedule's TP hosts) are identical, and DCP's save
+planner de-duplicates them: every element is written by exactly one rank and nothing is gathered.
+The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors, so the
+directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
 .dcp_to_torch_save`` converts it to one ``torch.save`` file of full tensors.
 
-:func:`load_sharded` reads it at *any* layout (another DP size, another TP size, another strategy):
-every rank asks DCP for exactly the regions its own plan makes it hold, and DCP reads the
-overlapping parts of the saved chunks. The load first reads ``canzona.meta`` and the directory's
-metadata and refuses a checkpoint of another model or optimizer, a missing key or a wrongly shaped
-tensor with one :class:`~canzona.runtime.checkpoint.CheckpointError` on every rank; tensors are read
-into fresh buffers and copied into the optimizer and the model only after DCP reported success on
-every rank, so a refused or truncated checkpoint leaves the in-memory state untouched. Peak memory
-on a rank: its own state plus one fresh copy of what it loads (nothing of other ranks').
+:func:`load_sharded` reads it at *any* layout (another DP size, another TP size, another strategy,
+the other engine): every rank asks DCP for exactly the regions it holds, and DCP reads the
+overlapping parts of the saved chunks. It first reads ``canzona.meta`` and the directory's
+metadata and refuses a checkpoint of another model or optimizer, a missing key, a wrongly shaped
+tensor or a missing or truncated data file with one
+:class:`~canzona.runtime.checkpoint.CheckpointError` on every rank. Then two passes:
+
+1. *verify*: every requested region is read into one scratch buffer of at most ``chunk_bytes``
+   (all destinations are views of it; the values are discarded), so a file that DCP cannot
+   decode fails here, on every rank, before anything was written;
+2. *commit*: DCP reads every region straight into its destination (masters, existing optimizer
+   state tensors and the model's local tensors, in place; state tensors the optimizer does not
+   have yet are allocated once, at their final size).
+
+Peak memory on a rank while loading: its own state plus the scratch buffer plus DCP's one stored
+item in flight, each bounded by ``chunk_bytes`` (``last_load_stats`` records what the last load
+allocated). The data is read twice; that is the price of refusing a corrupt file without holding
+a second copy of the state.
 """
 
 from __future__ import annotations
@@ -40,80 +55,93 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import CheckpointError
+from canzona.runtime.agree import RankFailure, agree
+from canzona.runtime.checkpoint import (
+    Box,
+    CheckpointError,
+    Checkpointable,
+    Held,
+    check_hyper_section,
+    check_optimizers,
+    flat_range_boxes,
+    restore_hyperparams,
+    whole_box,
+)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from canzona.distributed import DistributedOptimizer
-
-__all__ = ["DCP_FORMAT", "DCP_VERSION", "META_KEY", "flat_range_boxes", "load_sharded", "save_sharded"]
+__all__ = [
+    "CHUNK_BYTES",
+    "DCP_FORMAT",
+    "DCP_VERSION",
+    "META_KEY",
+    "flat_range_boxes",
+    "last_load_stats",
+    "load_sharded",
+    "save_sharded",
+]
 
 DCP_FORMAT = "canzona.dcp"
 DCP_VERSION = 1
 META_KEY = "canzona.meta"
+#: default cap on one stored chunk and on the load's scratch buffer (bytes)
+CHUNK_BYTES = 32 * 2**20
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+#: what the last :func:`load_sharded` on this process allocated besides the state it loaded into:
+#: ``scratch_bytes`` (the verify pass's buffer), ``new_state_bytes`` (state tensors the optimizer
+#: did not have before), ``fresh_bytes`` (0-dim and Python-valued entries), ``regions`` (count)
+last_load_stats: dict[str, int] = {}
 
 
-def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
-    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as row-aligned boxes
-    (offsets, sizes), in flat order: each box is a contiguous run of the range, so consecutive
-    slices of the flat values are the boxes' contents. At most ``2 * ndim - 1`` boxes."""
-    if end <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (end - start,))] if shape else [((), ())]
-    inner = math.prod(shape[1:])
-    out: list[Box] = []
-    row, off = divmod(start, inner)
-    if off:  # partial first row
-        stop = min(end, (row + 1) * inner)
-        out += [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], off, stop - row * inner)]
-        start = stop
-        if start >= end:
-            return out
-        row = start // inner
-    last, rest = divmod(end, inner)
-    if last > row:
-        out.append(((row, *(0,) * (len(shape) - 1)), (last - row, *shape[1:])))
-    if rest:
-        out += [((last, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, rest)]
-    return out
+def _slabs(box: Box, view: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``view`` (box-shaped) cut along dim 0 into slabs of at most ``cap`` bytes (at least a row)."""
+    offs, sizes = box
+    if not sizes or sizes[0] <= 1:
+        return [(tuple(offs), view)]
+    row = math.prod(sizes[1:]) * view.element_size()
+    step = max(1, cap // max(row, 1))
+    if step >= sizes[0]:
+        return [(tuple(offs), view)]
+    # The last row is a slab of its own. DCP's writer clones every slab (a view of a larger
+    # tensor), writes a rank's items largest first, and keeps the last item written under each
+    # key alive until the rank's file is closed: with a one-row slab last, what it keeps is one
+    # row per key instead of up to ``cap`` bytes per key (profiling/bench_checkpoint.py measures it).
+    n = sizes[0] - 1
+    out = [((offs[0] + r, *offs[1:]), view[r : min(r + step, n)]) for r in range(0, n, step)]
+    return out + [((offs[0] + n, *offs[1:]), view[n:])]
 
 
 class _Chunks:
-    """Chunks of global tensors this rank holds: key -> [(global offsets, tensor view)]."""
+    """Chunks of global tensors: key -> [(global offsets, tensor view)], cut into slabs of at most
+    ``cap`` bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
         self.by_key: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
 
-    def add_piece(self, key: str, spec: Any, tp_rank: int, start: int, end: int, flat: torch.Tensor) -> None:
-        """A flat piece ``[start, end)`` of this TP rank's shard of parameter ``spec``'s tensor."""
-        shift = [0] * len(spec.shape)
-        if spec.tp_split:
-            shift[spec.tp_dim] = tp_rank * spec.local_shape[spec.tp_dim]
-        pos = 0
-        for offs, sizes in flat_range_boxes(tuple(spec.local_shape), start, end):
-            n = math.prod(sizes)
-            view = flat[pos : pos + n].view(sizes)
-            pos += n
-            self._add(key, tuple(spec.shape), tuple(o + s for o, s in zip(offs, shift)), view)
-
-    def add_whole(self, key: str, t: torch.Tensor) -> None:
-        self._add(key, tuple(t.shape), (0,) * t.dim(), t)
-
-    def _add(self, key: str, shape: tuple[int, ...], offsets: tuple[int, ...], t: torch.Tensor) -> None:
+    def add_box(self, key: str, shape: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+        """``view`` (shaped like ``box``) holds box ``box`` of the global tensor ``key`` of ``shape``."""
+        if math.prod(box[1]) == 0 and shape:
+            return
         if self.shapes.setdefault(key, shape) != shape:
             raise CheckpointError(f"{key}: chunks of two shapes {self.shapes[key]} and {shape}")
-        self.by_key.setdefault(key, []).append((offsets, t))
+        self.by_key.setdefault(key, []).extend(_slabs(box, view, self.cap))
+
+    def add_region(self, key: str, shape: tuple[int, ...], region: tuple[Box, ...], flat: torch.Tensor) -> None:
+        """``flat`` holds the region's values in the region's order."""
+        pos = 0
+        for box in region:
+            n = math.prod(box[1])
+            self.add_box(key, shape, box, flat[pos : pos + n].view(box[1]))
+            pos += n
+
+    def add_whole(self, key: str, t: torch.Tensor) -> None:
+        self.add_box(key, tuple(t.shape), whole_box(t.shape), t)
 
     def state_dict(self, mesh: Any) -> dict[str, Any]:
         """DCP values: 0-dim tensors as they are, everything else a DTensor over ``mesh`` whose local
@@ -127,7 +155,7 @@ class _Chunks:
             if not shape:
                 out[key] = chunks[0][1]
                 continue
-            local = LocalShardsWrapper([t for _, t in chunks], [o for o, _ in chunks])
+            local = LocalShardsWrapper([t for _, t in chunks], [list(o) for o, _ in chunks])
             stride = torch.empty(shape, device="meta").stride()
             out[key] = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=torch.Size(shape), stride=stride)
         return out
@@ -159,62 +187,63 @@ def _py_tensor(v: Any, what: str) -> torch.Tensor:
     raise CheckpointError(f"{what}: optimizer state of type {type(v).__name__} cannot be written to a sharded checkpoint")
 
 
-def _add_state(chunks: _Chunks, name: str, st: Mapping[str, Any], *, piece: tuple[Any, int, int, int] | None) -> None:
-    """One parameter's optimizer state: element-wise tensors chunked like the master (``piece`` =
-    (spec, tp_rank, start, end)), anything else whole."""
-    for k, v in st.items():
+def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, torch.Tensor]]:
+    """Each model ``state_dict()`` entry's full shape, its box on this rank and the local tensor
+    holding it: the front end's own record for trainable parameters, a DTensor's placements
+    otherwise."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    pieces = {mp.name: mp for mp in src.model_pieces()}
+    out: dict[str, tuple[tuple[int, ...], Box, torch.Tensor]] = {}
+    for k, v in src.model.state_dict().items():
+        if not torch.is_tensor(v):
+            raise CheckpointError(f"model entry {k!r} is a {type(v).__name__}, not a tensor; sharded checkpoints hold tensors only")
+        v = v.detach()
+        if k in pieces:
+            mp = pieces[k]
+            out[k] = (tuple(v.shape), (tuple(mp.box[0]), tuple(mp.box[1])), mp.local)
+        elif isinstance(v, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+            out[k] = (tuple(v.shape), (tuple(offset), tuple(shape)), v.to_local())
+        else:
+            out[k] = (tuple(v.shape), whole_box(v.shape), v)
+    return out
+
+
+def _add_state(chunks: _Chunks, h: Held, shape: tuple[int, ...]) -> None:
+    """One held region's optimizer state: element-wise tensors chunked like the master, anything
+    else whole."""
+    name = h.name
+    for k, v in h.state().items():
         if torch.is_tensor(v):
+            v = v.detach()
             if v.dim() == 0:
-                chunks.add_whole(_state_key(name, k), v.detach())
-            elif piece is not None:
-                spec, tp_rank, s, e = piece
-                if v.numel() != e - s:
-                    raise CheckpointError(f"{name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece {e - s}")
-                chunks.add_piece(_state_key(name, k), spec, tp_rank, s, e, v.detach().reshape(-1))
+                chunks.add_whole(_state_key(name, k), v)
+            elif h.sliced:
+                if h.master is None or v.numel() != h.master.numel():
+                    raise CheckpointError(f"{name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
+                chunks.add_region(_state_key(name, k), shape, h.region, v.reshape(-1))
             else:
-                chunks.add_whole(_state_key(name, k), v.detach())
+                chunks.add_whole(_state_key(name, k), v)
                 if not v.is_contiguous():
-                    # DCP stores values, not memory layout; some optimizers' math depends on it
-                    # (SOAP's eigenvector matrices are column-major, and a matmul over a transposed
-                    # layout rounds differently), so the layout travels beside the values
                     chunks.add_whole(_stride_key(name, k), torch.tensor(v.stride(), dtype=torch.int64))
         else:
             chunks.add_whole(_py_key(name, k), _py_tensor(v, f"{name}.{k}"))
 
 
-def _owned_chunks(dopt: DistributedOptimizer) -> _Chunks:
-    """Everything of the optimizer this rank holds, as chunks of global tensors (views, no copies)."""
-    rt = dopt.runtime
-    chunks = _Chunks()
-    for pc in rt.pieces:
-        spec = rt.specs[pc.name]
-        m = rt.masters[pc]
-        chunks.add_piece(_master_key(pc.name), spec, dopt.tp_rank, pc.start, pc.end, m.detach().reshape(-1))
-        if pc.role == "elementwise" and rt.elementwise_opt is not None:
-            _add_state(chunks, pc.name, rt.elementwise_opt.state.get(m, {}), piece=(spec, dopt.tp_rank, pc.start, pc.end))
-        elif pc.role == "matrix" and rt.matrix_opt is not None:
-            _add_state(chunks, pc.name, rt.matrix_opt.state.get(m, {}), piece=None)
-    eng = rt.tp_engine
-    if eng is not None and eng.optimizer is not None:
-        for name in eng.hosted:
-            _add_state(chunks, name, eng.optimizer.state.get(eng.masters[name], {}), piece=None)
-    return chunks
-
-
-def _meta(dopt: DistributedOptimizer) -> dict[str, Any]:
-    from canzona.distributed import SCHEDULED_KEYS
-
-    inp = dopt.plan.inputs
+def _meta(src: Checkpointable, cap: int) -> dict[str, Any]:
     return {
         "format": DCP_FORMAT,
         "version": DCP_VERSION,
-        "steps": dopt.steps,
-        "matrix_optimizer": dopt.matrix_cls.__name__,
-        "elementwise_optimizer": dopt.elementwise_cls.__name__,
-        "master_dtype": str(dopt.master_dtype).removeprefix("torch."),
-        "saved_with": {f.name: getattr(inp, f.name) for f in fields(inp)},
-        "params": {s.name: {"shape": list(s.shape), "kind": s.kind} for s in dopt.plan.specs},
-        "hyper": {g["name"]: {k: g[k] for k in SCHEDULED_KEYS if k in g} for g in dopt.param_groups},
+        "steps": src.steps,
+        "matrix_optimizer": src.matrix_cls.__name__,
+        "elementwise_optimizer": src.elementwise_cls.__name__,
+        "master_dtype": str(src.master_dtype).removeprefix("torch."),
+        "saved_with": src.checkpoint_describe(),
+        "chunk_bytes": cap,
+        "params": {r.name: {"shape": list(r.shape), "kind": r.kind} for r in src.checkpoint_params()},
+        "hyper": src.hyperparams(),
     }
 
 
@@ -223,18 +252,34 @@ def _meta_tensor(meta: Mapping[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
 
 
-def save_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
-    """Write the model's and the optimizer's state to the DCP directory ``path``
-    (collective over the world group). Each rank writes only what it owns; the directory is
-    written under ``<path>.tmp`` and renamed into place by rank 0 once every rank has finished."""
+def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Write the model's and the optimizer's state to the DCP directory ``path`` (collective over
+    the world group). Each rank writes only what it holds, in chunks of at most ``chunk_bytes``;
+    the directory is written under ``<path>.tmp`` and renamed into place by rank 0 once every rank
+    has finished."""
     import torch.distributed.checkpoint as dcp
 
-    dopt.finish_param_sync()
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    src.finish_param_sync()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    sd: dict[str, Any] = {f"model.{k}": v for k, v in dopt.model.state_dict().items()}
-    sd.update(_owned_chunks(dopt).state_dict(dopt.mesh))
-    sd[META_KEY] = _meta_tensor(_meta(dopt))
+    sd: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
+        chunks = _Chunks(chunk_bytes)
+        for k, (shape, box, local) in _model_boxes(src).items():
+            chunks.add_box(f"model.{k}", shape, box, local)
+        for h in src.held():
+            if h.master is not None:
+                chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
+            _add_state(chunks, h, shapes[h.name])
+        sd = chunks.state_dict(src.mesh)
+        sd[META_KEY] = _meta_tensor(_meta(src, chunk_bytes))
+    except Exception as exc:  # noqa: BLE001 - every rank must learn that this rank cannot save
+        error = exc
+    _agree(src, error, f"preparing the sharded checkpoint {path}")
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
@@ -281,36 +326,32 @@ def _read_meta(reader: Any, md: Any) -> tuple[dict[str, Any], dict[str, tuple[in
     return meta, strides
 
 
-def _check_meta(dopt: DistributedOptimizer, meta: Mapping[str, Any]) -> None:
-    for key, mine in (("matrix_optimizer", dopt.matrix_cls.__name__), ("elementwise_optimizer", dopt.elementwise_cls.__name__)):
-        if meta.get(key) != mine:
-            raise CheckpointError(f"checkpoint was written by {key} {meta.get(key)!r}, this optimizer runs {mine!r}")
+def _check_meta(src: Checkpointable, meta: Mapping[str, Any]) -> None:
+    check_optimizers(src, meta)
     params = meta.get("params")
     if not isinstance(params, Mapping):
         raise CheckpointError("canzona.meta lacks its parameter table")
-    want = {s.name: s for s in dopt.plan.specs}
+    want = {r.name: r for r in src.checkpoint_params()}
     if set(params) != set(want):
         raise CheckpointError(
             f"checkpoint parameters differ from the model's: missing {sorted(set(want) - set(params))[:3]}, "
             f"unexpected {sorted(set(params) - set(want))[:3]}"
         )
-    for name, spec in want.items():
+    for name, rec in want.items():
         entry = params[name]
-        if not isinstance(entry, Mapping) or tuple(entry.get("shape", ())) != spec.shape:
-            raise CheckpointError(f"{name}: checkpoint holds shape {entry.get('shape') if isinstance(entry, Mapping) else entry}, the model {list(spec.shape)}")
-        if entry.get("kind") != spec.kind:
+        if not isinstance(entry, Mapping) or tuple(entry.get("shape", ())) != rec.shape:
+            raise CheckpointError(f"{name}: checkpoint holds shape {entry.get('shape') if isinstance(entry, Mapping) else entry}, the model {list(rec.shape)}")
+        if entry.get("kind") != rec.kind:
             raise CheckpointError(
-                f"{name}: checkpoint treats it as {entry.get('kind')!r}, this optimizer as {spec.kind!r}; its optimizer state belongs to another optimizer"
+                f"{name}: checkpoint treats it as {entry.get('kind')!r}, this optimizer as {rec.kind!r}; its optimizer state belongs to another optimizer"
             )
-    mine = str(dopt.master_dtype).removeprefix("torch.")
+    mine = str(src.master_dtype).removeprefix("torch.")
     if meta.get("master_dtype") != mine:
         raise CheckpointError(f"checkpoint holds {meta.get('master_dtype')!r} masters, this optimizer keeps {mine!r}")
     steps = meta.get("steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise CheckpointError(f"checkpoint's step count {steps!r} is not a non-negative integer")
-    hyper = meta.get("hyper")
-    if not isinstance(hyper, Mapping) or not all(isinstance(v, Mapping) for v in hyper.values()):
-        raise CheckpointError("checkpoint's hyperparameters are not a mapping of mappings")
+    check_hyper_section(meta.get("hyper"))
 
 
 def _state_keys(md: Any, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -325,16 +366,14 @@ def _state_keys(md: Any, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, pys
 
 
-def _fresh(item: Any, what: str, device: torch.device, stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    size = getattr(item, "size", None)
-    props = getattr(item, "properties", None)
+def _item(md: Any, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+    item = md.state_dict_metadata.get(key)
+    if item is None:
+        raise CheckpointError(f"checkpoint lacks {key!r}")
+    size, props = getattr(item, "size", None), getattr(item, "properties", None)
     if size is None or props is None:
-        raise CheckpointError(f"{what}: saved as an object, not a tensor")
-    if stride is not None:
-        if len(stride) != len(size) or not _dense(tuple(size), stride):
-            raise CheckpointError(f"{what}: saved stride {stride} does not describe a dense tensor of shape {tuple(size)}")
-        return torch.empty_strided(tuple(size), stride, dtype=props.dtype, device=device)
-    return torch.empty(tuple(size), dtype=props.dtype, device=device)
+        raise CheckpointError(f"{key}: saved as an object, not a tensor")
+    return tuple(size), props.dtype
 
 
 def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -347,155 +386,195 @@ def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _fresh_like(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        return DTensor.from_local(torch.empty_like(t.to_local()), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return torch.empty_like(t)
-
-
 class _LoadPlan:
-    """Fresh destination buffers for what this rank holds under its own plan, and how to commit them."""
+    """Where every region this rank holds goes, and what the optimizer state becomes.
 
-    def __init__(self, dopt: DistributedOptimizer, md: Any, strides: Mapping[str, tuple[int, ...]]) -> None:
-        rt = dopt.runtime
-        self.dopt = dopt
-        self.strides = dict(strides)
-        self.chunks = _Chunks()
-        self.whole: dict[str, torch.Tensor] = {}  # 0-dim and whole-tensor keys (matrix state, pystate)
-        self.masters: list[tuple[Any, torch.Tensor]] = []
-        #: element-wise pieces: (piece, {key: flat or 0-dim tensor}, {key: 0-dim tensor of a Python value})
-        self.ew_state: list[tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
-        self.matrix_state: list[tuple[Any, dict[str, str]]] = []
-        self.hosted_state: dict[str, dict[str, str]] = {}
-        self.model: dict[str, torch.Tensor] = {}
-        meta = md.state_dict_metadata
-        for k, v in dopt.model.state_dict().items():
-            key = f"model.{k}"
-            if key not in meta:
-                raise CheckpointError(f"checkpoint lacks the model entry {k!r}")
-            if tuple(getattr(meta[key], "size", ())) != tuple(v.shape):
-                raise CheckpointError(f"model entry {k!r}: checkpoint holds shape {tuple(getattr(meta[key], 'size', ()))}, the model {tuple(v.shape)}")
-            self.model[key] = _fresh_like(v.detach())
-        for pc in rt.pieces:
-            spec = rt.specs[pc.name]
-            m = rt.masters[pc]
-            key = _master_key(pc.name)
-            self._expect(meta, key, spec.shape)
-            flat = torch.empty(pc.numel, dtype=m.dtype, device=m.device)
-            self.chunks.add_piece(key, spec, dopt.tp_rank, pc.start, pc.end, flat)
-            self.masters.append((pc, flat))
-            tensors, pys = _state_keys(md, pc.name)
-            if pc.role == "elementwise":
-                st: dict[str, torch.Tensor] = {}
-                for k, item in tensors.items():
-                    size = tuple(getattr(item, "size", ()))
-                    if size == ():
-                        st[k] = self._whole(_state_key(pc.name, k), item, m.device)
-                    elif size != spec.shape:
-                        raise CheckpointError(f"{pc.name}: state {k!r} has shape {size}, expected {spec.shape}")
-                    else:
-                        buf = torch.empty(pc.numel, dtype=item.properties.dtype, device=m.device)
-                        self.chunks.add_piece(_state_key(pc.name, k), spec, dopt.tp_rank, pc.start, pc.end, buf)
-                        st[k] = buf
-                py = {k: self._whole(_py_key(pc.name, k), item, m.device) for k, item in pys.items()}
-                self.ew_state.append((pc, st, py))
-            elif pc.role == "matrix":
-                self.matrix_state.append((pc, self._whole_state(md, pc.name, m.device)))
-        eng = rt.tp_engine
-        if eng is not None:
-            for name in eng.hosted:
-                self.hosted_state[name] = self._whole_state(md, name, eng.masters[name].device)
+    ``boxes``: key -> (global shape, [(box, destination view)]); the commit pass reads into the
+    destinations, the verify pass into views of one scratch buffer of the same shapes.
+    ``fresh``: 0-dim and Python-valued entries, read into new tensors (tiny).
+    ``states``: (held, {state key: tensor or DCP key of a fresh entry}) assigned after the commit."""
 
-    @staticmethod
-    def _expect(meta: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> None:
-        item = meta.get(key)
-        if item is None:
-            raise CheckpointError(f"checkpoint lacks {key!r}")
-        if tuple(getattr(item, "size", ())) != tuple(shape):
-            raise CheckpointError(f"{key}: checkpoint holds shape {tuple(getattr(item, 'size', ()))}, expected {tuple(shape)}")
+    def __init__(self, src: Checkpointable, md: Any, strides: Mapping[str, tuple[int, ...]], cap: int) -> None:
+        self.src, self.cap = src, cap
+        self.boxes: dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]] = {}
+        self.fresh: dict[str, torch.Tensor] = {}
+        self.states: list[tuple[Held, dict[str, Any]]] = []
+        self.new_state_bytes = 0
+        shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
+        for k, (want, box, local) in _model_boxes(src).items():
+            size, _ = _item(md, f"model.{k}")
+            if size != want:
+                raise CheckpointError(f"model entry {k!r}: checkpoint holds shape {size}, the model {want}")
+            self._add(f"model.{k}", size, box, local)
+        for h in src.held():
+            shape = shapes[h.name]
+            if h.master is not None:
+                key = _master_key(h.name)
+                size, _ = _item(md, key)
+                if size != shape:
+                    raise CheckpointError(f"{key}: checkpoint holds shape {size}, expected {shape}")
+                self._add_region(key, shape, h.region, h.master.detach().view(-1))
+            if h.optimizer is not None and h.param is not None:
+                self.states.append((h, self._state(md, h, shape, strides)))
 
-    def _whole(self, key: str, item: Any, device: torch.device) -> torch.Tensor:
-        t = self.whole.get(key)
-        if t is None:
-            t = self.whole[key] = _fresh(item, key, device, self.strides.get(key))
-        return t
+    def _add(self, key: str, shape: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+        if math.prod(box[1]) == 0 and shape:
+            return
+        self.boxes.setdefault(key, (shape, []))[1].extend(((o, tuple(t.shape)), t) for o, t in _slabs(box, view, self.cap))
 
-    def _whole_state(self, md: Any, name: str, device: torch.device) -> dict[str, str]:
-        tensors, pys = _state_keys(md, name)
-        keys = {k: _state_key(name, k) for k in tensors} | {k: _py_key(name, k) for k in pys}
-        for k, key in keys.items():
-            self._whole(key, md.state_dict_metadata[key], device)
-        return keys
+    def _add_region(self, key: str, shape: tuple[int, ...], region: tuple[Box, ...], flat: torch.Tensor) -> None:
+        pos = 0
+        for box in region:
+            n = math.prod(box[1])
+            self._add(key, shape, box, flat[pos : pos + n].view(box[1]))
+            pos += n
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.model, **self.chunks.state_dict(self.dopt.mesh), **self.whole}
+    def _fresh(self, key: str, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str:
+        if key not in self.fresh:
+            self.fresh[key] = torch.empty(size, dtype=dtype, device=device)
+        return key
 
-    def _value(self, key: str) -> Any:
-        t = self.whole[key]
-        return t.item() if ".pystate." in key else t
+    def _state(self, md: Any, h: Held, shape: tuple[int, ...], strides: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """The new state of ``h``: existing tensors of the right shape, dtype and layout are reused
+        (written in place by the commit pass), others allocated once at their final size."""
+        old = h.state()
+        dev = h.param.device  # type: ignore[union-attr]
+        tensors, pys = _state_keys(md, h.name)
+        new: dict[str, Any] = {}
+        for k, item in tensors.items():
+            key = _state_key(h.name, k)
+            size, dtype = _item(md, key)
+            if size == ():
+                new[k] = self._fresh(key, size, dtype, dev)
+                continue
+            if h.sliced:
+                if size != shape:
+                    raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected {shape}")
+                local_shape = tuple(h.master.shape) if h.master is not None else (sum(math.prod(b[1]) for b in h.region),)
+                stride = torch.empty(local_shape, device="meta").stride()
+            else:
+                local_shape = size
+                stride = strides.get(key) or torch.empty(size, device="meta").stride()
+                if len(stride) != len(size) or not _dense(size, tuple(stride)):
+                    raise CheckpointError(f"{key}: saved stride {stride} does not describe a dense tensor of shape {size}")
+            t = old.get(k)
+            if not (torch.is_tensor(t) and tuple(t.shape) == local_shape and t.dtype == dtype and t.device == dev and t.stride() == tuple(stride)):
+                t = torch.empty_strided(local_shape, tuple(stride), dtype=dtype, device=dev)
+                self.new_state_bytes += t.numel() * t.element_size()
+            new[k] = t
+            if h.sliced:
+                self._add_region(key, shape, h.region, t.view(-1))
+            else:
+                self._add(key, size, whole_box(size), t)
+        for k in pys:
+            key = _py_key(h.name, k)
+            size, dtype = _item(md, key)
+            if size != ():
+                raise CheckpointError(f"{key}: not a 0-dim value")
+            new[k] = self._fresh(key, size, dtype, dev)
+        return new
+
+    def state_dict(self, *, scratch: torch.Tensor | None) -> dict[str, Any]:
+        """DCP destinations: the real ones, or (``scratch``) views of one scratch buffer."""
+        chunks = _Chunks(self.cap)
+        for key, (shape, boxes) in self.boxes.items():
+            for box, view in boxes:
+                if scratch is not None:
+                    n = view.numel() * view.element_size()
+                    view = scratch[:n].view(view.dtype).view(view.shape)
+                chunks.add_box(key, shape, box, view)
+        out = chunks.state_dict(self.src.mesh)
+        out.update(self.fresh)
+        return out
+
+    def scratch_bytes(self) -> int:
+        return max((v.numel() * v.element_size() for _, boxes in self.boxes.values() for _, v in boxes), default=0)
 
     def commit(self, meta: Mapping[str, Any]) -> None:
-        """Copy the loaded buffers into the optimizer and the model. Runs only after DCP reported
-        success on every rank; the one collective left is the TP hosts' master re-assembly."""
-        dopt, rt = self.dopt, self.dopt.runtime
-        with torch.no_grad():
-            for pc, flat in self.masters:
-                rt.masters[pc].copy_(flat.view(rt.masters[pc].shape))
-            if rt.elementwise_opt is not None:
-                for pc, st, py in self.ew_state:
-                    m = rt.masters[pc]
-                    new: dict[str, Any] = {k: (v.view(m.shape) if v.dim() else v.clone()) for k, v in st.items()}
-                    new.update({k: v.item() for k, v in py.items()})
-                    rt.elementwise_opt.state[m] = new
-            if rt.matrix_opt is not None:
-                for pc, keys in self.matrix_state:
-                    rt.matrix_opt.state[rt.masters[pc]] = {k: self._value(key) for k, key in keys.items()}
-            eng = rt.tp_engine
-            if eng is not None:
-                eng.refresh_masters()
-                eng.load_state_dict({n: {k: self._value(key) for k, key in keys.items()} for n, keys in self.hosted_state.items()})
-            for k, v in dopt.model.state_dict().items():
-                local_tensor(v).copy_(local_tensor(self.model[f"model.{k}"]))
-        for g in dopt.param_groups:
-            for k, v in meta["hyper"].get(g["name"], {}).items():
-                if k in g:
-                    g[k] = v
-        rt.steps = int(meta["steps"])
-        rt.discard_grads()
+        """After the commit pass wrote masters, state tensors and the model in place: assign the
+        new state dicts, restore hyperparameters, let the front end finish."""
+        for h, new in self.states:
+            st = {}
+            for k, v in new.items():
+                if isinstance(v, str):  # a fresh entry's DCP key
+                    t = self.fresh[v]
+                    st[k] = t.item() if ".pystate." in v else t
+                else:
+                    st[k] = v
+            h.optimizer.state[h.param] = st  # type: ignore[union-attr,index]
+        restore_hyperparams(self.src, meta["hyper"])
+        self.src.finish_load(int(meta["steps"]))
 
 
-def load_sharded(dopt: DistributedOptimizer, path: str | os.PathLike[str]) -> None:
-    """Load :func:`save_sharded`'s directory into ``dopt`` (and its model) at this optimizer's own
+def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Load :func:`save_sharded`'s directory into ``src`` (and its model) at this optimizer's own
     layout (collective over the world group). Refuses a checkpoint that does not fit with one
-    :class:`CheckpointError` on every rank, leaving the in-memory state untouched."""
+    :class:`CheckpointError` on every rank, leaving the in-memory state untouched; reads through
+    a scratch buffer of at most ``chunk_bytes`` (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"not a sharded checkpoint directory (no .metadata): {path}")
-    dopt.finish_param_sync()
-    reader = dcp.FileSystemReader(str(path))
+    src.finish_param_sync()
+    error: BaseException | None = None
+    meta: dict[str, Any] = {}
+    strides: dict[str, tuple[int, ...]] = {}
+    md: Any = None
     try:
-        md = reader.read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a corrupt directory must say so, not crash obscurely
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
-    _check_files(path, md)
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"not a sharded checkpoint directory (no .metadata): {path}")
+        try:
+            md = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - a corrupt directory must say so, not crash obscurely
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {_first_line(exc)})") from None
+        _check_files(path, md)
+    except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+        error = exc
+    _agree(src, error, f"reading the sharded checkpoint {path}")
     try:
-        meta, strides = _read_meta(reader, md)
+        meta, strides = _read_meta(dcp.FileSystemReader(str(path)), md)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"{path}: reading the checkpoint failed (canzona.meta: {type(exc).__name__}: {_first_line(exc)})") from None
-    _check_meta(dopt, meta)
-    plan = _LoadPlan(dopt, md, strides)
+    plan: _LoadPlan | None = None
     try:
-        dcp.load(plan.state_dict(), storage_reader=dcp.FileSystemReader(str(path)))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP reports any rank's read failure on every rank
-        raise CheckpointError(f"{path}: reading the checkpoint failed ({type(exc).__name__}: {_first_line(exc)})") from None
-    plan.commit(meta)
+        _check_meta(src, meta)
+        plan = _LoadPlan(src, md, strides, chunk_bytes)
+    except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+        error = exc
+    _agree(src, error, f"loading the sharded checkpoint {path}")
+    assert plan is not None
+    scratch = torch.empty(plan.scratch_bytes(), dtype=torch.uint8, device=src.status_device())
+    last_load_stats.clear()
+    last_load_stats.update(
+        scratch_bytes=scratch.numel(),
+        new_state_bytes=plan.new_state_bytes,
+        fresh_bytes=sum(t.numel() * t.element_size() for t in plan.fresh.values()),
+        regions=sum(len(b) for _, b in plan.boxes.values()),
+    )
+    for stage, target in (("verify", scratch), ("commit", None)):
+        try:
+            dcp.load(plan.state_dict(scratch=target), storage_reader=dcp.FileSystemReader(str(path)))
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP reports any rank's read failure on every rank
+            where = "" if stage == "verify" else " after verifying it; the in-memory state is partly overwritten"
+            raise CheckpointError(f"{path}: reading the checkpoint failed{where} ({type(exc).__name__}: {_first_line(exc)})") from None
+        if stage == "verify":
+            del scratch
+    with torch.no_grad():
+        plan.commit(meta)
+
+
+def _agree(src: Checkpointable, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed; this rank's own error says it best."""
+    try:
+        agree(error, what, device=src.status_device(), timeout_s=src.status_timeout_s, mark=True)
+    except RankFailure:
+        if error is not None:
+            raise error from None
+        raise
 
 
 def _check_files(path: Path, md: Any) -> None:
