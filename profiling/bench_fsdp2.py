@@ -173,9 +173,7 @@ class _PeerScheme(torch.optim.Optimizer):
                     dist.scatter(out, None, src=dst)
                 p.to_local().add_(out, alpha=-group["lr"])
         if self._adam is not None:
-            for p in self._adam.param_groups[0]["params"]:
-                p.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            self._adam.step()
+            self._adam.step()  # DTensor parameters and gradients: AdamW runs on the local shards
 
 
 def _peer_bytes(model: nn.Module, world: int) -> int:
@@ -231,6 +229,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         opt = contenders[name][1]
         if hasattr(opt, "comm_stats"):
             opt.comm_stats.reset()
+            opt.phase_times.reset()
     # interleaved, in a rotating order, so a change of machine load hits every contender alike
     for step in range(args.steps):
         for j in range(len(names)):
@@ -249,10 +248,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             state = _state_bytes(opt)
         out[name] = {"wall": statistics.median(walls[name]), "cpu": statistics.median(cpus[name]),
                      "proc": statistics.median(procs[name]), "sent": sent, "state": state}
+        if hasattr(opt, "phase_times"):
+            pt = opt.phase_times
+            out[name]["phases"] = {k: (pt.wall[k] / args.steps, pt.cpu[k] / args.steps, pt.calls[k] / args.steps) for k in pt.wall}
+            out[name]["groups"] = len(opt.plan.groups)
     return out
 
 
-def _report(world: int, per_rank: list[dict[str, Any]]) -> None:
+def _report(world: int, per_rank: list[dict[str, Any]], phases: bool = False) -> None:
     labels = list(per_rank[0])
     base = next(lab for lab in labels if lab.endswith("lb-asc"))
     print(f"\nworld {world} (gloo, one thread per rank)")
@@ -274,6 +277,17 @@ def _report(world: int, per_rank: list[dict[str, Any]]) -> None:
             f"{max(r['proc'] for r in rows) * 1e3:>12.1f}{sum(r['sent'] for r in rows) / 2**20:>9.2f}{max(states) / 2**20:>13.2f}{max(states) / mean_state:>12.2f}"
             f"{wall / bwall:>10.2f}"
         )
+    if not phases:
+        return
+    print(f"\nworld {world}: canzona phases per step (wall ms max over ranks / thread-CPU ms max over ranks / calls)")
+    for lab in labels:
+        if "phases" not in per_rank[0][lab]:
+            continue
+        print(f"  {lab} ({per_rank[0][lab]['groups']} micro-groups)")
+        keys = sorted({k for r in per_rank for k in r[lab]["phases"]})
+        for k in keys:
+            vals = [r[lab]["phases"].get(k, (0.0, 0.0, 0.0)) for r in per_rank]
+            print(f"    {k:<40}{max(v[0] for v in vals) * 1e3:>9.1f}{max(v[1] for v in vals) * 1e3:>9.1f}{max(v[2] for v in vals):>7.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8: several groups, so exchanges overlap compute)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step (max over ranks)")
     args = p.parse_args(argv)
     from canzona.runtime.launch import run_workers
 
@@ -304,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for w in worlds:
         per_rank = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)
-        _report(w, per_rank)
+        _report(w, per_rank, args.phases)
     return 0
 
 

@@ -20,7 +20,7 @@ from canzona.plan import PlanInputs, make_plan
 from canzona.runtime import phases
 from canzona.runtime.launch import run_workers
 from canzona.runtime.phases import PhaseTimer, phase, timing
-from canzona.runtime.tp import (
+from canzona.runtime.exchange import (
     APPLY,
     COMPUTE,
     GATHER_LAUNCH,
