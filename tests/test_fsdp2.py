@@ -82,6 +82,20 @@ def test_exchange_packing_round_trip_is_bitwise_with_uneven_empty_and_duplicate_
             assert not tensors_equal(got, want)
 
 
+def test_nonfinite_check_is_exact_for_nan_inf_and_overflowing_sums() -> None:
+    from canzona.runtime.fsdp import nonfinite
+
+    big = torch.full((4, 3), 3e38)  # finite, but its sum overflows to inf: not a non-finite gradient
+    cases = [torch.ones(3, 2), big, None, torch.zeros(0, 5), torch.ones(2, 2), torch.ones(2, 2), torch.ones(5).bfloat16()]
+    cases[4][1, 0] = float("nan")
+    cases[5][0, 1] = float("-inf")
+    cases[6][3] = float("inf")
+    assert nonfinite(cases).tolist() == [False, False, False, False, True, True, True]
+    both = torch.ones(4)
+    both[0], both[1] = float("inf"), float("-inf")  # the sum is NaN
+    assert nonfinite([both]).tolist() == [True] and nonfinite([]).tolist() == []
+
+
 def test_layout_refuses_gaps_and_overlaps() -> None:
     with pytest.raises(ValueError, match="do not tile"):
         PieceLayout("x", (4, 2), (Block((0, 0), (2, 2)), Block((1, 0), (2, 2))))
