@@ -538,11 +538,22 @@ class MicroGroupEngine:
                     self.masters[name] = nn.Parameter(t)
 
     # ------------------------------------------------------------------------- the step
-    def run(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
+    def run(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        dest: Mapping[str, torch.Tensor],
+        *,
+        skip: Collection[str] = (),
+        overlap: Callable[[], None] | None = None,
+    ) -> None:
         """One optimizer step: gather -> compute -> scatter -> apply per micro-group, pipelined as
         :func:`pipeline` says. ``grads[name]`` is this rank's gradient block of every task,
         ``dest[name]`` the tensor that receives this rank's block of the new value. ``skip``: tasks
-        without a gradient on any rank; hosts do not step them (their values return unchanged)."""
+        without a gradient on any rank; hosts do not step them (their values return unchanged);
+        it is read at each compute, so a caller may add to a set it passed. ``overlap``: the
+        caller's own work (e.g. the element-wise update), run once right after the first gather is
+        launched so that it overlaps the first transfer; it must not raise (the other ranks are
+        waiting in the exchanges)."""
         self.last_events = events = []
         groups = self.groups
         works: dict[tuple[str, int], Any] = {}
@@ -557,6 +568,9 @@ class MicroGroupEngine:
                 if ev == GATHER_LAUNCH:
                     with phase(indexed(TP_GATHER, g.phase_index, LAUNCH), bytes=g.send_numel * self._es, group=k, peers=peers):
                         works[GATHER_WAIT, k] = self._launch_gather(g, grads)
+                    if overlap is not None:
+                        overlap()
+                        overlap = None
                 elif ev == GATHER_WAIT:
                     with phase(indexed(TP_GATHER, g.phase_index, WAIT), bytes=sum(g.gather_recv) * self._es, group=k, peers=peers):
                         self._wait(works.pop((GATHER_WAIT, k)))
@@ -591,6 +605,8 @@ class MicroGroupEngine:
                             for c in g.unpack_back:
                                 if c.numel:
                                     dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
+            if overlap is not None:  # no micro-group at all
+                overlap()
         except BaseException:
             # Exchanges still in flight write into the reserved slots: let them land before the
             # error leaves, so a later step never shares a buffer with a stale collective. Every

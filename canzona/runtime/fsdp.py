@@ -65,11 +65,13 @@ class FSDPEngine(MicroGroupEngine):
         # kw: comm, optimizer_factory, initial (see MicroGroupEngine)
         super().__init__(groups, dtype=master_dtype, **kw)
 
-    def step(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
+    def step(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], *, skip: Collection[str] = (),
+             overlap: Callable[[], None] | None = None) -> None:
         """One matrix step (:meth:`~canzona.runtime.exchange.MicroGroupEngine.run`): ``grads[name]``
         is this rank's gradient block, ``dest[name]`` the tensor that receives this rank's block of
-        the new value; tasks in ``skip`` are not stepped (their values return unchanged)."""
-        self.run(grads, dest, skip=skip)
+        the new value; tasks in ``skip`` are not stepped (their values return unchanged);
+        ``overlap`` runs while the first gather is in flight."""
+        self.run(grads, dest, skip=skip, overlap=overlap)
 
     def load_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
         """Restore :meth:`state_dict`'s output for the hosted parameters (others are ignored; a
@@ -198,7 +200,8 @@ class FSDPRuntime:
         the world (a fused ``all_reduce(MAX)`` of a small int64 vector) settles, on every rank and
         before anything changes, errors so far, which parameters have a gradient anywhere,
         non-finite gradients and ``digest`` (the caller's hash of the hyperparameters); then the
-        element-wise pieces (no communication) and the matrix micro-groups; a second exchange
+        matrix micro-groups, with the element-wise pieces (no communication) updated while the
+        first gather is in flight; a second exchange
         carries errors raised while updating. A refused step leaves every parameter and optimizer
         state untouched on every rank and drops the gradients (``p.grad`` becomes None)."""
         n = len(self.names)
@@ -218,29 +221,37 @@ class FSDPRuntime:
             except BaseException:
                 self.drop_grads()
                 raise
-            try:
-                with phase(DP_LOCAL_UPDATE):
-                    live = {n: m for n, m in self.ew_masters.items() if n not in skip}
-                    for n, m in live.items():
-                        g = grads[n]
-                        m.grad = g if g is not None else self._zeros(n)
-                    if self.ew_optimizer is not None:
-                        with faults.around_step(self.ew_optimizer, self.ew_masters.items()):
-                            self.ew_optimizer.step()
+            live = {n: m for n, m in self.ew_masters.items() if n not in skip}
+            matrix_skip = set(skip)  # read by the engine at each compute: an element-wise error adds every task
+            ew_error: list[Exception] = []
+
+            def elementwise() -> None:
+                # runs while the first micro-group's gather is in flight; must not raise (see run)
+                try:
+                    with phase(DP_LOCAL_UPDATE):
+                        for n, m in live.items():
+                            g = grads[n]
+                            m.grad = g if g is not None else self._zeros(n)
+                        if self.ew_optimizer is not None:
+                            with faults.around_step(self.ew_optimizer, self.ew_masters.items()):
+                                self.ew_optimizer.step()
+                except Exception as exc:  # noqa: BLE001 - this rank now joins the exchanges without computing
+                    ew_error.append(exc)
+                    matrix_skip.update(self.matrix_names)
+                finally:
                     for m in live.values():
                         m.grad = None
-            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchanges
-                error = exc
+
             try:
                 # Always: the other ranks wait in the engine's exchanges. After an error this rank
-                # joins them without computing (zeros for its pieces, every task skipped).
-                passive = error is not None
-                mgrads = {n: (grads.get(n) if not passive else None) for n in self.matrix_names}
-                mgrads = {n: g if g is not None else self._zeros(n) for n, g in mgrads.items()}
+                # joins them without computing (every task it hosts skipped).
+                mgrads = {n: g if (g := grads.get(n)) is not None else self._zeros(n) for n in self.matrix_names}
                 dest = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
-                self.engine.step(mgrads, dest, skip=frozenset(self.matrix_names) if passive else skip)
+                self.engine.step(mgrads, dest, skip=matrix_skip, overlap=elementwise)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
-                error = error or exc
+                error = exc
+            if ew_error:
+                error = ew_error[0]
             try:
                 agree(error, "optimizer step (update)", device=self._device, timeout_s=self.status_timeout_s)
             except BaseException:
