@@ -7,7 +7,7 @@ state. For each micro-group of the plan (Algorithm 2, ``plan.micro_groups[dp_ran
 
 1. gather   one fused ``all_to_all_single``: every TP rank sends its gradient shard of every task
             in the group to that task's host (``canzona/tp/gather/group<k>``);
-2. compute  each host concatenates the shards along the split dim into the full gradient and runs
+2. compute  each host writes the shards at their places along the split dim of the full gradient and runs
             the ordinary per-parameter optimizer on the full master (``canzona/tp/compute/group<k>``);
 3. scatter  one fused ``all_to_all_single`` returns every TP rank its slice of the updated
             parameter, as *values*, not deltas (``canzona/tp/scatter/group<k>``);
@@ -26,7 +26,8 @@ Which parameters a TP group handles is decided by DP ownership (the caller passe
 masters of the TP-split matrix parameters its DP rank updates); which TP rank hosts each one, and
 how tasks batch, by the plan's micro-groups for that DP rank. The engine never re-plans.
 
-Overlap (the schedule is :func:`pipeline`, recorded per step in ``TPEngine.last_events``). While
+Overlap (the schedule is :func:`canzona.runtime.exchange.pipeline`, recorded per step in
+``TPEngine.last_events``). While
 group k computes, gather k+1 and scatter k-1 are in flight; group k-1's values are applied
 right after compute k, when its scatter has had a whole compute to land, and scatter k is then
 launched to land during compute k+1. Every exchange is ``async_op=True`` with its own
@@ -42,7 +43,7 @@ group is entered twice: once to copy the gathered shards out of the gather slot 
 gather reuses at once), once for the optimizer.
 
 Memory. Two exchange slots are reserved at construction and reused by every group of every step
-(:class:`ExchangeSlots`, ``reserved_exchange_bytes``): the gather slot (shard-side send buffer,
+(:class:`canzona.runtime.exchange.ExchangeSlots`, ``reserved_exchange_bytes``): the gather slot (shard-side send buffer,
 full-side receive buffer) and the scatter slot (full-side send, shard-side receive), each buffer
 as long as the largest group needs. ``state_bytes()`` is this rank's optimizer-state bytes
 (full-shape state of the tasks it hosts); ``peak_exchange_bytes`` the largest single exchange
