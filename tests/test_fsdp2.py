@@ -324,29 +324,18 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
 # ============================================================================ status agreement (world 2)
 
 
-class FlakyAdamW(torch.optim.AdamW):
-    """AdamW that raises when the class flag is set (set on one rank only)."""
+def _flaky(base: type, what: str) -> type:
+    """``base`` raising ``ArithmeticError`` in ``step`` while its class flag ``fail`` is set (on one rank)."""
 
-    fail = False
-
-    def step(self, closure=None):
-        if FlakyAdamW.fail and any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            raise ArithmeticError("flaky element-wise optimizer refused this step")
-        return super().step(closure)
-
-
-def _flaky_muon():
-    from canzona.optim import Muon
-
-    class FlakyMuon(Muon):
+    class Flaky(base):  # type: ignore[misc, valid-type]
         fail = False
 
         def step(self, closure=None):
-            if FlakyMuon.fail:
-                raise ArithmeticError("flaky host optimizer refused this step")
+            if type(self).fail:
+                raise ArithmeticError(f"flaky {what} optimizer refused this step")
             return super().step(closure)
 
-    return FlakyMuon
+    return Flaky
 
 
 def _local_snapshot(opt) -> dict[str, object]:
@@ -481,20 +470,21 @@ def _robust_cases(rank: int, mesh) -> dict:
     dist.barrier()
 
     def ew_error():
-        model, opt = build("lb-asc", elementwise_optimizer=FlakyAdamW)
+        flaky = _flaky(torch.optim.AdamW, "element-wise")
+        model, opt = build("lb-asc", elementwise_optimizer=flaky)
         backward(model, 0)
-        FlakyAdamW.fail = rank == 1
+        flaky.fail = rank == 1
         try:
             got = _outcome(opt.step)
         finally:
-            FlakyAdamW.fail = False
+            flaky.fail = False
         return {"raised": got}
 
     out["ew_error"] = _attempt(ew_error)
     dist.barrier()
 
     def host_error():
-        flaky = _flaky_muon()
+        flaky = _flaky(Muon, "host")
         model = build_fsdp_toy(mesh, torch.float32)
         opt = canzona.DistributedOptimizer(model, flaky, strategy="lb-asc", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
         backward(model, 0)
