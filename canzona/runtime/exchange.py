@@ -69,6 +69,7 @@ __all__ = [
     "MicroGroupEngine",
     "PieceLayout",
     "assemble_at_host",
+    "describe_group",
     "from_hosts_recv_sizes",
     "pack_from_hosts",
     "pack_to_hosts",
