@@ -57,6 +57,7 @@ from torch import nn
 from canzona.distributed import (
     GROUP_NAMES,
     DistributedOptimizer,
+    _plain,
     check_per_parameter,
     exchange_fingerprints,
     resolve_optimizer,
@@ -67,7 +68,8 @@ from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, 
 from canzona.runtime.agree import STATUS_TIMEOUT_S
 from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
-from canzona.runtime.fsdp import Block, FSDPRuntime, PieceLayout, local_block
+from canzona.runtime.exchange import Block, PieceLayout
+from canzona.runtime.fsdp import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer, timing
 from canzona.specs import is_matrix_param
 
@@ -202,6 +204,8 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         ew_cls = resolve_optimizer(elementwise_optimizer, "elementwise_optimizer")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.elementwise_kwargs = dict(elementwise_kwargs or {})
+        # every rank's optimizer arguments, folded into the per-step hyperparameter digest
+        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
         check_per_parameter(matrix_cls, self.optimizer_kwargs, "optimizer")
         if ew_cls is not matrix_cls or self.elementwise_kwargs != self.optimizer_kwargs:
             check_per_parameter(ew_cls, self.elementwise_kwargs, "elementwise_optimizer")
@@ -293,6 +297,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             matrix_factory=self._factory(matrix_cls, self.optimizer_kwargs),
             elementwise_factory=self._factory(ew_cls, self.elementwise_kwargs),
             master_dtype=master_dtype,
+            status_timeout_s=self.status_timeout_s,
         )
         self.comm_stats.reset()
 
@@ -362,14 +367,15 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
     def step(self, closure: Any = None) -> Any:
         """Element-wise pieces, then the matrix micro-groups (FSDP2 has already reduced ``p.grad``).
 
-        The ZeRO-1 path's per-step status exchange (hyperparameter digest, gradient flags) is not
-        run here: FSDP2's own collectives already tie the ranks together at every step."""
+        As on the ZeRO-1 path, one status exchange before anything changes settles errors, missing
+        and non-finite gradients and the hyperparameter digest on every rank, and a second one
+        carries errors raised while updating (:meth:`canzona.runtime.fsdp.FSDPRuntime.step`)."""
         if closure is not None:
             raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
         self._check_params_unchanged()
         self._push_hyperparams()
         with timing(self.phase_times):
-            self.runtime.step()
+            self.runtime.step(self._digest())
         return None
 
     def refresh_masters(self) -> None:

@@ -24,15 +24,23 @@ rotating order, so changes of machine load hit all of them alike. Contenders:
                       re-implementation of the same scheme (canzona's Muon math) when the package
                       is missing or cannot compile here.
 
-Printed per contender: step wall time (median over timed steps), optimizer compute per rank (the
+Printed per contender: step wall time (median and fastest of the timed steps; each step's time is
+the slowest rank's), optimizer compute per rank (the
 main thread's CPU time during ``step()``: math plus packing, not the gloo worker threads) as max
 and mean and ``max / (total / world)``, the whole process's CPU time during ``step()`` (all threads, gloo's
 included; max over ranks), bytes sent per step (all ranks; muon-fsdp2's counted from
 its gather/scatter sizes), peak optimizer-state bytes per rank (max and max/mean), and the step
 time relative to ``canzona lb-asc``. Both Muons run their Newton-Schulz in bfloat16.
 
+With ``--phases``, canzona's contenders also print their phases per step (wall and main-thread CPU,
+max over ranks, and calls): status exchange and element-wise update, gather launch/wait, compute,
+scatter launch/wait, apply.
+
 On a machine shared with other jobs the wall times are dominated by scheduling (a rank waits for a
-core, not for data); the CPU columns are then the comparable quantities.
+core, not for data); with more ranks than cores (world 4 on 2 cores) a step costs the total CPU of
+all ranks whatever the balance. The CPU columns are then the comparable quantities: ``cpu max``
+approximates the step on a quiet machine with a core per rank (exposed exchanges and waits come on
+top).
 """
 
 from __future__ import annotations
@@ -173,9 +181,7 @@ class _PeerScheme(torch.optim.Optimizer):
                     dist.scatter(out, None, src=dst)
                 p.to_local().add_(out, alpha=-group["lr"])
         if self._adam is not None:
-            for p in self._adam.param_groups[0]["params"]:
-                p.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            self._adam.step()
+            self._adam.step()  # DTensor parameters and gradients: AdamW runs on the local shards
 
 
 def _peer_bytes(model: nn.Module, world: int) -> int:
@@ -231,6 +237,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         opt = contenders[name][1]
         if hasattr(opt, "comm_stats"):
             opt.comm_stats.reset()
+            opt.phase_times.reset()
     # interleaved, in a rotating order, so a change of machine load hits every contender alike
     for step in range(args.steps):
         for j in range(len(names)):
@@ -247,17 +254,21 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         else:
             sent = _peer_bytes(model, world) / world  # per rank on average; summed over ranks below
             state = _state_bytes(opt)
-        out[name] = {"wall": statistics.median(walls[name]), "cpu": statistics.median(cpus[name]),
+        out[name] = {"wall": statistics.median(walls[name]), "walls": walls[name], "cpu": statistics.median(cpus[name]),
                      "proc": statistics.median(procs[name]), "sent": sent, "state": state}
+        if hasattr(opt, "phase_times"):
+            pt = opt.phase_times
+            out[name]["phases"] = {k: (pt.wall[k] / args.steps, pt.cpu[k] / args.steps, pt.calls[k] / args.steps) for k in pt.wall}
+            out[name]["groups"] = len(opt.plan.groups)
     return out
 
 
-def _report(world: int, per_rank: list[dict[str, Any]]) -> None:
+def _report(world: int, per_rank: list[dict[str, Any]], phases: bool = False) -> None:
     labels = list(per_rank[0])
     base = next(lab for lab in labels if lab.endswith("lb-asc"))
     print(f"\nworld {world} (gloo, one thread per rank)")
     head = (
-        f"{'contender':<34}{'step ms':>9}{'cpu max ms':>11}{'cpu mean':>9}{'max/(tot/R)':>12}"
+        f"{'contender':<34}{'step ms':>9}{'min ms':>8}{'cpu max ms':>11}{'cpu mean':>9}{'max/(tot/R)':>12}"
         f"{'proc max ms':>12}{'MB sent':>9}{'state max MB':>13}{'st max/mean':>12}{'vs lb-asc':>10}"
     )
     print(head)
@@ -265,30 +276,44 @@ def _report(world: int, per_rank: list[dict[str, Any]]) -> None:
     for lab in labels:
         rows = [r[lab] for r in per_rank]
         wall = max(r["wall"] for r in rows)
+        # the step's wall time is the slowest rank's (barriers on both sides): per step, max over ranks
+        fastest = min(max(r["walls"][i] for r in rows) for i in range(len(rows[0]["walls"])))
         cpus = [r["cpu"] for r in rows]
         states = [r["state"] for r in rows]
         mean_cpu, mean_state = sum(cpus) / world, sum(states) / world
         bwall = max(r[base]["wall"] for r in per_rank)
         print(
-            f"{lab:<34}{wall * 1e3:>9.1f}{max(cpus) * 1e3:>11.1f}{mean_cpu * 1e3:>9.1f}{max(cpus) / mean_cpu:>12.2f}"
+            f"{lab:<34}{wall * 1e3:>9.1f}{fastest * 1e3:>8.1f}{max(cpus) * 1e3:>11.1f}{mean_cpu * 1e3:>9.1f}{max(cpus) / mean_cpu:>12.2f}"
             f"{max(r['proc'] for r in rows) * 1e3:>12.1f}{sum(r['sent'] for r in rows) / 2**20:>9.2f}{max(states) / 2**20:>13.2f}{max(states) / mean_state:>12.2f}"
             f"{wall / bwall:>10.2f}"
         )
+    if not phases:
+        return
+    print(f"\nworld {world}: canzona phases per step (wall ms max over ranks / thread-CPU ms max over ranks / calls)")
+    for lab in labels:
+        if "phases" not in per_rank[0][lab]:
+            continue
+        print(f"  {lab} ({per_rank[0][lab]['groups']} micro-groups)")
+        keys = sorted({k for r in per_rank for k in r[lab]["phases"]})
+        for k in keys:
+            vals = [r[lab]["phases"].get(k, (0.0, 0.0, 0.0)) for r in per_rank]
+            print(f"    {k:<40}{max(v[0] for v in vals) * 1e3:>9.1f}{max(v[1] for v in vals) * 1e3:>9.1f}{max(v[2] for v in vals):>7.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="2,4", help="comma list of world sizes (default 2,4)")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden width (default 512)")
     p.add_argument("--q", type=int, default=512, help="query width (heads x head_dim)")
     p.add_argument("--kv", type=int, default=128, help="key/value width (grouped KV heads)")
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=1536, help="MLP width (default 1536)")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size of the embedding and head (default 2048)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per contender (interleaved)")
     p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8: several groups, so exchanges overlap compute)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first (default 1)")
+    p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
+    p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step (max over ranks)")
     args = p.parse_args(argv)
     from canzona.runtime.launch import run_workers
 
@@ -304,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for w in worlds:
         per_rank = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)
-        _report(w, per_rank)
+        _report(w, per_rank, args.phases)
     return 0
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, piece_numels, plan_fsdp
-from canzona.runtime.fsdp import (
+from canzona.runtime.exchange import (
     Block,
     ExchangeTask,
     PieceLayout,
@@ -80,6 +80,20 @@ def test_exchange_packing_round_trip_is_bitwise_with_uneven_empty_and_duplicate_
             got = unpack_from_hosts(recvs[r], tasks, r, n)
             want = {lay.name: updated[lay.name][lay.blocks[r].index()] for lay in layouts}
             assert not tensors_equal(got, want)
+
+
+def test_nonfinite_check_is_exact_for_nan_inf_and_overflowing_sums() -> None:
+    from canzona.runtime.fsdp import nonfinite
+
+    big = torch.full((4, 3), 3e38)  # finite, but its sum overflows to inf: not a non-finite gradient
+    cases = [torch.ones(3, 2), big, None, torch.zeros(0, 5), torch.ones(2, 2), torch.ones(2, 2), torch.ones(5).bfloat16()]
+    cases[4][1, 0] = float("nan")
+    cases[5][0, 1] = float("-inf")
+    cases[6][3] = float("inf")
+    assert nonfinite(cases).tolist() == [False, False, False, False, True, True, True]
+    both = torch.ones(4)
+    both[0], both[1] = float("inf"), float("-inf")  # the sum is NaN
+    assert nonfinite([both]).tolist() == [True] and nonfinite([]).tolist() == []
 
 
 def test_layout_refuses_gaps_and_overlaps() -> None:
@@ -298,10 +312,201 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
         except ValueError as exc:
             errors["shard1"] = str(exc)
     out["errors"] = errors
+    if mesh_key == "dp_shard2":
+        out["robust"] = _robust_cases(rank, mesh)
     if rank != 0:  # only rank 0 holds the consolidated documents; the others report where state lives
-        return {k: {"hosted": v["hosted"], "group": v["group"], "state_bytes": v["state_bytes"], "stats": v["stats"]}
+        keep = {k: {"hosted": v["hosted"], "group": v["group"], "state_bytes": v["state_bytes"], "stats": v["stats"]}
                 for k, v in out.items() if isinstance(v, dict) and "hosted" in v}
+        return keep | ({"robust": out["robust"]} if "robust" in out else {})
     return out
+
+
+# ============================================================================ status agreement (world 2)
+
+
+def _flaky(base: type, what: str) -> type:
+    """``base`` raising ``ArithmeticError`` in ``step`` while its class flag ``fail`` is set (on one rank)."""
+
+    class Flaky(base):  # type: ignore[misc, valid-type]
+        fail = False
+
+        def step(self, closure=None):
+            if type(self).fail:
+                raise ArithmeticError(f"flaky {what} optimizer refused this step")
+            return super().step(closure)
+
+    return Flaky
+
+
+def _local_snapshot(opt) -> dict[str, object]:
+    """Everything a step may change on this rank: the model's pieces, the element-wise masters and
+    state, the hosted full masters and state, the step count (cloned)."""
+    from canzona.runtime.fsdp import local_block
+
+    rt = opt.runtime
+    snap: dict[str, object] = {"steps": opt.steps}
+    for n, p in rt.params.items():
+        snap[f"param:{n}"] = local_block(p.detach()).clone()
+    for n, m in rt.ew_masters.items():
+        snap[f"ew_master:{n}"] = m.detach().clone()
+        for k, v in (rt.ew_optimizer.state.get(m, {}) if rt.ew_optimizer is not None else {}).items():
+            snap[f"ew_state:{n}[{k}]"] = v.clone() if torch.is_tensor(v) else v
+    for n in rt.engine.hosted:
+        snap[f"master:{n}"] = rt.engine.masters[n].detach().clone()
+    for n, st in rt.engine.state_dict().items():
+        for k, v in st.items():
+            snap[f"state:{n}[{k}]"] = v
+    return snap
+
+
+def _changed(a: dict, b: dict) -> list[str]:
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if k not in a or k not in b or not (
+        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
+
+
+def _outcome(fn) -> tuple[str, str, float] | None:
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+ROBUST_STRATEGIES = ("lb-asc", "sc")
+#: (parameter, kind) that holds a NaN on rank 1's gradient piece only
+NAN_AT = {"matrix": "layers.1.up", "elementwise": "layers.0.norm"}
+#: parameters whose gradient is dropped on every rank at step 0 (skipped as torch.optim skips them)
+UNUSED = ("layers.0.q", "layers.0.bias")
+
+
+def _robust_cases(rank: int, mesh) -> dict:
+    """The ZeRO-1 path's status agreement on the FSDP2 path, each case recorded on its own."""
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.optim import Muon
+    from canzona.runtime.fsdp import local_block
+    from canzona.testing import ReferenceRunner, integer_grads, mean_grads
+    from canzona.testing_fsdp import FSDPToy, compare_with_reference, fsdp_reference
+
+    kw = {"lr": 0.02}
+
+    def build(strategy, **extra):
+        model = build_fsdp_toy(mesh, torch.float32)
+        opt = canzona.DistributedOptimizer(model, "muon", strategy=strategy, mesh=mesh, optimizer_kwargs=kw,
+                                           elementwise_kwargs=EW_KWARGS, **extra)
+        return model, opt
+
+    def backward(model, s):
+        model(fsdp_local_grads(mesh, s)).backward()
+
+    out: dict = {}
+    for strategy in ROBUST_STRATEGIES:
+        for kind, name in NAN_AT.items():
+            def nonfinite():
+                # step 0 clean; step 1 with a NaN in rank 1's piece of one gradient: refused on every
+                # rank, nothing changed; then steps 1 and 2 clean must equal 3 uninterrupted steps
+                model, opt = build(strategy)
+                backward(model, 0)
+                opt.step()
+                opt.zero_grad()
+                before = _local_snapshot(opt)
+                backward(model, 1)
+                if rank == 1:
+                    local_block(dict(model.named_parameters())[name].grad).view(-1)[0] = float("nan")
+                got = _outcome(opt.step)
+                res = {"raised": got, "changed": _changed(before, _local_snapshot(opt)),
+                       "grads_dropped": all(p.grad is None for p in model.parameters())}
+                _run(model, opt, mesh, range(1, STEPS))
+                params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+                if rank == 0:
+                    ref = fsdp_reference(Muon, kw, EW_KWARGS, dtype=torch.float32, dp=2, steps=STEPS)
+                    res["mismatches"] = compare_with_reference(params, doc, ref)
+                return res
+
+            out[f"nonfinite/{strategy}/{kind}"] = _attempt(nonfinite)
+
+        def unused():
+            # step 0 with no gradient anywhere for UNUSED: skipped (no update, no state), as torch.optim skips
+            model, opt = build(strategy)
+            named = dict(model.named_parameters())
+            for s in range(STEPS):
+                backward(model, s)
+                if s == 0:
+                    for n in UNUSED:
+                        named[n].grad = None
+                opt.step()
+                opt.zero_grad()
+            params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+            if rank != 0:
+                return {}
+            ref = ReferenceRunner(FSDPToy(torch.float32), Muon, kw, torch.optim.AdamW, EW_KWARGS)
+            shapes = {n: shape for n, (shape, _) in SHAPES.items()}
+            for s in range(STEPS):
+                grads = mean_grads([integer_grads(shapes, step=s, rank=r) for r in range(2)])
+                if s == 0:
+                    for n in UNUSED:
+                        grads.pop(n)
+                ref.step(grads)
+            return {"mismatches": compare_with_reference(params, doc, ref)}
+
+        out[f"unused/{strategy}"] = _attempt(unused)
+        dist.barrier()
+
+    def hyper():
+        # a learning rate set on one rank only: refused on every rank before anything changes
+        model, opt = build("lb-asc")
+        backward(model, 0)
+        if rank == 1:
+            opt.param_groups[0]["lr"] = 0.03
+        before = _local_snapshot(opt)
+        return {"raised": _outcome(opt.step), "changed": _changed(before, _local_snapshot(opt))}
+
+    out["hyper"] = _attempt(hyper)
+    dist.barrier()
+
+    def ew_error():
+        flaky = _flaky(torch.optim.AdamW, "element-wise")
+        model, opt = build("lb-asc", elementwise_optimizer=flaky)
+        backward(model, 0)
+        flaky.fail = rank == 1
+        try:
+            got = _outcome(opt.step)
+        finally:
+            flaky.fail = False
+        return {"raised": got}
+
+    out["ew_error"] = _attempt(ew_error)
+    dist.barrier()
+
+    def host_error():
+        flaky = _flaky(Muon, "host")
+        model = build_fsdp_toy(mesh, torch.float32)
+        opt = canzona.DistributedOptimizer(model, flaky, strategy="lb-asc", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
+        backward(model, 0)
+        flaky.fail = rank == 1 and bool(opt.runtime.engine.hosted)
+        try:
+            got = _outcome(opt.step)
+        finally:
+            flaky.fail = False
+        return {"raised": got, "hosts": bool(opt.runtime.engine.hosted)}
+
+    out["host_error"] = _attempt(host_error)
+    dist.barrier()
+    return out
+
+
+def _attempt(fn):
+    import traceback
+
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - recorded for the parent, which fails that case only
+        return {"__error__": traceback.format_exc()}
 
 
 def _mesh_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
@@ -490,3 +695,61 @@ def test_simulate_fsdp_at_cluster_scale(capsys) -> None:
     code = main(["simulate", "--model", "qwen3-32b", "--fsdp", "32", "--strategies", "zero1"])
     out, err = capsys.readouterr()
     assert code == 2 and "FSDP2 strategy" in err
+
+
+def _robust(label: str) -> list[dict]:
+    per_rank = [r["robust"].get(label, {"__error__": "not run"}) for r in _mesh_results("dp_shard2")]
+    for rank, r in enumerate(per_rank):
+        assert "__error__" not in r, f"{label} failed on rank {rank}: {r['__error__']}"
+    return per_rank
+
+
+#: every wait in these cases is one status exchange or one micro-group: seconds, never a timeout
+BOUND_S = 30.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", [f"nonfinite/{s}/{k}" for s in ROBUST_STRATEGIES for k in NAN_AT])
+def test_nonfinite_gradient_on_one_rank_is_refused_everywhere_before_any_change(label: str) -> None:
+    """As on the ZeRO-1 path: every rank raises the same NonFiniteGradient, no parameter, master or
+    optimizer state changes on any rank (torch.equal), the gradients are dropped, and the next
+    steps give exactly what three uninterrupted steps give."""
+    name = NAN_AT[label.split("/")[2]]
+    per_rank = _robust(label)
+    for rank, r in enumerate(per_rank):
+        kind, msg, seconds = r["raised"]
+        assert kind == "NonFiniteGradient", (rank, r["raised"])
+        assert msg.startswith(f"non-finite gradient in {name};") and "no parameter or optimizer state was changed on any rank" in msg
+        assert seconds < BOUND_S
+        assert r["changed"] == [], f"rank {rank}: a refused step changed {r['changed']}"
+        assert r["grads_dropped"], f"rank {rank}: gradients of the refused step were kept"
+    assert per_rank[0]["mismatches"] == [], per_rank[0]["mismatches"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ROBUST_STRATEGIES)
+def test_parameters_without_gradient_anywhere_are_skipped_like_torch(strategy: str) -> None:
+    per_rank = _robust(f"unused/{strategy}")
+    assert per_rank[0]["mismatches"] == [], per_rank[0]["mismatches"]
+
+
+@pytest.mark.slow
+def test_hyperparameters_that_differ_across_ranks_are_refused_before_any_change() -> None:
+    for rank, r in enumerate(_robust("hyper")):
+        assert r["raised"] is not None and r["raised"][0] == "HyperparameterMismatch", (rank, r["raised"])
+        assert r["changed"] == [], (rank, r["changed"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,text", [
+    ("ew_error", "ArithmeticError: flaky element-wise optimizer refused this step"),
+    ("host_error", "ArithmeticError: flaky host optimizer refused this step"),
+])
+def test_an_optimizer_error_on_one_rank_is_raised_on_every_rank(label: str, text: str) -> None:
+    per_rank = _robust(label)
+    if label == "host_error":
+        assert per_rank[1]["hosts"], "rank 1 hosts no matrix: the case would not fail anywhere"
+    for rank, r in enumerate(per_rank):
+        assert r["raised"] is not None and r["raised"][0] == "RankFailure", (rank, r["raised"])
+        assert f"optimizer step (update) failed on 1 rank(s); rank 1: {text}" in r["raised"][1]
+        assert r["raised"][2] < BOUND_S

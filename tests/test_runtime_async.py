@@ -20,7 +20,7 @@ from canzona.plan import PlanInputs, make_plan
 from canzona.runtime import phases
 from canzona.runtime.launch import run_workers
 from canzona.runtime.phases import PhaseTimer, phase, timing
-from canzona.runtime.tp import (
+from canzona.runtime.exchange import (
     APPLY,
     COMPUTE,
     GATHER_LAUNCH,
@@ -285,3 +285,39 @@ def test_uneven_all_gather_into_a_given_buffer(async_run) -> None:
         same, values = r["ag"]
         assert same
         assert values == [0.0, 1.0, 2.0, 10.0, 11.0]
+
+
+# =========================================================================== the shared engine (one rank)
+
+
+def test_engine_runs_overlap_work_after_the_first_launch_and_reads_skip_at_compute(single_rank_group) -> None:
+    """``MicroGroupEngine.run(overlap=...)`` runs the caller's work once, right after the first
+    gather is launched (and also when there is no micro-group at all); tasks the caller adds to
+    the ``skip`` set it passed are not stepped."""
+    from canzona.runtime.comm import Comm
+    from canzona.runtime.exchange import Block, ExchangeTask, MicroGroupEngine, PieceLayout
+
+    def task(name: str, shape: tuple[int, int]) -> ExchangeTask:
+        return ExchangeTask(PieceLayout(name, shape, (Block((0, 0), shape),)), 0)
+
+    groups = [[task("a", (3, 4)), task("b", (2, 5))], [task("c", (4, 4))]]
+    values = {t.name: torch.randn(t.layout.full_shape, generator=torch.Generator().manual_seed(i)) for i, g in enumerate(groups) for t in g}
+    initial = {k: v.clone() for k, v in values.items()}
+    engine = MicroGroupEngine(groups, comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial=values)
+    skip: set[str] = set()
+    seen: list[list[tuple[str, int]]] = []
+
+    def work() -> None:
+        seen.append(list(engine.last_events))
+        skip.add("c")  # decided after the first launch: group 1 must not step it
+
+    grads = {k: torch.ones_like(v) for k, v in values.items()}
+    engine.run(grads, values, skip=skip, overlap=work)
+    assert seen == [[(GATHER_LAUNCH, 0)]]
+    assert engine.last_events == pipeline(2)
+    assert torch.equal(values["a"], initial["a"] - 0.5) and torch.equal(values["b"], initial["b"] - 0.5)
+    assert torch.equal(values["c"], initial["c"])
+    empty = MicroGroupEngine([], comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial={})
+    calls: list[int] = []
+    empty.run({}, {}, overlap=lambda: calls.append(1))
+    assert calls == [1]

@@ -1,0 +1,735 @@
+"""The one exchange engine behind Canzona's micro-groups: pieces of a matrix go to one host, the
+host updates the whole matrix, the values come back.
+
+Both optimizer engines that update matrices whole are this engine with different layouts:
+
+- :class:`canzona.runtime.tp.TPEngine` (Section 4): the equal ``torch.chunk`` shards of a TP
+  group, tasks and micro-groups from a ZeRO-1 :class:`~canzona.plan.plan.Plan`;
+- :class:`canzona.runtime.fsdp.FSDPEngine`: FSDP2's pieces over a shard group, which may be
+  uneven (padding), empty, 2-D blocks (FSDP x TP) or duplicated (replicated over ``tp``).
+
+A :class:`PieceLayout` records every rank's block of one parameter (offset and shape in the full
+tensor) and one *source* rank per distinct block; an :class:`ExchangeTask` is a layout plus its
+host (``-1``: every rank computes it, the ``sync``/``sc`` baselines). What each rank copies where
+is worked out once per micro-group when the engine is built (:class:`ExchangeGroup`: split sizes
+and a list of block copies per direction), so a step only copies and launches.
+
+Per micro-group ``k`` (the schedule is :func:`pipeline`, executed as listed and recorded in
+``last_events``):
+
+1. gather   the sources pack their blocks into the gather slot (grouped by destination host) and
+            one fused ``all_to_all_single`` delivers them (``canzona/tp/gather/group<k>``);
+            ``sync`` groups all-gather every block to every rank instead;
+2. compute  each host writes the blocks into fresh full-shape gradients and runs the ordinary
+            per-parameter optimizer on its full masters (``canzona/tp/compute/group<k>``);
+3. scatter  the host packs each rank's block of every updated value into the scatter slot and one
+            fused ``all_to_all_single`` returns them (values, not deltas;
+            ``canzona/tp/scatter/group<k>``);
+4. apply    every rank copies its blocks into the destination tensors it was given
+            (``canzona/tp/apply/group<k>``), casting to their dtype; ``sync`` groups apply their
+            own blocks straight from the full result.
+
+Gather ``k+1`` is in flight while ``k`` computes, scatter ``k-1`` is waited for and applied after
+compute ``k``, and scatter ``k`` lands during compute ``k+1``. At most one gather and one scatter
+are in flight, so two exchange slots (:class:`ExchangeSlots`) reserved at construction, each
+buffer as long as the largest group needs, serve every group of every step.
+
+Errors: an exception in one host's compute does not stop the exchanges (the other ranks wait in
+them): that host returns unchanged values for the group, runs the remaining exchanges and raises
+the first error at the end; on any exception the collectives still in flight are waited for
+before it leaves, so no later step shares a slot with a stale transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from canzona.phase_names import LAUNCH, WAIT, indexed
+from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
+from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
+
+__all__ = [
+    "APPLY",
+    "COMPUTE",
+    "GATHER_LAUNCH",
+    "GATHER_WAIT",
+    "SCATTER_LAUNCH",
+    "SCATTER_WAIT",
+    "Block",
+    "ExchangeGroup",
+    "ExchangeSlots",
+    "ExchangeTask",
+    "MicroGroupEngine",
+    "PieceLayout",
+    "assemble_at_host",
+    "describe_group",
+    "from_hosts_recv_sizes",
+    "pack_from_hosts",
+    "pack_to_hosts",
+    "pipeline",
+    "to_hosts_recv_sizes",
+    "unpack_from_hosts",
+]
+
+
+# ============================================================================ layouts (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A rectangular block of a full tensor: ``offset`` and ``shape`` per dim (numel may be 0)."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class PieceLayout:
+    """Every exchange-group rank's block of one parameter; ``sources[r]`` is True for the first
+    rank (in group order) holding each distinct non-empty block. Validates that the source blocks
+    tile the full tensor exactly (no gap, no overlap): any other layout is not a sharding we serve."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    sources: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            seen: set[Block] = set()
+            src = []
+            for b in self.blocks:
+                src.append(b.numel > 0 and b not in seen)
+                seen.add(b)
+            object.__setattr__(self, "sources", tuple(src))
+        if len(self.sources) != len(self.blocks):
+            raise ValueError(f"{self.name}: one source flag per block expected")
+        nd = len(self.full_shape)
+        for b in self.blocks:
+            if len(b.offset) != nd or len(b.shape) != nd or any(
+                o < 0 or s < 0 or o + s > f for o, s, f in zip(b.offset, b.shape, self.full_shape)
+            ):
+                raise ValueError(f"{self.name}: block {b} does not lie inside the full shape {self.full_shape}")
+        cover = torch.zeros(self.full_shape, dtype=torch.int32) if math.prod(self.full_shape) <= 1 << 22 else None
+        total = 0
+        for b, s in zip(self.blocks, self.sources):
+            if s:
+                total += b.numel
+                if cover is not None:
+                    cover[b.index()] += 1
+        if total != math.prod(self.full_shape) or (cover is not None and not bool((cover == 1).all())):
+            raise ValueError(
+                f"{self.name}: the ranks' pieces do not tile the full tensor {self.full_shape} exactly "
+                "(an unsupported placement?)"
+            )
+
+    @property
+    def size(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeTask:
+    """One matrix parameter in an exchange: its layout and host (-1: every rank, ``sync``/``sc``)."""
+
+    layout: PieceLayout
+    host: int
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    def hosted_by(self, rank: int) -> bool:
+        return self.host == rank or self.host == -1
+
+
+# ============================================================================ routes (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """One block copy between a flat exchange buffer (``offset``, ``numel``) and a tensor of task
+    ``name``: the whole tensor (a piece) or its ``index`` (a block of a full tensor)."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def _copy(name: str, offset: int, b: Block) -> _Copy:
+    return _Copy(name, offset, b.numel, b.shape, b.index())
+
+
+def _routes(
+    tasks: Sequence[ExchangeTask], n: int, take: Callable[[ExchangeTask, int], bool], block: Callable[[ExchangeTask, int], Block]
+) -> tuple[list[_Copy], list[int]]:
+    """Block copies into one flat buffer, peer by peer (rank order) and task by task within a peer:
+    ``take(task, peer)`` says whether the task has a block in that peer's part, ``block(task,
+    peer)`` which. Returns (copies, split size per peer)."""
+    copies: list[_Copy] = []
+    sizes: list[int] = []
+    off = 0
+    for peer in range(n):
+        k = 0
+        for t in tasks:
+            if take(t, peer):
+                b = block(t, peer)
+                copies.append(_copy(t.name, off, b))
+                off += b.numel
+                k += b.numel
+        sizes.append(k)
+    return copies, sizes
+
+
+def _to_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+    """Gather send on ``rank``: per destination its source blocks of the tasks that destination hosts."""
+    return _routes(tasks, n, lambda t, dest: t.hosted_by(dest) and t.layout.sources[rank], lambda t, _: t.layout.blocks[rank])
+
+
+def _own_sources(tasks: Sequence[ExchangeTask], rank: int) -> list[_Copy]:
+    """``rank``'s source blocks of ``tasks``, once each, in task order (a ``sync`` all-gather's send)."""
+    return _routes(tasks, 1, lambda t, _: t.layout.sources[rank], lambda t, _: t.layout.blocks[rank])[0]
+
+
+def _to_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+    """Gather receive on ``rank``: from each source its blocks of the tasks hosted here; each copy
+    lands at the block's place in the full tensor."""
+    return _routes(tasks, n, lambda t, src: t.hosted_by(rank) and t.layout.sources[src], lambda t, src: t.layout.blocks[src])
+
+
+def _from_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+    """Scatter send on host ``rank``: per destination its block of each task hosted here; duplicated
+    blocks go to every rank holding one."""
+    return _routes(tasks, n, lambda t, _: t.host == rank, lambda t, dest: t.layout.blocks[dest])
+
+
+def _from_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+    """Scatter receive on ``rank``: from each host this rank's block of its tasks."""
+    return _routes(tasks, n, lambda t, host: t.host == host, lambda t, _: t.layout.blocks[rank])
+
+
+def _into(out: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str) -> Callable[[int], torch.Tensor]:
+    """A maker of ``out[:numel]`` (a reserved exchange buffer), or of a fresh buffer when ``out`` is None."""
+
+    def make(numel: int) -> torch.Tensor:
+        if out is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        if out.numel() < numel or out.dtype != dtype or out.dim() != 1:
+            raise ValueError(f"exchange buffer of {out.numel()} {out.dtype} elements cannot hold {numel} {dtype}")
+        return out[:numel]
+
+    return make
+
+
+def _packed(route: tuple[list[_Copy], list[int]], pack: Callable[..., None], src: Mapping[str, torch.Tensor],
+            make: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    copies, sizes = route
+    buf = make(sum(sizes))
+    pack(buf, copies, src)
+    return buf, sizes
+
+
+def _received(recv: torch.Tensor, route: tuple[list[_Copy], list[int]], what: str) -> list[_Copy]:
+    copies, sizes = route
+    if recv.numel() != sum(sizes):
+        raise ValueError(f"{what} receive buffer has {recv.numel()} elements, expected {sum(sizes)}")
+    return copies
+
+
+def _pack_pieces(buf: torch.Tensor, copies: Sequence[_Copy], pieces: Mapping[str, torch.Tensor]) -> None:
+    """Copy whole pieces (each of its block's shape) into ``buf`` (casting to its dtype)."""
+    for c in copies:
+        x = pieces[c.name]
+        if tuple(x.shape) != c.shape:
+            raise ValueError(f"{c.name}: local piece has shape {tuple(x.shape)}, layout says {c.shape}")
+        buf[c.offset : c.offset + c.numel].view(c.shape).copy_(x)
+
+
+def _pack_blocks(buf: torch.Tensor, copies: Sequence[_Copy], full: Mapping[str, torch.Tensor]) -> None:
+    """Copy blocks of full tensors into ``buf``."""
+    for c in copies:
+        if c.numel:
+            buf[c.offset : c.offset + c.numel].view(c.shape).copy_(full[c.name][c.index])
+
+
+def _assemble(
+    recv: torch.Tensor, copies: Sequence[_Copy], shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Fresh full tensors (``shapes``) with every received block written into its place."""
+    out = {name: torch.empty(shape, dtype=dtype, device=recv.device) for name, shape in shapes.items()}
+    for c in copies:
+        out[c.name][c.index] = recv[c.offset : c.offset + c.numel].view(c.shape)
+    return out
+
+
+def _views(recv: torch.Tensor, copies: Sequence[_Copy]) -> dict[str, torch.Tensor]:
+    return {c.name: recv[c.offset : c.offset + c.numel].view(c.shape) for c in copies}
+
+
+def pack_to_hosts(tasks: Sequence[ExchangeTask], pieces: Mapping[str, torch.Tensor], rank: int, n: int, *, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Gather send buffer on ``rank``: for each destination (rank order) this rank's source blocks
+    of the tasks that destination hosts, in task order. Returns (flat buffer, send split sizes);
+    with ``out`` (1-D, ``dtype``, long enough) the blocks are copied into its front."""
+    return _packed(_to_hosts_send(tasks, rank, n), _pack_pieces, pieces, _into(out, dtype, device))
+
+
+def to_hosts_recv_sizes(tasks: Sequence[ExchangeTask], rank: int, n: int) -> list[int]:
+    """Gather receive split sizes on ``rank``: from each source, its blocks of the tasks hosted here."""
+    return _to_hosts_recv(tasks, rank, n)[1]
+
+
+def assemble_at_host(
+    recv: torch.Tensor, tasks: Sequence[ExchangeTask], rank: int, n: int, *, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Full tensors (fresh) of the tasks hosted on ``rank`` from the gather's receive buffer (blocks
+    in source order, tasks in task order within a source), each block written into its place."""
+    copies = _received(recv, _to_hosts_recv(tasks, rank, n), "gather")
+    return _assemble(recv, copies, {t.name: t.layout.full_shape for t in tasks if t.hosted_by(rank)}, dtype)
+
+
+def pack_from_hosts(tasks: Sequence[ExchangeTask], full: Mapping[str, torch.Tensor], rank: int, n: int, *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Scatter send buffer on host ``rank``: for each destination, its block of each task hosted
+    here (task order). Values are copied (duplicate blocks are sent to every holder)."""
+    return _packed(_from_hosts_send(tasks, rank, n), _pack_blocks, full, _into(out, dtype, device))
+
+
+def from_hosts_recv_sizes(tasks: Sequence[ExchangeTask], rank: int, n: int) -> list[int]:
+    """Scatter receive split sizes on ``rank``: from each host, this rank's blocks of its tasks."""
+    return _from_hosts_recv(tasks, rank, n)[1]
+
+
+def unpack_from_hosts(recv: torch.Tensor, tasks: Sequence[ExchangeTask], rank: int, n: int) -> dict[str, torch.Tensor]:
+    """This rank's updated block of every hosted task (views into ``recv``)."""
+    return _views(recv, _received(recv, _from_hosts_recv(tasks, rank, n), "scatter"))
+
+
+# ============================================================================ the schedule (pure)
+
+#: Events of one step, in the order :meth:`MicroGroupEngine.run` executes them (see :func:`pipeline`).
+GATHER_LAUNCH, GATHER_WAIT, COMPUTE, SCATTER_LAUNCH, SCATTER_WAIT, APPLY = (
+    "gather/launch",
+    "gather/wait",
+    "compute",
+    "scatter/launch",
+    "scatter/wait",
+    "apply",
+)
+
+
+def pipeline(n_groups: int, *, sync: bool = False) -> list[tuple[str, int]]:
+    """The engine's schedule for ``n_groups`` micro-groups: ``(event, group)`` in execution order.
+
+    Two exchange slots, each reserved once: the *gather slot* (piece-side send, full-side
+    receive) and the *scatter slot* (full-side send, piece-side receive). At most one collective
+    is in flight per slot, so at most two groups' exchanges are in flight at any time and the
+    reserved exchange memory is two slots, each buffer bounded by C_max (Algorithm 2's bound on one
+    group's bytes per host). Per group ``k``:
+
+    1. wait for gather ``k`` (it was launched during the previous group);
+    2. launch gather ``k+1`` into the gather slot, just freed: it is in flight while ``k`` computes;
+    3. compute ``k`` (the host's optimizer step on full tensors);
+    4. wait for scatter ``k-1`` and apply its values (it was in flight during compute ``k``), which
+       frees the scatter slot;
+    5. launch scatter ``k`` into it: it lands while group ``k+1`` computes.
+
+    After the last group, the last scatter is waited for and applied. ``sync`` (every rank computes
+    everything) has no scatter: each group applies its own blocks right after its compute.
+    """
+    ev: list[tuple[str, int]] = []
+    if n_groups <= 0:
+        return ev
+    ev.append((GATHER_LAUNCH, 0))
+    for k in range(n_groups):
+        ev.append((GATHER_WAIT, k))
+        if k + 1 < n_groups:
+            ev.append((GATHER_LAUNCH, k + 1))
+        ev.append((COMPUTE, k))
+        if sync:
+            ev.append((APPLY, k))
+            continue
+        if k > 0:
+            ev += [(SCATTER_WAIT, k - 1), (APPLY, k - 1)]
+        ev.append((SCATTER_LAUNCH, k))
+    if not sync:
+        ev += [(SCATTER_WAIT, n_groups - 1), (APPLY, n_groups - 1)]
+    return ev
+
+
+# ============================================================================ the engine
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSlots:
+    """The engine's exchange buffers, reserved once and reused by every group of every step.
+
+    ``gather_shard`` (gather send: this rank's pieces) and ``scatter_shard`` (scatter receive) hold
+    pieces, ``gather_full`` (gather receive) and ``scatter_full`` (scatter send) a group's full
+    tensors on their host; each is as long as the largest group needs. ``sync`` engines have no
+    scatter slot (empty tensors)."""
+
+    gather_shard: torch.Tensor
+    gather_full: torch.Tensor
+    scatter_full: torch.Tensor
+    scatter_shard: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.gather_shard, self.gather_full, self.scatter_full, self.scatter_shard)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeGroup:
+    """One micro-group as this rank executes it: its tasks, the names it computes, and per
+    direction the split sizes (elements per peer) and block copies, worked out once."""
+
+    index: int
+    tasks: tuple[ExchangeTask, ...]
+    hosted: tuple[str, ...]
+    sync: bool
+    gather_send: tuple[int, ...]
+    gather_recv: tuple[int, ...]
+    scatter_send: tuple[int, ...]
+    scatter_recv: tuple[int, ...]
+    pack: tuple[_Copy, ...]  # pieces -> gather send (sync: this rank's sources once)
+    replicate: bool  # sync with uneven pieces: the send holds the sources once per peer (all-to-all)
+    assemble: tuple[_Copy, ...]  # gather receive -> full tensors of the hosted tasks
+    full_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    pack_back: tuple[_Copy, ...]  # hosted full tensors -> scatter send
+    unpack_back: tuple[_Copy, ...]  # scatter receive -> this rank's blocks
+    own: tuple[_Copy, ...]  # sync: this rank's block of every task, from the full result
+
+    @property
+    def phase_index(self) -> str:
+        return f"group{self.index}"
+
+    @property
+    def send_numel(self) -> int:
+        """Elements of this rank's gather send buffer."""
+        return sum(self.gather_send)
+
+    def numels(self) -> tuple[int, int, int, int]:
+        """Elements of the four exchange buffers (gather send, gather receive, scatter send, scatter receive)."""
+        return sum(self.gather_send), sum(self.gather_recv), sum(self.scatter_send), sum(self.scatter_recv)
+
+
+def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int) -> ExchangeGroup:
+    """What ``rank`` of ``n`` copies and exchanges for micro-group ``k`` of ``tasks`` (all hosted,
+    or all ``-1``: every rank computes every task)."""
+    tasks = tuple(tasks)
+    sync = bool(tasks) and all(t.host == -1 for t in tasks)
+    if not sync and any(t.host == -1 for t in tasks):
+        raise ValueError(f"micro-group {k} mixes tasks computed everywhere (host -1) with hosted tasks")
+    assemble, recv = _to_hosts_recv(tasks, rank, n)
+    hosted = tuple(t.name for t in tasks if t.hosted_by(rank))
+    shapes = tuple((t.name, t.layout.full_shape) for t in tasks if t.hosted_by(rank))
+    if sync:
+        pack = _own_sources(tasks, rank)
+        own_n = sum(c.numel for c in pack)
+        replicate = len(set(recv)) > 1
+        send = [own_n] * n if replicate else [own_n]
+        own = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in tasks if t.layout.blocks[rank].numel)
+        return ExchangeGroup(k, tasks, hosted, True, tuple(send), tuple(recv), (), (), tuple(pack), replicate,
+                             tuple(assemble), shapes, (), (), own)
+    pack, send = _to_hosts_send(tasks, rank, n)
+    pack_back, back_send = _from_hosts_send(tasks, rank, n)
+    unpack_back, back_recv = _from_hosts_recv(tasks, rank, n)
+    return ExchangeGroup(k, tasks, hosted, False, tuple(send), tuple(recv), tuple(back_send), tuple(back_recv),
+                         tuple(pack), False, tuple(assemble), shapes, tuple(pack_back), tuple(unpack_back), ())
+
+
+class MicroGroupEngine:
+    """The matrix step over one exchange group (see the module docstring).
+
+    ``groups``: the plan's micro-groups as :class:`ExchangeTask` lists, in execution order; hosts
+    are group ranks of ``comm`` (a :class:`canzona.runtime.comm.Comm`). ``initial`` maps every
+    task's name to this rank's block of its current value (any float dtype): hosts assemble their
+    full masters (``dtype``) from it with one exchange per group. ``optimizer_factory`` builds ONE
+    per-parameter optimizer over the hosted full masters (not called when this rank hosts
+    nothing). :meth:`run` is one step.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[ExchangeTask]],
+        *,
+        comm: Any,
+        optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        initial: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.comm = comm
+        self.rank, self.n = comm.rank, comm.size
+        self.dtype = dtype
+        #: per-update hooks (:mod:`canzona.runtime.hooks`); a runtime driving this engine may share its own
+        self.update_hooks = UpdateHooks()
+        self._es = torch.empty(0, dtype=dtype).element_size()
+        if device is None:
+            device = next(iter(initial.values())).device if initial else torch.device("cpu")
+        self._device = torch.device(device)
+        for g in groups:
+            for t in g:
+                if t.layout.size != self.n:
+                    raise ValueError(f"{t.name}: layout has {t.layout.size} blocks, the exchange group {self.n} ranks")
+                if not (t.host == -1 or 0 <= t.host < self.n):
+                    raise ValueError(f"{t.name}: host {t.host} out of range for {self.n} ranks")
+        self.groups: tuple[ExchangeGroup, ...] = tuple(describe_group(k, g, self.rank, self.n) for k, g in enumerate(groups))
+        kinds = {g.sync for g in self.groups}
+        if len(kinds) > 1:
+            raise ValueError("either every micro-group is computed everywhere (sync) or every one is hosted")
+        #: every rank computes every task (no scatter)
+        self.sync: bool = kinds == {True}
+        self.tasks: dict[str, ExchangeTask] = {t.name: t for g in self.groups for t in g.tasks}
+        #: names whose full master and optimizer state live on this rank
+        self.hosted: tuple[str, ...] = tuple(n for g in self.groups for n in g.hosted)
+        sizes = [g.numels() for g in self.groups] or [(0, 0, 0, 0)]
+        biggest = [max(s[i] for s in sizes) for i in range(4)]
+        #: largest single exchange buffer (bytes) of one group on this rank
+        self.peak_exchange_bytes: int = max(biggest) * self._es
+        #: the schedule :meth:`run` executes (see :func:`pipeline`)
+        self.schedule_events: tuple[tuple[str, int], ...] = tuple(pipeline(len(self.groups), sync=self.sync))
+
+        def reserve(n: int) -> torch.Tensor:
+            return torch.empty(n, dtype=dtype, device=self._device)
+
+        #: exchange buffers reserved once (two slots; ``reserved_exchange_bytes`` in total)
+        self.slots = ExchangeSlots(*(reserve(n) for n in biggest))
+        self.reserved_exchange_bytes: int = self.slots.nbytes
+        #: ``(event, group)`` as the last :meth:`run` executed them (equals ``schedule_events``)
+        self.last_events: list[tuple[str, int]] = []
+        self.masters: dict[str, nn.Parameter] = {}
+        self.refresh_masters(initial)
+        params = [self.masters[n] for n in self.hosted]
+        self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params) if params else None
+        if self.optimizer is not None:
+            got = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            if got != {id(p) for p in params}:
+                raise ValueError("optimizer_factory must build an optimizer over exactly the parameters it is given")
+
+    # ------------------------------------------------------------------------- masters
+    @torch.no_grad()
+    def refresh_masters(self, values: Mapping[str, torch.Tensor]) -> None:
+        """(Re)assemble the hosted full masters from every rank's blocks ``values`` (one exchange
+        per group, through the gather slot). Optimizer state is kept."""
+        for g in self.groups:
+            self._wait(self._launch_gather(g, values))
+            for name, t in self._unpack_gather(g).items():
+                if name in self.masters:
+                    self.masters[name].copy_(t)
+                else:
+                    self.masters[name] = nn.Parameter(t)
+
+    # ------------------------------------------------------------------------- the step
+    def run(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        dest: Mapping[str, torch.Tensor],
+        *,
+        skip: Collection[str] = (),
+        overlap: Callable[[], None] | None = None,
+    ) -> None:
+        """One optimizer step: gather -> compute -> scatter -> apply per micro-group, pipelined as
+        :func:`pipeline` says. ``grads[name]`` is this rank's gradient block of every task,
+        ``dest[name]`` the tensor that receives this rank's block of the new value. ``skip``: tasks
+        without a gradient on any rank; hosts do not step them (their values return unchanged);
+        it is read at each compute, so a caller may add to a set it passed. ``overlap``: the
+        caller's own work (e.g. the element-wise update), run once right after the first gather is
+        launched so that it overlaps the first transfer; it must not raise (the other ranks are
+        waiting in the exchanges)."""
+        self.last_events = events = []
+        groups = self.groups
+        works: dict[tuple[str, int], Any] = {}
+        full_grads: dict[str, torch.Tensor] = {}
+        updated: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
+        peers = self.n
+        try:
+            for ev, k in self.schedule_events:
+                g = groups[k]
+                events.append((ev, k))
+                if ev == GATHER_LAUNCH:
+                    with phase(indexed(TP_GATHER, g.phase_index, LAUNCH), bytes=g.send_numel * self._es, group=k, peers=peers):
+                        works[GATHER_WAIT, k] = self._launch_gather(g, grads)
+                    if overlap is not None:
+                        overlap()
+                        overlap = None
+                elif ev == GATHER_WAIT:
+                    with phase(indexed(TP_GATHER, g.phase_index, WAIT), bytes=sum(g.gather_recv) * self._es, group=k, peers=peers):
+                        self._wait(works.pop((GATHER_WAIT, k)))
+                    # unpacking copies out of the gather slot, which the next launch reuses at once
+                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                        full_grads = self._unpack_gather(g)
+                elif ev == COMPUTE:
+                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                        try:
+                            if error is not None:
+                                raise error
+                            updated = self._compute(g, full_grads, skip)
+                        except Exception as exc:  # noqa: BLE001 - finish the exchanges, raise afterwards
+                            error = error or exc
+                            updated = {name: self.masters[name].detach() for name in g.hosted}
+                    full_grads = {}
+                elif ev == SCATTER_LAUNCH:
+                    with phase(indexed(TP_SCATTER, g.phase_index, LAUNCH), bytes=sum(g.scatter_send) * self._es, group=k, peers=peers):
+                        works[SCATTER_WAIT, k] = self._launch_scatter(g, updated)
+                    updated = {}
+                elif ev == SCATTER_WAIT:
+                    with phase(indexed(TP_SCATTER, g.phase_index, WAIT), bytes=sum(g.scatter_recv) * self._es, group=k, peers=peers):
+                        self._wait(works.pop((SCATTER_WAIT, k)))
+                else:  # APPLY
+                    with phase(indexed(TP_APPLY, g.phase_index)), torch.no_grad():
+                        if g.sync:
+                            for c in g.own:
+                                dest[c.name].copy_(updated[c.name][c.index])
+                            updated = {}
+                        else:
+                            recv = self.slots.scatter_shard
+                            for c in g.unpack_back:
+                                if c.numel:
+                                    dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
+            if overlap is not None:  # no micro-group at all
+                overlap()
+        except BaseException:
+            # Exchanges still in flight write into the reserved slots: let them land before the
+            # error leaves, so a later step never shares a buffer with a stale collective. Every
+            # peer launched them before its own compute, so these waits cannot hang on a live group.
+            for w in works.values():
+                with contextlib.suppress(Exception):
+                    self._wait(w)
+            raise
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _wait(work: Any) -> None:
+        # NCCL: makes the current stream wait for the collective's stream (host does not block);
+        # gloo: blocks this thread until the worker thread has finished the transfer.
+        if work is not None:
+            work.wait()
+
+    @torch.no_grad()
+    def _launch_gather(self, g: ExchangeGroup, pieces: Mapping[str, torch.Tensor]) -> Any:
+        """Pack this rank's blocks of the group into the gather slot and start its collective
+        (async): the all-to-all to hosts, or the all-gather of a ``sync`` group."""
+        slots = self.slots
+        send = slots.gather_shard[: sum(g.gather_send)]
+        out = slots.gather_full[: sum(g.gather_recv)]
+        _pack_pieces(send, g.pack, pieces)
+        if g.sync and not g.replicate:
+            _, work = self.comm.all_gather_v(send, list(g.gather_recv), out=out, async_op=True)
+            return work
+        if g.replicate:  # uneven sync pieces: this rank's sources once per peer, one all-to-all
+            m = g.gather_send[0]
+            for i in range(1, self.n):
+                send[i * m : (i + 1) * m].copy_(send[:m])
+        _, work = self.comm.all_to_all_v(send, list(g.gather_send), list(g.gather_recv), out=out, async_op=True)
+        return work
+
+    def _unpack_gather(self, g: ExchangeGroup) -> dict[str, torch.Tensor]:
+        """Full tensors (fresh copies) of the group's tasks computed on this rank, from the gather slot."""
+        return _assemble(self.slots.gather_full, g.assemble, dict(g.full_shapes), self.dtype)
+
+    def _compute(self, g: ExchangeGroup, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """Host side: run the optimizer on this group's full masters only. Other hosted params have
+        no ``.grad`` at this point, and per-parameter optimizers skip those, so one optimizer
+        steps exactly this group; grads are cleared afterwards so a later group does not re-step it."""
+        if not g.hosted:
+            return {}
+        live = [n for n in g.hosted if n not in skip]
+        params = [self.masters[n] for n in live]
+        for name, p in zip(live, params):
+            p.grad = full_grads[name].to(p.dtype)
+        assert self.optimizer is not None
+        try:
+            if params and self.update_hooks:
+                self.update_hooks.step(self.optimizer, list(zip(live, params)))
+            elif params:
+                self.optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None
+        return {n: self.masters[n].detach() for n in g.hosted}
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
+        rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
+        handle whose ``remove()`` detaches it."""
+        return self.update_hooks.register(hook)
+
+    @torch.no_grad()
+    def _launch_scatter(self, g: ExchangeGroup, updated: Mapping[str, torch.Tensor]) -> Any:
+        """Pack this host's updated values into the scatter slot and start the fused all-to-all back
+        to every rank (async). Values, never deltas; the slot holds copies, so the masters may
+        change before it lands."""
+        slots = self.slots
+        send = slots.scatter_full[: sum(g.scatter_send)]
+        _pack_blocks(send, g.pack_back, updated)
+        out = slots.scatter_shard[: sum(g.scatter_recv)]
+        _, work = self.comm.all_to_all_v(send, list(g.scatter_send), list(g.scatter_recv), out=out, async_op=True)
+        return work
+
+    # ------------------------------------------------------------------------- hyperparameters, state
+    def set_hyperparams(self, values: Mapping[str, Any]) -> None:
+        """Write ``values`` (e.g. a scheduled ``lr``) into the host optimizer's param groups (nothing
+        when this rank hosts no task)."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group.update(values)
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Full-shape optimizer state of the parameters hosted here, keyed by parameter name
+        (tensors cloned; non-tensor entries such as integer step counters kept as they are)."""
+        if self.optimizer is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.hosted:
+            st = self.optimizer.state.get(self.masters[name], {})
+            out[name] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+        return out
+
+    def load_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict`'s output (names must be exactly the hosted parameters)."""
+        if set(states) != set(self.hosted):
+            raise ValueError(
+                f"state names differ from the parameters hosted on this rank: missing {sorted(set(self.hosted) - set(states))[:3]}, "
+                f"unexpected {sorted(set(states) - set(self.hosted))[:3]}"
+            )
+        if self.optimizer is None:
+            return
+        for name, st in states.items():
+            p = self.masters[name]
+            self.optimizer.state[p] = {
+                k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+            }
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (tensors of the hosted parameters' state)."""
+        if self.optimizer is None:
+            return 0
+        return sum(
+            v.numel() * v.element_size()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
