@@ -172,7 +172,6 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
 
                 bad["checksums"] = checksums(bad)  # consistent sums: the value itself must be refused
             torch.save(bad, Path(folder) / f"{key}.pt")
-        del doc
     dist.barrier()
     before = _snapshot(opt)
     for key in ("flipped", "lr_nan", "lr_negative", "betas", "float64", "all_nan"):
