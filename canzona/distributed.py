@@ -33,7 +33,9 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
   canzona's, e.g. transformers' TP-plan gradient all-reduce, see ``p.grad`` set and canzona takes
   what they leave; :mod:`canzona.runtime.buffer`); ``zero_grad()`` discards them. Gradients
   assigned directly to ``p.grad`` (no backward) are taken in at ``step()``. For gradient accumulation wrap all but the last
-  micro-batch in ``opt.no_sync()``.
+  micro-batch in ``opt.no_sync()``. By default autograd accumulates straight into the buffer and the
+  parameters are views of a parameter buffer the all-gather writes into (``grad_views``,
+  ``param_views``; docs/runtime.md lists the copies that remain).
 - Missing gradients follow ``torch.optim``: a parameter without a gradient on every rank is
   skipped (agreed across ranks in the step's first status exchange), ``step()`` without a
   backward changes nothing, and a second ``step()`` after one backward re-applies the same

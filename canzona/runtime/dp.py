@@ -54,7 +54,12 @@ group. Per iteration:
      forward pre-hook on each module waits for its parameters' buckets only, so the gathers
      overlap the next forward bucket by bucket (:meth:`finish_param_sync` forces them, e.g.
      before reading parameters outside a forward);
-   - :meth:`apply_params`: copy the values into the model's parameters (``to_local()`` for DTensor).
+   - :meth:`apply_params`: with ``param_views`` (default) the all-gather already wrote into the
+     parameters, which are views of a per-bucket parameter buffer (:meth:`_init_param_views`): it
+     only checks they still are (rebinding replaced storage) and bumps their version counters;
+     the parameters that cannot be views (DTensor, another dtype than their bucket's, not
+     contiguous: :attr:`copied_params`) and every parameter without views get the values copied in
+     (``to_local()`` for DTensor). docs/runtime.md lists the copies that remain.
 
 Overlap inside the step. While bucket ``i``'s update runs, the collectives of buckets ``> i`` are
 still in flight wherever backward left them unfinished (typically the last buckets: they are
