@@ -34,7 +34,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canzona.profiling.vs_torch import COPY_SUFFIX, VARIANTS, Case, as_dicts, format_phases, format_table, known_variant, run_case
+from canzona.profiling.vs_torch import (
+    COPY_SUFFIX,
+    VARIANTS,
+    Case,
+    as_dicts,
+    format_phases,
+    format_table,
+    known_variant,
+    median_of_runs,
+    run_case,
+)
 
 __all__ = ["main", "CASES"]
 
@@ -61,6 +71,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--views", default="on", choices=("on", "off", "both"),
                    help="canzona with parameter/gradient views (on, the default), without them (off: <variant>/copy), or both side by side")
     p.add_argument("--phases", action="store_true", help="also print canzona's phase wall times per rank")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the variant list this many times in a row and report per-figure medians (steadier under a drifting load)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each variant's run (seconds)")
     return p.parse_args(argv)
@@ -98,17 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     variants = tuple(v for v in args.variants.split(",") if v)
     bad = [v for v in variants if not known_variant(v)]
     variants = _with_views(variants, args.views)
-    if unknown or bad or args.steps < 1 or args.warmup < 0 or args.depth < 1:
-        print(f"bench_vs_torch: unknown cases {unknown} / variants {bad}, or steps/warmup/depth out of range", file=sys.stderr)
+    if unknown or bad or args.steps < 1 or args.warmup < 0 or args.depth < 1 or args.repeat < 1:
+        print(f"bench_vs_torch: unknown cases {unknown} / variants {bad}, or steps/warmup/depth/repeat out of range", file=sys.stderr)
         return 2
     everything = []
     for name in names:
         case = table[name]
         case = Case(**{**{f: getattr(case, f) for f in case.__dataclass_fields__}, "variants": variants})
-        results = run_case(case, backend=args.backend, timeout_s=args.timeout_s)
+        results = median_of_runs([run_case(case, backend=args.backend, timeout_s=args.timeout_s) for _ in range(args.repeat)])
         mesh = f"dp{case.dp} x tp{case.tp} (DDP dp{case.world})" if case.tp > 1 else f"dp{case.world}"
         print(format_table(results, title=f"{name}: {case.model}, world {case.world}, {mesh}, {args.backend}, "
-                                          f"median of {case.steps} steps after {case.warmup}"))
+                                          f"median of {case.steps} steps after {case.warmup}"
+                                          + (f", median of {args.repeat} runs" if args.repeat > 1 else "")))
         if args.phases:
             print(format_phases(results, title="  phase wall ms per step (median), one column per rank"))
         if case.model == "stack" and case.width > 16:

@@ -50,6 +50,7 @@ __all__ = [
     "format_phases",
     "format_table",
     "known_variant",
+    "median_of_runs",
     "run_case",
     "summarize",
     "vs_torch_worker",
@@ -380,6 +381,31 @@ def format_phases(results: Sequence[VariantResult], *, title: str) -> str:
     return "\n".join(lines)
 
 
+def median_of_runs(runs: Sequence[Sequence[VariantResult]]) -> list[VariantResult]:
+    """Several runs of the same variants (in the same order) folded into one: every figure is the
+    median over the runs (per rank for phases), so alternating runs of two variants compare them
+    under the same drifting load. Ratios are recomputed."""
+    out = []
+    for same in zip(*runs):
+        first = same[0]
+        if any(r.variant != first.variant for r in same):
+            raise ValueError("runs hold different variants")
+
+        def med(attr: str, same: Sequence[VariantResult] = same) -> float:
+            return statistics.median(getattr(r, attr) for r in same)
+
+        keys = sorted({k for r in same for k in r.phases})
+        ranks = max((len(v) for r in same for v in r.phases.values()), default=0)
+        phases = {k: [statistics.median(r.phases[k][i] if k in r.phases else 0.0 for r in same) for i in range(ranks)] for k in keys}
+        out.append(VariantResult(
+            case=first.case, variant=first.variant, world=first.world, step_ms=med("step_ms"), optimizer_ms=med("optimizer_ms"),
+            step_cpu_ms=med("step_cpu_ms"), optimizer_cpu_ms=med("optimizer_cpu_ms"), exposed_comm_ms=med("exposed_comm_ms"),
+            bytes_per_step=int(med("bytes_per_step")), peak_mib=med("peak_mib"), params=first.params, phases=phases,
+        ))
+    add_ratios(out)
+    return out
+
+
 def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
     """Fill each result's ``ratios`` (step, optimizer, peak memory) against ``baseline``."""
     base = next((r for r in results if r.variant == baseline), None)
@@ -397,13 +423,13 @@ def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
 def format_table(results: Sequence[VariantResult], *, title: str) -> str:
     nan = float("nan")
     lines = [title, f"  {'variant':14s} {'step ms':>9s} {'x DDP':>6s} {'optim ms':>9s} {'x DDP':>6s} {'step CPU ms':>11s} "
-             f"{'x DDP':>6s} {'optim CPU':>9s} {'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s}"]
+             f"{'x DDP':>6s} {'optim CPU':>9s} {'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s} {'CPU us/p':>9s}"]
     for r in results:
         lines.append(
             f"  {r.variant:14s} {r.step_ms:9.2f} {r.ratios.get('step', nan):6.2f} {r.optimizer_ms:9.2f} "
             f"{r.ratios.get('optimizer', nan):6.2f} {r.step_cpu_ms:11.2f} {r.ratios.get('step_cpu', nan):6.2f} "
             f"{r.optimizer_cpu_ms:9.2f} {r.exposed_comm_ms:10.2f} {r.bytes_per_step / 1024:9.1f} "
-            f"{r.peak_mib:9.1f} {1e3 * r.step_ms / max(1, r.params):9.1f}"
+            f"{r.peak_mib:9.1f} {1e3 * r.step_ms / max(1, r.params):9.1f} {1e3 * r.step_cpu_ms / max(1, r.params):9.1f}"
         )
     return "\n".join(lines)
 

@@ -231,7 +231,7 @@ class GradBuffer:
 
         def prehook(_grad_outputs: object) -> None:
             # only while the slot is zero: what autograd then leaves in it is this backward's gradient
-            if p.grad is None and not self.retained and name not in self.received and not self.launched(bucket):
+            if p.grad is None and not self.retained and bucket >= self._next and name not in self.received:
                 p.grad = slot
                 self._installed.add(name)
 
@@ -284,7 +284,7 @@ class GradBuffer:
                 "zero_grad() between backward passes, or wrap all but the last micro-batch in no_sync()"
             )
         slot, view = self.slots[name], self._views.get(name)
-        if view is not None and same_view(grad, view):
+        if view is not None and (grad is view or same_view(grad, view)):
             # autograd accumulated into the slot (and hooks edited it there): nothing to copy
             self.in_place.add(name)
         else:
