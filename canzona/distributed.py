@@ -33,7 +33,9 @@ What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for th
   canzona's, e.g. transformers' TP-plan gradient all-reduce, see ``p.grad`` set and canzona takes
   what they leave; :mod:`canzona.runtime.buffer`); ``zero_grad()`` discards them. Gradients
   assigned directly to ``p.grad`` (no backward) are taken in at ``step()``. For gradient accumulation wrap all but the last
-  micro-batch in ``opt.no_sync()``.
+  micro-batch in ``opt.no_sync()``. By default autograd accumulates straight into the buffer and the
+  parameters are views of a parameter buffer the all-gather writes into (``grad_views``,
+  ``param_views``; docs/runtime.md lists the copies that remain).
 - Missing gradients follow ``torch.optim``: a parameter without a gradient on every rank is
   skipped (agreed across ranks in the step's first status exchange), ``step()`` without a
   backward changes nothing, and a second ``step()`` after one backward re-applies the same
@@ -279,6 +281,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     exchanges, checkpoint save/load; default 60 s); ``overlap_updates=True`` updates each bucket as
     soon as its collective lands instead of after the step's first exchange, giving up the
     torch-style skipping of parameters without a gradient and the pre-update non-finite check.
+
+    Copies (docs/runtime.md): ``param_views=True`` (default) makes every plain parameter of the
+    all-gather strategies (``zero1``, ``asc``, ``lb-asc``, ``lb-asc-joint``) a view of a flat
+    parameter buffer in the plan's geometry, so the post-step all-gather writes straight into the
+    model (``p.data`` is rebound once, at construction; DTensor parameters and parameters whose
+    dtype differs from their bucket's keep the copy, listed in ``runtime.copied_params``).
+    ``grad_views=True`` (default) lets autograd accumulate the gradients of plain parameters of the
+    master dtype straight into the gradient buffer. Both are exact (the same values bit for bit);
+    False restores the copies.
     """
 
     def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> DistributedOptimizer:
@@ -313,6 +324,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan: Plan | None = None,
         status_timeout_s: float = STATUS_TIMEOUT_S,
         overlap_updates: bool = False,
+        param_views: bool = True,
+        grad_views: bool = True,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
@@ -327,6 +340,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
         if master_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype}")
+        for flag, value in (("param_views", param_views), ("grad_views", grad_views)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
         if not (isinstance(status_timeout_s, (int, float)) and 0 < status_timeout_s < float("inf")):
             raise ValueError(f"status_timeout_s must be a positive number of seconds, got {status_timeout_s!r}")
         self.status_timeout_s = float(status_timeout_s)
@@ -431,6 +447,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param_sync=param_sync,
             status_timeout_s=self.status_timeout_s,
             overlap_updates=overlap_updates,
+            param_views=param_views,
+            grad_views=grad_views,
         )
         self.runtime.timer = self.phase_times
         self.runtime.attach()

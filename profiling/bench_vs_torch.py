@@ -10,7 +10,10 @@ Cases (each variant in fresh processes, gloo on CPU with one thread per rank, or
   overhead of a step (``us/param`` column = step time / parameter count).
 
 Variants: ``ddp`` (DDP + torch.optim.Muon on every rank), canzona ``sc``, ``layerwise``, ``asc``,
-``lb-asc``. Printed per variant: median step time (slowest rank), optimizer time, exposed
+``lb-asc``; ``--views both`` runs every canzona variant twice, once as ``<variant>/copy``
+(``param_views=False, grad_views=False``: the parameter copy-out and the gradient copy-in) and once
+with the views (the default), printed side by side; ``--phases`` adds canzona's phase wall times
+per rank (where exposed communication comes from). Printed per variant: median step time (slowest rank), optimizer time, exposed
 communication, bytes sent per step (all ranks), peak memory per rank, ratios to DDP, and the goals
 (lb-asc <= 0.58 x DDP at world 2, <= 0.35 x at world 4; sc within 1.05 x). The definitions are in
 ``canzona/profiling/vs_torch.py``.
@@ -19,6 +22,7 @@ Run from the repository root::
 
     .venv/bin/python profiling/bench_vs_torch.py                       # every case
     .venv/bin/python profiling/bench_vs_torch.py --cases stack-w2 --steps 5 --json out.json
+    .venv/bin/python profiling/bench_vs_torch.py --cases tiny-w2 --views both --phases
 """
 
 from __future__ import annotations
@@ -30,7 +34,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canzona.profiling.vs_torch import VARIANTS, Case, as_dicts, format_table, run_case
+from canzona.profiling.vs_torch import (
+    COPY_SUFFIX,
+    VARIANTS,
+    Case,
+    as_dicts,
+    format_phases,
+    format_table,
+    known_variant,
+    median_of_runs,
+    run_case,
+)
 
 __all__ = ["main", "CASES"]
 
@@ -48,14 +62,19 @@ def CASES(depth: int, steps: int, warmup: int) -> dict[str, Case]:  # noqa: N802
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="stack-w2,stack-w4,qwen3-w4,tiny-w2")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--cases", default="stack-w2,stack-w4,qwen3-w4,tiny-w2", help="comma-separated cases to run")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (ddp, canzona strategies, <strategy>/copy)")
     p.add_argument("--depth", type=int, default=8, help="linears in the stack cases (default 8)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")
+    p.add_argument("--views", default="on", choices=("on", "off", "both"),
+                   help="canzona with parameter/gradient views (on, the default), without them (off: <variant>/copy), or both side by side")
+    p.add_argument("--phases", action="store_true", help="also print canzona's phase wall times per rank")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the variant list this many times in a row and report per-figure medians (steadier under a drifting load)")
     p.add_argument("--json", default=None, help="also write the figures here")
-    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each variant's run (seconds)")
     return p.parse_args(argv)
 
 
@@ -70,24 +89,41 @@ def _verdicts(results: list, world: int) -> list[str]:
     return out
 
 
+def _with_views(variants: tuple[str, ...], views: str) -> tuple[str, ...]:
+    """The variants to run: canzona ones as given (``on``), as ``/copy`` (``off``), or both in a row."""
+    out: list[str] = []
+    for v in variants:
+        if v == "ddp" or v.endswith(COPY_SUFFIX) or views == "on":
+            out.append(v)
+        elif views == "off":
+            out.append(v + COPY_SUFFIX)
+        else:
+            out += [v + COPY_SUFFIX, v]
+    return tuple(dict.fromkeys(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     table = CASES(args.depth, args.steps, args.warmup)
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in table]
     variants = tuple(v for v in args.variants.split(",") if v)
-    bad = [v for v in variants if v not in VARIANTS]
-    if unknown or bad or args.steps < 1 or args.warmup < 0 or args.depth < 1:
-        print(f"bench_vs_torch: unknown cases {unknown} / variants {bad}, or steps/warmup/depth out of range", file=sys.stderr)
+    bad = [v for v in variants if not known_variant(v)]
+    variants = _with_views(variants, args.views)
+    if unknown or bad or args.steps < 1 or args.warmup < 0 or args.depth < 1 or args.repeat < 1:
+        print(f"bench_vs_torch: unknown cases {unknown} / variants {bad}, or steps/warmup/depth/repeat out of range", file=sys.stderr)
         return 2
     everything = []
     for name in names:
         case = table[name]
         case = Case(**{**{f: getattr(case, f) for f in case.__dataclass_fields__}, "variants": variants})
-        results = run_case(case, backend=args.backend, timeout_s=args.timeout_s)
+        results = median_of_runs([run_case(case, backend=args.backend, timeout_s=args.timeout_s) for _ in range(args.repeat)])
         mesh = f"dp{case.dp} x tp{case.tp} (DDP dp{case.world})" if case.tp > 1 else f"dp{case.world}"
         print(format_table(results, title=f"{name}: {case.model}, world {case.world}, {mesh}, {args.backend}, "
-                                          f"median of {case.steps} steps after {case.warmup}"))
+                                          f"median of {case.steps} steps after {case.warmup}"
+                                          + (f", median of {args.repeat} runs" if args.repeat > 1 else "")))
+        if args.phases:
+            print(format_phases(results, title="  phase wall ms per step (median), one column per rank"))
         if case.model == "stack" and case.width > 16:
             print("\n".join(_verdicts(results, case.world)))
         print()

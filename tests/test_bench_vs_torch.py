@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from canzona.profiling.vs_torch import Case, add_ratios, format_table, run_case, summarize
+from canzona.profiling.vs_torch import Case, add_ratios, format_phases, format_table, known_variant, median_of_runs, run_case, summarize
 
 
 def _rank(step: list[float], opt: list[float], sent: int) -> dict:
@@ -27,6 +27,23 @@ def test_summary_takes_the_slowest_rank_then_the_median() -> None:
     assert math.isclose(r.ratios["step"], 0.5) and base.ratios["step"] == 1.0
     table = format_table(results, title="t")
     assert table.splitlines()[0] == "t" and "lb-asc" in table and "0.50" in table
+
+
+def test_copy_variants_and_the_median_of_runs() -> None:
+    assert known_variant("lb-asc/copy") and known_variant("ddp") and known_variant("sc")
+    assert not known_variant("ddp/copy") and not known_variant("nope/copy") and not known_variant("lb-asc/")
+    case = Case("c", "stack", 2, depth=4, width=4)
+
+    def run(t: float) -> list:
+        ranks = [{**_rank([t] * 3, [t / 2] * 3, 5), "phases": [{"canzona/dp/all_gather/wait": t}] * 3}] * 2
+        return [summarize(case, "ddp", [_rank([1.0] * 3, [0.5] * 3, 1)] * 2), summarize(case, "lb-asc/copy", ranks)]
+
+    ddp, copy = median_of_runs([run(0.1), run(0.5), run(0.2)])
+    assert copy.variant == "lb-asc/copy" and math.isclose(copy.step_ms, 200.0) and math.isclose(copy.ratios["step"], 0.2)
+    assert copy.phases == {"canzona/dp/all_gather/wait": [200.0, 200.0]} and ddp.phases == {}
+    assert "lb-asc/copy" in format_phases([ddp, copy], title="p") and "200.00" in format_phases([ddp, copy], title="p")
+    with pytest.raises(ValueError, match="different variants"):
+        median_of_runs([run(0.1), run(0.2)[::-1]])
 
 
 @pytest.mark.slow

@@ -234,3 +234,133 @@ def test_a_failed_backward_leaves_nothing_stale() -> None:
     ref = _reference_grads()
     for n in named:
         assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n
+
+
+# ------------------------------------------------------------------------------ gradients straight into the buffer
+
+
+def _views_of_buffer(buf: GradBuffer, model: torch.nn.Module) -> dict[str, bool]:
+    """Per parameter: whether the ``p.grad`` a post-accumulate hook sees is its slot of the buffer."""
+    seen: dict[str, bool] = {}
+    for n, p in model.named_parameters():
+        def hook(q: torch.Tensor, n: str = n) -> None:
+            seen[n] = q.grad is not None and q.grad.data_ptr() == buf.slots[n].data_ptr()
+
+        p.register_post_accumulate_grad_hook(hook)
+    return seen
+
+
+def test_autograd_accumulates_straight_into_the_slots() -> None:
+    """A real backward: every fp32 parameter's gradient is accumulated by autograd into its slot (no
+    copy), hooks see ``p.grad`` as that slot, and the slots equal a plain backward bitwise."""
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    assert buf.viewable == {pp.name for pp in plan.params}
+    seen = _views_of_buffer(buf, model)
+    _real_backward(model)
+    ref = _reference_grads()
+    assert seen == dict.fromkeys(ref, True)
+    assert buf.in_place == set(ref)
+    for n, p in model.named_parameters():
+        assert p.grad is None
+        assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n
+    assert launched == list(range(len(plan.buckets)))
+
+
+def test_grad_views_off_copies_every_gradient_and_gives_the_same_slots() -> None:
+    model = ToyModel()
+    plan = _plan(model)
+    buf = GradBuffer(plan, dict(model.named_parameters()), grad_views=False)
+    buf.attach()
+    seen = _views_of_buffer(buf, model)
+    _real_backward(model)
+    assert buf.viewable == frozenset() and buf.in_place == set()
+    assert not any(seen.values())
+    ref = _reference_grads()
+    for n in ref:
+        assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n
+
+
+def test_no_sync_hands_out_the_slot_only_while_it_is_zero() -> None:
+    """Under no_sync only the first micro-batch lands in place; the second is copied, so a hook
+    sees each backward's own gradient (never the running sum), as without views."""
+    model = ToyModel()
+    _, buf, launched = _buffer(model)
+    got: dict[str, list[torch.Tensor]] = {}
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda q, n=n: got.setdefault(n, []).append(q.grad.clone()))
+    with buf.no_sync():
+        _real_backward(model, seed=0)
+    assert buf.in_place == set(got) and launched == []
+    _real_backward(model, seed=1)
+    assert buf.in_place == set(got) and buf.all_launched  # the second pass added nothing in place
+    ref0, ref1 = _reference_grads(0), _reference_grads(1)
+    for n in ref0:
+        assert torch.equal(got[n][0], ref0[n]) and torch.equal(got[n][1], ref1[n]), n
+        assert torch.equal(buf.slots[n], (ref0[n] + ref1[n]).reshape(-1)), n
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_autograd_grad_and_create_graph_leave_the_buffer_right() -> None:
+    """``torch.autograd.grad`` never accumulates into ``p.grad``: no slot is handed out (a tensor
+    hook would have been). ``create_graph=True`` rebuilds ``p.grad`` out of place: it is copied."""
+    model = ToyModel()
+    _, buf, launched = _buffer(model)
+    g = torch.Generator().manual_seed(0)
+    loss = model.loss(torch.randint(0, 13, (3, 7), generator=g))
+    torch.autograd.grad(loss, list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and launched == [] and buf.received == set()
+    assert int(buf.data.count_nonzero()) == 0
+    g = torch.Generator().manual_seed(0)
+    model.loss(torch.randint(0, 13, (3, 7), generator=g)).backward(create_graph=True)
+    ref = _reference_grads()
+    assert buf.in_place == set() and buf.all_launched
+    for n, p in model.named_parameters():
+        assert p.grad is None
+        assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n
+
+
+def test_a_replacement_that_reads_the_buffer_is_kept_before_the_slot_is_cleared() -> None:
+    """A hook replaces ``p.grad`` of the square ``mix.weight`` by its transpose, a view of the slot:
+    the buffer must take the transpose, not zeros."""
+    model = ToyModel()
+    _, buf, _ = _buffer(model)
+    model.mix.weight.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", q.grad.t()))
+    _real_backward(model)
+    ref = _reference_grads()
+    assert "mix.weight" not in buf.in_place
+    assert torch.equal(buf.slots["mix.weight"], ref["mix.weight"].t().reshape(-1))
+
+
+def test_reset_after_a_failed_backward_drops_handed_out_slots() -> None:
+    """A backward that fails in a hook can leave ``p.grad`` as a slot; reset() (zero_grad) clears
+    them, so the next backward neither reads nor doubles stale values."""
+    model = ToyModel()
+    plan, buf, launched = _buffer(model)
+    first = plan.buckets[-1].params[0]
+    fail = {"on": True}
+
+    def boom(_p: torch.Tensor) -> None:
+        if fail["on"]:
+            raise RuntimeError("boom")
+
+    dict(model.named_parameters())[first].register_post_accumulate_grad_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        _real_backward(model)
+    left = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert left, "the failed pass should leave a handed-out slot behind"
+    buf.reset()
+    assert all(p.grad is None for p in model.parameters())
+    fail["on"] = False
+    launched.clear()
+    _real_backward(model)
+    ref = _reference_grads()
+    for n in ref:
+        assert torch.equal(buf.slots[n], ref[n].reshape(-1)), n
+    assert buf.in_place == set(ref)
+
+
+def test_low_precision_parameters_keep_the_copy() -> None:
+    model = ToyModel(dtype=torch.bfloat16)
+    buf = GradBuffer(_plan(model), dict(model.named_parameters()), dtype=torch.float32)
+    assert buf.viewable == frozenset()

@@ -101,6 +101,7 @@ def world_worker(rank: int, world: int, bucket_numel: int) -> bytes:
         out["frozen"] = {None: attempt(_frozen_case, rank)}
         out["bf16"] = {case: attempt(_bf16_case, rank, *case) for case in BF16_CASES}
         out["per_bucket"] = _per_bucket_cases(rank)
+        out["views"] = {key: attempt(_views_case, rank, key) for key in VIEW_CASES}
     if world == 4:
         out["tp"] = {key: attempt(_tp_case, rank, *key) for key in TP_CASES}
     return pack(out)
@@ -258,6 +259,7 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
             lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
+    dtensor = sorted(n for n, p in model.named_parameters() if hasattr(p, "to_local"))
     full_params = {}
     for n, p in model.named_parameters():
         if tp_dims is not None and n in tp_dims:  # plain local shard: gather the TP group's shards
@@ -266,7 +268,8 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
             full_params[n] = torch.cat(parts, dim=tp_dims[n])
         else:
             full_params[n] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-    return {"params": full_params, "dp_rank": dp_rank, "tp_rank": tp_rank, "hosted": opt.runtime.tp_engine is not None}
+    return {"params": full_params, "dp_rank": dp_rank, "tp_rank": tp_rank, "hosted": opt.runtime.tp_engine is not None,
+            "viewed": sorted(opt.runtime.param_views), "copied": dict(opt.runtime.copied_params), "dtensor": dtensor}
 
 
 @pytest.mark.parametrize("key", [k for k in TP_CASES if k[1] != "backward"])
@@ -689,3 +692,140 @@ def test_optimizers_with_per_call_state_are_refused() -> None:
     check_per_parameter(torch.optim.AdamW, EW_KW)
     with pytest.raises(TypeError, match="stepped once per subset of its parameters"):
         check_per_parameter(_PerCallLR, {"lr": 0.1})
+
+
+# ------------------------------------------------------------------------------ parameters and gradients as buffer views
+
+#: "real": real backward with gradient accumulation, views on and off, plus the ways users break
+#: views; "bf16": bf16 parameters (fp32 masters); "mixed": one bf16 parameter in an fp32 bucket
+VIEW_CASES = ("real", "bf16", "mixed")
+
+
+def _views_case(rank: int, key: str) -> dict:
+    import warnings
+
+    import canzona
+
+    out: dict = {}
+    for views in (True, False):
+        if key == "real":
+            model: torch.nn.Module = ToyModel(seed=3)
+        elif key == "bf16":
+            model = ToyModel(seed=3, dtype=torch.bfloat16)
+        else:
+            model = ToyModel(seed=3)
+            model.mix.bias.data = model.mix.bias.data.to(torch.bfloat16)
+        opt = canzona.DistributedOptimizer(
+            model, "muon", strategy="lb-asc", optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=64,
+            param_views=views, grad_views=views,
+        )
+        rt = opt.runtime
+        named = dict(model.named_parameters())
+        in_place, on_buffer, caught = [], [], []
+        for s in range(STEPS):
+            if views and key == "real" and s == 1:
+                model.mix.weight.data = model.mix.weight.data.clone()  # breaks the view: rebound in step()
+            if views and key == "real" and s == 2:
+                model.to("cpu")  # no-ops keep the views
+                model.float()
+            with opt.no_sync():
+                model.loss(_batch(s, 2 * rank)).backward()
+            model.loss(_batch(s, 2 * rank + 1)).backward()
+            in_place.append(sorted(rt.buffer.in_place))
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            caught.append([str(x.message) for x in w if "parameter buffer" in str(x.message)])
+            # every viewed parameter's storage is its bucket's parameter buffer, at its slot
+            on_buffer.append(all(
+                named[n].data_ptr() == v.data_ptr()
+                and named[n].untyped_storage().data_ptr() == rt.param_buffers[rt.buffer.bucket_of[n]].untyped_storage().data_ptr()
+                for n, v in rt.param_views.items()
+            ))
+            opt.zero_grad()
+        res = {
+            "params": params_of(model), "in_place": in_place, "on_buffer": on_buffer, "warnings": caught,
+            "viewed": sorted(rt.param_views), "copied": dict(rt.copied_params), "rebinds": rt.rebinds,
+            "names": sorted(named), "buffers": len(rt.param_buffers),
+        }
+        if views and key == "real":
+            # a cast behind the optimizer's back is refused by the runtime itself (not a silent copy)
+            p = model.up.weight
+            kept = p.data
+            p.data = p.data.double()
+            i = rt.buffer.bucket_of["up.weight"]
+            try:
+                rt.apply_params({i: rt.param_buffers[i]})
+                res["cast"] = "accepted"
+            except RuntimeError as exc:
+                res["cast"] = str(exc)
+            p.data = kept
+            # load_state_dict(assign=True) replaces the Parameter objects: the next step refuses
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+            try:
+                opt.step()
+                res["assign"] = "accepted"
+            except RuntimeError as exc:
+                res["assign"] = str(exc)
+        out[views] = res
+    return out
+
+
+def test_parameters_and_gradients_are_views_and_stay_bitwise(runs) -> None:
+    """Default (views on): every parameter is a view of its bucket's parameter buffer, the all-gather
+    writes into it, the first micro-batch's gradients land in the gradient buffer in place; the
+    parameters equal the copy path (views off) and the single-process run, bit for bit."""
+    got = runs(2, "views", "real")
+    eager = runs(2, "backward", "lb-asc")  # checked against the single-process run by test_real_backward_dp2_bitwise
+    for rank, r in enumerate(got):
+        on, off = r[True], r[False]
+        assert tensors_equal(eager[rank], on["params"]) == [] and tensors_equal(eager[rank], off["params"]) == []
+        assert on["viewed"] == on["names"] and on["copied"] == {} and on["buffers"] > 1
+        assert on["on_buffer"] == [True] * STEPS
+        assert on["in_place"] == [on["names"]] * STEPS  # the no_sync micro-batch, every step
+        assert off["viewed"] == [] and off["buffers"] == 0 and off["in_place"] == [[]] * STEPS
+
+
+def test_a_replaced_parameter_storage_is_rebound_with_one_warning(runs) -> None:
+    for r in runs(2, "views", "real"):
+        on = r[True]
+        assert on["rebinds"] == 1, "p.data = clone must be rebound once, model.to()/float() no-ops not at all"
+        assert [len(w) for w in on["warnings"]] == [0, 1, 0] and "mix.weight" in on["warnings"][1][0]
+
+
+def test_moved_cast_or_replaced_parameters_are_refused(runs) -> None:
+    for r in runs(2, "views", "real"):
+        on = r[True]
+        assert "up.weight became torch.float64" in on["cast"] and "before building the DistributedOptimizer" in on["cast"]
+        assert "parameters changed after the plan was made" in on["assign"]
+
+
+@pytest.mark.parametrize("key", ["bf16", "mixed"])
+def test_other_dtypes_keep_the_copies_they_need(runs, key: str) -> None:
+    """bf16 parameters with fp32 masters: parameters are views of bf16 parameter buffers, gradients
+    are copied (cast) into the fp32 buffer. A bf16 parameter in a bucket gathered in fp32 keeps the
+    copy out, naming why. Bitwise equal to views off either way."""
+    for r in runs(2, "views", key):
+        on, off = r[True], r[False]
+        assert tensors_equal(on["params"], off["params"]) == []
+        assert on["in_place"] == ([[]] if key == "bf16" else [sorted(set(on["names"]) - {"mix.bias"})]) * STEPS
+        if key == "bf16":
+            assert on["viewed"] == on["names"] and on["copied"] == {}
+        else:
+            assert list(on["copied"]) == ["mix.bias"] and "differs from its bucket's gather dtype" in on["copied"]["mix.bias"]
+            assert on["viewed"] == sorted(set(on["names"]) - {"mix.bias"})
+
+
+@pytest.mark.parametrize("key", [("lb-asc", "inject"), ("lb-asc-joint", "megatron"), ("sc", "inject")], ids="-".join)
+def test_tp_parameters_views_where_plain_copies_where_dtensor(runs, key: tuple[str, str]) -> None:
+    """DTensor parameters keep the copy (DTensor owns its local tensor); plain shards (Megatron-style
+    ``tp_dims``) and plain replicated parameters become views; ``sc`` returns no values by all-gather."""
+    for res in runs(4, "tp", key):
+        if key[0] == "sc":
+            assert res["viewed"] == [] and res["copied"] == {}
+            continue
+        assert sorted(res["copied"]) == res["dtensor"]
+        assert all(why.startswith("DTensor") for why in res["copied"].values())
+        assert sorted(res["viewed"] + res["dtensor"]) == sorted(res["params"])
+        if key[1] == "megatron":
+            assert res["dtensor"] == []

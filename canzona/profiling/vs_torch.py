@@ -7,7 +7,9 @@ model on the same data in its own set of ``world`` processes (so peak memory is 
   backward) and ``torch.optim.Muon`` over every matrix parameter (AdamW over the others) on every
   rank: each rank computes every update;
 - ``sc``, ``layerwise``, ``asc``, ``lb-asc``: :class:`canzona.DistributedOptimizer` with canzona's
-  Muon (AdamW for element-wise parameters).
+  Muon (AdamW for element-wise parameters). A ``/copy`` suffix (``lb-asc/copy``) builds it with
+  ``param_views=False, grad_views=False``: the parameter and gradient copies the views remove
+  (docs/runtime.md), for measuring them side by side.
 
 Per variant and rank, per measured step: the step's wall time (forward + backward + optimizer,
 slowest rank, median over steps), the optimizer time (``step()``, which for canzona includes
@@ -40,17 +42,29 @@ import torch
 from torch import nn
 
 __all__ = [
+    "COPY_SUFFIX",
     "VARIANTS",
     "Case",
     "LinearStack",
     "VariantResult",
+    "format_phases",
     "format_table",
+    "known_variant",
+    "median_of_runs",
     "run_case",
     "summarize",
     "vs_torch_worker",
 ]
 
 VARIANTS: tuple[str, ...] = ("ddp", "sc", "layerwise", "asc", "lb-asc")
+#: suffix of a canzona variant run without parameter and gradient views
+COPY_SUFFIX = "/copy"
+
+
+def known_variant(variant: str) -> bool:
+    """``ddp``, a canzona strategy of :data:`VARIANTS`, or one with :data:`COPY_SUFFIX`."""
+    base = variant.removesuffix(COPY_SUFFIX)
+    return variant in VARIANTS or (base != variant and base in VARIANTS and base != "ddp")
 
 
 class LinearStack(nn.Module):
@@ -115,6 +129,9 @@ class VariantResult:
     peak_mib: float
     params: int
     ratios: dict[str, float] = field(default_factory=dict)
+    #: canzona's phases (:class:`~canzona.runtime.phases.PhaseTimer` keys): wall ms per step, median
+    #: over measured steps, one value per rank
+    phases: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------- worker side
@@ -190,6 +207,7 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
     bwd_s: list[float] = []
     exposed_s: list[float] = []
     sent: list[int] = []
+    phases: list[dict[str, float]] = []
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -241,14 +259,17 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
     else:
         import canzona
 
+        views = not variant.endswith(COPY_SUFFIX)
         opt = canzona.DistributedOptimizer(
             model,
             "muon",
-            strategy=variant,
+            strategy=variant.removesuffix(COPY_SUFFIX),
             mesh=mesh,
             optimizer_kwargs={"lr": 0.02, "weight_decay": 0.01},
             elementwise_kwargs={"lr": 1e-3},
             bucket_numel=case.bucket_numel,
+            param_views=views,
+            grad_views=views,
         )
         for step in range(case.warmup + case.steps):
             opt.comm_stats.reset()
@@ -269,6 +290,7 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
                 step_cpu.append(c2 - c0)
                 opt_cpu.append(c2 - c1)
                 exposed_s.append(sum(v["wall_s"] for k, v in times.items() if k.endswith("/wait")))
+                phases.append({k: v["wall_s"] for k, v in times.items()})
                 sent.append(opt.comm_stats.total_sent())
         state = opt.state_bytes()
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else _rss_peak_mib() - rss0
@@ -283,6 +305,7 @@ def vs_torch_worker(rank: int, world: int, case: Case, variant: str) -> dict[str
         "peak_mib": peak,
         "state_bytes": state,
         "params": n_params,
+        "phases": phases,
     }
 
 
@@ -333,7 +356,54 @@ def summarize(case: Case, variant: str, per_rank: Sequence[dict[str, Any]]) -> V
         bytes_per_step=int(statistics.median(sum(r["sent"][i] for r in per_rank) for i in range(n))),
         peak_mib=max(float(r["peak_mib"]) for r in per_rank),
         params=int(per_rank[0]["params"]),
+        phases=_phase_medians(per_rank),
     )
+
+
+def _phase_medians(per_rank: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per phase, each rank's median wall ms over the measured steps (0 for steps without it)."""
+    keys = sorted({k for r in per_rank for step in r.get("phases", ()) for k in step})
+    return {
+        k: [statistics.median(step.get(k, 0.0) for step in r["phases"]) * 1e3 if r.get("phases") else 0.0 for r in per_rank]
+        for k in keys
+    }
+
+
+def format_phases(results: Sequence[VariantResult], *, title: str) -> str:
+    """canzona's phase wall times (ms per step, median over steps) per variant and rank."""
+    lines = [title]
+    for r in results:
+        if not r.phases:
+            continue
+        lines.append(f"  {r.variant}")
+        for k, per_rank in r.phases.items():
+            lines.append(f"    {k:44s} " + " ".join(f"{v:8.2f}" for v in per_rank))
+    return "\n".join(lines)
+
+
+def median_of_runs(runs: Sequence[Sequence[VariantResult]]) -> list[VariantResult]:
+    """Several runs of the same variants (in the same order) folded into one: every figure is the
+    median over the runs (per rank for phases), so alternating runs of two variants compare them
+    under the same drifting load. Ratios are recomputed."""
+    out = []
+    for same in zip(*runs):
+        first = same[0]
+        if any(r.variant != first.variant for r in same):
+            raise ValueError("runs hold different variants")
+
+        def med(attr: str, same: Sequence[VariantResult] = same) -> float:
+            return statistics.median(getattr(r, attr) for r in same)
+
+        keys = sorted({k for r in same for k in r.phases})
+        ranks = max((len(v) for r in same for v in r.phases.values()), default=0)
+        phases = {k: [statistics.median(r.phases[k][i] if k in r.phases else 0.0 for r in same) for i in range(ranks)] for k in keys}
+        out.append(VariantResult(
+            case=first.case, variant=first.variant, world=first.world, step_ms=med("step_ms"), optimizer_ms=med("optimizer_ms"),
+            step_cpu_ms=med("step_cpu_ms"), optimizer_cpu_ms=med("optimizer_cpu_ms"), exposed_comm_ms=med("exposed_comm_ms"),
+            bytes_per_step=int(med("bytes_per_step")), peak_mib=med("peak_mib"), params=first.params, phases=phases,
+        ))
+    add_ratios(out)
+    return out
 
 
 def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
@@ -352,14 +422,14 @@ def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
 
 def format_table(results: Sequence[VariantResult], *, title: str) -> str:
     nan = float("nan")
-    lines = [title, f"  {'variant':10s} {'step ms':>9s} {'x DDP':>6s} {'optim ms':>9s} {'x DDP':>6s} {'step CPU ms':>11s} "
-             f"{'x DDP':>6s} {'optim CPU':>9s} {'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s}"]
+    lines = [title, f"  {'variant':14s} {'step ms':>9s} {'x DDP':>6s} {'optim ms':>9s} {'x DDP':>6s} {'step CPU ms':>11s} "
+             f"{'x DDP':>6s} {'optim CPU':>9s} {'exposed ms':>10s} {'KiB/step':>9s} {'peak MiB':>9s} {'us/param':>9s} {'CPU us/p':>9s}"]
     for r in results:
         lines.append(
-            f"  {r.variant:10s} {r.step_ms:9.2f} {r.ratios.get('step', nan):6.2f} {r.optimizer_ms:9.2f} "
+            f"  {r.variant:14s} {r.step_ms:9.2f} {r.ratios.get('step', nan):6.2f} {r.optimizer_ms:9.2f} "
             f"{r.ratios.get('optimizer', nan):6.2f} {r.step_cpu_ms:11.2f} {r.ratios.get('step_cpu', nan):6.2f} "
             f"{r.optimizer_cpu_ms:9.2f} {r.exposed_comm_ms:10.2f} {r.bytes_per_step / 1024:9.1f} "
-            f"{r.peak_mib:9.1f} {1e3 * r.step_ms / max(1, r.params):9.1f}"
+            f"{r.peak_mib:9.1f} {1e3 * r.step_ms / max(1, r.params):9.1f} {1e3 * r.step_cpu_ms / max(1, r.params):9.1f}"
         )
     return "\n".join(lines)
 

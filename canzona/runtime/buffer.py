@@ -37,6 +37,23 @@ if canzona took the gradient first, which keeps the per-bucket overlap with the 
 The block-of-hooks argument holds for the parameters of one device (the engine processes one
 device's nodes on one thread); :meth:`flush` at ``step()`` takes in anything still pending.
 
+Gradients straight into the buffer (``grad_views=True``, Megatron's ``main_grad`` without a
+second field). For a plain (non-DTensor) parameter whose dtype and device are the buffer's, a
+pre-hook on the parameter's ``AccumulateGrad`` node sets ``p.grad`` to the parameter's slot (a
+view of the buffer, zero at that point) just before autograd accumulates, so autograd adds the
+gradient into the slot in place (``slot += g``: the same addition the copy path makes, bit for
+bit) and every hook after it sees ``p.grad`` set, as the rule above requires. The view is handed
+out only while the slot is known to be zero: no gradient taken since the last :meth:`reset`, the
+bucket not launched, the last step's gradients not retained, ``p.grad`` None. So under
+:meth:`no_sync` only the first micro-batch lands in place and later ones take the copy path: every
+hook sees this backward's gradient, never the sum so far, exactly as without views. When the
+gradient is taken, ``p.grad`` still being the slot means it is already there (hooks that edited it
+in place edited the slot); a ``p.grad`` that a hook replaced (or ``create_graph=True`` rebuilt out
+of place) is copied over the slot, which was zero before this backward. A node pre-hook (not a
+tensor hook) is used because tensor hooks also fire for ``torch.autograd.grad``, which never
+accumulates into ``p.grad``. Other parameters (DTensor, another dtype such as bf16 with fp32
+masters) keep the copy path.
+
 The buffer never communicates; whoever owns it (:mod:`canzona.runtime.dp`) launches the
 collectives from ``on_ready``.
 """
@@ -50,7 +67,7 @@ import torch
 
 from canzona.plan.plan import Plan
 
-__all__ = ["GradBuffer", "GradSyncError", "local_tensor"]
+__all__ = ["GradBuffer", "GradSyncError", "is_plain", "local_tensor", "same_view"]
 
 
 class GradSyncError(RuntimeError):
@@ -63,12 +80,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ordinary tensor (not a DTensor, whose local shard DTensor owns)."""
+    return not callable(getattr(t, "to_local", None))
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (pointer, shape, strides, dtype)."""
+    return (
+        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.device == b.device
+    )
+
+
 class GradBuffer:
     """Flat gradient buffer with the plan's bucket geometry and readiness tracking.
 
     ``params`` maps every plan parameter name to the model's parameter (plain tensor or DTensor).
     ``on_ready(i)`` is called once per bucket and step, in increasing ``i``, when bucket ``i`` and
     every bucket before it hold all their gradients (or when :meth:`flush` forces them).
+    ``grad_views``: let autograd accumulate straight into the slots of the parameters that allow it
+    (:attr:`viewable`; see the module docstring); False copies every gradient in.
     """
 
     def __init__(
@@ -79,6 +111,7 @@ class GradBuffer:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         on_ready: Callable[[int], None] | None = None,
+        grad_views: bool = True,
     ) -> None:
         missing = [p.name for p in plan.params if p.name not in params]
         if missing:
@@ -101,12 +134,22 @@ class GradBuffer:
                 raise ValueError(
                     f"{pp.name}: model holds a shard of shape {tuple(local.shape)}, the plan expects {pp.spec.local_shape}"
                 )
+        #: parameters whose gradient autograd may accumulate straight into their slot: plain tensors
+        #: of the buffer's dtype and device (the others are copied in when taken)
+        self.viewable: frozenset[str] = frozenset(
+            n for n, p in self.params.items()
+            if grad_views and is_plain(p) and p.dtype == dtype and p.device == self.data.device
+        )
+        #: the slot of each viewable parameter in the parameter's shape: what ``p.grad`` is set to
+        self._views = {n: self.slots[n].view(self.params[n].shape) for n in self.viewable}
         self.on_ready = on_ready
         #: called when a gradient arrives while :attr:`retained` is set (a backward after ``step()``
         #: without ``zero_grad()``); the owner drops the retained gradients there
         self.on_release: Callable[[], None] | None = None
         self._size = [len(b.params) for b in plan.buckets]
         self._handles: list[object] = []
+        self._acc_nodes: list[object] = []  # AccumulateGrad nodes carrying the view pre-hooks, kept alive
+        self._installed: set[str] = set()
         self._syncing = True
         self.reset()
 
@@ -122,12 +165,19 @@ class GradBuffer:
     # --------------------------------------------------------------------------------- state
     def reset(self) -> None:
         """Zero the gradients and forget which parameters reported (start of an iteration)."""
+        for name in self._installed:  # a slot handed to p.grad but never taken (a failed backward)
+            p = self.params[name]
+            if p.grad is not None and same_view(p.grad, self._views[name]):
+                p.grad = None  # its slot is zeroed below: drop it rather than leave p.grad aliasing it
+        self._installed = set()
         self.data.zero_()
         #: the last step's reduced gradients are kept (``step()`` may run again on them, as
         #: ``torch.optim`` re-applies ``p.grad`` until ``zero_grad()``)
         self.retained = False
         #: parameters that received a gradient since the last reset (with or without ``no_sync``)
         self.received: set[str] = set()
+        #: parameters whose gradient autograd accumulated straight into the slot (no copy) since the last reset
+        self.in_place: set[str] = set()
         self._reported: set[str] = set()
         #: parameters whose canzona hook fired but whose gradient is not taken yet (name, param, syncing)
         self._pending: list[tuple[str, torch.Tensor, bool]] = []
@@ -154,18 +204,38 @@ class GradBuffer:
 
     # --------------------------------------------------------------------------------- hooks
     def attach(self) -> None:
-        """Register one post-accumulate-grad hook per parameter (idempotent)."""
+        """Register one post-accumulate-grad hook per parameter, and on the :attr:`viewable` ones a
+        pre-hook on their ``AccumulateGrad`` node that hands autograd the slot (idempotent)."""
         if self._handles:
             return
         for name, p in self.params.items():
             if not p.requires_grad:
                 raise ValueError(f"{name} does not require grad; the plan covers only trainable parameters")
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(name)))
+            if name in self.viewable:
+                with torch.enable_grad():
+                    node = p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                # the parameter holds its AccumulateGrad node weakly: keep it, or the hook goes with it
+                self._acc_nodes.append(node)
+                self._handles.append(node.register_prehook(self._make_prehook(name, p)))
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()  # type: ignore[attr-defined]
         self._handles.clear()
+        self._acc_nodes.clear()
+
+    def _make_prehook(self, name: str, p: torch.Tensor) -> Callable[[object], None]:
+        slot = self._views[name]
+        bucket = self.bucket_of[name]
+
+        def prehook(_grad_outputs: object) -> None:
+            # only while the slot is zero: what autograd then leaves in it is this backward's gradient
+            if p.grad is None and not self.retained and bucket >= self._next and name not in self.received:
+                p.grad = slot
+                self._installed.add(name)
+
+        return prehook
 
     def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -213,13 +283,25 @@ class GradBuffer:
                 f"gradient of {name} arrived after its bucket's collective was launched: call step() or "
                 "zero_grad() between backward passes, or wrap all but the last micro-batch in no_sync()"
             )
-        placements = getattr(p, "placements", None)
-        if placements is not None and tuple(getattr(grad, "placements", placements)) != tuple(placements):
-            # DTensor autograd may leave a gradient Replicate or Partial (e.g. a vocab-parallel
-            # embedding's); the buffer holds the parameter's own shard, so redistribute to it.
-            grad = grad.redistribute(p.device_mesh, placements)
-        with torch.no_grad():
-            self.slots[name].add_(local_tensor(grad).reshape(-1))
+        slot, view = self.slots[name], self._views.get(name)
+        if view is not None and (grad is view or same_view(grad, view)):
+            # autograd accumulated into the slot (and hooks edited it there): nothing to copy
+            self.in_place.add(name)
+        else:
+            placements = getattr(p, "placements", None)
+            if placements is not None and tuple(getattr(grad, "placements", placements)) != tuple(placements):
+                # DTensor autograd may leave a gradient Replicate or Partial (e.g. a vocab-parallel
+                # embedding's); the buffer holds the parameter's own shard, so redistribute to it.
+                grad = grad.redistribute(p.device_mesh, placements)
+            with torch.no_grad():
+                if name in self._installed:
+                    # the slot was handed to autograd, then p.grad was replaced (a hook, or create_graph's
+                    # out-of-place sum): the slot was zero before this backward, so start from zero again
+                    if grad.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
+                        grad = grad.clone()  # the replacement reads the buffer: keep it before zeroing
+                    slot.zero_()
+                slot.add_(local_tensor(grad).reshape(-1))
+        self._installed.discard(name)
         p.grad = None
         self.received.add(name)
         if self._syncing:

@@ -54,7 +54,12 @@ group. Per iteration:
      forward pre-hook on each module waits for its parameters' buckets only, so the gathers
      overlap the next forward bucket by bucket (:meth:`finish_param_sync` forces them, e.g.
      before reading parameters outside a forward);
-   - :meth:`apply_params`: copy the values into the model's parameters (``to_local()`` for DTensor).
+   - :meth:`apply_params`: with ``param_views`` (default) the all-gather already wrote into the
+     parameters, which are views of a per-bucket parameter buffer (:meth:`_init_param_views`): it
+     only checks they still are (rebinding replaced storage) and bumps their version counters;
+     the parameters that cannot be views (DTensor, another dtype than their bucket's, not
+     contiguous: :attr:`copied_params`) and every parameter without views get the values copied in
+     (``to_local()`` for DTensor). docs/runtime.md lists the copies that remain.
 
 Overlap inside the step. While bucket ``i``'s update runs, the collectives of buckets ``> i`` are
 still in flight wherever backward left them unfinished (typically the last buckets: they are
@@ -104,7 +109,7 @@ from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.agree import STATUS_TIMEOUT_S, agree
-from canzona.runtime.buffer import GradBuffer, local_tensor
+from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
     DP_ALL_GATHER,
@@ -213,6 +218,8 @@ class DPRuntime:
         param_sync: str = "eager",
         status_timeout_s: float = STATUS_TIMEOUT_S,
         overlap_updates: bool = False,
+        param_views: bool = True,
+        grad_views: bool = True,
     ) -> None:
         if param_sync not in ("eager", "lazy"):
             raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
@@ -238,7 +245,7 @@ class DPRuntime:
         self._shard_sizes = [b.shard_sizes() for b in plan.buckets]
         #: phase timer the hook-launched collectives report to (the front end's ``phase_times``)
         self.timer: PhaseTimer | None = None
-        self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self.start_grad_sync)
+        self.buffer = GradBuffer(plan, self.params, dtype=master_dtype, on_ready=self.start_grad_sync, grad_views=grad_views)
         self.buffer.on_release = self._release
         self._warned_release = False
         #: bound (seconds) on waiting for the other ranks in the step's status exchanges
@@ -315,6 +322,7 @@ class DPRuntime:
                 buf = torch.empty(s[self.dp_rank], dtype=self.gather_dtype[i], device=dev)
                 self._send[i] = buf
                 self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
+        self._init_param_views(param_views)
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
@@ -327,6 +335,87 @@ class DPRuntime:
         self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
         self._hooks: list[Any] = []
         self.steps = 0
+
+    def _init_param_views(self, enabled: bool) -> None:
+        """``param_views`` (all-gather strategies only): one flat parameter buffer per bucket in the
+        plan's geometry and the bucket's gather dtype, reserved once; the bucket's all-gather
+        receives into it, and every parameter that can be (:meth:`view_refusal`) becomes a view of
+        its slot (``p.data`` rebound once, here, after copying its value in), so the gather writes
+        straight into the model. The others keep the copy out of the buffer."""
+        #: bucket -> its flat parameter buffer (all-gather strategies with ``param_views``)
+        self.param_buffers: dict[int, torch.Tensor] = {}
+        #: parameter name -> its slot in :attr:`param_buffers`, which is the parameter's storage
+        self.param_views: dict[str, torch.Tensor] = {}
+        #: parameters whose updated values are still copied out of the parameter buffer, and why
+        self.copied_params: dict[str, str] = {}
+        #: how often a parameter whose storage was replaced was bound to its view again
+        self.rebinds = 0
+        self._warned_rebind = False
+        n_buckets = len(self.plan.buckets)
+        self._bucket_views: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_buckets)]
+        self._bucket_viewed_params: list[list[torch.Tensor]] = [[] for _ in range(n_buckets)]
+        self._copy_out: list[list[str]] = [list(b.params) for b in self.plan.buckets]
+        if not (enabled and self.reduce_scatter):
+            return
+        dev = self.buffer.data.device
+        with torch.no_grad():
+            for i, b in enumerate(self.plan.buckets):
+                buf = torch.zeros(b.numel, dtype=self.gather_dtype[i], device=dev)
+                self.param_buffers[i] = buf
+                copy_out = []
+                for n in b.params:
+                    p, pp = self.params[n], self.plan.param(n)
+                    why = self.view_refusal(p, buf)
+                    if why:
+                        self.copied_params[n] = why
+                        copy_out.append(n)
+                        continue
+                    view = buf[pp.offset : pp.offset + pp.numel].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+                    self.param_views[n] = view
+                    self._bucket_views[i].append((n, p, view))
+                    self._bucket_viewed_params[i].append(p)
+                self._copy_out[i] = copy_out
+
+    @staticmethod
+    def view_refusal(p: torch.Tensor, buf: torch.Tensor) -> str | None:
+        """Why parameter ``p`` cannot be a view of the parameter buffer ``buf`` (None: it can)."""
+        if not is_plain(p):
+            return "DTensor: its local shard belongs to the DTensor"
+        if p.dtype != buf.dtype:
+            return f"dtype {p.dtype} differs from its bucket's gather dtype {buf.dtype} (a bucket of mixed dtypes)"
+        if p.device != buf.device:
+            return f"on {p.device}, the buffers on {buf.device}"
+        if not p.is_contiguous():
+            return "not contiguous (a view would change its strides, and with them the kernels that read it)"
+        return None
+
+    def _check_views(self, i: int) -> None:
+        """Bucket ``i``'s viewed parameters must still be their views (one pointer compare each); a
+        parameter whose storage was replaced (``p.data = ...``, ``vector_to_parameters``) is bound
+        to its view again, which holds its updated value; one moved or cast is refused."""
+        for n, p, view in self._bucket_views[i]:
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
+                raise RuntimeError(
+                    f"parameter {n} became {p.dtype} {tuple(p.shape)} on {p.device} after the optimizer was built "
+                    f"(it was {view.dtype} {tuple(view.shape)} on {view.device}); move or cast the model before "
+                    "building the DistributedOptimizer"
+                )
+            if not self._warned_rebind:
+                self._warned_rebind = True
+                warnings.warn(
+                    f"parameter {n} no longer uses the optimizer's parameter buffer (its storage was replaced, "
+                    "e.g. p.data = ...); canzona binds it to the buffer again, which holds its updated value "
+                    "(warned once)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            with torch.no_grad():
+                p.data = view
+            self.rebinds += 1
 
     # --------------------------------------------------------------------------------- backward
     def attach(self) -> None:
@@ -612,7 +701,8 @@ class DPRuntime:
             if self._send_views[i]:
                 with torch.no_grad():
                     torch._foreach_copy_(self._send_views[i], [self.masters[pc].reshape(-1) for pc in self.pieces_by_bucket[i]])
-            return self.comm.all_gather_v(send, sizes, async_op=True)
+            # into the parameter buffer (the viewed parameters' storage) when there is one
+            return self.comm.all_gather_v(send, sizes, out=self.param_buffers.get(i), async_op=True)
 
     def _wait_param_gather(self, i: int, work: Any) -> None:
         with phase(indexed(DP_ALL_GATHER, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
@@ -687,8 +777,13 @@ class DPRuntime:
                                          [self.masters[pc] for pc in self.pieces])
                 return
             for i, flat in gathered.items():
+                if self._bucket_views[i]:
+                    # the all-gather wrote into these parameters' storage: nothing to copy, but check
+                    # they still use it, and bump their version counters as an in-place copy would
+                    self._check_views(i)
+                    torch._C._increment_version(self._bucket_viewed_params[i])
                 dst, src = [], []
-                for n in self.plan.buckets[i].params:
+                for n in self._copy_out[i]:
                     pp = self.plan.param(n)
                     local = local_tensor(self.params[n].detach())
                     dst.append(local)
