@@ -14,6 +14,8 @@ Importing this module has no side effects (no process groups, no global seeds, n
 - :class:`ReferenceRunner`: the single-process ground truth: the same optimizers on the same
   reduced gradients, matrix parameters to the matrix optimizer, element-wise ones to the
   element-wise optimizer, optional fp32 masters for low-precision models.
+- :func:`held_snapshot` / :func:`load_refused`: what a rank holds of an optimizer (masters, state,
+  model pieces), and whether a refused checkpoint load left all of it untouched.
 - :func:`attempt` / :func:`case_results`: a worker that runs many cases records each outcome, and
   each test reads its own case (a failure names the case and the rank, not the whole run).
 - :func:`file_init_method` / :func:`process_group` (from :mod:`canzona.runtime.launch`): a
@@ -42,6 +44,8 @@ __all__ = [
     "attempt",
     "case_results",
     "file_init_method",
+    "held_snapshot",
+    "load_refused",
     "process_group",
     "inject_grads",
     "integer_grads",
@@ -198,6 +202,35 @@ def tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
     bad = sorted(set(a) ^ set(b))
     bad += [n for n in a if n in b and not (a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]))]
     return bad
+
+
+def held_snapshot(opt: Any) -> dict[str, torch.Tensor]:
+    """Copies of every master, optimizer-state tensor and model piece this rank holds of ``opt``
+    (either front end: anything implementing :class:`canzona.runtime.checkpoint.Checkpointable`)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, h in enumerate(opt.held()):
+        if h.master is not None:
+            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
+        for k, v in h.state().items():
+            if torch.is_tensor(v):
+                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
+    for mp in opt.model_pieces():
+        out[f"model.{mp.name}"] = mp.local.detach().clone()
+    return out
+
+
+def load_refused(opt: Any, load: Callable[[Any], Any]) -> dict[str, Any]:
+    """Run ``load(opt)``, which must raise one ``CheckpointError``: returns its message (``"loaded"``
+    when nothing was raised) and whether everything :func:`held_snapshot` sees stayed bit for bit."""
+    from canzona.runtime.checkpoint import CheckpointError
+
+    before = held_snapshot(opt)
+    try:
+        load(opt)
+        msg = "loaded"
+    except CheckpointError as exc:
+        msg = str(exc)
+    return {"error": msg, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
 
 
 class ReferenceRunner:

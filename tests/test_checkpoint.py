@@ -22,6 +22,7 @@ from canzona.testing import (
     ToyModel,
     attempt,
     case_results,
+    load_refused,
     inject_grads,
     integer_grads,
     mean_grads,
@@ -96,36 +97,12 @@ def _resume_case(rank: int, folder: str, strategy: str, optname: str) -> dict:
     return out
 
 
-def _refused(opt, load) -> dict:
-    """Load ``load(opt)``; the error and whether masters, state and model stayed as they were."""
-    from canzona.runtime.checkpoint import CheckpointError
-
-    before = _snapshot(opt)
-    try:
-        load(opt)
-        msg = "loaded"
-    except CheckpointError as exc:
-        msg = str(exc)
-    return {"error": msg, "untouched": tensors_equal(before, _snapshot(opt)) == []}
-
-
-def _snapshot(opt) -> dict[str, torch.Tensor]:
-    out = {}
-    for i, h in enumerate(opt.held()):
-        if h.master is not None:
-            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
-        for k, v in h.state().items():
-            if torch.is_tensor(v):
-                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
-    for mp in opt.model_pieces():
-        out[f"model.{mp.name}"] = mp.local.detach().clone()
-    return out
 
 
 def _wrong_optimizer(rank: int, folder: str) -> dict:
     from canzona.runtime.checkpoint import load_checkpoint
 
-    return _refused(_opt(ToyModel(), "lb-asc", "shampoo"), lambda o: load_checkpoint(o, Path(folder) / "lb-asc.pt"))
+    return load_refused(_opt(ToyModel(), "lb-asc", "shampoo"), lambda o: load_checkpoint(o, Path(folder) / "lb-asc.pt"))
 
 
 def _junk(rank: int, folder: str) -> dict:
@@ -133,7 +110,7 @@ def _junk(rank: int, folder: str) -> dict:
 
     junk = Path(folder) / "junk.pt"
     torch.save({"hello": torch.zeros(1)}, junk)
-    return _refused(_opt(ToyModel(), "lb-asc", "muon"), lambda o: load_checkpoint(o, junk))
+    return load_refused(_opt(ToyModel(), "lb-asc", "muon"), lambda o: load_checkpoint(o, junk))
 
 
 def _bad_state(rank: int, folder: str) -> dict:
@@ -142,7 +119,7 @@ def _bad_state(rank: int, folder: str) -> dict:
     bad = torch.load(Path(folder) / "zero1.pt", weights_only=True)
     last = list(fresh.plan.buffer_order())[-1].name
     bad["state"][last]["exp_avg"] = bad["state"][last]["exp_avg"].reshape(-1)[1:]
-    return _refused(fresh, lambda o: o.load_state_dict(bad))
+    return load_refused(fresh, lambda o: o.load_state_dict(bad))
 
 
 REFUSALS = {

@@ -27,6 +27,7 @@ from canzona.testing import (
     ToyModel,
     attempt,
     case_results,
+    load_refused,
     inject_grads,
     integer_grads,
     mean_grads,
@@ -288,31 +289,6 @@ def _fsdp_reference(dps: tuple[int, int]) -> object:
     return ref
 
 
-def _snapshot(opt) -> dict[str, torch.Tensor]:
-    """Every master, state tensor and model piece this rank holds (copies)."""
-    out = {}
-    for i, h in enumerate(opt.held()):
-        if h.master is not None:
-            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
-        for k, v in h.state().items():
-            if torch.is_tensor(v):
-                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
-    for mp in opt.model_pieces():
-        out[f"model.{mp.name}"] = mp.local.detach().clone()
-    return out
-
-
-def _refused(opt, load) -> dict:
-    """``load(opt)`` must raise one CheckpointError and leave masters, state and model as they were."""
-    from canzona.runtime.checkpoint import CheckpointError
-
-    before = _snapshot(opt)
-    try:
-        load(opt)
-        msg = "loaded"
-    except CheckpointError as exc:
-        msg = str(exc)
-    return {"error": msg, "untouched": tensors_equal(before, _snapshot(opt)) == []}
 
 
 def _trained_fsdp(optname: str = "muon"):
@@ -357,16 +333,16 @@ def _fsdp_refusals(folder: str) -> dict:
         return lambda o: load_sharded(o, d, chunk_bytes=CHUNK)
 
     out = {
-        "fsdp_wrong_optimizer": _refused(_trained_fsdp("shampoo"), sharded(Path(folder) / "fsdp2")),
-        "fsdp_other_model": _refused(_trained_fsdp(), sharded(Path(folder) / "tiny")),
-        "fsdp_truncated": _refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-truncated", "truncate"))),
-        "fsdp_corrupt": _refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-corrupt", "overwrite"))),
+        "fsdp_wrong_optimizer": load_refused(_trained_fsdp("shampoo"), sharded(Path(folder) / "fsdp2")),
+        "fsdp_other_model": load_refused(_trained_fsdp(), sharded(Path(folder) / "tiny")),
+        "fsdp_truncated": load_refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-truncated", "truncate"))),
+        "fsdp_corrupt": load_refused(_trained_fsdp(), sharded(_damaged(folder, "fsdp2", "fsdp2-corrupt", "overwrite"))),
     }
     single = _fsdp_single(folder, "fsdp-single.pt")
-    out["fsdp_single_wrong_optimizer"] = _refused(_trained_fsdp("shampoo"), lambda o: load_checkpoint(o, single))
-    out["fsdp_single_other_model"] = _refused(_trained_fsdp(), lambda o: load_checkpoint(o, Path(folder) / "single.pt"))
+    out["fsdp_single_wrong_optimizer"] = load_refused(_trained_fsdp("shampoo"), lambda o: load_checkpoint(o, single))
+    out["fsdp_single_other_model"] = load_refused(_trained_fsdp(), lambda o: load_checkpoint(o, Path(folder) / "single.pt"))
     truncated = _fsdp_single(folder, "fsdp-single-truncated.pt", truncate=True)
-    out["fsdp_single_truncated"] = _refused(_trained_fsdp(), lambda o: load_checkpoint(o, truncated))
+    out["fsdp_single_truncated"] = load_refused(_trained_fsdp(), lambda o: load_checkpoint(o, truncated))
     return out
 
 
@@ -463,11 +439,11 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
         _run(model, opt, range(1), rank)
         return opt
 
-    cases["wrong_optimizer"] = attempt(lambda: _refused(trained_toy("lb-asc-joint", "shampoo"), sharded(Path(folder) / "lb-asc-joint")))
-    cases["other_model"] = attempt(lambda: _refused(trained_toy("lb-asc-joint", "soap", ffn=12), sharded(Path(folder) / "lb-asc-joint")))
-    cases["not_a_checkpoint"] = attempt(lambda: _refused(trained_toy("lb-asc", "muon"), sharded(Path(folder))))
-    cases["truncated"] = attempt(lambda: _refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "truncated", "truncate"))))
-    cases["corrupt"] = attempt(lambda: _refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "corrupt", "overwrite"))))
+    cases["wrong_optimizer"] = attempt(lambda: load_refused(trained_toy("lb-asc-joint", "shampoo"), sharded(Path(folder) / "lb-asc-joint")))
+    cases["other_model"] = attempt(lambda: load_refused(trained_toy("lb-asc-joint", "soap", ffn=12), sharded(Path(folder) / "lb-asc-joint")))
+    cases["not_a_checkpoint"] = attempt(lambda: load_refused(trained_toy("lb-asc", "muon"), sharded(Path(folder))))
+    cases["truncated"] = attempt(lambda: load_refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "truncated", "truncate"))))
+    cases["corrupt"] = attempt(lambda: load_refused(trained_toy("zero1", "adamw"), sharded(_damaged(folder, "zero1", "corrupt", "overwrite"))))
 
     def single_truncated() -> dict:
         # the consolidated single-file format: a truncated file is refused the same way
@@ -480,7 +456,7 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
             data = single.read_bytes()
             (Path(folder) / "single-truncated.pt").write_bytes(data[: len(data) // 2])
         torch.distributed.barrier()
-        return _refused(trained_toy("lb-asc", "muon"), lambda o: load_checkpoint(o, Path(folder) / "single-truncated.pt"))
+        return load_refused(trained_toy("lb-asc", "muon"), lambda o: load_checkpoint(o, Path(folder) / "single-truncated.pt"))
 
     cases["single_truncated"] = attempt(single_truncated)
 
