@@ -29,7 +29,7 @@ SKIPPED: dict[str, str] = {
     "make demo": "builds a fresh .venv and installs packages (network); `canzona demo` is tested in tests/test_demo.py (plan act) and tests/test_wheel.py (all acts, from an installed wheel)",
     "make test": "runs the whole suite (this test is part of it)",
     "canzona validate --quick": "about a minute by design; the suite's own checks are tests/test_validation.py",
-    "canzona validate --full": "552 cells, many minutes by design",
+    "canzona validate --full": "744 cells, many minutes by design",
     "tensorboard --logdir": "starts a web server that runs until stopped",
     "python profiling/nsys_profile.py": "needs Nsight Systems and a GPU (tests/test_profiling.py checks that it fails cleanly without)",
     "python profiling/bench_strategies.py": "a benchmark: minutes of timed runs by design",
