@@ -21,13 +21,17 @@ rotating order, so changes of machine load hit all of them alike. Contenders:
                       blocking-free ``gather`` to rank ``index % world``, the host orthogonalizes,
                       one ``scatter`` per parameter; its Newton-Schulz loop is ``torch.compile``d
                       (compiled during the warm-up step, not timed). Falls back to a labelled
-                      re-implementation of the same scheme (canzona's Muon math) when the package
-                      is missing or cannot compile here.
+                      re-implementation of the same scheme when the package is missing or cannot
+                      compile here, doing the same Muon math as canzona's defaults (momentum 0.95
+                      with Nesterov, decoupled weight decay 0.1, lr scaled by
+                      ``sqrt(max(1, rows/cols))``, bf16 Newton-Schulz; AdamW with torch's
+                      defaults on the rest), so that the two do the same arithmetic.
 
 Printed per contender: step wall time (median and fastest of the timed steps; each step's time is
 the slowest rank's), optimizer compute per rank (the
 main thread's CPU time during ``step()``: math plus packing, not the gloo worker threads) as max
-and mean and ``max / (total / world)``, the whole process's CPU time during ``step()`` (all threads, gloo's
+(median over steps), min (the least loaded step; per step the slowest rank) and mean, and
+``max / (total / world)``, the whole process's CPU time during ``step()`` (all threads, gloo's
 included; max over ranks), bytes sent per step (all ranks; muon-fsdp2's counted from
 its gather/scatter sizes), peak optimizer-state bytes per rank (max and max/mean), and the step
 time relative to ``canzona lb-asc``. Both Muons run their Newton-Schulz in bfloat16.
@@ -35,6 +39,16 @@ time relative to ``canzona lb-asc``. Both Muons run their Newton-Schulz in bfloa
 With ``--phases``, canzona's contenders also print their phases per step (wall and main-thread CPU,
 max over ranks, and calls): status exchange and element-wise update, gather launch/wait, compute,
 scatter launch/wait, apply.
+
+What canzona does that the peer does not (the rest is the same arithmetic, split differently):
+before anything changes it checks every gradient piece for NaN/inf (one sum per piece, then a
+status all-reduce) so that a bad step is refused on every rank, and canzona's Muon checks its full
+gradients again (one ``aminmax`` per matrix); it packs the blocks of each micro-group into one
+fused all-to-all in the main thread, where the peer's per-parameter ``gather``/``scatter`` copy
+inside gloo's worker threads (outside the ``cpu`` columns, inside ``proc``); and it sends values,
+not deltas, from fp32 masters on the host. At world 2 a host's own half of each matrix it hosts
+never enters the exchange (copied in place; see docs/runtime.md). docs/runtime.md ("CPU against
+the muon-fsdp2 scheme") gives the measured split of the per-rank CPU.
 
 On a machine shared with other jobs the wall times are dominated by scheduling (a rank waits for a
 core, not for data); with more ranks than cores (world 4 on 2 cores) a step costs the total CPU of
@@ -137,7 +151,7 @@ def _peer(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, str]:
         import muon_fsdp2  # type: ignore[import-not-found]
 
         opt = muon_fsdp2.Muon(
-            [dict(params=mats, lr=lr, use_muon=True, rms_scale=False, weight_decay=0.0), dict(params=rest, lr=3e-4, use_muon=False)]
+            [dict(params=mats, lr=lr, use_muon=True, rms_scale=False, weight_decay=0.1), dict(params=rest, lr=1e-3, use_muon=False)]
         )
         return opt, "muon-fsdp2 (PyPI)"
     except ImportError:
@@ -148,27 +162,34 @@ class _PeerScheme(torch.optim.Optimizer):
     """Re-implementation of muon-fsdp2's scheme, for when the package is unavailable: momentum on
     the local shard, per parameter a ``gather`` of the shards to rank ``index % world``, the host
     runs canzona's Newton-Schulz on the full matrix, one blocking ``scatter`` per parameter; AdamW
-    on the local shards of the rest. Not bitwise anything: a timing stand-in."""
+    (torch's defaults, as canzona's element-wise optimizer) on the local shards of the rest. The
+    Muon math is canzona's defaults (torch's): momentum 0.95 with Nesterov, decoupled weight decay
+    0.1, lr scaled by ``sqrt(max(1, rows / cols))``, Newton-Schulz in bfloat16; what it leaves out
+    is canzona's non-finite checks (no refusal of a NaN step). Not bitwise anything: a timing
+    stand-in."""
 
     def __init__(self, mats: list[torch.Tensor], rest: list[torch.Tensor], lr: float) -> None:
-        super().__init__([dict(params=mats, muon=True), dict(params=rest, muon=False)], dict(lr=lr))
-        self._adam = torch.optim.AdamW(rest, lr=3e-4) if rest else None
+        super().__init__([dict(params=mats, muon=True), dict(params=rest, muon=False)], dict(lr=lr, weight_decay=0.1, momentum=0.95))
+        self._adam = torch.optim.AdamW(rest) if rest else None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         import torch.distributed as dist
 
-        from canzona.optim.muon import newton_schulz
+        from canzona.optim.muon import adjust_lr, newton_schulz
 
         for group in self.param_groups:
             if not group["muon"]:
                 continue
+            lr, mu = group["lr"], group["momentum"]
             for i, p in enumerate(group["params"]):
                 g = p.grad.to_local()
                 st = self.state[p]
-                buf = st.setdefault("momentum_buffer", torch.zeros_like(g))
-                buf.lerp_(g, 0.05)
-                upd = g.lerp(buf, 0.95)
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(g)
+                buf = st["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)
+                upd = g.lerp(buf, mu)
                 world, rank = dist.get_world_size(), dist.get_rank()
                 dst = i % world
                 parts = [torch.empty_like(upd) for _ in range(world)] if rank == dst else None
@@ -179,7 +200,9 @@ class _PeerScheme(torch.optim.Optimizer):
                     dist.scatter(out, list(full.chunk(world)), src=dst)
                 else:
                     dist.scatter(out, None, src=dst)
-                p.to_local().add_(out, alpha=-group["lr"])
+                local = p.to_local()
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(out, alpha=-adjust_lr(lr, None, p.shape))
         if self._adam is not None:
             self._adam.step()  # DTensor parameters and gradients: AdamW runs on the local shards
 
@@ -254,7 +277,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         else:
             sent = _peer_bytes(model, world) / world  # per rank on average; summed over ranks below
             state = _state_bytes(opt)
-        out[name] = {"wall": statistics.median(walls[name]), "walls": walls[name], "cpu": statistics.median(cpus[name]),
+        out[name] = {"wall": statistics.median(walls[name]), "walls": walls[name], "cpu": statistics.median(cpus[name]), "cpus": cpus[name],
                      "proc": statistics.median(procs[name]), "sent": sent, "state": state}
         if hasattr(opt, "phase_times"):
             pt = opt.phase_times
@@ -268,7 +291,7 @@ def _report(world: int, per_rank: list[dict[str, Any]], phases: bool = False) ->
     base = next(lab for lab in labels if lab.endswith("lb-asc"))
     print(f"\nworld {world} (gloo, one thread per rank)")
     head = (
-        f"{'contender':<34}{'step ms':>9}{'min ms':>8}{'cpu max ms':>11}{'cpu mean':>9}{'max/(tot/R)':>12}"
+        f"{'contender':<34}{'step ms':>9}{'min ms':>8}{'cpu max ms':>11}{'cpu min':>8}{'cpu mean':>9}{'max/(tot/R)':>12}"
         f"{'proc max ms':>12}{'MB sent':>9}{'state max MB':>13}{'st max/mean':>12}{'vs lb-asc':>10}"
     )
     print(head)
@@ -278,12 +301,14 @@ def _report(world: int, per_rank: list[dict[str, Any]], phases: bool = False) ->
         wall = max(r["wall"] for r in rows)
         # the step's wall time is the slowest rank's (barriers on both sides): per step, max over ranks
         fastest = min(max(r["walls"][i] for r in rows) for i in range(len(rows[0]["walls"])))
+        # the least loaded step's CPU (max over ranks): the figure least disturbed by other jobs
+        cpu_min = min(max(r["cpus"][i] for r in rows) for i in range(len(rows[0]["cpus"])))
         cpus = [r["cpu"] for r in rows]
         states = [r["state"] for r in rows]
         mean_cpu, mean_state = sum(cpus) / world, sum(states) / world
         bwall = max(r[base]["wall"] for r in per_rank)
         print(
-            f"{lab:<34}{wall * 1e3:>9.1f}{fastest * 1e3:>8.1f}{max(cpus) * 1e3:>11.1f}{mean_cpu * 1e3:>9.1f}{max(cpus) / mean_cpu:>12.2f}"
+            f"{lab:<34}{wall * 1e3:>9.1f}{fastest * 1e3:>8.1f}{max(cpus) * 1e3:>11.1f}{cpu_min * 1e3:>8.1f}{mean_cpu * 1e3:>9.1f}{max(cpus) / mean_cpu:>12.2f}"
             f"{max(r['proc'] for r in rows) * 1e3:>12.1f}{sum(r['sent'] for r in rows) / 2**20:>9.2f}{max(states) / 2**20:>13.2f}{max(states) / mean_state:>12.2f}"
             f"{wall / bwall:>10.2f}"
         )

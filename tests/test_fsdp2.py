@@ -82,6 +82,61 @@ def test_exchange_packing_round_trip_is_bitwise_with_uneven_empty_and_duplicate_
             assert not tensors_equal(got, want)
 
 
+def test_direct_groups_keep_own_blocks_out_of_the_exchanges_and_round_trip_bitwise() -> None:
+    """``direct`` (the FSDP engine's mode): a host's own blocks skip both exchanges (split 0 to
+    itself) and are copied in place; with the exchanged blocks they rebuild every full tensor and
+    return every rank exactly its block, the same values as the exchanged route."""
+    from canzona.runtime.exchange import _assemble, _pack_blocks, _pack_pieces, describe_group
+
+    n = 4
+    layouts = [
+        _layout("a", (7, 3), [(0, 2), (2, 2), (4, 2), (6, 1)]),
+        _layout("b", (1, 5), [(0, 1), (1, 0), (1, 0), (1, 0)]),
+        _layout("c", (3, 2), [(0, 2), (2, 1)], dup=2),
+        PieceLayout("d", (4, 4), tuple(Block((2 * (r // 2), 2 * (r % 2)), (2, 2)) for r in range(n))),
+    ]
+    g = torch.Generator().manual_seed(2)
+    full = {lay.name: torch.randn(lay.full_shape, generator=g) for lay in layouts}
+    updated = {k: v * 3 + 1 for k, v in full.items()}
+    pieces = [{lay.name: full[lay.name][lay.blocks[r].index()].clone() for lay in layouts} for r in range(n)]
+    for hosts in ([0, 1, 2, 3], [3, 3, 0, 1], [1, 0, 1, 2]):  # c on 1: a duplicate holder, not its source
+        tasks = [ExchangeTask(lay, h) for lay, h in zip(layouts, hosts)]
+        groups = [describe_group(0, tasks, r, n, direct=True) for r in range(n)]
+        plain = [describe_group(0, tasks, r, n) for r in range(n)]
+        for r, (dg, pg) in enumerate(zip(groups, plain)):
+            assert dg.gather_send[r] == dg.gather_recv[r] == dg.scatter_send[r] == dg.scatter_recv[r] == 0
+            own_in = sum(c.numel for c in dg.local_in)
+            own_back = sum(c.numel for c in dg.local_back)
+            assert sum(pg.gather_send) - sum(dg.gather_send) == own_in == pg.gather_send[r]
+            assert sum(pg.scatter_send) - sum(dg.scatter_send) == own_back == pg.scatter_send[r]
+            assert (own_back > 0) == any(t.host == r and t.layout.blocks[r].numel for t in tasks)
+        sends = []
+        for r, dg in enumerate(groups):
+            buf = torch.empty(sum(dg.gather_send))
+            _pack_pieces(buf, dg.pack, pieces[r])
+            sends.append(buf)
+        recvs = all_to_all_reference(sends, [list(dg.gather_send) for dg in groups])
+        back = []
+        for r, dg in enumerate(groups):
+            got = _assemble(recvs[r], dg.assemble, dict(dg.full_shapes), torch.float32)
+            for c in dg.local_in:
+                got[c.name][c.index] = pieces[r][c.name]
+            assert sorted(got) == sorted(t.name for t in tasks if t.host == r)
+            assert not tensors_equal(got, {k: full[k] for k in got})
+            buf = torch.empty(sum(dg.scatter_send))
+            _pack_blocks(buf, dg.pack_back, updated)
+            back.append(buf)
+        recvs = all_to_all_reference(back, [list(dg.scatter_send) for dg in groups])
+        for r, dg in enumerate(groups):
+            dest = {lay.name: torch.zeros(lay.blocks[r].shape) for lay in layouts}
+            for c in dg.unpack_back:
+                dest[c.name].copy_(recvs[r][c.offset : c.offset + c.numel].view(c.shape))
+            for c in dg.local_back:
+                dest[c.name].copy_(updated[c.name][c.index])
+            want = {lay.name: updated[lay.name][lay.blocks[r].index()] for lay in layouts}
+            assert not tensors_equal(dest, want)
+
+
 def test_nonfinite_check_is_exact_for_nan_inf_and_overflowing_sums() -> None:
     from canzona.runtime.fsdp import nonfinite
 

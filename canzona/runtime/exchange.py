@@ -29,6 +29,10 @@ Per micro-group ``k`` (the schedule is :func:`pipeline`, executed as listed and 
             (``canzona/tp/apply/group<k>``), casting to their dtype; ``sync`` groups apply their
             own blocks straight from the full result.
 
+With ``direct`` (the FSDP2 engine) a host's own blocks of the tasks it hosts skip both
+collectives: they are copied from its piece into the full tensor at unpack, and from the result
+into its destination at apply.
+
 Gather ``k+1`` is in flight while ``k`` computes, scatter ``k-1`` is waited for and applied after
 compute ``k``, and scatter ``k`` lands during compute ``k+1``. At most one gather and one scatter
 are in flight, so two exchange slots (:class:`ExchangeSlots`) reserved at construction, each
@@ -197,9 +201,11 @@ def _routes(
     return copies, sizes
 
 
-def _to_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
-    """Gather send on ``rank``: per destination its source blocks of the tasks that destination hosts."""
-    return _routes(tasks, n, lambda t, dest: t.hosted_by(dest) and t.layout.sources[rank], lambda t, _: t.layout.blocks[rank])
+def _to_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
+    """Gather send on ``rank``: per destination its source blocks of the tasks that destination hosts
+    (``skip_self``: none to ``rank`` itself, whose split is then 0)."""
+    return _routes(tasks, n, lambda t, dest: not (skip_self and dest == rank) and t.hosted_by(dest) and t.layout.sources[rank],
+                   lambda t, _: t.layout.blocks[rank])
 
 
 def _own_sources(tasks: Sequence[ExchangeTask], rank: int) -> list[_Copy]:
@@ -207,21 +213,23 @@ def _own_sources(tasks: Sequence[ExchangeTask], rank: int) -> list[_Copy]:
     return _routes(tasks, 1, lambda t, _: t.layout.sources[rank], lambda t, _: t.layout.blocks[rank])[0]
 
 
-def _to_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+def _to_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
     """Gather receive on ``rank``: from each source its blocks of the tasks hosted here; each copy
-    lands at the block's place in the full tensor."""
-    return _routes(tasks, n, lambda t, src: t.hosted_by(rank) and t.layout.sources[src], lambda t, src: t.layout.blocks[src])
+    lands at the block's place in the full tensor (``skip_self``: nothing from ``rank`` itself)."""
+    return _routes(tasks, n, lambda t, src: not (skip_self and src == rank) and t.hosted_by(rank) and t.layout.sources[src],
+                   lambda t, src: t.layout.blocks[src])
 
 
-def _from_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
+def _from_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
     """Scatter send on host ``rank``: per destination its block of each task hosted here; duplicated
-    blocks go to every rank holding one."""
-    return _routes(tasks, n, lambda t, _: t.host == rank, lambda t, dest: t.layout.blocks[dest])
+    blocks go to every rank holding one (``skip_self``: none to ``rank`` itself)."""
+    return _routes(tasks, n, lambda t, dest: not (skip_self and dest == rank) and t.host == rank, lambda t, dest: t.layout.blocks[dest])
 
 
-def _from_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int) -> tuple[list[_Copy], list[int]]:
-    """Scatter receive on ``rank``: from each host this rank's block of its tasks."""
-    return _routes(tasks, n, lambda t, host: t.host == host, lambda t, _: t.layout.blocks[rank])
+def _from_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
+    """Scatter receive on ``rank``: from each host this rank's block of its tasks (``skip_self``:
+    nothing from ``rank`` itself)."""
+    return _routes(tasks, n, lambda t, host: not (skip_self and host == rank) and t.host == host, lambda t, _: t.layout.blocks[rank])
 
 
 def _into(out: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str) -> Callable[[int], torch.Tensor]:
@@ -418,6 +426,10 @@ class ExchangeGroup:
     pack_back: tuple[_Copy, ...]  # hosted full tensors -> scatter send
     unpack_back: tuple[_Copy, ...]  # scatter receive -> this rank's blocks
     own: tuple[_Copy, ...]  # sync: this rank's block of every task, from the full result
+    #: ``direct``: this host's own source blocks (piece -> full tensor) and its own block of each task
+    #: it hosts (full result -> destination), copied in place instead of through the exchanges
+    local_in: tuple[_Copy, ...] = ()
+    local_back: tuple[_Copy, ...] = ()
 
     @property
     def phase_index(self) -> str:
@@ -433,14 +445,21 @@ class ExchangeGroup:
         return sum(self.gather_send), sum(self.gather_recv), sum(self.scatter_send), sum(self.scatter_recv)
 
 
-def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int) -> ExchangeGroup:
+def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, direct: bool = False) -> ExchangeGroup:
     """What ``rank`` of ``n`` copies and exchanges for micro-group ``k`` of ``tasks`` (all hosted,
-    or all ``-1``: every rank computes every task)."""
+    or all ``-1``: every rank computes every task).
+
+    ``direct`` (hosted groups only): a host's own blocks of the tasks it hosts skip the exchanges
+    (their split is 0): its piece is copied straight into the full tensor (``local_in``) and the
+    block of the result straight into the destination (``local_back``). One copy each way instead
+    of three (pack, the collective's copy to itself, unpack); the values are the same, since every
+    route copies them unchanged (a cast to the exchange dtype either way)."""
     tasks = tuple(tasks)
     sync = bool(tasks) and all(t.host == -1 for t in tasks)
     if not sync and any(t.host == -1 for t in tasks):
         raise ValueError(f"micro-group {k} mixes tasks computed everywhere (host -1) with hosted tasks")
-    assemble, recv = _to_hosts_recv(tasks, rank, n)
+    direct = direct and not sync
+    assemble, recv = _to_hosts_recv(tasks, rank, n, direct)
     hosted = tuple(t.name for t in tasks if t.hosted_by(rank))
     shapes = tuple((t.name, t.layout.full_shape) for t in tasks if t.hosted_by(rank))
     if sync:
@@ -451,11 +470,15 @@ def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int) -> 
         own = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in tasks if t.layout.blocks[rank].numel)
         return ExchangeGroup(k, tasks, hosted, True, tuple(send), tuple(recv), (), (), tuple(pack), replicate,
                              tuple(assemble), shapes, (), (), own)
-    pack, send = _to_hosts_send(tasks, rank, n)
-    pack_back, back_send = _from_hosts_send(tasks, rank, n)
-    unpack_back, back_recv = _from_hosts_recv(tasks, rank, n)
+    pack, send = _to_hosts_send(tasks, rank, n, direct)
+    pack_back, back_send = _from_hosts_send(tasks, rank, n, direct)
+    unpack_back, back_recv = _from_hosts_recv(tasks, rank, n, direct)
+    mine = [t for t in tasks if direct and t.host == rank and t.layout.blocks[rank].numel]
+    local_in = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in mine if t.layout.sources[rank])
+    local_back = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in mine)
     return ExchangeGroup(k, tasks, hosted, False, tuple(send), tuple(recv), tuple(back_send), tuple(back_recv),
-                         tuple(pack), False, tuple(assemble), shapes, tuple(pack_back), tuple(unpack_back), ())
+                         tuple(pack), False, tuple(assemble), shapes, tuple(pack_back), tuple(unpack_back), (),
+                         local_in, local_back)
 
 
 class MicroGroupEngine:
@@ -478,6 +501,7 @@ class MicroGroupEngine:
         initial: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        direct: bool = False,
     ) -> None:
         self.comm = comm
         self.rank, self.n = comm.rank, comm.size
@@ -494,7 +518,11 @@ class MicroGroupEngine:
                     raise ValueError(f"{t.name}: layout has {t.layout.size} blocks, the exchange group {self.n} ranks")
                 if not (t.host == -1 or 0 <= t.host < self.n):
                     raise ValueError(f"{t.name}: host {t.host} out of range for {self.n} ranks")
-        self.groups: tuple[ExchangeGroup, ...] = tuple(describe_group(k, g, self.rank, self.n) for k, g in enumerate(groups))
+        #: a host copies its own blocks in place instead of sending them to itself (see :func:`describe_group`)
+        self.direct = bool(direct)
+        self.groups: tuple[ExchangeGroup, ...] = tuple(
+            describe_group(k, g, self.rank, self.n, direct=self.direct) for k, g in enumerate(groups)
+        )
         kinds = {g.sync for g in self.groups}
         if len(kinds) > 1:
             raise ValueError("either every micro-group is computed everywhere (sync) or every one is hosted")
@@ -534,7 +562,7 @@ class MicroGroupEngine:
         per group, through the gather slot). Optimizer state is kept."""
         for g in self.groups:
             self._wait(self._launch_gather(g, values))
-            for name, t in self._unpack_gather(g).items():
+            for name, t in self._unpack_gather(g, values).items():
                 if name in self.masters:
                     self.masters[name].copy_(t)
                 else:
@@ -562,6 +590,7 @@ class MicroGroupEngine:
         works: dict[tuple[str, int], Any] = {}
         full_grads: dict[str, torch.Tensor] = {}
         updated: dict[str, torch.Tensor] = {}
+        own_results: dict[int, dict[str, torch.Tensor]] = {}  # direct: group -> results its own blocks come from
         error: Exception | None = None
         peers = self.n
         try:
@@ -579,7 +608,7 @@ class MicroGroupEngine:
                         self._wait(works.pop((GATHER_WAIT, k)))
                     # unpacking copies out of the gather slot, which the next launch reuses at once
                     with phase(indexed(TP_COMPUTE, g.phase_index)):
-                        full_grads = self._unpack_gather(g)
+                        full_grads = self._unpack_gather(g, grads)
                 elif ev == COMPUTE:
                     with phase(indexed(TP_COMPUTE, g.phase_index)):
                         try:
@@ -593,6 +622,10 @@ class MicroGroupEngine:
                 elif ev == SCATTER_LAUNCH:
                     with phase(indexed(TP_SCATTER, g.phase_index, LAUNCH), bytes=sum(g.scatter_send) * self._es, group=k, peers=peers):
                         works[SCATTER_WAIT, k] = self._launch_scatter(g, updated)
+                    if g.local_back:
+                        # the hosted masters (or the error path's unchanged values); a later
+                        # group's compute steps only its own parameters, so they hold until APPLY
+                        own_results[k] = updated
                     updated = {}
                 elif ev == SCATTER_WAIT:
                     with phase(indexed(TP_SCATTER, g.phase_index, WAIT), bytes=sum(g.scatter_recv) * self._es, group=k, peers=peers):
@@ -608,6 +641,9 @@ class MicroGroupEngine:
                             for c in g.unpack_back:
                                 if c.numel:
                                     dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
+                            mine = own_results.pop(k, {})
+                            for c in g.local_back:
+                                dest[c.name].copy_(mine[c.name][c.index])
             if overlap is not None:  # no micro-group at all
                 overlap()
         except BaseException:
@@ -646,9 +682,16 @@ class MicroGroupEngine:
         _, work = self.comm.all_to_all_v(send, list(g.gather_send), list(g.gather_recv), out=out, async_op=True)
         return work
 
-    def _unpack_gather(self, g: ExchangeGroup) -> dict[str, torch.Tensor]:
-        """Full tensors (fresh copies) of the group's tasks computed on this rank, from the gather slot."""
-        return _assemble(self.slots.gather_full, g.assemble, dict(g.full_shapes), self.dtype)
+    def _unpack_gather(self, g: ExchangeGroup, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors (fresh copies) of the group's tasks computed on this rank, from the gather
+        slot and (``direct``) this rank's own ``pieces``."""
+        full = _assemble(self.slots.gather_full, g.assemble, dict(g.full_shapes), self.dtype)
+        for c in g.local_in:
+            x = pieces[c.name]
+            if tuple(x.shape) != c.shape:
+                raise ValueError(f"{c.name}: local piece has shape {tuple(x.shape)}, layout says {c.shape}")
+            full[c.name][c.index] = x
+        return full
 
     def _compute(self, g: ExchangeGroup, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """Host side: run the optimizer on this group's full masters only. Other hosted params have

@@ -11,7 +11,9 @@ The step is the paper's TP engine (Section 4.1, Algorithm 2's micro-groups) with
 a matrix spread over that group: :class:`FSDPEngine` is
 :class:`canzona.runtime.exchange.MicroGroupEngine`, the exchange engine the TP path uses too
 (block copies worked out once, two exchange slots reserved once and reused by every group of
-every step, the pipelined schedule :func:`~canzona.runtime.exchange.pipeline`). Per micro-group:
+every step, the pipelined schedule :func:`~canzona.runtime.exchange.pipeline`), in its ``direct``
+mode: a host's own blocks of the matrices it hosts are copied in place, not exchanged with itself
+(see :func:`~canzona.runtime.exchange.describe_group`). Per micro-group:
 
 1. gather   one fused ``all_to_all_single``: every source sends its block of every task in the
             group to the task's host (``canzona/tp/gather/group<k>``, launch and wait stages);
@@ -63,7 +65,8 @@ class FSDPEngine(MicroGroupEngine):
 
     def __init__(self, groups: Sequence[Sequence[ExchangeTask]], *, master_dtype: torch.dtype = torch.float32, **kw: Any) -> None:
         # kw: comm, optimizer_factory, initial (see MicroGroupEngine)
-        super().__init__(groups, dtype=master_dtype, **kw)
+        # direct: a host's own blocks never go through the exchanges (see describe_group)
+        super().__init__(groups, dtype=master_dtype, direct=True, **kw)
 
     def step(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], *, skip: Collection[str] = (),
              overlap: Callable[[], None] | None = None) -> None:
