@@ -47,6 +47,7 @@ SKIPPED_EXACT: dict[str, str] = {
 #: command prefix -> options appended (argparse keeps the last value of an option) to run it small
 SMALLER: dict[str, str] = {
     "canzona train --nproc 4": "--steps 1 --batch-size 4 --seq-len 16",
+    "canzona train --dp 2 --tp 2 --steps 20": "--steps 1 --batch-size 4 --seq-len 16",
     "canzona profile --tensorboard": "--steps 1 --warmup 0 --batch-size 4 --seq-len 16",
     "canzona simulate --model qwen3-32b": "--model qwen3-1.7b --dp 4 --tp 2 --no-sensitivity",
     "canzona figures --out": "--model qwen3-tiny --dp 2 --tp 2",
