@@ -4,12 +4,12 @@ run" lookup sees only what a test wrote there."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from canzona.testing import file_init_method, process_group
+from canzona.testing import case_results, file_init_method, process_group
 
 #: the plugin test drives a nested pytest run (tests/test_validation_api.py)
 pytest_plugins = ["pytester"]
@@ -28,3 +28,23 @@ def single_rank_group(tmp_path: Path) -> Iterator[None]:
     test's own temporary directory (no port to race for), destroyed after the test."""
     with process_group(file_init_method(tmp_path)):
         yield
+
+
+@pytest.fixture(scope="session")
+def comm_runs() -> Callable[[int, str], list]:
+    """``comm_runs(world, section)``: every rank's result of one section ("collectives" or
+    "accounting") of one spawned run per world size, shared by tests/test_runtime_core.py and
+    tests/test_runtime_accounting.py (started on first use); a section that raised on a rank fails
+    the asking test only, naming the section and the rank."""
+    from canzona.runtime.launch import run_workers
+
+    cache: dict[int, list] = {}
+
+    def get(world: int, section: str) -> list:
+        if world not in cache:
+            from test_runtime_core import comm_worker
+
+            cache[world] = run_workers(comm_worker, world, timeout_s=240)
+        return case_results(cache[world], section)
+
+    return get

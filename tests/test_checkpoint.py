@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona.runtime.launch import run_workers
+from canzona.runtime.launch import file_init_method, process_group, run_workers
 from canzona.testing import (
     ReferenceRunner,
     ToyModel,
@@ -246,7 +246,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
             else:
                 get("save2", CASES[0][0])
                 world = int(run.removeprefix("resume"))
-                cache[run] = [unpack(r) for r in run_workers(resume_worker, world, str(folder), timeout_s=240)]
+                if world == 1:
+                    # one rank needs no process of its own: this process joins a one-rank group
+                    # (the refusal cases and the DP=1 resume run here, as in a single-GPU job)
+                    rendezvous = tmp_path_factory.mktemp("rendezvous")
+                    with process_group(file_init_method(rendezvous)):
+                        cache[run] = [unpack(resume_worker(0, 1, str(folder)))]
+                else:
+                    cache[run] = [unpack(r) for r in run_workers(resume_worker, world, str(folder), timeout_s=240)]
         return case_results(cache[run], "cases", case)
 
     get.folder = folder  # type: ignore[attr-defined]

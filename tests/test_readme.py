@@ -47,9 +47,14 @@ SKIPPED_EXACT: dict[str, str] = {
 #: command prefix -> options appended (argparse keeps the last value of an option) to run it small
 SMALLER: dict[str, str] = {
     "canzona train --nproc 4": "--steps 1 --batch-size 4 --seq-len 16",
+    "canzona train --dp 2 --tp 2 --steps 20": "--steps 1 --batch-size 4 --seq-len 16",
     "canzona profile --tensorboard": "--steps 1 --warmup 0 --batch-size 4 --seq-len 16",
     "canzona simulate --model qwen3-32b": "--model qwen3-1.7b --dp 4 --tp 2 --no-sensitivity",
     "canzona figures --out": "--model qwen3-tiny --dp 2 --tp 2",
+    # the benchmarks' command lines run as written, at a size that only checks they run:
+    # tests/test_bench_vs_torch.py checks the figures' arithmetic and one small real run
+    "python profiling/bench_vs_torch.py": "--variants ddp,lb-asc --depth 2 --steps 1 --warmup 0 --repeat 1",
+    "python profiling/bench_collectives.py": "--numel 4096 --repeats 1",
 }
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.runtime.launch import run_workers
 from canzona.runtime.phases import (
     DP_ALL_GATHER,
     DP_ALL_REDUCE,
@@ -83,8 +82,8 @@ def _table(res: list[dict], world: int) -> str:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_comm_volumes(world: int) -> None:
-    res = run_workers(accounting_worker, world, timeout_s=120)
+def test_comm_volumes(comm_runs, world: int) -> None:
+    res = comm_runs(world, "accounting")
     print("\n" + _table(res, world))
     N, es = res[0]["lb-asc"]["N"], res[0]["lb-asc"]["es"]
     rs_volume = (world - 1) * N * es

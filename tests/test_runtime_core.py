@@ -14,6 +14,7 @@ from canzona.runtime import faults
 from canzona.runtime.hooks import UpdateHooks, UpdateNormLog
 from canzona.runtime.comm import Comm, CommStats, even_sizes
 from canzona.runtime.launch import WorkerError, run_workers
+from canzona.testing import attempt
 from canzona.runtime.phases import PhaseTimer, base_phase, current_phase, phase, timing
 
 
@@ -66,6 +67,15 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+def comm_worker(rank: int, world: int) -> dict[str, dict]:
+    """One spawned run per world size for the counted-collective checks here and the per-strategy
+    byte counts of tests/test_runtime_accounting.py (the ``comm_runs`` fixture in conftest.py);
+    each records its own outcome, so either fails its own tests only."""
+    from test_runtime_accounting import accounting_worker
+
+    return {"collectives": {None: attempt(_collectives, rank, world)}, "accounting": {None: attempt(accounting_worker, rank, world)}}
+
+
 # ----------------------------------------------------------------------------- launcher
 @pytest.fixture
 def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -95,7 +105,7 @@ def test_a_failing_rank_is_named_and_nothing_hangs(tmp_tempdir: Path) -> None:
 def test_the_run_deadline_kills_workers(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="timed out"):
-        run_workers(_sleep, 2, timeout_s=8)
+        run_workers(_sleep, 2, timeout_s=3)
     assert time.monotonic() - t0 < 40
     assert list(tmp_tempdir.iterdir()) == []
 
@@ -107,8 +117,8 @@ def test_world_size_must_be_positive() -> None:
 
 # ----------------------------------------------------------------------------- collectives
 @pytest.mark.parametrize("world", [2, 4])
-def test_uneven_collectives_and_their_byte_counts(world: int) -> None:
-    res = run_workers(_collectives, world, timeout_s=150)
+def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None:
+    res = comm_runs(world, "collectives")
     total = sum(range(1, world + 1))
     expect_full = (torch.arange(11, dtype=torch.float32) + 1) * total
     sizes = [0, 4, 7, 0] if world == 4 else [4, 7]

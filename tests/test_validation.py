@@ -278,11 +278,26 @@ def test_planted_ulp_after_the_step_is_reported_exactly(tmp_path: Path, monkeypa
     assert 0 < failed[0]["max_abs_diff"] < 1e-6
 
 
-def _runtime_fault(mesh: str, fault: Fault) -> dict:
+#: one runtime fault per mesh, both planted in one run: dp2 and tp2 are both 2-rank meshes, so
+#: their cells share one spawned group; each test reads its own mesh's cells
+_RUNTIME_FAULTS = {
+    "tp2": Fault("ulp", "big.weight", step=3, index=7),
+    "dp2": Fault("stale_state", "odd.weight", step=2),
+}
+
+
+@pytest.fixture(scope="module")
+def runtime_fault_run():
+    faults = [PlantedFault(f"injected/awkward/muon/lb-asc/{mesh}/float32", fault, "runtime") for mesh, fault in _RUNTIME_FAULTS.items()]
+    return run_suite(Selection(level="quick", meshes=tuple(_RUNTIME_FAULTS), steps=3, **_FAULT_SEL), report_path=None, fault=faults)
+
+
+def _runtime_fault(res, mesh: str) -> dict:
     cell = f"injected/awkward/muon/lb-asc/{mesh}/float32"
-    res = run_suite(Selection(level="quick", meshes=(mesh,), steps=3, **_FAULT_SEL), report_path=None, fault=PlantedFault(cell, fault, "runtime"))
-    failed = [c for c in res.report["cells"] if not c["passed"]]
     assert res.exit_code == 1
+    cells = [c for c in res.report["cells"] if c["mesh"] == mesh]
+    assert sorted(c["strategy"] for c in cells) == ["lb-asc", "sc"]
+    failed = [c for c in cells if not c["passed"]]
     assert [c["cell"] for c in failed] == [cell]  # the clean sc cell still passes
     got = failed[0]
     # the fault is an update hook on the cell's optimizer, called after every owner/host step: it must fire
@@ -291,17 +306,17 @@ def _runtime_fault(mesh: str, fault: Fault) -> dict:
 
 
 @pytest.mark.slow
-def test_planted_ulp_in_a_host_update_is_reported_exactly() -> None:
+def test_planted_ulp_in_a_host_update_is_reported_exactly(runtime_fault_run) -> None:
     """One ulp in the TP host's full update of big.weight at the last step (a FaultHook on the TP engine's update)."""
-    got = _runtime_fault("tp2", Fault("ulp", "big.weight", step=3, index=7))
+    got = _runtime_fault(runtime_fault_run, "tp2")
     assert got["mismatched_params"] == ["big.weight"]
     assert (got["first_mismatch"]["param"], got["first_mismatch"]["index"]) == ("big.weight", 7)
 
 
 @pytest.mark.slow
-def test_planted_stale_state_on_an_owner_is_reported_exactly() -> None:
+def test_planted_stale_state_on_an_owner_is_reported_exactly(runtime_fault_run) -> None:
     """odd.weight's owner loses its step-2 optimizer-state update (a FaultHook undoing that state change)."""
-    got = _runtime_fault("dp2", Fault("stale_state", "odd.weight", step=2))
+    got = _runtime_fault(runtime_fault_run, "dp2")
     assert got["mismatched_params"] == ["odd.weight"] and got["first_mismatch"]["param"] == "odd.weight"
 
 
