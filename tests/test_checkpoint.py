@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import file_init_method, process_group, run_workers
 from canzona.testing import (
     ReferenceRunner,
@@ -32,18 +33,15 @@ from canzona.testing import (
     unpack,
 )
 
+from tiny_qwen3 import EW_KW, MATRIX_KW, MORE_STEPS, SAVE_STEPS, full_params, tiny_opt, tiny_reference, tiny_run
+
 pytestmark = pytest.mark.slow
 
-SAVE_STEPS, MORE_STEPS = 3, 2
-MATRIX_KW = {"lr": 0.05}
-EW_KW = {"lr": 0.01, "weight_decay": 0.1}
 CASES = (("lb-asc", "muon"), ("zero1", "adamw"), ("layerwise", "shampoo"), ("lb-asc-joint", "soap"))
 
 
 def _cls(name: str) -> type[torch.optim.Optimizer]:
-    from canzona.optim import SOAP, Muon, Shampoo
-
-    return {"adamw": torch.optim.AdamW, "muon": Muon, "shampoo": Shampoo, "soap": SOAP}[name]
+    return get_optimizer(name).load()
 
 
 def _opt(model, strategy: str, optname: str):
@@ -141,83 +139,22 @@ def resume_worker(rank: int, world: int, folder: str) -> bytes:
 # ------------------------------------------------------------------------------ TP shards re-sharded
 
 
-def _tiny(seed: int):
-    from canzona.config import load_model_config
-    from canzona.models import Qwen3
-
-    cfg = load_model_config("qwen3-tiny")
-    torch.manual_seed(seed)
-    return Qwen3(cfg)
-
-
-def _tiny_grads(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
-    shapes = {n: tuple(p.shape) for n, p in _tiny(0).named_parameters()}
-    return integer_grads(shapes, step=step, rank=dp_rank, seed=11)
-
-
-def _qk_norms(names) -> set[str]:
-    """The tiny Qwen3 all-reduces its per-head q/k norm gradients over TP (canzona.models.tp)."""
-    return {n for n in names if n.endswith(("q_norm.weight", "k_norm.weight"))}
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()) for n, p in model.named_parameters()}
-
-
-def _tp_mesh_opt(seed: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import canzona
-    from canzona.models.tp import parallelize
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize(_tiny(seed), mesh["tp"])
-    return model, canzona.DistributedOptimizer(
-        model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096
-    )
-
-
-def _tp_run(model, opt, steps) -> None:
-    from canzona.testing import tp_local
-
-    for s in steps:
-        full = _tiny_grads(s, opt.dp_rank)
-        inject_grads(model, tp_local(full, opt.plan.specs, opt.tp_rank, partial=_qk_norms(full)) if opt.tp > 1 else full)
-        opt.step()
-        opt.zero_grad()
-
-
 def _tp_resume(rank: int, folder: str) -> dict:
     """Save the tiny Qwen3 under DP2 x TP2 (DTensor TP, micro-groups) after SAVE_STEPS; resume it
     under DP2 x TP2 and under pure DP4."""
-    import canzona
     from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     path = Path(folder) / "tp.pt"
-    model, opt = _tp_mesh_opt(0)
-    _tp_run(model, opt, range(SAVE_STEPS))
+    model, opt = tiny_opt(0, 2, 2)
+    tiny_run(model, opt, range(SAVE_STEPS))
     save_checkpoint(opt, path)
     out = {}
-    model, opt = _tp_mesh_opt(5)
-    load_checkpoint(opt, path)
-    _tp_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
-    out["dp2xtp2"] = _full(model)
-    model = _tiny(5)
-    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096)
-    load_checkpoint(opt, path)
-    _tp_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
-    out["dp4"] = _full(model)
+    for key, dp, tp in (("dp2xtp2", 2, 2), ("dp4", 4, 1)):
+        model, opt = tiny_opt(5, dp, tp)
+        load_checkpoint(opt, path)
+        tiny_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+        out[key] = full_params(model)
     return out
-
-
-def _tp_reference(resume_dp: int) -> dict[str, torch.Tensor]:
-    from canzona.optim import Muon
-
-    ref = ReferenceRunner(_tiny(0), Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
-    for s in range(SAVE_STEPS + MORE_STEPS):
-        dp = 2 if s < SAVE_STEPS else resume_dp
-        ref.step(mean_grads([_tiny_grads(s, r) for r in range(dp)]))
-    return ref.params()
 
 
 def _reference(strategy: str, optname: str, resume_world: int) -> dict[str, torch.Tensor]:
@@ -289,7 +226,7 @@ def test_load_then_save_reproduces_the_document(runs, world: int, strategy: str,
 
 @pytest.mark.parametrize("layout,dp", [("dp2xtp2", 2), ("dp4", 4)])
 def test_tp_checkpoint_resumes_bitwise(runs, layout: str, dp: int) -> None:
-    want = _tp_reference(dp)
+    want = tiny_reference(dp).params()
     for rank, r in enumerate(runs("resume4", "tp")):
         assert tensors_equal(want, r[layout]) == [], f"TP checkpoint resumed as {layout}, rank {rank}"
 

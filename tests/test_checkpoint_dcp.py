@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import run_workers
 from canzona.testing import (
     ReferenceRunner,
@@ -34,15 +35,13 @@ from canzona.testing import (
     pack,
     params_of,
     tensors_equal,
-    tp_local,
     unpack,
 )
 
+from tiny_qwen3 import EW_KW, MATRIX_KW, MORE_STEPS, SAVE_STEPS, full_params, qk_norms, tiny_opt, tiny_reference, tiny_run
+
 pytestmark = pytest.mark.slow
 
-SAVE_STEPS, MORE_STEPS = 3, 2
-MATRIX_KW = {"lr": 0.05}
-EW_KW = {"lr": 0.01, "weight_decay": 0.1}
 #: ToyModel cases: zero1 cuts every parameter into flat pieces (chunked boxes); lb-asc-joint cuts
 #: element-wise parameters only and SOAP's matrix state is not parameter-shaped and partly
 #: column-major (its layout must survive the round trip); Muon and TP-hosted state: the tiny Qwen3
@@ -50,9 +49,7 @@ CASES = (("zero1", "adamw"), ("lb-asc-joint", "soap"))
 
 
 def _cls(name: str) -> type[torch.optim.Optimizer]:
-    from canzona.optim import SOAP, Muon, Shampoo
-
-    return {"adamw": torch.optim.AdamW, "muon": Muon, "shampoo": Shampoo, "soap": SOAP}[name]
+    return get_optimizer(name).load()
 
 
 def _toy_opt(model, strategy: str, optname: str):
@@ -71,58 +68,14 @@ def _run(model, opt, steps, rank: int, grads=None) -> None:
 # ------------------------------------------------------------------------------ tiny Qwen3 with TP
 
 
-def _tiny(seed: int):
-    from canzona.config import load_model_config
-    from canzona.models import Qwen3
-
-    torch.manual_seed(seed)
-    return Qwen3(load_model_config("qwen3-tiny"))
-
-
-def _tiny_grads(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
-    shapes = {n: tuple(p.shape) for n, p in _tiny(0).named_parameters()}
-    return integer_grads(shapes, step=step, rank=dp_rank, seed=11)
-
-
-def _qk_norms(names) -> set[str]:
-    return {n for n in names if n.endswith(("q_norm.weight", "k_norm.weight"))}
-
-
-def _tiny_opt(seed: int, dp: int, tp: int):
-    """The tiny Qwen3 on a dp x tp mesh (DTensor TP when tp > 1) with lb-asc Muon."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import canzona
-    from canzona.models.tp import parallelize
-
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
-    model = parallelize(_tiny(seed), mesh["tp"]) if tp > 1 else _tiny(seed)
-    opt = canzona.DistributedOptimizer(
-        model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096
-    )
-    return model, opt
-
-
-def _tiny_run(model, opt, steps) -> None:
-    for s in steps:
-        full = _tiny_grads(s, opt.dp_rank)
-        inject_grads(model, tp_local(full, opt.plan.specs, opt.tp_rank, partial=_qk_norms(full)) if opt.tp > 1 else full)
-        opt.step()
-        opt.zero_grad()
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()) for n, p in model.named_parameters()}
-
-
 def _tiny_resume(folder: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     from canzona.runtime.dcp import load_sharded
 
-    model, opt = _tiny_opt(5, dp, tp)
+    model, opt = tiny_opt(5, dp, tp)
     load_sharded(opt, Path(folder) / "tiny")
     assert opt.steps == SAVE_STEPS
-    _tiny_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
-    return _full(model)
+    tiny_run(model, opt, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+    return full_params(model)
 
 
 # ------------------------------------------------------------------------------ a transformers model at DP2 x TP2
@@ -166,7 +119,7 @@ def _hf_dp2xtp2(folder: str) -> dict:
     specs = specs_from_module(model)
     tp_dims = {s.name: s.tp_dim for s in specs if s.tp_split}
     shapes = {s.name: s.shape for s in specs}
-    partial = _qk_norms(shapes)
+    partial = qk_norms(shapes)
 
     def run(model, opt, steps) -> None:
         for s in steps:
@@ -356,8 +309,8 @@ def _bounded_load(folder: str) -> dict:
     from canzona.runtime.dcp import load_sharded, save_sharded
 
     cap = 4096
-    model, opt = _tiny_opt(0, 2, 1)
-    _tiny_run(model, opt, range(2))
+    model, opt = tiny_opt(0, 2, 1)
+    tiny_run(model, opt, range(2))
     save_sharded(opt, Path(folder) / "bounded", chunk_bytes=cap)
     save_sharded(opt, Path(folder) / "unbounded", chunk_bytes=2**40)
     owned = opt.runtime.master_bytes() + opt.state_bytes()
@@ -373,7 +326,7 @@ def _bounded_load(folder: str) -> dict:
     out: dict = {"cap": cap, "owned": owned}
     torch.load = spy
     try:
-        for key, target, name in (("trained", opt, "bounded"), ("fresh", _tiny_opt(3, 2, 1)[1], "bounded"), ("control", opt, "unbounded")):
+        for key, target, name in (("trained", opt, "bounded"), ("fresh", tiny_opt(3, 2, 1)[1], "bounded"), ("control", opt, "unbounded")):
             seen.clear()
             load_sharded(target, Path(folder) / name, chunk_bytes=cap)
             out[key] = {"largest_item": max(seen), "items": len(seen), **dcp_mod.last_load_stats}
@@ -396,8 +349,8 @@ def world4_worker(rank: int, world: int, folder: str) -> bytes:
             save_sharded(opt, Path(folder) / strategy)
 
     def save_tiny() -> list[str]:
-        model, opt = _tiny_opt(0, 2, 2)
-        _tiny_run(model, opt, range(SAVE_STEPS))
+        model, opt = tiny_opt(0, 2, 2)
+        tiny_run(model, opt, range(SAVE_STEPS))
         save_sharded(opt, Path(folder) / "tiny")
         return sorted(p.name for p in (Path(folder) / "tiny").iterdir())
 
@@ -501,16 +454,6 @@ def _toy_reference(strategy: str, optname: str) -> dict[str, torch.Tensor]:
     return ref.params()
 
 
-def _tiny_reference(resume_dp: int, steps: int = SAVE_STEPS + MORE_STEPS) -> ReferenceRunner:
-    from canzona.optim import Muon
-
-    ref = ReferenceRunner(_tiny(0), Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
-    for s in range(steps):
-        dp = 2 if s < SAVE_STEPS else resume_dp
-        ref.step(mean_grads([_tiny_grads(s, r) for r in range(dp)]))
-    return ref
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dcp")
@@ -541,14 +484,14 @@ def test_each_rank_writes_its_own_file(folder: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2"])
 def test_dp2xtp2_checkpoint_resumes_at_world4_bitwise(folder: Path, layout: str) -> None:
-    want = _tiny_reference(4 if layout == "dp4" else 2).params()
+    want = tiny_reference(4 if layout == "dp4" else 2).params()
     for rank, r in enumerate(_case(4, folder, layout)):
         assert tensors_equal(want, r) == [], f"resumed as {layout}, rank {rank}"
 
 
 @pytest.mark.parametrize("layout,dp", [("tiny_dp2", 2), ("tiny_dp1xtp2", 1)])
 def test_dp2xtp2_checkpoint_resumes_at_world2_bitwise(folder: Path, layout: str, dp: int) -> None:
-    want = _tiny_reference(dp).params()
+    want = tiny_reference(dp).params()
     for rank, r in enumerate(_case(2, folder, layout)):
         assert tensors_equal(want, r) == [], f"resumed as {layout}, rank {rank}"
 
@@ -570,7 +513,7 @@ def test_dcp_tools_read_the_checkpoint(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
     dcp_to_torch_save(folder / "tiny", out)
     doc = torch.load(out, weights_only=True)
-    ref = _tiny_reference(2, SAVE_STEPS)
+    ref = tiny_reference(2, SAVE_STEPS)
     masters, states = ref.master_values(), ref.states()
     for n, m in masters.items():
         assert torch.equal(doc[f"optim.{n}.master"], m), n
