@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import io
+import time
 import traceback
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -47,6 +48,7 @@ __all__ = [
     "held_snapshot",
     "load_refused",
     "process_group",
+    "raised",
     "inject_grads",
     "integer_grads",
     "mean_grads",
@@ -318,6 +320,18 @@ def attempt(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
         return {"result": fn(*args)}
     except Exception as exc:  # noqa: BLE001 - recorded and re-raised in the parent as a test failure
         return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+
+
+def raised(fn: Callable[[], Any]) -> tuple[str, str, float] | None:
+    """Call ``fn()`` expecting an error: ``(type name, message, seconds until it was raised)``, or
+    None when nothing was raised (so a test can check which error, its wording, and that no rank
+    hung waiting for it)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the caller inspects whatever was raised
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
 
 
 def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: object = None) -> list[Any]:

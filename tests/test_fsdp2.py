@@ -29,7 +29,7 @@ from canzona.runtime.exchange import (
 )
 from canzona.runtime.launch import run_workers
 from canzona.runtime.tp import all_to_all_reference
-from canzona.testing import pack, tensors_equal, unpack
+from canzona.testing import pack, raised, tensors_equal, unpack
 from canzona.testing_fsdp import FSDP_MESHES, FSDP_TOY_SHAPES, build_fsdp_toy, fsdp_local_grads, run_fsdp_case
 
 STEPS = 3
@@ -420,15 +420,6 @@ def _changed(a: dict, b: dict) -> list[str]:
         torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
 
 
-def _outcome(fn) -> tuple[str, str, float] | None:
-    import time
-
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return None
 
 
 ROBUST_STRATEGIES = ("lb-asc", "sc")
@@ -473,7 +464,7 @@ def _robust_cases(rank: int, mesh) -> dict:
                 backward(model, 1)
                 if rank == 1:
                     local_block(dict(model.named_parameters())[name].grad).view(-1)[0] = float("nan")
-                got = _outcome(opt.step)
+                got = raised(opt.step)
                 res = {"raised": got, "changed": _changed(before, _local_snapshot(opt)),
                        "grads_dropped": all(p.grad is None for p in model.parameters())}
                 _run(model, opt, mesh, range(1, STEPS))
@@ -519,7 +510,7 @@ def _robust_cases(rank: int, mesh) -> dict:
         if rank == 1:
             opt.param_groups[0]["lr"] = 0.03
         before = _local_snapshot(opt)
-        return {"raised": _outcome(opt.step), "changed": _changed(before, _local_snapshot(opt))}
+        return {"raised": raised(opt.step), "changed": _changed(before, _local_snapshot(opt))}
 
     out["hyper"] = _attempt(hyper)
     dist.barrier()
@@ -530,7 +521,7 @@ def _robust_cases(rank: int, mesh) -> dict:
         backward(model, 0)
         flaky.fail = rank == 1
         try:
-            got = _outcome(opt.step)
+            got = raised(opt.step)
         finally:
             flaky.fail = False
         return {"raised": got}
@@ -545,7 +536,7 @@ def _robust_cases(rank: int, mesh) -> dict:
         backward(model, 0)
         flaky.fail = rank == 1 and bool(opt.runtime.engine.hosted)
         try:
-            got = _outcome(opt.step)
+            got = raised(opt.step)
         finally:
             flaky.fail = False
         return {"raised": got, "hosts": bool(opt.runtime.engine.hosted)}

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from canzona.runtime.launch import WorkerError, run_workers
-from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of, unpack
+from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of, raised, unpack
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +65,6 @@ def _same(a: dict, b: dict) -> bool:
     return bool(ok)
 
 
-def _timed(fn) -> tuple[str, str, float] | None:
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return None
 
 
 def _opt(model, strategy: str = "lb-asc", **kw):
@@ -117,7 +110,7 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
         if rank == 1:
             grads["norm.weight"][3] = float("nan")
         inject_grads(model, grads)
-        out[("nonfinite", strategy)] = _timed(opt.step)
+        out[("nonfinite", strategy)] = raised(opt.step)
         out[("nonfinite_untouched", strategy)] = _same(before, _snapshot(opt))
         # the optimizer keeps working afterwards
         inject_grads(model, integer_grads(model, step=2, rank=rank))
@@ -131,7 +124,7 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     inject_grads(model, integer_grads(model, step=0, rank=rank))
     FlakyAdamW.fail = rank == 1
     t_fail = time.monotonic()
-    out["step_error"] = _timed(opt.step)
+    out["step_error"] = raised(opt.step)
     FlakyAdamW.fail = False
     opt.zero_grad()
     dist.barrier()
@@ -146,11 +139,11 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     save_checkpoint(opt, good)
     junk = Path(folder) / f"junk{rank}.pt"
     junk.write_bytes(b"not a checkpoint")
-    out["load_one_rank"] = _timed(lambda: load_checkpoint(opt, good if rank == 0 else junk))
+    out["load_one_rank"] = raised(lambda: load_checkpoint(opt, good if rank == 0 else junk))
 
     # 4. save fails on rank 0 (no such folder): every rank raises, naming rank 0; the old file
     #    survives a failed write and no temporary file is left
-    out["save_error"] = _timed(lambda: save_checkpoint(opt, Path(folder) / "missing" / "x.pt"))
+    out["save_error"] = raised(lambda: save_checkpoint(opt, Path(folder) / "missing" / "x.pt"))
     dist.barrier()
 
     # 5. corrupt files are refused with a message naming the tensor, on every rank
@@ -175,19 +168,19 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     dist.barrier()
     before = _snapshot(opt)
     for key in ("flipped", "lr_nan", "lr_negative", "betas", "float64", "all_nan"):
-        out[("corrupt", key)] = _timed(lambda: load_checkpoint(opt, Path(folder) / f"{key}.pt"))
+        out[("corrupt", key)] = raised(lambda: load_checkpoint(opt, Path(folder) / f"{key}.pt"))
     out["corrupt_untouched"] = _same(before, _snapshot(opt))
     dist.barrier()
 
     # 6. replicas that start from different seeds, ranks with different learning rates
-    out["seeds"] = _timed(lambda: _opt(ToyModel(seed=rank)))
+    out["seeds"] = raised(lambda: _opt(ToyModel(seed=rank)))
     model = ToyModel()
     import canzona
 
     opt = canzona.DistributedOptimizer(model, "muon", strategy="sc", optimizer_kwargs={"lr": 0.05 * (1 + rank)}, bucket_numel=40)
     inject_grads(model, integer_grads(model, step=0, rank=rank))
     before = params_of(model)
-    out["lr_differs"] = _timed(opt.step)
+    out["lr_differs"] = raised(opt.step)
     out["lr_differs_untouched"] = all(torch.equal(v, params_of(model)[k]) for k, v in before.items())
     opt.zero_grad()
     model = ToyModel()
@@ -195,18 +188,18 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     if rank == 1:
         opt.param_groups[1]["lr"] = 0.5  # a scheduler that ran on one rank only
     inject_grads(model, integer_grads(model, step=0, rank=rank))
-    out["sched_differs"] = _timed(opt.step)
+    out["sched_differs"] = raised(opt.step)
     dist.barrier()
 
     # 7. a meta-device model: one clear line instead of "Cannot copy out of meta tensor"
     with torch.device("meta"):
         meta_model = ToyModel()
-    out["meta"] = _timed(lambda: _opt(meta_model))
+    out["meta"] = raised(lambda: _opt(meta_model))
     dist.barrier()
 
     # 8. last (leaves the group unusable): rank 1 never builds the optimizer
     if rank == 0:
-        out["never_built"] = _timed(lambda: _opt(ToyModel(), status_timeout_s=3))
+        out["never_built"] = raised(lambda: _opt(ToyModel(), status_timeout_s=3))
     else:
         time.sleep(5)
     out["t_fail"] = t_fail
