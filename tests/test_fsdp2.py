@@ -138,7 +138,7 @@ def test_direct_groups_keep_own_blocks_out_of_the_exchanges_and_round_trip_bitwi
 
 
 def test_nonfinite_check_is_exact_for_nan_inf_and_overflowing_sums() -> None:
-    from canzona.runtime.fsdp import nonfinite
+    from canzona.runtime.agree import nonfinite
 
     big = torch.full((4, 3), 3e38)  # finite, but its sum overflows to inf: not a non-finite gradient
     cases = [torch.ones(3, 2), big, None, torch.zeros(0, 5), torch.ones(2, 2), torch.ones(2, 2), torch.ones(5).bfloat16()]

@@ -28,6 +28,7 @@ the per-phase byte accounting.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -38,11 +39,16 @@ __all__ = [
     "MESSAGE_BYTES",
     "STATUS_TIMEOUT_S",
     "AgreementTimeout",
+    "HyperparameterMismatch",
+    "NonFiniteGradient",
     "RankFailure",
     "agree",
+    "check_step_flags",
     "describe",
     "mark_arrival",
     "missing_ranks",
+    "nonfinite",
+    "step_flags",
     "new_tag",
 ]
 
@@ -183,3 +189,60 @@ def agree(
     if error is not None:
         raise failure from error
     raise failure
+
+
+# ------------------------------------------------------------------------------ the optimizer step's status
+
+
+class NonFiniteGradient(ValueError):
+    """A reduced gradient holds NaN or inf; raised on every rank before anything changes."""
+
+
+class HyperparameterMismatch(RuntimeError):
+    """Ranks run different hyperparameters (their per-step digests differ)."""
+
+
+def nonfinite(pieces: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One bool per piece: does it hold NaN or inf (None or empty: False)?
+
+    A sum is non-finite whenever an element is (NaN propagates, inf + -inf is NaN), and a sum reads
+    each element once without the element-wise mask ``isfinite`` builds: an order of magnitude
+    cheaper on CPU. Finite elements whose sum overflows would be a false alarm, so only the pieces
+    whose sum is non-finite are checked element by element (one host sync for the candidates)."""
+    bad = torch.zeros(len(pieces), dtype=torch.bool, device=device)
+    present = [(k, g) for k, g in enumerate(pieces) if g is not None and g.numel()]
+    if present:
+        sums = torch.stack([g.sum(dtype=torch.float32).to(device) for _, g in present])
+        for i in (~torch.isfinite(sums)).nonzero().flatten().tolist():
+            k, g = present[i]
+            bad[k] = ~torch.isfinite(g).all()
+    return bad
+
+
+def step_flags(digest: int, received: torch.Tensor, bad: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """The flags a rank brings to the optimizer step's status exchange (:func:`agree`, reduced with
+    MAX): ``[digest, -digest, received (n), non-finite (n)]``, ``received`` and ``bad`` one entry per
+    parameter in an order every rank shares. ``digest`` and ``-digest`` reduce to the largest and
+    minus the smallest digest, which are equal only when every rank hashed the same hyperparameters."""
+    head = torch.tensor([digest, -digest], dtype=torch.int64)
+    return torch.cat([head.to(device), received.to(device=device, dtype=torch.int64), bad.to(device=device, dtype=torch.int64)])
+
+
+def check_step_flags(reduced: torch.Tensor, names: Sequence[str]) -> frozenset[str]:
+    """Act on the reduced :func:`step_flags` (identical on every rank, so every rank raises alike):
+    :class:`HyperparameterMismatch` when the digests differ, :class:`NonFiniteGradient` naming the
+    parameters any rank found non-finite; returns the parameters no rank had a gradient for."""
+    n = len(names)
+    if int(reduced[0]) != -int(reduced[1]):
+        raise HyperparameterMismatch(
+            "hyperparameters differ across ranks (lr, weight_decay or the optimizers' arguments); "
+            "every rank must run the same optimizer settings and schedule"
+        )
+    bad = [names[k] for k in range(n) if int(reduced[2 + n + k])]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise NonFiniteGradient(
+            f"non-finite gradient in {', '.join(bad[:3])}{more}; no parameter or optimizer state was "
+            "changed on any rank and this step's gradients were dropped"
+        )
+    return frozenset(names[k] for k in range(n) if not int(reduced[2 + k]))

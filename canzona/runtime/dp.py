@@ -108,7 +108,7 @@ import torch
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
-from canzona.runtime.agree import STATUS_TIMEOUT_S, agree
+from canzona.runtime.agree import STATUS_TIMEOUT_S, HyperparameterMismatch, NonFiniteGradient, agree, check_step_flags, nonfinite, step_flags
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
@@ -137,14 +137,6 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 #: a plan role (canzona.plan.strategies.ROLES) -> the role of a runtime piece (and of checkpoint entries)
 _PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise"}
-
-
-class NonFiniteGradient(ValueError):
-    """A reduced gradient holds NaN or inf; raised on every rank before anything changes."""
-
-
-class HyperparameterMismatch(RuntimeError):
-    """Ranks run different hyperparameters (their per-step digests differ)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,7 +516,7 @@ class DPRuntime:
                 try:
                     reduced = agree(error, "optimizer step", flags=flags, device=self.buffer.data.device, timeout_s=self.status_timeout_s)
                     assert reduced is not None
-                    skip = self._check_flags(reduced.cpu(), digest)
+                    skip = check_step_flags(reduced.cpu(), self._param_names)
                 except BaseException:
                     self.discard_grads()
                     raise
@@ -564,42 +556,20 @@ class DPRuntime:
         self.steps += 1
 
     def _local_flags(self, digest: int) -> torch.Tensor:
-        """``[digest, -digest, received (n), non-finite (n)]`` for the first status exchange, by plan
-        parameter index: whether this rank received a gradient for it and whether any gradient
-        slice this rank will use is non-finite (one device tensor, one host sync in the exchange)."""
+        """:func:`~canzona.runtime.agree.step_flags` by plan parameter index: whether this rank
+        received a gradient for each parameter and whether any gradient slice this rank will use is
+        non-finite (one device tensor, one host sync in the exchange)."""
         n = len(self._param_index)
         received = torch.zeros(n, dtype=torch.int64)
         for name in self.buffer.received:
             received[self._param_index[name]] = 1
         device = self.buffer.data.device
+        used = [(pc.name, self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc)) for pc in self.pieces]
         bad = torch.zeros(n, dtype=torch.bool, device=device)
-        for pc in self.pieces:
-            g = self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc)
-            if g is not None:
-                k = self._param_index[pc.name]
-                bad[k] = bad[k] | ~torch.isfinite(g).all()
-        head = torch.tensor([digest, -digest], dtype=torch.int64)
-        return torch.cat([head.to(device), received.to(device), bad.to(torch.int64)])
-
-    def _check_flags(self, reduced: torch.Tensor, digest: int) -> frozenset[str]:
-        """Act on the reduced flags (identical on every rank, so every rank raises alike); returns
-        the parameters no rank had a gradient for."""
-        n = len(self._param_index)
-        hi, neg_lo = int(reduced[0]), int(reduced[1])
-        if hi != -neg_lo:
-            raise HyperparameterMismatch(
-                "hyperparameters differ across ranks (lr, weight_decay or the optimizers' arguments); "
-                "every rank must run the same optimizer settings and schedule"
-            )
-        names = self._param_names
-        bad = [names[k] for k in range(n) if int(reduced[2 + n + k])]
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise NonFiniteGradient(
-                f"non-finite gradient in {', '.join(bad[:3])}{more}; no parameter or optimizer state was "
-                "changed on any rank and this step's gradients were dropped"
-            )
-        return frozenset(names[k] for k in range(n) if not int(reduced[2 + k]))
+        for (name, _), piece_bad in zip(used, nonfinite([g for _, g in used], device)):
+            k = self._param_index[name]
+            bad[k] = bad[k] | piece_bad
+        return step_flags(digest, received, bad, device)
 
     def launch_order(self) -> list[int]:
         """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""

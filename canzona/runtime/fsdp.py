@@ -44,13 +44,12 @@ from torch import nn
 
 from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
-from canzona.runtime.agree import STATUS_TIMEOUT_S, agree
+from canzona.runtime.agree import STATUS_TIMEOUT_S, agree, check_step_flags, nonfinite, step_flags
 from canzona.runtime.comm import Comm
-from canzona.runtime.dp import HyperparameterMismatch, NonFiniteGradient
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
 
-__all__ = ["FSDPEngine", "FSDPRuntime", "local_block", "nonfinite"]
+__all__ = ["FSDPEngine", "FSDPRuntime", "local_block"]
 
 
 class FSDPEngine(MicroGroupEngine):
@@ -83,23 +82,6 @@ class FSDPEngine(MicroGroupEngine):
 
 
 # ============================================================================ the whole step
-
-
-def nonfinite(pieces: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One bool per piece: does it hold NaN or inf (None or empty: False)?
-
-    A sum is non-finite whenever an element is (NaN propagates, inf + -inf is NaN), and a sum reads
-    each element once without the element-wise mask ``isfinite`` builds: an order of magnitude
-    cheaper on CPU. Finite elements whose sum overflows would be a false alarm, so only the pieces
-    whose sum is non-finite are checked element by element (one host sync for the candidates)."""
-    bad = torch.zeros(len(pieces), dtype=torch.bool, device=device)
-    present = [(k, g) for k, g in enumerate(pieces) if g is not None and g.numel()]
-    if present:
-        sums = torch.stack([g.sum(dtype=torch.float32).to(device) for _, g in present])
-        for i in (~torch.isfinite(sums)).nonzero().flatten().tolist():
-            k, g = present[i]
-            bad[k] = ~torch.isfinite(g).all()
-    return bad
 
 
 def local_block(p: torch.Tensor) -> torch.Tensor:
@@ -171,31 +153,11 @@ class FSDPRuntime:
         return torch.zeros(self.layouts[name].blocks[self.rank].shape, dtype=self.master_dtype, device=self._device)
 
     def _local_flags(self, grads: Mapping[str, torch.Tensor | None], digest: int) -> torch.Tensor:
-        """``[digest, -digest, received (n), non-finite (n)]`` in :attr:`names` order: whether this
-        rank has a gradient for each parameter and whether its piece holds NaN or inf (one device
-        tensor: a single host sync, in the exchange)."""
+        """:func:`~canzona.runtime.agree.step_flags` in :attr:`names` order: whether this rank has
+        a gradient for each parameter and whether its piece holds NaN or inf (one device tensor: a
+        single host sync, in the exchange)."""
         received = torch.tensor([grads[name] is not None for name in self.names], dtype=torch.int64)
-        bad = nonfinite([grads[name] for name in self.names], self._device)
-        head = torch.tensor([digest, -digest], dtype=torch.int64)
-        return torch.cat([head.to(self._device), received.to(self._device), bad.to(torch.int64)])
-
-    def _check_flags(self, reduced: torch.Tensor, digest: int) -> frozenset[str]:
-        """Act on the reduced flags (identical on every rank, so every rank raises alike); returns
-        the parameters no rank had a gradient for."""
-        n = len(self.names)
-        if int(reduced[0]) != -int(reduced[1]):
-            raise HyperparameterMismatch(
-                "hyperparameters differ across ranks (lr, weight_decay or the optimizers' arguments); "
-                "every rank must run the same optimizer settings and schedule"
-            )
-        bad = [self.names[k] for k in range(n) if int(reduced[2 + n + k])]
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise NonFiniteGradient(
-                f"non-finite gradient in {', '.join(bad[:3])}{more}; no parameter or optimizer state was "
-                "changed on any rank and this step's gradients were dropped"
-            )
-        return frozenset(self.names[k] for k in range(n) if not int(reduced[2 + k]))
+        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device), self._device)
 
     @torch.no_grad()
     def step(self, digest: int = 0) -> None:
@@ -220,7 +182,7 @@ class FSDPRuntime:
             try:
                 reduced = agree(error, "optimizer step", flags=flags, device=self._device, timeout_s=self.status_timeout_s)
                 assert reduced is not None
-                skip = self._check_flags(reduced.cpu(), digest)
+                skip = check_step_flags(reduced.cpu(), self.names)
             except BaseException:
                 self.drop_grads()
                 raise
