@@ -126,7 +126,14 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     t_fail = time.monotonic()
     out["step_error"] = raised(opt.step)
     FlakyAdamW.fail = False
+    # the buckets' all-gathers that left during the step have landed on every rank: the same
+    # parameters everywhere, and nothing left in flight (the next step works)
+    out["params_after_error"] = params_of(opt.model)
     opt.zero_grad()
+    inject_grads(model, integer_grads(model, step=1, rank=rank))
+    opt.step()
+    opt.zero_grad()
+    out["params_after_recovery"] = params_of(opt.model)
     dist.barrier()
 
     # 3. load_checkpoint: one rank cannot read the file (the others get its message)
@@ -240,6 +247,9 @@ def test_step_error_on_one_rank_raised_on_every_rank(res) -> None:
         assert g is not None and g[0] == "RankFailure", g
         assert "optimizer step (update) failed on 1 rank(s); rank 1: ArithmeticError: flaky optimizer refused this step" in g[1]
         assert g[2] < BOUND_S
+    for key in ("params_after_error", "params_after_recovery"):
+        a, b = (res[r][key] for r in range(2))
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), f"ranks hold different parameters ({key})"
 
 
 def test_unreadable_checkpoint_on_one_rank(res) -> None:

@@ -279,6 +279,30 @@ def test_traces_show_launch_and_wait_with_arguments(async_run) -> None:
 
 
 @pytest.mark.slow
+def test_bucket_all_gathers_leave_while_later_buckets_update(async_run) -> None:
+    """Inside the step, bucket 0's parameter all-gather is launched right after its own update,
+    before the later buckets' updates run (so it travels while they compute), and every gather is
+    waited before ``step()`` returns (eager)."""
+    res, d = async_run
+    for rank in range(2):
+        n = res[rank]["dp_buckets"]
+        assert n >= 3, "the case needs several buckets"
+        dp = _trace_events(d / f"dp{rank}.json")
+
+        def start(name: str) -> float:
+            hits = [e["ts"] for e in dp if e["name"] == name and e.get("cat") == "user_annotation"]
+            assert len(hits) == 1, (name, len(hits))
+            return hits[0]
+
+        step = next(e for e in dp if e["name"] == "canzona/optimizer/step" and e.get("cat") == "user_annotation")
+        launch0 = start("canzona/dp/all_gather/bucket0/launch")
+        assert start("canzona/dp/local_update/bucket0") < launch0 < start(f"canzona/dp/local_update/bucket{n - 1}")
+        assert step["ts"] < launch0 < step["ts"] + step["dur"]
+        for i in range(n):
+            assert start(f"canzona/dp/all_gather/bucket{i}/wait") > launch0
+
+
+@pytest.mark.slow
 def test_uneven_all_gather_into_a_given_buffer(async_run) -> None:
     res, _ = async_run
     for r in res:

@@ -269,7 +269,21 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
         else:
             full_params[n] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
     return {"params": full_params, "dp_rank": dp_rank, "tp_rank": tp_rank, "hosted": opt.runtime.tp_engine is not None,
-            "viewed": sorted(opt.runtime.param_views), "copied": dict(opt.runtime.copied_params), "dtensor": dtensor}
+            "viewed": sorted(opt.runtime.param_views), "copied": dict(opt.runtime.copied_params), "dtensor": dtensor,
+            "in_buffer": _in_param_buffers(model, opt.runtime)}
+
+
+def _in_param_buffers(model, rt) -> list[str]:
+    """Parameters whose (local) storage lies inside one of the runtime's parameter buffers."""
+    from canzona.runtime.buffer import local_tensor
+
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in rt.param_buffers.values()]
+    out = []
+    for n, p in model.named_parameters():
+        ptr = local_tensor(p.detach()).data_ptr()
+        if any(lo <= ptr < hi for lo, hi in spans):
+            out.append(n)
+    return sorted(out)
 
 
 @pytest.mark.parametrize("key", [k for k in TP_CASES if k[1] != "backward"])
@@ -817,15 +831,46 @@ def test_other_dtypes_keep_the_copies_they_need(runs, key: str) -> None:
 
 
 @pytest.mark.parametrize("key", [("lb-asc", "inject"), ("lb-asc-joint", "megatron"), ("sc", "inject")], ids="-".join)
-def test_tp_parameters_views_where_plain_copies_where_dtensor(runs, key: tuple[str, str]) -> None:
-    """DTensor parameters keep the copy (DTensor owns its local tensor); plain shards (Megatron-style
-    ``tp_dims``) and plain replicated parameters become views; ``sc`` returns no values by all-gather."""
+def test_tp_parameters_are_views_dtensor_and_plain(runs, key: tuple[str, str]) -> None:
+    """Every parameter becomes a view of its bucket's parameter buffer: DTensor parameters through
+    their local tensor (the all-gather writes straight into ``to_local()``), plain shards
+    (Megatron-style ``tp_dims``) and plain replicated parameters directly; ``sc`` returns no values
+    by all-gather."""
     for res in runs(4, "tp", key):
         if key[0] == "sc":
             assert res["viewed"] == [] and res["copied"] == {}
             continue
-        assert sorted(res["copied"]) == res["dtensor"]
-        assert all(why.startswith("DTensor") for why in res["copied"].values())
-        assert sorted(res["viewed"] + res["dtensor"]) == sorted(res["params"])
+        assert res["copied"] == {}
+        assert res["viewed"] == sorted(res["params"])
+        assert res["in_buffer"] == res["viewed"], "a viewed parameter's storage is not in the parameter buffer"
         if key[1] == "megatron":
             assert res["dtensor"] == []
+        else:
+            assert res["dtensor"], "the case needs DTensor parameters"
+
+
+@pytest.mark.parametrize("dtensor", [False, True], ids=["plain", "dtensor"])
+def test_a_graph_saved_before_step_refuses_to_backward_through_viewed_weights(single_rank_group, dtensor: bool) -> None:
+    """The all-gather writes into viewed parameters behind autograd's back; canzona bumps their
+    version counters (for a DTensor, the wrapper's: autograd saves the wrapper), so a backward
+    through a graph recorded before ``step()`` raises instead of using the new weights silently."""
+    import canzona
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 4, bias=False))
+    mesh = None
+    if dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh)
+    assert sorted(opt.runtime.param_views) == ["0.weight", "2.weight"] and not opt.runtime.copied_params
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).square().sum().backward()
+    stale = model(x).square().sum()  # saves the weights for its backward
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()

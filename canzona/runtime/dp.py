@@ -25,8 +25,7 @@ group. Per iteration:
    collectives were launched, so the step waits only for what it needs next:
 
    One vocabulary for the collectives (Megatron's): :meth:`start_grad_sync` / :meth:`finish_grad_sync`
-   for a bucket's gradient collective, :meth:`start_param_sync` / :meth:`finish_param_sync` for
-   the parameter return (:meth:`sync_params` starts and finishes it at once, eager).
+   for a bucket's gradient collective, :meth:`finish_param_sync` for the parameter return.
 
    - :meth:`finish_grad_sync` (bucket ``i``): wait for that bucket's collective only (the wait is a
      phase of its own, ``canzona/dp/reduce_scatter/bucket<i>/wait`` or ``canzona/dp/all_reduce/bucket<i>/wait``
@@ -45,15 +44,18 @@ group. Per iteration:
      bucket has arrived: its micro-groups mix parameters of several buckets, and the engine's
      fused exchanges need all of a group's gradients, so waiting for the buckets of each group
      separately would buy little and cost a second ordering contract;
-   - :meth:`sync_params`: return updated *values* (never deltas): ``layerwise`` broadcasts each
-     parameter from its owner inside the step (``canzona/layerwise/broadcast``); the
-     reduce-scatter strategies run one variable-size all-gather per bucket
-     (``canzona/dp/all_gather/bucket<i>/launch`` and ``/wait``) right after the optimizer-step phase closes; ``sc``
-     moves nothing. ``param_sync="eager"`` (default) waits for them, so the model holds the new
-     values when ``step()`` returns; ``param_sync="lazy"`` launches them asynchronously and a
-     forward pre-hook on each module waits for its parameters' buckets only, so the gathers
-     overlap the next forward bucket by bucket (:meth:`finish_param_sync` forces them, e.g.
-     before reading parameters outside a forward);
+   - parameter return, updated *values* (never deltas): ``layerwise`` broadcasts each
+     parameter from its owner inside the step (``canzona/layerwise/broadcast``); ``sc`` moves
+     nothing; the reduce-scatter strategies run one variable-size all-gather per bucket
+     (``canzona/dp/all_gather/bucket<i>/launch`` and ``/wait``). A bucket with no TP-split piece
+     on any rank (an *early* bucket) is final once its own update ran, so its all-gather is
+     launched right then, inside the step, and travels while the later buckets update (the
+     updates run in bucket order for this, and every rank launches the early buckets in that
+     order). The other buckets' gathers leave after the TP engine and the second status
+     exchange. ``param_sync="eager"`` (default) waits for all of them before ``step()`` returns;
+     ``param_sync="lazy"`` leaves them in flight and a forward pre-hook on each module waits for
+     its parameters' buckets only, so the gathers overlap the next forward bucket by bucket
+     (:meth:`finish_param_sync` forces them, e.g. before reading parameters outside a forward);
    - :meth:`apply_params`: with ``param_views`` (default) the all-gather already wrote into the
      parameters, which are views of a per-bucket parameter buffer (:meth:`_init_param_views`): it
      only checks they still are (rebinding replaced storage) and bumps their version counters;
@@ -80,9 +82,12 @@ launched at the very end of backward).
   earlier).
 
 An error raised by a local optimizer in bucket ``k`` leaves the owned parameters of buckets ``< k``
-already updated on this rank's masters; the model's parameters are untouched, since values return
-only after the second status exchange, which raises the error on every rank. Non-finite gradients
-never get that far: the first exchange refuses them before any update.
+already updated on this rank's masters. The failing rank still launches every early bucket's
+all-gather the others launch (sending what its masters hold), so no collective is left unmatched;
+the second status exchange then raises the error on every rank, after those gathers have landed:
+every rank holds the same parameters, each equal to its owner's master (some of this step's
+updates, none of the failing bucket's on the failing rank). Non-finite gradients never get that
+far: the first exchange refuses them before any update or any gather.
 
 Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
 rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
@@ -184,6 +189,24 @@ def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
                 whole = s == 0 and e == pp.numel
                 out.append(Piece(pp.name, pp.bucket, s, e, whole, role, pp.offset + s - base))
     return out
+
+
+def _bound_storage(p: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage a parameter view replaces: the parameter, or a DTensor's local tensor
+    (its ``_local_tensor``; ``to_local()`` would add an autograd node per call)."""
+    return p if is_plain(p) else p._local_tensor  # type: ignore[attr-defined]
+
+
+def _bind(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``view`` the storage of parameter ``p``: ``p.data = view`` for a plain tensor; for a
+    DTensor its local tensor is replaced (the wrapper keeps its mesh, placements and global shape,
+    and every DTensor op reads the local tensor, so forward, backward and in-place writes all go
+    through the view). ``view`` has the local tensor's shape and strides (contiguous)."""
+    with torch.no_grad():
+        if is_plain(p):
+            p.data = view
+        else:
+            p._local_tensor = view  # type: ignore[attr-defined]
 
 
 class DPRuntime:
@@ -292,6 +315,10 @@ class DPRuntime:
                 )
             self.tp_engine = tp_engine_factory(tp_masters)
             self.tp_engine.update_hooks = self.update_hooks  # one registry for the whole step
+        # Buckets whose values are final after their local update on every rank (no TP-split piece
+        # anywhere in them): their all-gathers leave during the step, the others after the TP engine.
+        tp_buckets = {pc.bucket for r in range(self.dp) for pc in pieces_for_rank(plan, r) if pc.role == "tp"}
+        self._early_buckets = [i for i in range(len(plan.buckets)) if i not in tp_buckets]
         self._works: dict[int, Any] = {}
         # Reserved once: this rank's reduce-scatter shard of every bucket (the collective receives
         # into it every step), and each owned piece's gradient as a view into it (or into the
@@ -362,9 +389,10 @@ class DPRuntime:
                         self.copied_params[n] = why
                         copy_out.append(n)
                         continue
-                    view = buf[pp.offset : pp.offset + pp.numel].view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view
+                    local = local_tensor(p.detach())
+                    view = buf[pp.offset : pp.offset + pp.numel].view(local.shape)
+                    view.copy_(local)
+                    _bind(p, view)
                     self.param_views[n] = view
                     self._bucket_views[i].append((n, p, view))
                     self._bucket_viewed_params[i].append(p)
@@ -372,14 +400,16 @@ class DPRuntime:
 
     @staticmethod
     def view_refusal(p: torch.Tensor, buf: torch.Tensor) -> str | None:
-        """Why parameter ``p`` cannot be a view of the parameter buffer ``buf`` (None: it can)."""
-        if not is_plain(p):
-            return "DTensor: its local shard belongs to the DTensor"
-        if p.dtype != buf.dtype:
-            return f"dtype {p.dtype} differs from its bucket's gather dtype {buf.dtype} (a bucket of mixed dtypes)"
-        if p.device != buf.device:
-            return f"on {p.device}, the buffers on {buf.device}"
-        if not p.is_contiguous():
+        """Why parameter ``p`` (for a DTensor: its local shard) cannot be a view of the parameter
+        buffer ``buf`` (None: it can)."""
+        if not is_plain(p) and not isinstance(getattr(p, "_local_tensor", None), torch.Tensor):
+            return "DTensor without a local tensor canzona can rebind (this torch version)"
+        local = local_tensor(p.detach())
+        if local.dtype != buf.dtype:
+            return f"dtype {local.dtype} differs from its bucket's gather dtype {buf.dtype} (a bucket of mixed dtypes)"
+        if local.device != buf.device:
+            return f"on {local.device}, the buffers on {buf.device}"
+        if not local.is_contiguous():
             return "not contiguous (a view would change its strides, and with them the kernels that read it)"
         return None
 
@@ -388,11 +418,12 @@ class DPRuntime:
         parameter whose storage was replaced (``p.data = ...``, ``vector_to_parameters``) is bound
         to its view again, which holds its updated value; one moved or cast is refused."""
         for n, p, view in self._bucket_views[i]:
-            if p.data_ptr() == view.data_ptr():
+            held = _bound_storage(p)
+            if held.data_ptr() == view.data_ptr():
                 continue
-            if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
+            if held.dtype != view.dtype or held.device != view.device or held.shape != view.shape:
                 raise RuntimeError(
-                    f"parameter {n} became {p.dtype} {tuple(p.shape)} on {p.device} after the optimizer was built "
+                    f"parameter {n} became {held.dtype} {tuple(held.shape)} on {held.device} after the optimizer was built "
                     f"(it was {view.dtype} {tuple(view.shape)} on {view.device}); move or cast the model before "
                     "building the DistributedOptimizer"
                 )
@@ -405,8 +436,7 @@ class DPRuntime:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-            with torch.no_grad():
-                p.data = view
+            _bind(p, view)
             self.rebinds += 1
 
     # --------------------------------------------------------------------------------- backward
@@ -493,6 +523,9 @@ class DPRuntime:
         n = len(self._param_index)
         error: BaseException | None = None
         flags = torch.zeros(2 * n + 2, dtype=torch.int64)
+        #: this step's parameter all-gathers launched so far: bucket -> (receive buffer, work)
+        gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        updated: set[int] = set()
         with phase(OPTIMIZER_STEP):
             try:
                 if not reuse:
@@ -505,6 +538,8 @@ class DPRuntime:
                     for i in order:
                         self.finish_grad_sync(i, reuse=reuse)
                         self.update_bucket(i)
+                        updated.add(i)
+                        self._launch_ready_gathers(gathers, updated)
                 else:
                     for i in order:
                         self.finish_grad_sync(i, reuse=reuse)
@@ -524,10 +559,16 @@ class DPRuntime:
                 if error is not None:
                     raise error
                 if not self.overlap_updates:
-                    for i in order:
+                    # bucket order, so each bucket's all-gather can leave as soon as it is updated
+                    for i in range(len(self.plan.buckets)):
                         self.update_bucket(i, skip)
+                        updated.add(i)
+                        self._launch_ready_gathers(gathers, updated)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
+            # After an error this rank still launches every early all-gather the others launch (in
+            # the same order), sending whatever its masters hold, so no collective is left unmatched.
+            self._launch_ready_gathers(gathers, None)
             try:
                 # Always: the other TP ranks wait in the engine's exchanges. After an error this rank
                 # joins them without computing (its values are discarded by the exchange below).
@@ -537,15 +578,21 @@ class DPRuntime:
             try:
                 agree(error, "optimizer step (update)", device=self.buffer.data.device, timeout_s=self.status_timeout_s)
             except BaseException:
+                # the early all-gathers are in flight on every rank: land them, so every rank holds
+                # the same parameters (the values its owners sent) and nothing is left in flight
+                self._finish_gathers(gathers)
                 self.discard_grads()
                 raise
             if self.param_return == "broadcast":
                 self.broadcast_params()
         if self.reduce_scatter:
+            for i in range(len(self.plan.buckets)):
+                if i not in gathers:
+                    gathers[i] = self._pack_and_launch(i)
             if self.lazy:
-                self.start_param_sync()
+                self._pending.update(gathers)
             else:
-                self.apply_params(self.sync_params())
+                self._finish_gathers(gathers)
         elif self.param_return == "none":
             self.apply_params({})
         self._tp_grads.clear()
@@ -554,6 +601,28 @@ class DPRuntime:
         else:
             self.discard_grads()  # nothing to keep: the next backward starts afresh, silently
         self.steps += 1
+
+    def _launch_ready_gathers(self, gathers: dict[int, tuple[torch.Tensor, Any]], updated: set[int] | None) -> None:
+        """Launch the all-gather of every *early* bucket (no TP-split piece on any rank: its values
+        are final once its local update ran) whose turn has come, in bucket order: the next early
+        bucket not yet launched, as long as it is in ``updated`` (None: all of them, the
+        error path). Every rank launches the same buckets in the same order, whatever its update
+        order, so the gathers of the first buckets overlap the updates of the later ones."""
+        if not self.reduce_scatter:
+            return
+        for i in self._early_buckets:
+            if i in gathers:
+                continue
+            if updated is not None and i not in updated:
+                return
+            gathers[i] = self._pack_and_launch(i)
+
+    def _finish_gathers(self, gathers: dict[int, tuple[torch.Tensor, Any]]) -> None:
+        """Wait for ``gathers`` in bucket order and write each into the model."""
+        for i in sorted(gathers):
+            out, w = gathers.pop(i)
+            self._wait_param_gather(i, w)
+            self.apply_params({i: out})
 
     def _local_flags(self, digest: int) -> torch.Tensor:
         """:func:`~canzona.runtime.agree.step_flags` by plan parameter index: whether this rank
@@ -678,19 +747,6 @@ class DPRuntime:
         with phase(indexed(DP_ALL_GATHER, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
             if work is not None:
                 work.wait()
-
-    def sync_params(self) -> dict[int, torch.Tensor]:
-        """Variable-size all-gather of every bucket's updated values (to the plan's cut points), waited."""
-        launched = {i: self._pack_and_launch(i) for i in range(len(self.plan.buckets))}
-        for i, (_, w) in launched.items():
-            self._wait_param_gather(i, w)
-        return {i: out for i, (out, _) in launched.items()}
-
-    def start_param_sync(self) -> None:
-        """``param_sync="lazy"``: launch every bucket's all-gather without waiting; forward pre-hooks
-        (:meth:`install_forward_hooks`) finish each bucket just before a module first uses it."""
-        for i in range(len(self.plan.buckets)):
-            self._pending[i] = self._pack_and_launch(i)
 
     def finish_param_sync(self, buckets: Any = None) -> None:
         """Wait for pending parameter all-gathers (all, or ``buckets``) and write them into the model."""
