@@ -1,7 +1,11 @@
 """Canzona vs torch DDP + torch.optim.Muon, side by side in one invocation.
 
-Cases (each variant in fresh processes, gloo on CPU with one thread per rank, or NCCL with
-``--backend nccl`` on GPUs):
+By default (``--mode interleaved``) one set of processes per case holds every variant and runs
+them in turn, one step each, the order rotated every step, so the ratios to DDP are measured under
+the same load (on a shared machine separate runs of the same code drift by tens of percent); peak
+memory per variant is then ``n/a``. ``--mode separate`` runs each variant in its own fresh
+processes, one after another, and reports each one's peak memory. Gloo on CPU with one thread per
+rank, or NCCL with ``--backend nccl`` on GPUs. Cases:
 
 - ``stack-w2``, ``stack-w4``: a stack of 384 x 384 bias-free linears (``--depth``), batch 16 per
   rank, DP = world: an optimizer-bound model where Canzona's partitioning should pay;
@@ -14,7 +18,7 @@ Variants: ``ddp`` (DDP + torch.optim.Muon on every rank), canzona ``sc``, ``laye
 (``param_views=False, grad_views=False``: the parameter copy-out and the gradient copy-in) and once
 with the views (the default), printed side by side; ``--phases`` adds canzona's phase wall times
 per rank (where exposed communication comes from). Printed per variant: median step time (slowest rank), optimizer time, exposed
-communication, bytes sent per step (all ranks), peak memory per rank, ratios to DDP, and the goals
+communication, bytes sent per step (all ranks), peak memory per rank (separate mode), ratios to DDP, and the goals
 (lb-asc <= 0.58 x DDP at world 2, <= 0.35 x at world 4; sc within 1.05 x). The definitions are in
 ``canzona/profiling/vs_torch.py``.
 
@@ -23,6 +27,7 @@ Run from the repository root::
     .venv/bin/python profiling/bench_vs_torch.py                       # every case
     .venv/bin/python profiling/bench_vs_torch.py --cases stack-w2 --steps 5 --json out.json
     .venv/bin/python profiling/bench_vs_torch.py --cases tiny-w2 --views both --phases
+    .venv/bin/python profiling/bench_vs_torch.py --cases stack-w2 --mode separate   # with peak memory per variant
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canzona.profiling.vs_torch import (
     COPY_SUFFIX,
+    MODES,
     VARIANTS,
     Case,
     as_dicts,
@@ -67,14 +73,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=8, help="linears in the stack cases (default 8)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
+    p.add_argument("--mode", default="interleaved", choices=MODES,
+                   help="interleaved (default): every variant in the same processes, step by step in turn (same load, "
+                        "no per-variant peak memory); separate: each variant in its own fresh processes, with its peak memory")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")
     p.add_argument("--views", default="on", choices=("on", "off", "both"),
                    help="canzona with parameter/gradient views (on, the default), without them (off: <variant>/copy), or both side by side")
     p.add_argument("--phases", action="store_true", help="also print canzona's phase wall times per rank")
     p.add_argument("--repeat", type=int, default=1,
-                   help="run the variant list this many times in a row and report per-figure medians (steadier under a drifting load)")
+                   help="run each case this many times (fresh processes each time) and report per-figure medians (steadier under a drifting load)")
     p.add_argument("--json", default=None, help="also write the figures here")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each variant's run (seconds)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run of worker processes in seconds (a case in interleaved mode, a variant in separate mode; default 900)")
     return p.parse_args(argv)
 
 
@@ -117,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         case = table[name]
         case = Case(**{**{f: getattr(case, f) for f in case.__dataclass_fields__}, "variants": variants})
-        results = median_of_runs([run_case(case, backend=args.backend, timeout_s=args.timeout_s) for _ in range(args.repeat)])
+        results = median_of_runs([run_case(case, backend=args.backend, timeout_s=args.timeout_s, mode=args.mode)
+                                  for _ in range(args.repeat)])
         mesh = f"dp{case.dp} x tp{case.tp} (DDP dp{case.world})" if case.tp > 1 else f"dp{case.world}"
-        print(format_table(results, title=f"{name}: {case.model}, world {case.world}, {mesh}, {args.backend}, "
+        print(format_table(results, title=f"{name}: {case.model}, world {case.world}, {mesh}, {args.backend}, {args.mode}, "
                                           f"median of {case.steps} steps after {case.warmup}"
                                           + (f", median of {args.repeat} runs" if args.repeat > 1 else "")))
         if args.phases:
