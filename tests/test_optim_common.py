@@ -381,3 +381,27 @@ def test_finiteness_check_catches_every_kind_in_both_paths(numel: int, bad: floa
         g = [t.clone() for t in grads]
         g[i][-1] = bad
         assert not _all_finite(g), (i, bad)
+
+
+def test_finite_grads_verified_skips_only_the_finiteness_test() -> None:
+    """Inside ``finite_grads_verified()`` a caller vouches for finiteness: a NaN gradient is not
+    read again (the runtimes test the same tensors before any update); outside it, and after it,
+    the test is back, and a sparse gradient is refused either way."""
+    from canzona.optim import Muon, finite_grads_verified
+
+    p = torch.nn.Parameter(torch.ones(3, 3))
+    opt = Muon([p], lr=0.1)
+    p.grad = torch.full((3, 3), float("nan"))
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step()
+    with finite_grads_verified():
+        with finite_grads_verified():
+            pass
+        opt.step()  # the nested block ended, the outer one still vouches
+    assert torch.isnan(p).all()
+    p.grad = torch.full((3, 3), float("inf"))
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step()
+    p.grad = torch.eye(3).to_sparse()
+    with finite_grads_verified(), pytest.raises(TypeError, match="sparse gradient"):
+        opt.step()

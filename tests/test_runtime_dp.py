@@ -874,3 +874,31 @@ def test_a_graph_saved_before_step_refuses_to_backward_through_viewed_weights(si
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stale.backward()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["agreed", "overlap_updates"])
+def test_optimizers_do_not_test_gradients_the_step_already_found_finite(single_rank_group, monkeypatch, overlap: bool) -> None:
+    """The step's first status exchange tests every gradient an optimizer will read; inside the
+    updates canzona's optimizers then skip their own finiteness test (a second read of every
+    gradient). ``overlap_updates=True`` has no such exchange, so there they still test."""
+    import canzona
+    from canzona.optim import _common
+
+    calls: list[int] = []
+    real = _common._all_finite
+    monkeypatch.setattr(_common, "_all_finite", lambda grads: calls.append(len(grads)) or real(grads))
+    model = ToyModel()
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", bucket_numel=40, overlap_updates=overlap)
+    calls.clear()  # construction probes the optimizer class with a step of its own
+    inject_grads(model, integer_grads(model, step=0, rank=0))
+    opt.step()
+    assert bool(calls) == overlap, calls
+    # a non-finite gradient is still refused, by the exchange or by the optimizer
+    opt.zero_grad()
+    grads = integer_grads(model, step=1, rank=0)
+    grads["up.weight"][0, 0] = float("nan")
+    inject_grads(model, grads)
+    from canzona.runtime.agree import NonFiniteGradient, RankFailure
+
+    with pytest.raises(RankFailure if overlap else NonFiniteGradient, match="up.weight" if not overlap else "is not finite"):
+        opt.step()

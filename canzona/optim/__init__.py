@@ -34,6 +34,7 @@ _LAZY = {
     "SOAP": "canzona.optim.soap",
     "eigenbasis": "canzona.optim.soap",
     "refresh_eigenbasis": "canzona.optim.soap",
+    "finite_grads_verified": "canzona.optim._common",
 }
 
 __all__ = sorted(_LAZY)

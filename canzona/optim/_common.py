@@ -12,8 +12,10 @@ follow from that and are enforced here once for all three optimizers:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "check_nonnegative",
     "check_nonnegative_int",
     "check_positive_int",
+    "finite_grads_verified",
     "param_label",
 ]
 
@@ -109,7 +112,7 @@ def check_grads_finite(optimizer_name: str, param_groups: Iterable[Mapping[str, 
                 )
             if grad.numel():
                 dense.append((gi, pi, group, p, grad))
-    if not dense or _all_finite([d[4] for d in dense]):
+    if not dense or getattr(_verified, "depth", 0) or _all_finite([d[4] for d in dense]):
         return
     for gi, pi, group, p, grad in dense:
         if not bool(torch.isfinite(grad).all()):
@@ -121,6 +124,22 @@ def check_grads_finite(optimizer_name: str, param_groups: Iterable[Mapping[str, 
                 f"finite: found {n_nan} NaN, {n_pos} +inf and {n_neg} -inf of {grad.numel()} "
                 "entries; no parameter or optimizer state was modified"
             )
+
+
+_verified = threading.local()
+
+
+@contextlib.contextmanager
+def finite_grads_verified() -> Iterator[None]:
+    """Inside this block (this thread only) :func:`check_grads_finite` skips its finiteness test;
+    sparse and misshapen gradients are still refused. For a caller that has already tested exactly
+    the gradients the optimizers will read: canzona's runtimes do, on every rank, before any update
+    (the status exchange of ``step()``), so the hosts' optimizers need not read them again."""
+    _verified.depth = getattr(_verified, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _verified.depth -= 1
 
 
 #: below this many elements a gradient's check goes through the fused multi-tensor kernel (per-call

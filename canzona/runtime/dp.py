@@ -110,6 +110,7 @@ from typing import Any
 
 import torch
 
+from canzona.optim import finite_grads_verified
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
@@ -559,11 +560,14 @@ class DPRuntime:
                 if error is not None:
                     raise error
                 if not self.overlap_updates:
-                    # bucket order, so each bucket's all-gather can leave as soon as it is updated
-                    for i in range(len(self.plan.buckets)):
-                        self.update_bucket(i, skip)
-                        updated.add(i)
-                        self._launch_ready_gathers(gathers, updated)
+                    # bucket order, so each bucket's all-gather can leave as soon as it is updated;
+                    # the gradients were found finite on every rank in the exchange above, so
+                    # canzona's optimizers need not test them again
+                    with finite_grads_verified():
+                        for i in range(len(self.plan.buckets)):
+                            self.update_bucket(i, skip)
+                            updated.add(i)
+                            self._launch_ready_gathers(gathers, updated)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
             # After an error this rank still launches every early all-gather the others launch (in
@@ -572,7 +576,8 @@ class DPRuntime:
             try:
                 # Always: the other TP ranks wait in the engine's exchanges. After an error this rank
                 # joins them without computing (its values are discarded by the exchange below).
-                self.compute_tp(skip, passive=error is not None)
+                with finite_grads_verified() if not self.overlap_updates else contextlib.nullcontext():
+                    self.compute_tp(skip, passive=error is not None)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = error or exc
             try:

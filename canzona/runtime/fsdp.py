@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from canzona.optim import finite_grads_verified
 from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
 from canzona.runtime.agree import STATUS_TIMEOUT_S, agree, check_step_flags, nonfinite, step_flags
@@ -215,7 +216,10 @@ class FSDPRuntime:
                 # joins them without computing (every task it hosts skipped).
                 mgrads = {n: g if (g := grads.get(n)) is not None else self._zeros(n) for n in self.matrix_names}
                 dest = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
-                self.engine.step(mgrads, dest, skip=matrix_skip, overlap=elementwise)
+                # the gradients were found finite on every rank in the exchange above: canzona's
+                # optimizers need not test them again (the elementwise() overlap runs in this thread)
+                with finite_grads_verified():
+                    self.engine.step(mgrads, dest, skip=matrix_skip, overlap=elementwise)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
             if ew_error:
