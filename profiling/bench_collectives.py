@@ -6,8 +6,9 @@ uneven), median over repeats of wall time and process CPU time (all threads, glo
 - uneven all-gather: ``Comm.all_gather_v`` (on gloo what it picks), ``all_to_all_single`` over an
   R-fold repeated send buffer, and an equal all-gather of shards padded to the largest one, then
   compacted;
-- uneven reduce-scatter: the list-form ``reduce_scatter`` canzona uses, against an all-reduce of the
-  whole buffer (twice the bytes) and an ``all_to_all_single`` of the slices plus local sums.
+- uneven reduce-scatter: ``Comm.reduce_scatter_v`` (on gloo what it picks: an ``all_to_all_single``
+  of the slices, then their sum in rank order), against gloo's list-form ``reduce_scatter`` and an
+  all-reduce of the whole buffer (twice the bytes).
 
     .venv/bin/python profiling/bench_collectives.py --numel 2000000 --repeats 5
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 __all__ = ["main"]
 
-VARIANTS = ("all_gather_v", "repeat_all_to_all", "padded_all_gather", "reduce_scatter", "all_reduce", "all_to_all_sum")
+VARIANTS = ("all_gather_v", "repeat_all_to_all", "padded_all_gather", "reduce_scatter_v", "list_reduce_scatter", "all_reduce")
 
 
 def _sizes(numel: int, world: int) -> list[int]:
@@ -44,6 +45,8 @@ def _worker(rank: int, world: int, numel: int, repeats: int) -> dict[str, tuple[
     sizes = _sizes(numel, world)
     local = torch.randn(sizes[rank])
     flat = torch.randn(numel)
+    shard = torch.empty(sizes[rank])
+    scratch = torch.empty(comm.reduce_scatter_scratch(flat, sizes))
 
     def run(name: str) -> None:
         if name == "all_gather_v":
@@ -60,17 +63,13 @@ def _worker(rank: int, world: int, numel: int, repeats: int) -> dict[str, tuple[
             _all_gather_single(buf, send)
             out = torch.empty(numel)
             torch.cat([buf[r * m : r * m + s] for r, s in enumerate(sizes)], out=out)
-        elif name == "reduce_scatter":
-            comm.reduce_scatter_v(flat, sizes)
-        elif name == "all_reduce":
-            comm.all_reduce(flat.clone())
+        elif name == "reduce_scatter_v":
+            _, w = comm.reduce_scatter_v(flat, sizes, out=shard, scratch=scratch, async_op=True)
+            w.wait()
+        elif name == "list_reduce_scatter":
+            dist.reduce_scatter(shard, list(flat.split(sizes)))
         else:
-            recv = torch.empty(sizes[rank] * world)
-            dist.all_to_all_single(recv, flat, output_split_sizes=[sizes[rank]] * world, input_split_sizes=sizes)
-            parts = recv.view(world, -1)
-            acc = parts[0].clone()
-            for j in range(1, world):
-                acc.add_(parts[j])
+            comm.all_reduce(flat.clone())
 
     out: dict[str, tuple[float, float]] = {}
     for name in VARIANTS:

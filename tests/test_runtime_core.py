@@ -64,6 +64,28 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
         c.reduce_scatter_v(flat, [1, 2][:world] + [0] * (world - 2))
     except ValueError as exc:
         out["size_error"] = str(exc)
+    # rounding-sensitive values: the sum must be the reference's, rank order from zero, bit for bit
+    def values(r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7 + r)
+        v = torch.randn(1000, generator=g) * torch.logspace(-6, 6, 1000)
+        v[:5] = -0.0  # every rank's -0.0: the reference's sum from +0.0 gives +0.0
+        return v
+
+    cut = [300, 150, 400, 150][:world] if world == 4 else [600, 400]
+    mine = values(rank)
+    scratch = torch.empty(c.reduce_scatter_scratch(mine, cut) + 3)
+    got, work = c.reduce_scatter_v(mine, cut, out=torch.empty(cut[rank]), scratch=scratch, async_op=True)
+    work.wait()
+    sync, _ = c.reduce_scatter_v(mine, cut)
+    ref = torch.zeros(1000)
+    for r in range(world):
+        ref += values(r)
+    lo = sum(cut[:rank])
+    out["rounded"] = (got, sync, ref[lo : lo + cut[rank]], c.reduce_scatter_scratch(mine, cut))
+    try:
+        c.reduce_scatter_v(mine, cut, scratch=torch.empty(world * cut[rank] - 1))
+    except ValueError as exc:
+        out["scratch_error"] = str(exc)
     return out
 
 
@@ -143,6 +165,12 @@ def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None
         assert st["canzona/layerwise/broadcast"]["sent"] == bsent
         assert "canzona/tp/gather" in out["phases"] and "canzona/dp/all_reduce" in out["phases"]
         assert "split sizes" in out["size_error"]
+        got, sync, ref, scratch = out["rounded"]
+        assert torch.equal(got, ref) and torch.equal(sync, ref), "the reduce-scatter is not the rank-order sum"
+        if r == 0:  # the five -0.0 entries sum to +0.0, as the reference's sum from zero
+            assert not torch.signbit(got[:5]).any() and not torch.signbit(ref[:5]).any()
+        assert scratch == world * ref.numel()  # gloo receives every rank's slice
+        assert "scratch must be" in out["scratch_error"]
     # summed over ranks, an all-reduce moves twice a reduce-scatter of the same buffer
     rs = sum(o["stats"]["canzona/dp/reduce_scatter"]["sent"] for o in res)
     assert rs == (world - 1) * 11 * 4

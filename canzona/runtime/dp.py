@@ -329,6 +329,14 @@ class DPRuntime:
             {i: torch.empty(s[self.dp_rank], dtype=master_dtype, device=dev) for i, s in enumerate(self._shard_sizes)}
             if self.reduce_scatter else {}
         )
+        # Reserved once: where the gloo reduce-scatter receives every rank's slice of a bucket before
+        # summing them into the shard (Comm.reduce_scatter_v); NCCL needs none.
+        self._rs_scratch: dict[int, torch.Tensor] = {}
+        if self.reduce_scatter:
+            for i, s in enumerate(self._shard_sizes):
+                n = dp_comm.reduce_scatter_scratch(self.buffer.bucket(i), s)
+                if n:
+                    self._rs_scratch[i] = torch.empty(n, dtype=master_dtype, device=dev)
         self._grad_views: list[list[tuple[Piece, torch.Tensor]]] = [
             [(pc, self._grad_source(i)[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)) for pc in pcs]
             for i, pcs in enumerate(self.pieces_by_bucket)
@@ -466,7 +474,9 @@ class DPRuntime:
         name = indexed(self._collective_phase, f"bucket{i}", LAUNCH)
         with phase(name, bytes=flat.numel() * flat.element_size(), bucket=i, peers=self.dp):
             if self.reduce_scatter:
-                _, work = self.comm.reduce_scatter_v(flat, self._shard_sizes[i], out=self._shards[i], async_op=True)
+                _, work = self.comm.reduce_scatter_v(
+                    flat, self._shard_sizes[i], out=self._shards[i], scratch=self._rs_scratch.get(i), async_op=True
+                )
             else:
                 work = self.comm.all_reduce(flat, async_op=True)
         self._works[i] = work
