@@ -124,6 +124,26 @@ def test_a_failing_rank_is_named_and_nothing_hangs(tmp_tempdir: Path) -> None:
     assert list(tmp_tempdir.iterdir()) == []  # the rendezvous directory is gone after a failure too
 
 
+def test_a_worker_that_cannot_start_raises_its_error_and_stops_the_others(tmp_tempdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's process fails to start (e.g. out of process slots): the launcher raises that error,
+    not one of its own clean-up, stops rank 0, and removes the rendezvous directory."""
+    import multiprocessing
+    import multiprocessing.context
+
+    real = multiprocessing.context.SpawnProcess.start
+
+    def start(self) -> None:
+        if self._args[0] == 1:  # the worker's rank
+            raise OSError("cannot fork another process")
+        real(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="cannot fork another process"):
+        run_workers(_sleep, 2, timeout_s=60)
+    assert multiprocessing.active_children() == []
+    assert list(tmp_tempdir.iterdir()) == []
+
+
 def test_the_run_deadline_kills_workers(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="timed out"):

@@ -297,7 +297,8 @@ def run_workers(
     finally:
         clean = not failures and len(got) == world_size and not interrupted
         for p in procs:
-            p.join(timeout=5 if clean else 0.5)
+            if p.pid is not None:  # a start() that failed leaves the rest unstarted
+                p.join(timeout=5 if clean else 0.5)
         _stop(procs)
         shutil.rmtree(rendezvous, ignore_errors=True)
         for sig, old in handlers.items():
