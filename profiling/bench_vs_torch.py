@@ -47,6 +47,7 @@ from canzona.profiling.vs_torch import (
     as_dicts,
     format_phases,
     format_table,
+    ideal_ratio,
     known_variant,
     median_of_runs,
     run_case,
@@ -95,6 +96,9 @@ def _verdicts(results: list, world: int) -> list[str]:
             x, c = by[variant].ratios["step"], by[variant].ratios["step_cpu"]
             out.append(f"  goal {variant} <= {goal:.2f} x DDP step time: {x:.2f} x wall -> {'met' if x <= goal else 'MISSED'} "
                        f"({c:.2f} x in CPU time)")
+    if "ddp" in by and "lb-asc" in by:
+        wall, cpu = ideal_ratio(by["ddp"], world)
+        out.append(f"  bound for this model here (DDP's fwd-bwd + its optimizer / {world}): {wall:.2f} x wall, {cpu:.2f} x CPU")
     return out
 
 

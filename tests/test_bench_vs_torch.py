@@ -151,3 +151,13 @@ def test_small_separate_run_of_ddp_and_lb_asc() -> None:
         assert r.step_ms > 0 and r.optimizer_ms > 0 and r.step_cpu_ms > 0 and r.params == 3
         assert r.mode == "separate" and r.peak_mib == r.all_peak_mib and not math.isnan(r.peak_mib)
         assert r.bytes_per_step == SMALL_BYTES
+
+
+def test_the_ideal_ratio_is_fwd_bwd_plus_a_share_of_the_optimizer() -> None:
+    from canzona.profiling.vs_torch import ideal_ratio
+
+    case = Case("c", "stack", 4, depth=4, width=4)
+    # step 0.5 s of which 0.4 s optimizer (wall), 0.4 s of which 0.2 s (CPU)
+    ddp = summarize(case, "ddp", [{**_rank([0.5] * 3, [0.4] * 3, 1), "step_cpu_s": [0.4] * 3, "opt_cpu_s": [0.2] * 3}] * 4)
+    wall, cpu = ideal_ratio(ddp, 4)
+    assert math.isclose(wall, (0.1 + 0.1) / 0.5) and math.isclose(cpu, (0.2 + 0.05) / 0.4)

@@ -65,6 +65,7 @@ __all__ = [
     "VariantResult",
     "format_phases",
     "format_table",
+    "ideal_ratio",
     "interleaved_worker",
     "known_variant",
     "make_runner",
@@ -536,6 +537,17 @@ def median_of_runs(runs: Sequence[Sequence[VariantResult]]) -> list[VariantResul
         ))
     add_ratios(out)
     return out
+
+
+def ideal_ratio(ddp: VariantResult, world: int) -> tuple[float, float]:
+    """(wall, CPU) fraction of DDP's step that perfect partitioning would take on this model and
+    machine: DDP's own forward-backward (step minus optimizer) plus 1/``world`` of its optimizer.
+    A strategy that keeps DDP's forward-backward cannot go below it."""
+
+    def bound(step: float, opt: float) -> float:
+        return (step - opt + opt / world) / step if step > 0 else float("nan")
+
+    return bound(ddp.step_ms, ddp.optimizer_ms), bound(ddp.step_cpu_ms, ddp.optimizer_cpu_ms)
 
 
 def add_ratios(results: list[VariantResult], baseline: str = "ddp") -> None:
