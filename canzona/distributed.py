@@ -282,11 +282,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     soon as its collective lands instead of after the step's first exchange, giving up the
     torch-style skipping of parameters without a gradient and the pre-update non-finite check.
 
-    Copies (docs/runtime.md): ``param_views=True`` (default) makes every plain parameter of the
+    Copies (docs/runtime.md): ``param_views=True`` (default) makes every parameter of the
     all-gather strategies (``zero1``, ``asc``, ``lb-asc``, ``lb-asc-joint``) a view of a flat
-    parameter buffer in the plan's geometry, so the post-step all-gather writes straight into the
-    model (``p.data`` is rebound once, at construction; DTensor parameters and parameters whose
-    dtype differs from their bucket's keep the copy, listed in ``runtime.copied_params``).
+    parameter buffer in the plan's geometry, so the all-gather writes straight into the model
+    (``p.data`` is rebound once, at construction; for a DTensor parameter its local tensor;
+    parameters whose dtype differs from their bucket's, or that are not contiguous, keep the copy,
+    listed in ``runtime.copied_params``).
     ``grad_views=True`` (default) lets autograd accumulate the gradients of plain parameters of the
     master dtype straight into the gradient buffer. Both are exact (the same values bit for bit);
     False restores the copies.
