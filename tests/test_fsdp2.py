@@ -149,6 +149,14 @@ def test_nonfinite_check_is_exact_for_nan_inf_and_overflowing_sums() -> None:
     both = torch.ones(4)
     both[0], both[1] = float("inf"), float("-inf")  # the sum is NaN
     assert nonfinite([both]).tolist() == [True] and nonfinite([]).tolist() == []
+    # large pieces take the sum-first path (small ones share a fused max-abs): the same answers
+    n = 1 << 17
+    large = [torch.full((n,), 3e38), torch.ones(n), torch.ones(n), torch.ones(n, dtype=torch.float64), torch.ones(n)]
+    large[1][n - 1] = float("nan")
+    large[2][0], large[2][1] = float("inf"), float("-inf")
+    large[3][7] = float("-inf")
+    mixed = [large[0], torch.ones(3), large[1], cases[4], large[2], large[3], large[4], cases[6]]
+    assert nonfinite(mixed).tolist() == [False, False, True, True, True, True, False, True]
 
 
 def test_layout_refuses_gaps_and_overlaps() -> None:

@@ -271,6 +271,8 @@ class DPRuntime:
         self._param_names = [pp.name for pp in plan.params]
         self._param_index = {n: k for k, n in enumerate(self._param_names)}
         self.pieces = pieces_for_rank(plan, self.dp_rank)
+        #: plan parameter index of each owned piece (the step's flags are per parameter)
+        self._piece_param_index = torch.tensor([self._param_index[pc.name] for pc in self.pieces], dtype=torch.int64)
         self._whole_pieces = {pc.name: pc for pc in self.pieces if pc.whole}
         self.pieces_by_bucket: list[list[Piece]] = [[] for _ in plan.buckets]
         for pc in self.pieces:
@@ -645,15 +647,16 @@ class DPRuntime:
         non-finite (one device tensor, one host sync in the exchange)."""
         n = len(self._param_index)
         received = torch.zeros(n, dtype=torch.int64)
-        for name in self.buffer.received:
-            received[self._param_index[name]] = 1
+        got = [self._param_index[name] for name in self.buffer.received]
+        if got:
+            received[got] = 1  # one indexed write, not one per parameter
         device = self.buffer.data.device
-        used = [(pc.name, self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc)) for pc in self.pieces]
-        bad = torch.zeros(n, dtype=torch.bool, device=device)
-        for (name, _), piece_bad in zip(used, nonfinite([g for _, g in used], device)):
-            k = self._param_index[name]
-            bad[k] = bad[k] | piece_bad
-        return step_flags(digest, received, bad, device)
+        used = [self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc) for pc in self.pieces]
+        bad = torch.zeros(n, dtype=torch.int64, device=device)
+        if used:
+            # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
+            bad.index_add_(0, self._piece_param_index.to(device), nonfinite(used, device).to(torch.int64))
+        return step_flags(digest, received, bad > 0, device)
 
     def launch_order(self) -> list[int]:
         """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""
