@@ -199,3 +199,15 @@ def test_muon_rejects_bad_ns_arguments() -> None:
         Muon([p], momentum=1.0)
     with pytest.raises(ValueError, match="2-D"):
         newton_schulz(torch.zeros(3))
+
+
+def test_a_group_edited_after_construction_is_checked_at_the_step() -> None:
+    """Newton-Schulz arguments are checked once per group and step (not once per matrix), so a
+    group edited after it was added is still refused before anything changes."""
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = Muon([p], lr=0.1)
+    p.grad = torch.ones(3, 4)
+    opt.param_groups[0]["ns_coefficients"] = (1.0, 2.0)
+    with pytest.raises(ValueError, match="exactly 3 numbers"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3, 4)) and not opt.state

@@ -101,7 +101,13 @@ def newton_schulz(
         raise TypeError(f"newton_schulz expects a Tensor, got {type(grad).__name__}")
     if grad.ndim != 2:
         raise ValueError(f"newton_schulz expects a 2-D matrix, got shape {tuple(grad.shape)}")
-    a, b, c = _check_ns_args(coefficients, steps, eps, dtype)
+    return _newton_schulz(grad, steps, _check_ns_args(coefficients, steps, eps, dtype), eps, dtype)
+
+
+def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], eps: float, dtype: torch.dtype | None) -> Tensor:
+    """:func:`newton_schulz` on arguments already checked (:class:`Muon` checks them once per group
+    and step, not once per matrix)."""
+    a, b, c = abc
     work_dtype = grad.dtype if dtype is None else dtype
     # copy=True: with a bf16 input, .to() would alias it and the in-place normalisation below
     # would overwrite the caller's tensor (torch 2.13 does exactly that to the bf16 momentum buffer).
@@ -323,9 +329,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
             params = [p for p in group["params"] if p.grad is not None]
             if not group["batched"]:
+                # checked once for the group (a group may have been edited since it was added)
+                abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+                checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
                 # One parameter at a time keeps peak memory at one update, as torch does.
                 for p in params:
-                    self._apply(group, p, newton_schulz(self._momentum_update(group, p), *ns_args))
+                    self._apply(group, p, _newton_schulz(self._momentum_update(group, p), *checked))
                 continue
             by_shape: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = {}
             for p in params:

@@ -272,7 +272,7 @@ class DPRuntime:
         self._param_index = {n: k for k, n in enumerate(self._param_names)}
         self.pieces = pieces_for_rank(plan, self.dp_rank)
         #: plan parameter index of each owned piece (the step's flags are per parameter)
-        self._piece_param_index = torch.tensor([self._param_index[pc.name] for pc in self.pieces], dtype=torch.int64)
+        self._piece_param_index = torch.tensor([self._param_index[pc.name] for pc in self.pieces], dtype=torch.int64, device=self.buffer.data.device)
         self._whole_pieces = {pc.name: pc for pc in self.pieces if pc.whole}
         self.pieces_by_bucket: list[list[Piece]] = [[] for _ in plan.buckets]
         for pc in self.pieces:
@@ -655,7 +655,7 @@ class DPRuntime:
         bad = torch.zeros(n, dtype=torch.int64, device=device)
         if used:
             # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
-            bad.index_add_(0, self._piece_param_index.to(device), nonfinite(used, device).to(torch.int64))
+            bad.index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
         return step_flags(digest, received, bad > 0, device)
 
     def launch_order(self) -> list[int]:
