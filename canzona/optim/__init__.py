@@ -35,6 +35,7 @@ _LAZY = {
     "eigenbasis": "canzona.optim.soap",
     "refresh_eigenbasis": "canzona.optim.soap",
     "finite_grads_verified": "canzona.optim._common",
+    "nonfinite_flags": "canzona.optim._common",
 }
 
 __all__ = sorted(_LAZY)

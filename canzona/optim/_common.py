@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "check_nonnegative_int",
     "check_positive_int",
     "finite_grads_verified",
+    "nonfinite_flags",
     "param_label",
 ]
 
@@ -142,32 +143,38 @@ def finite_grads_verified() -> Iterator[None]:
         _verified.depth -= 1
 
 
-#: below this many elements a gradient's check goes through the fused multi-tensor kernel (per-call
-#: overhead dominates); above it, one ``aminmax`` pass per tensor (faster per element on CPU)
+#: below this many elements a tensor's test shares one fused max-abs call with the other small
+#: tensors of its device and dtype (per-call overhead dominates); above it, one ``aminmax`` of its
+#: own (faster per element on CPU)
 _FUSED_BELOW = 1 << 16
 
 
-def _all_finite(grads: list[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite, with one host read per device.
+def nonfinite_flags(tensors: Sequence[Tensor | None], device: torch.device | str = "cpu") -> Tensor:
+    """One bool per tensor, on ``device``: does it hold NaN or inf (None or empty: False)?
 
-    min and max propagate NaN and expose +-inf, and so does a max-abs reduction, so a finite result
-    means every entry is finite. Small tensors share ``torch._foreach_norm(..., inf)`` calls (one
-    per dtype), large ones get an ``aminmax`` each; all the 0-d results of a device are stacked and
-    read once."""
-    reduced: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    small: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        key = (g.device, g.dtype)
-        if g.numel() < _FUSED_BELOW:
-            small.setdefault(key, []).append(g)
+    Exact, and without a host sync: a tensor's largest absolute value (small tensors, one
+    ``torch._foreach_norm(..., inf)`` per device and dtype) or its min and max (large ones,
+    ``aminmax``) is finite exactly when every entry is, since min and max propagate NaN, expose
+    +-inf, and cannot overflow. Shared by the optimizers' own check and the runtimes' status
+    exchange (:func:`canzona.runtime.agree.nonfinite`)."""
+    bad = torch.zeros(len(tensors), dtype=torch.bool, device=device)
+    small: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+    for k, t in enumerate(tensors):
+        if t is None or not t.numel():
+            continue
+        if t.numel() < _FUSED_BELOW:
+            small.setdefault((t.device, t.dtype), []).append((k, t))
         else:
-            reduced.setdefault(key, []).extend(torch.aminmax(g))
-    for key, same in small.items():
-        reduced.setdefault(key, []).extend(torch._foreach_norm(same, float("inf")))
-    flags: dict[torch.device, list[Tensor]] = {}
-    for (device, _), vals in reduced.items():
-        flags.setdefault(device, []).append(torch.isfinite(torch.stack(vals)).all())
-    return all(bool(torch.stack(f).all()) for f in flags.values())
+            bad[k] = ~torch.isfinite(torch.stack(torch.aminmax(t))).all().to(device)
+    for same in small.values():
+        peaks = torch._foreach_norm([t for _, t in same], float("inf"))
+        bad[[k for k, _ in same]] = ~torch.isfinite(torch.stack(peaks)).to(device)
+    return bad
+
+
+def _all_finite(grads: list[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (:func:`nonfinite_flags`, one host read)."""
+    return not bool(nonfinite_flags(grads, grads[0].device).any()) if grads else True
 
 
 class MatrixOptimizerMixin:

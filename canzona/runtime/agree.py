@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.optim import nonfinite_flags
+
 __all__ = [
     "MESSAGE_BYTES",
     "STATUS_TIMEOUT_S",
@@ -202,40 +204,12 @@ class HyperparameterMismatch(RuntimeError):
     """Ranks run different hyperparameters (their per-step digests differ)."""
 
 
-#: below this many elements a piece's test shares one fused max-abs call with the other small
-#: pieces of its dtype (per-call overhead dominates); above it, a sum of its own
-_FUSED_BELOW = 1 << 16
-
-
 def nonfinite(pieces: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One bool per piece: does it hold NaN or inf (None or empty: False)?
-
-    Small pieces: one ``torch._foreach_norm(..., inf)`` per (device, dtype), the largest absolute
-    value of each piece, which is finite exactly when every element is (NaN propagates, and a
-    maximum of finite values cannot overflow); one fused call instead of one reduction per piece.
-    Large pieces: a sum, which is non-finite whenever an element is (NaN propagates, inf + -inf is
-    NaN) and reads each element once without the element-wise mask ``isfinite`` builds, an order of
-    magnitude cheaper on CPU; finite elements whose sum overflows would be a false alarm, so only
-    the pieces whose sum is non-finite are checked element by element (one host sync for them)."""
-    bad = torch.zeros(len(pieces), dtype=torch.bool, device=device)
-    small: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-    large: list[tuple[int, torch.Tensor]] = []
-    for k, g in enumerate(pieces):
-        if g is None or not g.numel():
-            continue
-        if g.numel() < _FUSED_BELOW:
-            small.setdefault((g.device, g.dtype), []).append((k, g))
-        else:
-            large.append((k, g))
-    for same in small.values():
-        peaks = torch._foreach_norm([g for _, g in same], float("inf"))
-        bad[[k for k, _ in same]] = ~torch.isfinite(torch.stack(peaks)).to(device)
-    if large:
-        sums = torch.stack([g.sum(dtype=torch.float32).to(device) for _, g in large])
-        for i in (~torch.isfinite(sums)).nonzero().flatten().tolist():
-            k, g = large[i]
-            bad[k] = ~torch.isfinite(g).all()
-    return bad
+    """One bool per gradient piece: does it hold NaN or inf (None or empty: False)? The optimizers'
+    own exact test (:func:`canzona.optim._common.nonfinite_flags`: max-abs or min/max per piece, no
+    false alarm on finite values whose sum would overflow, no host sync), so the step's flags and
+    what the optimizers would find agree by construction."""
+    return nonfinite_flags(pieces, device)
 
 
 def step_flags(digest: int, received: torch.Tensor, bad: torch.Tensor, device: torch.device | str) -> torch.Tensor:
