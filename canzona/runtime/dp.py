@@ -770,15 +770,12 @@ class DPRuntime:
         """Wait for pending parameter all-gathers (all, or ``buckets``) and write them into the model."""
         if not self._pending:
             return
-        todo = sorted(self._pending if buckets is None else (i for i in buckets if i in self._pending))
+        todo = {i: self._pending.pop(i) for i in (list(self._pending) if buckets is None else buckets) if i in self._pending}
         if not todo:
             return
         ctx = timing(self.timer) if self.timer is not None else contextlib.nullcontext()
         with ctx:
-            for i in todo:
-                out, w = self._pending.pop(i)
-                self._wait_param_gather(i, w)
-                self.apply_params({i: out})
+            self._finish_gathers(todo)
 
     def install_forward_hooks(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks that finish the pending all-gathers of a module's own parameters'
