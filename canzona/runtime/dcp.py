@@ -54,7 +54,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,15 @@ CHUNK_BYTES = 32 * 2**20
 last_load_stats: dict[str, int] = {}
 
 
+def _region_views(region: tuple[Box, ...], flat: torch.Tensor) -> Iterator[tuple[Box, torch.Tensor]]:
+    """Each box of ``region`` with its values: ``flat`` holds the region's values box after box."""
+    pos = 0
+    for box in region:
+        n = math.prod(box[1])
+        yield box, flat[pos : pos + n].view(box[1])
+        pos += n
+
+
 def _slabs(box: Box, view: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """``view`` (box-shaped) cut along dim 0 into slabs of at most ``cap`` bytes (at least a row)."""
     offs, sizes = box
@@ -134,11 +143,8 @@ class _Chunks:
 
     def add_region(self, key: str, shape: tuple[int, ...], region: tuple[Box, ...], flat: torch.Tensor) -> None:
         """``flat`` holds the region's values in the region's order."""
-        pos = 0
-        for box in region:
-            n = math.prod(box[1])
-            self.add_box(key, shape, box, flat[pos : pos + n].view(box[1]))
-            pos += n
+        for box, view in _region_views(region, flat):
+            self.add_box(key, shape, box, view)
 
     def add_whole(self, key: str, t: torch.Tensor) -> None:
         self.add_box(key, tuple(t.shape), whole_box(t.shape), t)
@@ -423,11 +429,8 @@ class _LoadPlan:
         self.boxes.setdefault(key, (shape, []))[1].extend(((o, tuple(t.shape)), t) for o, t in _slabs(box, view, self.cap))
 
     def _add_region(self, key: str, shape: tuple[int, ...], region: tuple[Box, ...], flat: torch.Tensor) -> None:
-        pos = 0
-        for box in region:
-            n = math.prod(box[1])
-            self._add(key, shape, box, flat[pos : pos + n].view(box[1]))
-            pos += n
+        for box, view in _region_views(region, flat):
+            self._add(key, shape, box, view)
 
     def _fresh(self, key: str, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str:
         if key not in self.fresh:
