@@ -40,10 +40,12 @@ from canzona.testing import (
     tensors_equal,
     unpack,
 )
+from tiny_qwen3 import tiny, tiny_grads
 
 pytestmark = pytest.mark.slow
 
 STEPS, MORE = 4, 2
+GRAD_SEED = 3  # the DP2 x TP2 case's gradients (tiny_qwen3's checkpoint cases use another seed)
 WORLD = 4
 DP = WORLD  # the ZeRO-1 cases run data parallel over the whole world
 MATRIX_KW = {"lr": 0.05}
@@ -186,19 +188,6 @@ def case_add_group(rank: int) -> str:
 # ------------------------------------------------------------------------------ DP2 x TP2 case
 
 
-def _tiny(seed: int):
-    from canzona.config import load_model_config
-    from canzona.models import Qwen3
-
-    torch.manual_seed(seed)
-    return Qwen3(load_model_config("qwen3-tiny"))
-
-
-def _tiny_grads(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
-    shapes = {n: tuple(p.shape) for n, p in _tiny(0).named_parameters()}
-    return integer_grads(shapes, step=step, rank=dp_rank, seed=3)
-
-
 def _cosine(opt) -> torch.optim.lr_scheduler.CosineAnnealingLR:
     return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=1e-3)
 
@@ -213,7 +202,7 @@ def case_tp(rank: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    model = parallelize(_tiny(0), mesh["tp"])
+    model = parallelize(tiny(0), mesh["tp"])
     opt = canzona.DistributedOptimizer(
         model, Muon, strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW, bucket_numel=4096
     )
@@ -223,7 +212,7 @@ def case_tp(rank: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(STEPS):
-            full = _tiny_grads(s, dp_rank)
+            full = tiny_grads(s, dp_rank, seed=GRAD_SEED)
             partial = {n for n in full if n.endswith(("q_norm.weight", "k_norm.weight"))}  # TP all-reduced in backward
             inject_grads(model, tp_local(full, opt.plan.specs, tp_rank, partial=partial))
             opt.step()
@@ -292,12 +281,12 @@ def _dp_reference(steps: int, *, all_elementwise: bool = False, scheduled: bool 
 def _tp_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     from canzona.optim import Muon
 
-    ref = ReferenceRunner(_tiny(0), Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
+    ref = ReferenceRunner(tiny(0), Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
     scheds = [_cosine(o) for o in ref.optimizers]
     lrs = []
     for s in range(STEPS):
         lrs.append(ref.optimizers[0].param_groups[0]["lr"])
-        ref.step(mean_grads([_tiny_grads(s, r) for r in range(2)]))
+        ref.step(mean_grads([tiny_grads(s, r, seed=GRAD_SEED) for r in range(2)]))
         for sc in scheds:
             sc.step()
     return ref.params(), lrs

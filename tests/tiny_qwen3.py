@@ -22,9 +22,9 @@ def tiny(seed: int):
     return Qwen3(load_model_config("qwen3-tiny"))
 
 
-def tiny_grads(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+def tiny_grads(step: int, dp_rank: int, *, seed: int = 11) -> dict[str, torch.Tensor]:
     shapes = {n: tuple(p.shape) for n, p in tiny(0).named_parameters()}
-    return integer_grads(shapes, step=step, rank=dp_rank, seed=11)
+    return integer_grads(shapes, step=step, rank=dp_rank, seed=seed)
 
 
 def qk_norms(names) -> set[str]:
