@@ -779,6 +779,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rt.tp_engine.refresh_masters()  # hosts re-assemble their full masters from the loaded shards
         rt.steps = int(steps)
         rt.discard_grads()
+        rt.replicas.clear()  # every rank holds the loaded state
 
     def __repr__(self) -> str:
         return (

@@ -430,6 +430,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
 
     def finish_load(self, steps: int) -> None:
         self.runtime.steps = int(steps)  # hosts hold full masters, loaded whole: nothing to re-assemble
+        self.runtime.replicas.clear()  # every rank holds the loaded state
 
     def __repr__(self) -> str:
         i = self.plan.inputs

@@ -551,6 +551,34 @@ def _robust_cases(rank: int, mesh) -> dict:
 
     out["host_error"] = _attempt(host_error)
     dist.barrier()
+
+    def sc_error():
+        # under sc (sync schedule) every rank computes every matrix: a failure on rank 1 leaves the
+        # copies different, so steps and saves are refused on every rank until a load
+        flaky = _flaky(Muon, "sync")
+        model = build_fsdp_toy(mesh, torch.float32)
+        opt = canzona.DistributedOptimizer(model, flaky, strategy="sc", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
+        doc = opt.state_dict()  # before the failure (rank 0 holds it; every rank loads it)
+        shared = [doc]
+        dist.broadcast_object_list(shared, src=0)
+        backward(model, 0)
+        flaky.fail = rank == 1
+        try:
+            got = {"raised": raised(opt.step)}
+        finally:
+            flaky.fail = False
+        opt.zero_grad()
+        backward(model, 1)
+        got["step_after"] = raised(opt.step)
+        got["save_after"] = raised(opt.state_dict)
+        opt.zero_grad()
+        opt.load_state_dict(shared[0])
+        backward(model, 1)
+        got["step_after_load"] = raised(opt.step)
+        return got
+
+    out["sc_error"] = _attempt(sc_error)
+    dist.barrier()
     return out
 
 
@@ -807,3 +835,14 @@ def test_an_optimizer_error_on_one_rank_is_raised_on_every_rank(label: str, text
         assert r["raised"] is not None and r["raised"][0] == "RankFailure", (rank, r["raised"])
         assert f"optimizer step (update) failed on 1 rank(s); rank 1: {text}" in r["raised"][1]
         assert r["raised"][2] < BOUND_S
+
+
+@pytest.mark.slow
+def test_sc_refuses_to_go_on_from_replicas_a_failed_update_left_different() -> None:
+    for rank, r in enumerate(_robust("sc_error")):
+        assert r["raised"] is not None and r["raised"][0] == "RankFailure", (rank, r["raised"])
+        for key, what in (("step_after", "optimizer step"), ("save_after", "saving the optimizer state")):
+            assert r[key] is not None and r[key][0] == "ReplicasDiverged", (rank, key, r[key])
+            assert r[key][1].startswith(f"{what} refused: under the 'sync' schedule"), r[key][1]
+            assert "flaky sync optimizer refused this step" in r[key][1]
+        assert r["step_after_load"] is None, (rank, r["step_after_load"])

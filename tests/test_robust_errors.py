@@ -136,6 +136,32 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     out["params_after_recovery"] = params_of(opt.model)
     dist.barrier()
 
+    # 2b. the same error under sc, where every rank keeps its own copy of the masters and state:
+    #     rank 1's copy missed the update, so steps and saves are refused on every rank until a
+    #     checkpoint saved before the failure is loaded; then the replicas agree again
+    model = ToyModel()
+    opt = _opt(model, "sc", optimizer="muon", elementwise_optimizer=FlakyAdamW)
+    before_fail = Path(folder) / "sc_before.pt"
+    save_checkpoint(opt, before_fail)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    FlakyAdamW.fail = rank == 1
+    try:
+        out["sc_error"] = raised(opt.step)
+    finally:
+        FlakyAdamW.fail = False
+    opt.zero_grad()
+    inject_grads(model, integer_grads(model, step=1, rank=rank))
+    out["sc_step_after"] = raised(opt.step)
+    out["sc_save_after"] = raised(lambda: save_checkpoint(opt, Path(folder) / "sc_after.pt"))
+    opt.zero_grad()
+    load_checkpoint(opt, before_fail)
+    for s in (1, 2):
+        inject_grads(model, integer_grads(model, step=s, rank=rank))
+        opt.step()
+        opt.zero_grad()
+    out["sc_params_after_load"] = params_of(opt.model)
+    dist.barrier()
+
     # 3. load_checkpoint: one rank cannot read the file (the others get its message)
     model = ToyModel()
     opt = _opt(model)
@@ -250,6 +276,20 @@ def test_step_error_on_one_rank_raised_on_every_rank(res) -> None:
     for key in ("params_after_error", "params_after_recovery"):
         a, b = (res[r][key] for r in range(2))
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), f"ranks hold different parameters ({key})"
+
+
+def test_sc_refuses_to_go_on_from_replicas_a_failed_update_left_different(res) -> None:
+    for rank in range(2):
+        r = res[rank]
+        assert r["sc_error"] is not None and r["sc_error"][0] == "RankFailure", r["sc_error"]
+        for key, what in (("sc_step_after", "optimizer step"), ("sc_save_after", "saving the optimizer state")):
+            assert r[key] is not None and r[key][0] == "ReplicasDiverged", (rank, key, r[key])
+            assert r[key][1].startswith(f"{what} refused: under strategy 'sc'"), r[key][1]
+            assert "rank 1: ArithmeticError: flaky optimizer refused this step" in r[key][1]
+            assert "load a checkpoint" in r[key][1]
+    # without the refusal, the two steps after the failure would train copies that differ
+    a, b = (res[r]["sc_params_after_load"] for r in range(2))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), "replicas differ after the load"
 
 
 def test_unreadable_checkpoint_on_one_rank(res) -> None:

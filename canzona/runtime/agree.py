@@ -44,6 +44,8 @@ __all__ = [
     "HyperparameterMismatch",
     "NonFiniteGradient",
     "RankFailure",
+    "ReplicaGuard",
+    "ReplicasDiverged",
     "agree",
     "check_step_flags",
     "describe",
@@ -74,6 +76,54 @@ class RankFailure(RuntimeError):
 
 class AgreementTimeout(RuntimeError):
     """Some rank did not join a status exchange within its time bound."""
+
+
+class ReplicasDiverged(RuntimeError):
+    """Ranks that each keep a replica of the same state no longer agree (a step's updates failed
+    on some of them); steps and saves are refused until a checkpoint is loaded."""
+
+
+class ReplicaGuard:
+    """Refuses to go on from replicas that a failed update left different.
+
+    Under ``sc`` (every DP rank updates every parameter) and the ``sync`` TP schedule (every TP
+    rank computes every task), each rank keeps its own copy of the same masters and optimizer
+    state. When the update phase fails on some ranks only, the second status exchange raises
+    :class:`RankFailure` everywhere, but the ranks that did not fail have updated their copies and
+    the failing ones have not (or only partly): the copies now differ, and every later step would
+    silently train diverged replicas. The guard records the failure (every rank sees the same
+    exchange, so every rank records it) and :meth:`check` then raises :class:`ReplicasDiverged` on
+    every rank, before any collective, until :meth:`clear` (a checkpoint load) puts the same state
+    on every rank again. Where each piece of state has one owner (``lb-asc``, ``asc``, ``zero1``,
+    ``layerwise``, hosted TP schedules) a failed update leaves one consistent state, and the guard
+    is off.
+    """
+
+    def __init__(self, replicated: bool, layout: str) -> None:
+        #: whether the ranks keep replicas of the same state (the guard is off otherwise)
+        self.replicated = bool(replicated)
+        self.layout = layout
+        #: the failure that left the replicas different (None: they agree)
+        self.cause: str | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        """Record that the update phase failed (call where the update exchange raised)."""
+        if self.replicated:
+            self.cause = describe(exc)
+
+    def check(self, what: str) -> None:
+        """Raise :class:`ReplicasDiverged` when a recorded failure left the replicas different."""
+        if self.cause is not None:
+            raise ReplicasDiverged(
+                f"{what} refused: under {self.layout} every rank keeps its own copy of the masters and "
+                "optimizer state, and an earlier step's updates failed on some ranks only, so the copies "
+                f"now differ ({self.cause}); load a checkpoint saved before that step "
+                "(load_checkpoint, load_state_dict or canzona.runtime.dcp.load_sharded) to go on"
+            )
+
+    def clear(self) -> None:
+        """Every rank holds the same state again (a checkpoint was loaded)."""
+        self.cause = None
 
 
 def describe(exc: BaseException) -> str:

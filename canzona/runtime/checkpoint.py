@@ -175,7 +175,9 @@ class Checkpointable(Protocol):
     status_timeout_s: float
     comm_stats: CommStats
     param_groups: list[dict[str, Any]]
-    #: the optimizer's runtime; checkpoints call only its ``set_hyperparams(role, values)``
+    #: the optimizer's runtime; checkpoints call only its ``set_hyperparams(role, values)`` and
+    #: ``replicas.check(what)`` (:class:`canzona.runtime.agree.ReplicaGuard`: saves are refused
+    #: while a failed update left per-rank replicas different)
     runtime: Any
 
     @property
@@ -357,6 +359,7 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
 
     Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
     """
+    src.runtime.replicas.check("saving the optimizer state")  # the same flag on every rank: all raise
     mine: list[dict[str, Any]] = []
     error: BaseException | None = None
     try:

@@ -267,6 +267,7 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
 
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    src.runtime.replicas.check("saving the sharded checkpoint")  # the same flag on every rank: all raise
     src.finish_param_sync()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -114,7 +114,16 @@ from canzona.optim import finite_grads_verified
 from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
-from canzona.runtime.agree import STATUS_TIMEOUT_S, HyperparameterMismatch, NonFiniteGradient, agree, check_step_flags, nonfinite, step_flags
+from canzona.runtime.agree import (
+    STATUS_TIMEOUT_S,
+    HyperparameterMismatch,
+    NonFiniteGradient,
+    ReplicaGuard,
+    agree,
+    check_step_flags,
+    nonfinite,
+    step_flags,
+)
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
@@ -318,6 +327,11 @@ class DPRuntime:
                 )
             self.tp_engine = tp_engine_factory(tp_masters)
             self.tp_engine.update_hooks = self.update_hooks  # one registry for the whole step
+        #: refuses steps after a failed update left per-rank replicas different (sc, sync TP schedule)
+        self.replicas = ReplicaGuard(
+            plan.every_rank_updates or (self.tp_engine is not None and self.tp_engine.sync),
+            f"strategy {plan.inputs.strategy!r}" if plan.every_rank_updates else "the 'sync' TP schedule",
+        )
         # Buckets whose values are final after their local update on every rank (no TP-split piece
         # anywhere in them): their all-gathers leave during the step, the others after the TP engine.
         tp_buckets = {pc.bucket for r in range(self.dp) for pc in pieces_for_rank(plan, r) if pc.role == "tp"}
@@ -529,7 +543,12 @@ class DPRuntime:
 
         The reduced gradients stay until ``zero_grad()`` (or the next backward, which drops them
         with a warning): a second ``step()`` without a new backward applies them again, as a
-        single-device ``torch.optim`` optimizer applies an unchanged ``p.grad`` again."""
+        single-device ``torch.optim`` optimizer applies an unchanged ``p.grad`` again.
+
+        Under ``sc`` and the ``sync`` TP schedule, after an update that failed on some ranks only,
+        further steps raise :class:`~canzona.runtime.agree.ReplicasDiverged` on every rank until a
+        checkpoint is loaded (:class:`~canzona.runtime.agree.ReplicaGuard`)."""
+        self.replicas.check("optimizer step")
         self.finish_param_sync()
         reuse = self.buffer.retained and not any(p.grad is not None for p in self.params.values())
         self.bucket_wait_s = {}
@@ -594,11 +613,12 @@ class DPRuntime:
                 error = error or exc
             try:
                 agree(error, "optimizer step (update)", device=self.buffer.data.device, timeout_s=self.status_timeout_s)
-            except BaseException:
+            except BaseException as exc:
                 # the early all-gathers are in flight on every rank: land them, so every rank holds
                 # the same parameters (the values its owners sent) and nothing is left in flight
                 self._finish_gathers(gathers)
                 self.discard_grads()
+                self.replicas.failed(exc)
                 raise
             if self.param_return == "broadcast":
                 self.broadcast_params()

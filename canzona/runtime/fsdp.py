@@ -45,7 +45,7 @@ from torch import nn
 from canzona.optim import finite_grads_verified
 from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
-from canzona.runtime.agree import STATUS_TIMEOUT_S, agree, check_step_flags, nonfinite, step_flags
+from canzona.runtime.agree import STATUS_TIMEOUT_S, ReplicaGuard, agree, check_step_flags, nonfinite, step_flags
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
@@ -137,6 +137,9 @@ class FSDPRuntime:
         initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
         self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype)
         self.update_hooks = self.engine.update_hooks  # one registry for the whole step
+        #: under the sync schedule every rank computes every matrix, keeping its own copy of their
+        #: masters and state: after an update that failed on some ranks only, steps are refused
+        self.replicas = ReplicaGuard(self.engine.sync, "the 'sync' schedule (strategy 'sc')")
         self.steps = 0
 
     def _grad(self, name: str) -> torch.Tensor | None:
@@ -169,7 +172,10 @@ class FSDPRuntime:
         matrix micro-groups, with the element-wise pieces (no communication) updated while the
         first gather is in flight; a second exchange
         carries errors raised while updating. A refused step leaves every parameter and optimizer
-        state untouched on every rank and drops the gradients (``p.grad`` becomes None)."""
+        state untouched on every rank and drops the gradients (``p.grad`` becomes None). Under the
+        sync schedule a failed update makes later steps raise
+        :class:`~canzona.runtime.agree.ReplicasDiverged` until a checkpoint is loaded."""
+        self.replicas.check("optimizer step")
         n = len(self.names)
         error: BaseException | None = None
         flags = torch.zeros(2 * n + 2, dtype=torch.int64)
@@ -226,8 +232,9 @@ class FSDPRuntime:
                 error = ew_error[0]
             try:
                 agree(error, "optimizer step (update)", device=self._device, timeout_s=self.status_timeout_s)
-            except BaseException:
+            except BaseException as exc:
                 self.drop_grads()
+                self.replicas.failed(exc)
                 raise
             # element-wise values reach the model only once every rank has updated without error
             for n, m in self.ew_masters.items():
