@@ -35,6 +35,7 @@ __all__ = [
     "TP_APPLY",
     "DP_ALL_GATHER",
     "LAYERWISE_BROADCAST",
+    "STATUS",
     "LAUNCH",
     "WAIT",
     "PhaseName",
@@ -56,6 +57,8 @@ TP_SCATTER = "canzona/tp/scatter"
 TP_APPLY = "canzona/tp/apply"
 DP_ALL_GATHER = "canzona/dp/all_gather"
 LAYERWISE_BROADCAST = "canzona/layerwise/broadcast"
+#: the status exchanges (canzona.runtime.agree): errors, flags and digests agreed across ranks
+STATUS = "canzona/status"
 
 PHASES: tuple[str, ...] = (
     FORWARD,
@@ -70,11 +73,12 @@ PHASES: tuple[str, ...] = (
     TP_APPLY,
     DP_ALL_GATHER,
     LAYERWISE_BROADCAST,
+    STATUS,
 )
 
 # Bases whose ranges move bytes between ranks (their launch and wait stages included).
 COMM_PHASES: frozenset[str] = frozenset(
-    {DP_REDUCE_SCATTER, DP_ALL_REDUCE, TP_GATHER, TP_SCATTER, DP_ALL_GATHER, LAYERWISE_BROADCAST}
+    {DP_REDUCE_SCATTER, DP_ALL_REDUCE, TP_GATHER, TP_SCATTER, DP_ALL_GATHER, LAYERWISE_BROADCAST, STATUS}
 )
 
 LAUNCH = "launch"

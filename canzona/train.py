@@ -347,6 +347,7 @@ _SHORT: dict[str, tuple[str, str]] = {
     P.TP_APPLY: ("tp-a", "TP apply of the received shards"),
     P.DP_ALL_GATHER: ("ag", "DP parameter all-gather"),
     P.LAYERWISE_BROADCAST: ("bcast", "layerwise parameter broadcast"),
+    P.STATUS: ("stat", "status exchanges (errors, flags; absorbs rank skew)"),
 }
 
 

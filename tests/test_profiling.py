@@ -42,6 +42,7 @@ from canzona.runtime.phases import (
     FORWARD,
     LAYERWISE_BROADCAST,
     OPTIMIZER_STEP,
+    STATUS,
     TP_APPLY,
     TP_COMPUTE,
     TP_GATHER,
@@ -83,7 +84,7 @@ def test_one_trace_per_rank_with_every_expected_phase(profile) -> None:
     assert metrics["step"].tolist() == [0, 1, 2] and (metrics[f"{OPTIMIZER_STEP}_ms"] > 0).all()
     expected = expected_phases("lb-asc", dp=2, tp=2)
     assert expected == {FORWARD, BACKWARD, DP_REDUCE_SCATTER, OPTIMIZER_STEP, DP_LOCAL_UPDATE,
-                        TP_GATHER, TP_COMPUTE, TP_SCATTER, TP_APPLY, DP_ALL_GATHER}
+                        TP_GATHER, TP_COMPUTE, TP_SCATTER, TP_APPLY, DP_ALL_GATHER, STATUS}
     seen: set[str] = set()
     for path in traces:
         assert path.name.endswith(".pt.trace.json")

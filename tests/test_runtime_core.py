@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime import faults
+from canzona.runtime.agree import MESSAGE_BYTES, agree
 from canzona.runtime.hooks import UpdateHooks, UpdateNormLog
 from canzona.runtime.comm import Comm, CommStats, even_sizes
 from canzona.runtime.launch import WorkerError, run_workers
-from canzona.testing import attempt
-from canzona.runtime.phases import PhaseTimer, base_phase, current_phase, phase, timing
+from canzona.testing import attempt, raised
+from canzona.runtime.phases import STATUS, PhaseTimer, base_phase, current_phase, phase, timing
 
 
 # ----------------------------------------------------------------------------- workers (module level: spawn)
@@ -59,7 +60,19 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
             b = torch.full((3,), float(rank))
             c.broadcast(b, src=world - 1)
         eq, _ = c.all_gather_equal(torch.tensor([float(rank)]))
-    out.update(shard=shard, full=full, ar=ar, recv=recv, b=b, eq=eq, stats=c.stats.as_dict(), phases=sorted(timer.wall))
+        mx = torch.tensor([rank, -rank], dtype=torch.int64)
+        c.all_reduce(mx, op="max")
+    try:
+        c.all_reduce(mx, op="min")
+    except ValueError as exc:
+        out["op_error"] = str(exc)
+    # the status exchange goes through the same counted layer, in its own phase: a flag vector,
+    # then (the last rank failed) the messages
+    c_status = Comm()
+    reduced = agree(None, "probe", flags=torch.tensor([rank, 3], dtype=torch.int64), comm=c_status)
+    failed = raised(lambda: agree(ValueError("bad input") if rank == world - 1 else None, "probe", comm=c_status))
+    out.update(status=(reduced, failed, c_status.stats.as_dict()))
+    out.update(shard=shard, full=full, ar=ar, recv=recv, b=b, eq=eq, mx=mx, stats=c.stats.as_dict(), phases=sorted(timer.wall))
     try:
         c.reduce_scatter_v(flat, [1, 2][:world] + [0] * (world - 2))
     except ValueError as exc:
@@ -184,6 +197,16 @@ def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None
         bsent = (world - 1) * 3 * es if r == world - 1 else 0
         assert st["canzona/layerwise/broadcast"]["sent"] == bsent
         assert "canzona/tp/gather" in out["phases"] and "canzona/dp/all_reduce" in out["phases"]
+        assert torch.equal(out["mx"], torch.tensor([world - 1, 0]))
+        assert "op must be one of ['max', 'sum']" in out["op_error"]
+        reduced, failed, status = out["status"]
+        assert torch.equal(reduced, torch.tensor([world - 1, 3]))
+        assert failed is not None and failed[0] == "RankFailure"
+        assert failed[1] == f"probe failed on 1 rank(s); rank {world - 1}: ValueError: bad input"
+        # [error, flag, flag] and [error] max-reduced, then one message of 1 + 1024 bytes per rank
+        status_bytes = sum(((m - even_sizes(m, world)[r]) + (world - 1) * even_sizes(m, world)[r]) * 8 for m in (3, 1))
+        status_bytes += (world - 1) * (MESSAGE_BYTES + 1)
+        assert status == {STATUS: {"sent": status_bytes, "recv": status_bytes, "calls": 3}}, status
         assert "split sizes" in out["size_error"]
         got, sync, ref, scratch = out["rounded"]
         assert torch.equal(got, ref) and torch.equal(sync, ref), "the reduce-scatter is not the rank-order sum"

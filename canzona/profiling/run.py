@@ -32,6 +32,7 @@ from canzona.runtime.phases import (
     FORWARD,
     LAYERWISE_BROADCAST,
     OPTIMIZER_STEP,
+    STATUS,
     TP_APPLY,
     TP_COMPUTE,
     TP_GATHER,
@@ -122,7 +123,7 @@ class ProfileRun:
 def expected_phases(strategy: str, *, dp: int, tp: int, tp_schedule: str | None = None) -> frozenset[str]:
     """The base phase names a run of ``strategy`` at ``dp`` x ``tp`` records (on some rank).
 
-    Every strategy: forward, backward, optimizer step, local update. Reduce-scatter strategies
+    Every strategy: forward, backward, optimizer step, local update, status exchanges. Reduce-scatter strategies
     (zero1, asc, lb-asc, lb-asc-joint): bucket reduce-scatters and parameter all-gathers; sc and
     layerwise: bucket all-reduces, layerwise adds the owners' broadcast. With tp > 1 the TP engine
     runs gather / compute / apply per micro-group, plus the scatter of updated shards unless the
@@ -130,7 +131,7 @@ def expected_phases(strategy: str, *, dp: int, tp: int, tp_schedule: str | None 
     from canzona.plan.strategies import get_strategy
 
     record = get_strategy(strategy)
-    out = {FORWARD, BACKWARD, OPTIMIZER_STEP, DP_LOCAL_UPDATE}
+    out = {FORWARD, BACKWARD, OPTIMIZER_STEP, DP_LOCAL_UPDATE, STATUS}
     if record.reduce_scatter:
         out |= {DP_REDUCE_SCATTER, DP_ALL_GATHER}
     else:

@@ -35,8 +35,9 @@ CPU time: the same step and optimizer spans in process CPU seconds (``time.proce
 thread of the rank, gloo's included). On a machine with fewer cores than busy threads, wall time
 mostly measures the scheduler; CPU time still measures the work each rank does.
 
-Bytes are logical point-to-point volumes (:mod:`canzona.runtime.comm`): counted for canzona, and
-for DDP computed with the same formula for its all-reduce (2 (R-1)/R of the gradient bytes per rank).
+Bytes are logical point-to-point volumes (:mod:`canzona.runtime.comm`): counted for canzona (its
+two status exchanges per step included, 16 bytes per parameter and a few more), and for DDP
+computed with the same formula for its all-reduce (2 (R-1)/R of the gradient bytes per rank).
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the growth of the process's peak
 resident set (``ru_maxrss``) from just before the model is built, which also holds allocator slack.
 Optimizer state bytes are per variant in both modes (each runner's own optimizer).
@@ -294,10 +295,10 @@ class DDPRunner:
         t1, c1 = time.perf_counter(), time.process_time()
         for o in self.opts:
             o.step()
+        for o in self.opts:  # timed, as canzona's zero_grad() is
+            o.zero_grad(set_to_none=True)
         self.env.sync()
         t2, c2 = time.perf_counter(), time.process_time()
-        for o in self.opts:
-            o.zero_grad(set_to_none=True)
         return {"step_s": t2 - t0, "opt_s": t2 - t1, "step_cpu_s": c2 - c0, "opt_cpu_s": c2 - c1,
                 "exposed_s": float("nan"), "sent": self.ar_bytes, "phases": {}, "bwd_s": b}
 

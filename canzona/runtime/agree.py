@@ -20,9 +20,12 @@ running this operation) makes the others raise :class:`AgreementTimeout`, naming
 when the default store can tell (every rank marks its arrival there first when ``mark=True``).
 After a timeout the process group has a collective in flight that will never match: destroy it.
 
-The exchange uses ``torch.distributed`` directly, not :class:`canzona.runtime.comm.Comm`: it is
-control traffic (a few bytes per parameter), not one of the paper's phases, and is not counted in
-the per-phase byte accounting.
+Both collectives go through :class:`canzona.runtime.comm.Comm`, inside a phase of their own,
+``canzona/status`` (an NVTX and profiler range, a :class:`~canzona.runtime.phases.PhaseTimer`
+entry, and the key their bytes are filed under): control traffic, kept apart from the paper's
+phases. Its wall time includes waiting for the slowest rank to arrive, so in a trace it is where
+skew between ranks shows. Callers pass their own ``comm`` (the optimizer's ``comm_stats``) to have
+the bytes counted; without one the exchange is not counted (construction).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
+from canzona.runtime.comm import Comm
+from canzona.runtime.phases import STATUS, phase
 
 __all__ = [
     "MESSAGE_BYTES",
@@ -133,6 +138,8 @@ def describe(exc: BaseException) -> str:
 
 
 def _wait(work: Any, timeout_s: float, what: str, group: Any, tag: str | None) -> None:
+    if work is None:  # one rank: nothing to wait for
+        return
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # gloo raises "Operation timed out!"; other backends may return False
@@ -198,6 +205,7 @@ def agree(
     flags: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
     group: Any = None,
+    comm: Comm | None = None,
     timeout_s: float = STATUS_TIMEOUT_S,
     mark: bool = False,
 ) -> torch.Tensor | None:
@@ -205,9 +213,13 @@ def agree(
 
     ``error`` is this rank's exception (None: it succeeded). ``flags`` (int64, 1-D, same length on
     every rank) are max-reduced with the error flag; the reduced flags are returned when no rank
-    failed. ``mark=True`` records this rank's arrival in the default store first, so a timeout can
-    name the ranks that never came (a few store round trips: use it for rare operations).
+    failed. ``comm``: the :class:`~canzona.runtime.comm.Comm` to exchange (and count bytes)
+    through; its group replaces ``group`` (default: an uncounted one over ``group``, the world
+    when None). ``mark=True`` records this rank's arrival in the default store first, so a timeout
+    can name the ranks that never came (a few store round trips: use it for rare operations).
     """
+    comm = comm if comm is not None else Comm(group)
+    group = comm.group
     tag = new_tag("agree") if mark else None
     if tag is not None:
         _mark(tag)
@@ -217,23 +229,21 @@ def agree(
         vec[0] = 1
     if flags is not None:
         vec[1:] = flags.reshape(-1).to(device=device, dtype=torch.int64)
-    work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _wait(work, timeout_s, what, group, tag)
-    if int(vec[0].item()) == 0:
-        return vec[1:]
-    # some rank failed: every rank learns who and why
-    raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
-    msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8, device=device)
-    if error is not None:
-        msg[0] = 1
-        msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else msg[1:1]
-    size = dist.get_world_size(group)
-    out = [torch.zeros_like(msg) for _ in range(size)]
-    work = dist.all_gather(out, msg, group=group, async_op=True)
-    _wait(work, timeout_s, what, group, tag)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    with phase(STATUS):
+        _wait(comm.all_reduce(vec, op="max", async_op=True), timeout_s, what, group, tag)
+        if int(vec[0].item()) == 0:
+            return vec[1:]
+        # some rank failed: every rank learns who and why
+        raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
+        msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8, device=device)
+        if error is not None:
+            msg[0] = 1
+            msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else msg[1:1]
+        out, work = comm.all_gather_equal(msg, async_op=True)
+        _wait(work, timeout_s, what, group, tag)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(comm.size))
     failures: dict[int, str] = {}
-    for r, t in zip(ranks, out):
+    for r, t in zip(ranks, out.view(comm.size, -1)):
         vals = t.cpu()
         if int(vals[0]) == 1:
             failures[r] = bytes(vals[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")

@@ -32,6 +32,9 @@ Collectives per backend (Section 3.1 needs one coalesced *variable-size* collect
   Callers may pass ``out=`` to receive into a buffer they keep across steps.
 - objects (checkpoint traffic, consolidated on rank 0): :meth:`Comm.gather_object` counts the
   pickled bytes; the plan fingerprint exchange is an equal all-gather through this class.
+- the status exchanges (:func:`canzona.runtime.agree.agree`): an ``all_reduce`` with ``op="max"``
+  of a small int64 vector and, only after a failure, an equal all-gather of messages, filed under
+  their own phase ``canzona/status`` (control traffic, apart from the paper's phases).
 
 Ranks are group-local everywhere in this API.
 """
@@ -52,6 +55,7 @@ from canzona.runtime.phases import base_phase, current_phase
 __all__ = ["CommStats", "Comm", "even_sizes"]
 
 UNPHASED = "unphased"
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; keep torch >= 2.9 working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -142,8 +146,11 @@ class Comm:
         return sizes
 
     # --------------------------------------------------------------------------------- reductions
-    def all_reduce(self, t: torch.Tensor, *, async_op: bool = False) -> Any:
-        """In-place sum over the group."""
+    def all_reduce(self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Any:
+        """In-place reduction over the group: ``op`` is ``"sum"`` or ``"max"`` (the status exchange)."""
+        reduce_op = _REDUCE_OPS.get(op)
+        if reduce_op is None:
+            raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         n, es = t.numel(), t.element_size()
         shards = even_sizes(n, self.size)
         own = shards[self.rank]
@@ -151,7 +158,7 @@ class Comm:
         self.stats.record(moved * es, moved * es)
         if self.size == 1:
             return None
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return dist.all_reduce(t, op=reduce_op, group=self.group, async_op=async_op)
 
     def reduce_scatter_scratch(self, flat: torch.Tensor, sizes: Sequence[int]) -> int:
         """Elements of the receive buffer :meth:`reduce_scatter_v` needs for ``flat`` cut at

@@ -121,6 +121,8 @@ class FSDPRuntime:
         self.rank = comm.rank
         self.master_dtype = master_dtype
         self.status_timeout_s = float(status_timeout_s)
+        #: the status exchanges run over the world, counted in ``comm``'s stats
+        self.status_comm = Comm(None, comm.stats)
         self.matrix_names = tuple(n for g in groups for n, _ in g)
         self.elementwise_names = tuple(n for n in self.params if n not in set(self.matrix_names))
         #: every parameter in a fixed order shared by all ranks: the status flags' layout
@@ -187,7 +189,7 @@ class FSDPRuntime:
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
             try:
-                reduced = agree(error, "optimizer step", flags=flags, device=self._device, timeout_s=self.status_timeout_s)
+                reduced = agree(error, "optimizer step", flags=flags, device=self._device, comm=self.status_comm, timeout_s=self.status_timeout_s)
                 assert reduced is not None
                 skip = check_step_flags(reduced.cpu(), self.names)
             except BaseException:
@@ -231,7 +233,7 @@ class FSDPRuntime:
             if ew_error:
                 error = ew_error[0]
             try:
-                agree(error, "optimizer step (update)", device=self._device, timeout_s=self.status_timeout_s)
+                agree(error, "optimizer step (update)", device=self._device, comm=self.status_comm, timeout_s=self.status_timeout_s)
             except BaseException as exc:
                 self.drop_grads()
                 self.replicas.failed(exc)
