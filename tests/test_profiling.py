@@ -401,9 +401,11 @@ def _async_events(offset: float, *, new_grammar: bool) -> list[dict]:
         _ev(BACKWARD, o + 5_010, 10_000),
         _ev(launch, o + 6_000, 14),
         _ev(OPTIMIZER_STEP, o + 15_100, 20_000),
+        _ev(STATUS, o + 15_110, 50),
         _ev(TP_APPLY + "/group0", o + 15_200, 600),
         _ev(wait, o + 16_000, 10_000),
         _ev(DP_LOCAL_UPDATE + "/bucket0", o + 26_100, 8_000),
+        _ev(STATUS, o + 34_200, 100),
         _ev(DP_ALL_GATHER + "/bucket0", o + 35_200, 1_000),
     ]
 
@@ -429,7 +431,10 @@ def test_launch_and_wait_are_separate_and_waits_are_communication(tmp_path: Path
     assert ex.at[DP_REDUCE_SCATTER, "in_flight_us"] == 20_000
     assert ex.at[DP_REDUCE_SCATTER, "hidden_us"] == pytest.approx(20_000 - 14 - 10_000)
     assert ex.at[DP_ALL_GATHER, "sync_us"] == 1_000 and ex.at[DP_ALL_GATHER, "exposed_us"] == 1_000
-    assert step_makespans(df).at[0, "exposed_comm_us"] == 11_000
+    # the two status exchanges of a step are synchronous, never taken for a launch and its wait
+    assert df.loc[df["phase"] == STATUS, "part"].tolist() == ["", ""]
+    assert ex.at[STATUS, "sync_us"] == 150 and ex.at[STATUS, "launch_us"] == 0 and ex.at[STATUS, "in_flight_us"] == 0
+    assert step_makespans(df).at[0, "exposed_comm_us"] == 11_150
 
 
 def test_summary_prints_small_shares_and_writes_them_precisely(tmp_path: Path, capsys) -> None:

@@ -57,6 +57,7 @@ from canzona.phase_names import (
     LAUNCH,
     LAYERWISE_BROADCAST,
     OPTIMIZER_STEP,
+    STATUS,
     TP_COMPUTE,
     TP_GATHER,
     TP_SCATTER,
@@ -204,10 +205,12 @@ def phase_kind(phase: str, part: str = "") -> str:
 def infer_old_stages(df: pd.DataFrame) -> pd.DataFrame:
     """Traces from before the launch/wait grammar: a communication name seen exactly twice in one
     step on one rank is its launch then its wait (see the module docstring). Rows that already
-    carry a stage, and every other row, are left as they are."""
+    carry a stage, the status exchanges (``canzona/status``, synchronous, twice per step) and every
+    other row are left as they are."""
     if df.empty:
         return df
-    unstaged = df["phase"].map(is_communication) & (df["part"].map(stage_of) == "")
+    # the status exchange came with the stage grammar and always runs synchronously: never paired
+    unstaged = df["phase"].map(is_communication) & (df["part"].map(stage_of) == "") & (df["phase"] != STATUS)
     if not unstaged.any():
         return df
     sub = df[unstaged].sort_values("start_us", kind="stable")
