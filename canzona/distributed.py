@@ -91,7 +91,7 @@ from torch import nn
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class, get_optimizer, optimizer_names
 from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
-from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag
+from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag, status_group
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.checkpoint import GROUP_NAMES, SCHEDULED_KEYS, Held, ModelPiece, ParamRecord, flat_range_boxes, inner_hyperparams, whole_box
 from canzona.runtime.comm import Comm, CommStats
@@ -200,7 +200,10 @@ def exchange_fingerprints(
     group (or ``comm``'s group), waiting at most ``timeout_s``; returns them by rank. Goes through
     :class:`~canzona.runtime.comm.Comm` so its bytes are counted like every other collective. Each
     rank first marks its arrival in the process group's store, so a timeout names the ranks that
-    never came."""
+    never came. Once every rank has arrived, the status exchanges' group is settled
+    (:func:`canzona.runtime.agree.status_group`; making a gloo group for an NCCL-only world is a
+    collective, so it comes at this fixed point of every rank's construction, after the exchange
+    has shown all ranks present)."""
     buf = torch.zeros(17, dtype=torch.uint8, device=device)
     if fingerprint is not None:
         raw = fingerprint.encode("ascii")[:16]
@@ -225,6 +228,7 @@ def exchange_fingerprints(
             f"plan fingerprint exchange did not complete within {timeout_s:g} s: {who} "
             "(every rank must build the DistributedOptimizer; a rank that died, hangs or skipped it stops the others here)"
         )
+    status_group()
     fps: list[str | None] = []
     for t in out.view(comm.size, 17):
         vals = t.cpu().tolist()
@@ -409,7 +413,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if failed:
             # every rank learns the failing ranks' messages (the failing rank re-raises its own error)
             try:
-                agree(err, "building the plan", device=device, timeout_s=self.status_timeout_s)
+                agree(err, "building the plan", timeout_s=self.status_timeout_s)
             except RankFailure as exc:
                 if err is not None:
                     raise err from None
@@ -495,7 +499,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for k, name in enumerate(planned):
             c = tensor_checksum(local_tensor(named[name].detach()))
             flags[self.tp_rank, k, 0], flags[self.tp_rank, k, 1] = c, -c
-        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), device=device, timeout_s=self.status_timeout_s)
+        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=self.status_timeout_s)
         assert reduced is not None
         r = reduced.cpu().view(self.tp, n, 2)
         differ = sorted({planned[k] for t in range(self.tp) for k in range(n) if int(r[t, k, 0]) != -int(r[t, k, 1])})

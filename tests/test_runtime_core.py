@@ -219,6 +219,63 @@ def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None
     assert rs == (world - 1) * 11 * 4
 
 
+def test_backends_that_reduce_cpu_tensors() -> None:
+    from canzona.runtime.agree import reduces_cpu_tensors
+
+    for backend in ("gloo", "mpi", "cpu:gloo,cuda:nccl", "cuda:nccl, cpu:gloo", "CPU:GLOO"):
+        assert reduces_cpu_tensors(backend), backend
+    for backend in ("nccl", "cuda:nccl", "xccl", "ucc:nccl"):
+        assert not reduces_cpu_tensors(backend), backend
+
+
+def _own_status_group_worker(rank: int, world: int, folder: str) -> dict:
+    """A world whose default group cannot reduce CPU tensors (NCCL alone), emulated on gloo: the
+    status exchanges get a gloo group of their own, made at construction, and every exchange of a
+    step, a refusal, an optimizer error and a checkpoint round trip runs over it."""
+    import canzona
+    from canzona.runtime import agree as agree_mod
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from canzona.testing import ToyModel, inject_grads, integer_grads, params_of
+
+    agree_mod.reduces_cpu_tensors = lambda backend: False  # what an nccl-only world reports
+    out: dict = {}
+    model = ToyModel()
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", optimizer_kwargs={"lr": 0.05}, bucket_numel=40)
+    group = agree_mod.status_group()
+    out["own_group"] = group is not None and group is not dist.group.WORLD
+    out["runtime_uses_it"] = opt.runtime.status_comm.group is group
+    out["ranks"] = dist.get_process_group_ranks(group)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    opt.comm_stats.reset()
+    opt.step()
+    out["status_bytes"] = opt.comm_stats.as_dict().get(STATUS, {})
+    opt.zero_grad()
+    path = Path(folder) / "own_status.pt"
+    save_checkpoint(opt, path)
+    grads = integer_grads(model, step=1, rank=rank)
+    if rank == 1:
+        grads["norm.weight"][0] = float("nan")
+    inject_grads(model, grads)
+    out["nonfinite"] = raised(opt.step)
+    opt.zero_grad()
+    load_checkpoint(opt, path)
+    inject_grads(model, integer_grads(model, step=1, rank=rank))
+    opt.step()
+    out["params"] = params_of(model)
+    return out
+
+
+@pytest.mark.slow
+def test_an_nccl_only_world_runs_status_exchanges_on_a_gloo_group_of_their_own(tmp_path: Path) -> None:
+    res = run_workers(_own_status_group_worker, 2, str(tmp_path), timeout_s=120)
+    for r in res:
+        assert r["own_group"] and r["runtime_uses_it"] and r["ranks"] == [0, 1]
+        assert r["status_bytes"]["calls"] == 2 and r["status_bytes"]["sent"] > 0
+        assert r["nonfinite"] is not None and r["nonfinite"][0] == "NonFiniteGradient", r["nonfinite"]
+    a, b = res[0]["params"], res[1]["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_even_sizes() -> None:
     assert even_sizes(11, 4) == [3, 3, 3, 2]
     assert even_sizes(2, 4) == [1, 1, 0, 0]

@@ -20,12 +20,23 @@ running this operation) makes the others raise :class:`AgreementTimeout`, naming
 when the default store can tell (every rank marks its arrival there first when ``mark=True``).
 After a timeout the process group has a collective in flight that will never match: destroy it.
 
+The exchange runs on CPU tensors (:func:`status_group`: the default process group when it can
+reduce CPU tensors, gloo or a ``cpu:gloo,cuda:nccl`` device map; otherwise, e.g. a world
+initialized with ``nccl`` alone, a gloo group over every rank made once). So on GPUs it never
+makes the host wait for the CUDA streams: only flags that are themselves computed on the device
+(the gradients' finiteness, in the step's first exchange) are copied to the host, the one
+synchronization that "refuse before anything changes" requires; the second exchange, which
+carries only errors, does not touch the device. (A status group of its own on a gloo world was
+measured and rejected: at world 2 on two CPU cores the extra gloo group's threads made a step
+about 7 ms slower than queuing the exchange behind the step's all-gathers.)
+
 Both collectives go through :class:`canzona.runtime.comm.Comm`, inside a phase of their own,
 ``canzona/status`` (an NVTX and profiler range, a :class:`~canzona.runtime.phases.PhaseTimer`
 entry, and the key their bytes are filed under): control traffic, kept apart from the paper's
 phases. Its wall time includes waiting for the slowest rank to arrive, so in a trace it is where
-skew between ranks shows. Callers pass their own ``comm`` (the optimizer's ``comm_stats``) to have
-the bytes counted; without one the exchange is not counted (construction).
+skew between ranks shows. Callers pass their own ``comm`` over :func:`status_group` (with the
+optimizer's ``comm_stats``) to have the bytes counted; without one the exchange is not counted
+(construction).
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ __all__ = [
     "mark_arrival",
     "missing_ranks",
     "nonfinite",
+    "reduces_cpu_tensors",
+    "status_group",
     "step_flags",
     "new_tag",
 ]
@@ -67,6 +80,35 @@ STATUS_TIMEOUT_S = 60.0
 MESSAGE_BYTES = 1024
 
 _seq = itertools.count()  # every rank calls agree() in the same order, so this numbers the calls alike
+#: (the default process group, the status group made for it): one status group per process group
+_status: tuple[Any, Any] | None = None
+
+
+def reduces_cpu_tensors(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend()``'s string) runs collectives on
+    CPU tensors: ``gloo`` or ``mpi``, or a device map that names a backend for ``cpu``
+    (``cpu:gloo,cuda:nccl``); not ``nccl`` alone."""
+    b = backend.lower().replace(" ", "")
+    if ":" not in b:
+        return b in ("gloo", "mpi")
+    return any(part.split(":", 1)[0] == "cpu" for part in b.split(","))
+
+
+def status_group() -> Any:
+    """The process group the status exchanges run on, with CPU tensors: the default group (None)
+    when it reduces CPU tensors (:func:`reduces_cpu_tensors`) or holds one rank, else a gloo group
+    over every rank.
+
+    Decided (and the gloo group made, a collective) on the first call after the default process
+    group was initialized: every rank makes that first call at the same point (the optimizers'
+    constructors, in :func:`canzona.distributed.exchange_fingerprints`); later calls reuse it until
+    that process group is destroyed."""
+    global _status
+    default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
+    if _status is None or _status[0] is not default:
+        own = dist.get_world_size() > 1 and not reduces_cpu_tensors(str(dist.get_backend()))
+        _status = (default, dist.new_group(backend="gloo") if own else None)
+    return _status[1]
 
 
 class RankFailure(RuntimeError):
@@ -203,8 +245,6 @@ def agree(
     what: str,
     *,
     flags: torch.Tensor | None = None,
-    device: torch.device | str = "cpu",
-    group: Any = None,
     comm: Comm | None = None,
     timeout_s: float = STATUS_TIMEOUT_S,
     mark: bool = False,
@@ -212,33 +252,34 @@ def agree(
     """Join the status exchange for operation ``what`` (see the module docstring).
 
     ``error`` is this rank's exception (None: it succeeded). ``flags`` (int64, 1-D, same length on
-    every rank) are max-reduced with the error flag; the reduced flags are returned when no rank
-    failed. ``comm``: the :class:`~canzona.runtime.comm.Comm` to exchange (and count bytes)
-    through; its group replaces ``group`` (default: an uncounted one over ``group``, the world
-    when None). ``mark=True`` records this rank's arrival in the default store first, so a timeout
-    can name the ranks that never came (a few store round trips: use it for rare operations).
+    every rank, on any device) are max-reduced with the error flag; the reduced flags are returned
+    (on CPU) when no rank failed. ``comm``: the :class:`~canzona.runtime.comm.Comm` to exchange
+    (and count bytes) through, over a group that reduces CPU tensors (default: an uncounted one
+    over :func:`status_group`). ``mark=True`` records this rank's arrival in the default store
+    first, so a timeout can name the ranks that never came (a few store round trips: use it for
+    rare operations).
     """
-    comm = comm if comm is not None else Comm(group)
+    comm = comm if comm is not None else Comm(status_group())
     group = comm.group
     tag = new_tag("agree") if mark else None
     if tag is not None:
         _mark(tag)
     n = 0 if flags is None else int(flags.numel())
-    vec = torch.zeros(1 + n, dtype=torch.int64, device=device)
+    vec = torch.zeros(1 + n, dtype=torch.int64)
     if error is not None:
         vec[0] = 1
     if flags is not None:
-        vec[1:] = flags.reshape(-1).to(device=device, dtype=torch.int64)
+        vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
     with phase(STATUS):
         _wait(comm.all_reduce(vec, op="max", async_op=True), timeout_s, what, group, tag)
         if int(vec[0].item()) == 0:
             return vec[1:]
         # some rank failed: every rank learns who and why
         raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
-        msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8, device=device)
+        msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8)
         if error is not None:
             msg[0] = 1
-            msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else msg[1:1]
+            msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[1:1]
         out, work = comm.all_gather_equal(msg, async_op=True)
         _wait(work, timeout_s, what, group, tag)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(comm.size))

@@ -71,7 +71,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.agree import RankFailure, agree
+from canzona.runtime.agree import RankFailure, agree, status_group
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.integrity import atomic_write, tensor_checksum
 
@@ -367,7 +367,7 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
         mine = _exports(src)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    agree(error, "consolidating the optimizer state", device=src.status_device(), comm=Comm(None, src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+    agree(error, "consolidating the optimizer state", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
     # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
     got = Comm(None, src.comm_stats).gather_object(mine, dst=0)
     if dist.get_rank() != 0:
@@ -544,7 +544,7 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
     try:
-        agree(error, "loading the checkpoint", device=src.status_device(), comm=Comm(None, src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+        agree(error, "loading the checkpoint", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None  # this rank's own error says it best
@@ -584,7 +584,7 @@ def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
             atomic_write(path, lambda f: torch.save(doc, f))
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
             error = exc
-    agree(error, f"saving the checkpoint {path}", device=src.status_device(), comm=Comm(None, src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+    agree(error, f"saving the checkpoint {path}", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
 
 
 def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
@@ -599,7 +599,7 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {_first_line(exc)})")
     try:
-        agree(error, f"reading the checkpoint {path}", device=src.status_device(), comm=Comm(None, src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+        agree(error, f"reading the checkpoint {path}", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None

@@ -121,6 +121,7 @@ from canzona.runtime.agree import (
     ReplicaGuard,
     agree,
     check_step_flags,
+    status_group,
     nonfinite,
     step_flags,
 )
@@ -276,7 +277,7 @@ class DPRuntime:
         #: bound (seconds) on waiting for the other ranks in the step's status exchanges
         self.status_timeout_s = float(status_timeout_s)
         #: the status exchanges run over the world (TP ranks included), counted with the DP traffic
-        self.status_comm = Comm(None, dp_comm.stats)
+        self.status_comm = Comm(status_group(), dp_comm.stats)
         #: update each bucket as soon as its collective lands, without the pre-update agreement
         self.overlap_updates = bool(overlap_updates)
         self._param_names = [pp.name for pp in plan.params]
@@ -583,9 +584,9 @@ class DPRuntime:
             skip: frozenset[str] = frozenset()
             if not self.overlap_updates:
                 try:
-                    reduced = agree(error, "optimizer step", flags=flags, device=self.buffer.data.device, comm=self.status_comm, timeout_s=self.status_timeout_s)
+                    reduced = agree(error, "optimizer step", flags=flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
                     assert reduced is not None
-                    skip = check_step_flags(reduced.cpu(), self._param_names)
+                    skip = check_step_flags(reduced, self._param_names)
                 except BaseException:
                     self.discard_grads()
                     raise
@@ -614,7 +615,7 @@ class DPRuntime:
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = error or exc
             try:
-                agree(error, "optimizer step (update)", device=self.buffer.data.device, comm=self.status_comm, timeout_s=self.status_timeout_s)
+                agree(error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
             except BaseException as exc:
                 # the early all-gathers are in flight on every rank: land them, so every rank holds
                 # the same parameters (the values its owners sent) and nothing is left in flight

@@ -45,7 +45,7 @@ from torch import nn
 from canzona.optim import finite_grads_verified
 from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
-from canzona.runtime.agree import STATUS_TIMEOUT_S, ReplicaGuard, agree, check_step_flags, nonfinite, step_flags
+from canzona.runtime.agree import STATUS_TIMEOUT_S, ReplicaGuard, agree, check_step_flags, nonfinite, status_group, step_flags
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
@@ -122,7 +122,7 @@ class FSDPRuntime:
         self.master_dtype = master_dtype
         self.status_timeout_s = float(status_timeout_s)
         #: the status exchanges run over the world, counted in ``comm``'s stats
-        self.status_comm = Comm(None, comm.stats)
+        self.status_comm = Comm(status_group(), comm.stats)
         self.matrix_names = tuple(n for g in groups for n, _ in g)
         self.elementwise_names = tuple(n for n in self.params if n not in set(self.matrix_names))
         #: every parameter in a fixed order shared by all ranks: the status flags' layout
@@ -189,9 +189,9 @@ class FSDPRuntime:
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
             try:
-                reduced = agree(error, "optimizer step", flags=flags, device=self._device, comm=self.status_comm, timeout_s=self.status_timeout_s)
+                reduced = agree(error, "optimizer step", flags=flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
                 assert reduced is not None
-                skip = check_step_flags(reduced.cpu(), self.names)
+                skip = check_step_flags(reduced, self.names)
             except BaseException:
                 self.drop_grads()
                 raise
@@ -233,7 +233,7 @@ class FSDPRuntime:
             if ew_error:
                 error = ew_error[0]
             try:
-                agree(error, "optimizer step (update)", device=self._device, comm=self.status_comm, timeout_s=self.status_timeout_s)
+                agree(error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
             except BaseException as exc:
                 self.drop_grads()
                 self.replicas.failed(exc)
