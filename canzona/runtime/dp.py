@@ -667,7 +667,7 @@ class DPRuntime:
     def _local_flags(self, digest: int) -> torch.Tensor:
         """:func:`~canzona.runtime.agree.step_flags` by plan parameter index: whether this rank
         received a gradient for each parameter and whether any gradient slice this rank will use is
-        non-finite (one device tensor, one host sync in the exchange)."""
+        non-finite (a CPU tensor: the device's finiteness flags are its one device-to-host copy)."""
         n = len(self._param_index)
         received = torch.zeros(n, dtype=torch.int64)
         got = [self._param_index[name] for name in self.buffer.received]
@@ -679,7 +679,7 @@ class DPRuntime:
         if used:
             # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
             bad.index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
-        return step_flags(digest, received, bad > 0, device)
+        return step_flags(digest, received, bad > 0, "cpu")  # the status exchange runs on CPU: one device-to-host copy
 
     def launch_order(self) -> list[int]:
         """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""

@@ -160,10 +160,10 @@ class FSDPRuntime:
 
     def _local_flags(self, grads: Mapping[str, torch.Tensor | None], digest: int) -> torch.Tensor:
         """:func:`~canzona.runtime.agree.step_flags` in :attr:`names` order: whether this rank has
-        a gradient for each parameter and whether its piece holds NaN or inf (one device tensor: a
-        single host sync, in the exchange)."""
+        a gradient for each parameter and whether its piece holds NaN or inf (a CPU tensor: the
+        device's finiteness flags are its one device-to-host copy)."""
         received = torch.tensor([grads[name] is not None for name in self.names], dtype=torch.int64)
-        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device), self._device)
+        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device), "cpu")
 
     @torch.no_grad()
     def step(self, digest: int = 0) -> None:
