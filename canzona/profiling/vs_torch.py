@@ -26,7 +26,9 @@ wall time (forward + backward + optimizer, slowest rank, median over steps), the
 returning the updated values), the exposed communication and the bytes sent, and the peak memory
 of the rank. *Exposed communication* is time the host spent blocked on a collective:
 
-- canzona: the wall time of every ``.../wait`` phase range (``PhaseTimer`` keeps them apart);
+- canzona: the wall time of every ``.../wait`` phase range (``PhaseTimer`` keeps them apart) and
+  of the step's status exchanges (``canzona/status``, synchronous: the rank waits there for the
+  slowest one, as DDP's ranks wait in their all-reduce);
 - DDP: backward with gradient synchronization minus backward under ``no_sync()`` (extra steps
   measured for that purpose only, after the measured steps of every variant), i.e. the
   all-reduce time backward could not hide.
@@ -54,6 +56,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from canzona.phase_names import STATUS
 
 __all__ = [
     "COPY_SUFFIX",
@@ -344,7 +348,8 @@ class CanzonaRunner:
         )
 
     def step(self, step: int) -> dict[str, Any]:
-        """One training step; its figures (exposed communication: the ``.../wait`` phases)."""
+        """One training step; its figures (exposed communication: the ``.../wait`` phases and the
+        status exchanges)."""
         opt = self.opt
         opt.comm_stats.reset()
         opt.phase_times.reset()
@@ -359,7 +364,7 @@ class CanzonaRunner:
         t2, c2 = time.perf_counter(), time.process_time()
         times = opt.phase_times.as_dict()
         return {"step_s": t2 - t0, "opt_s": t2 - t1, "step_cpu_s": c2 - c0, "opt_cpu_s": c2 - c1,
-                "exposed_s": sum(v["wall_s"] for k, v in times.items() if k.endswith("/wait")),
+                "exposed_s": sum(v["wall_s"] for k, v in times.items() if k.endswith("/wait") or k == STATUS),
                 "sent": opt.comm_stats.total_sent(), "phases": {k: v["wall_s"] for k, v in times.items()}}
 
     def finish(self, measured: dict[str, list[Any]]) -> dict[str, Any]:
