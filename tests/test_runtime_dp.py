@@ -30,6 +30,7 @@ from canzona.testing import (
     mean_grads,
     pack,
     params_of,
+    raised,
     tensors_equal,
     tp_local,
     unpack,
@@ -104,6 +105,7 @@ def world_worker(rank: int, world: int, bucket_numel: int) -> bytes:
         out["views"] = {key: attempt(_views_case, rank, key) for key in VIEW_CASES}
     if world == 4:
         out["tp"] = {key: attempt(_tp_case, rank, *key) for key in TP_CASES}
+        out["tp_error"] = {None: attempt(_tp_error_case, rank)}
     return pack(out)
 
 
@@ -270,7 +272,81 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
             full_params[n] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
     return {"params": full_params, "dp_rank": dp_rank, "tp_rank": tp_rank, "hosted": opt.runtime.tp_engine is not None,
             "viewed": sorted(opt.runtime.param_views), "copied": dict(opt.runtime.copied_params), "dtensor": dtensor,
-            "in_buffer": _in_param_buffers(model, opt.runtime)}
+            "in_buffer": _in_param_buffers(model, opt.runtime), "masters": _master_layout(opt.runtime)}
+
+
+class _FlakyAdamW(torch.optim.AdamW):
+    """AdamW that raises while the class flag is set (set on one DP rank only)."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if _FlakyAdamW.fail and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            raise ArithmeticError("flaky element-wise optimizer refused this step")
+        return super().step(closure)
+
+
+def _tp_error_case(rank: int) -> dict:
+    """dp2 x tp2, lb-asc: the element-wise optimizer raises on DP rank 1 at the second step, after
+    that rank's earlier buckets were updated in place (their masters are parameter-buffer slots).
+    Every rank lands every bucket's all-gather before raising, the buckets holding TP-split pieces
+    included, so the DP replicas hold the same parameters; the next step works."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+    from canzona.models.tp import parallelize
+    from canzona.runtime.buffer import local_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    _, model = _tiny()
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    parallelize(model, mesh["tp"])
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW,
+                                       elementwise_optimizer=_FlakyAdamW, elementwise_kwargs=EW_KW, bucket_numel=4096)
+    rt = opt.runtime
+
+    def feed(s: int) -> None:
+        full = integer_grads(full_shapes, step=s, rank=dp_rank, seed=7)
+        qk = {n for n in full if n.endswith(("q_norm.weight", "k_norm.weight"))}
+        inject_grads(model, tp_local(full, opt.plan.specs, tp_rank, partial=qk))
+
+    def local_params() -> dict[str, torch.Tensor]:
+        return {n: local_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+
+    feed(0)
+    opt.step()
+    opt.zero_grad()
+    feed(1)
+    _FlakyAdamW.fail = dp_rank == 1
+    try:
+        out = {"error": raised(opt.step)}
+    finally:
+        _FlakyAdamW.fail = False
+    out["after_error"] = local_params()
+    opt.zero_grad()
+    feed(2)
+    opt.step()
+    out["after_next"] = local_params()
+    late = set(range(len(opt.plan.buckets))) - set(rt._early_buckets)
+    out["late_aliased"] = any(pc.bucket in late for pc in rt.aliased_masters)
+    out["late_elementwise"] = any(pc.bucket in late and pc.role == "elementwise" for pc in rt.pieces)
+    return out
+
+
+def _master_layout(rt) -> dict:
+    """Which owned pieces' masters are parameter-buffer slots (roles), which are copies of their own
+    (roles), whether every aliased master lies inside a parameter buffer, the bytes of separate
+    masters and how many masters each all-gather still packs."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in rt.param_buffers.values()]
+    aliased = [pc for pc in rt.pieces if pc in rt.aliased_masters]
+    return {
+        "aliased": sorted({pc.role for pc in aliased}),
+        "separate": sorted({pc.role for pc in rt.pieces if pc not in rt.aliased_masters}),
+        "inside": all(any(lo <= rt.masters[pc].data_ptr() < hi for lo, hi in spans) for pc in aliased),
+        "master_bytes": rt.master_bytes(),
+        "packed": sum(len(dst) for dst, _ in rt._pack.values()),
+    }
 
 
 def _in_param_buffers(model, rt) -> list[str]:
@@ -760,7 +836,7 @@ def _views_case(rank: int, key: str) -> dict:
         res = {
             "params": params_of(model), "in_place": in_place, "on_buffer": on_buffer, "warnings": caught,
             "viewed": sorted(rt.param_views), "copied": dict(rt.copied_params), "rebinds": rt.rebinds,
-            "names": sorted(named), "buffers": len(rt.param_buffers),
+            "names": sorted(named), "buffers": len(rt.param_buffers), "masters": _master_layout(rt),
         }
         if views and key == "real":
             # a cast behind the optimizer's back is refused by the runtime itself (not a silent copy)
@@ -798,6 +874,11 @@ def test_parameters_and_gradients_are_views_and_stay_bitwise(runs) -> None:
         assert on["on_buffer"] == [True] * STEPS
         assert on["in_place"] == [on["names"]] * STEPS  # the no_sync micro-batch, every step
         assert off["viewed"] == [] and off["buffers"] == 0 and off["in_place"] == [[]] * STEPS
+        # fp32 parameters and fp32 masters: every owned master is its parameter-buffer slot (no
+        # separate copy, nothing packed for the all-gather); without views every master is a copy
+        assert on["masters"]["aliased"] and on["masters"]["separate"] == [] and on["masters"]["inside"]
+        assert on["masters"]["master_bytes"] == 0 and on["masters"]["packed"] == 0
+        assert off["masters"]["aliased"] == [] and off["masters"]["master_bytes"] > 0 and off["masters"]["packed"] > 0
 
 
 def test_a_replaced_parameter_storage_is_rebound_with_one_warning(runs) -> None:
@@ -825,7 +906,11 @@ def test_other_dtypes_keep_the_copies_they_need(runs, key: str) -> None:
         assert on["in_place"] == ([[]] if key == "bf16" else [sorted(set(on["names"]) - {"mix.bias"})]) * STEPS
         if key == "bf16":
             assert on["viewed"] == on["names"] and on["copied"] == {}
+            # bf16 parameter buffers: the fp32 masters stay copies of their own, packed for the gather
+            assert on["masters"]["aliased"] == [] and on["masters"]["master_bytes"] > 0 and on["masters"]["packed"] > 0
         else:
+            # buckets gathered in fp32 (the bf16 bias's included): masters are their slots
+            assert on["masters"]["separate"] == [] and on["masters"]["master_bytes"] == 0
             assert list(on["copied"]) == ["mix.bias"] and "differs from its bucket's gather dtype" in on["copied"]["mix.bias"]
             assert on["viewed"] == sorted(set(on["names"]) - {"mix.bias"})
 
@@ -843,10 +928,25 @@ def test_tp_parameters_are_views_dtensor_and_plain(runs, key: tuple[str, str]) -
         assert res["copied"] == {}
         assert res["viewed"] == sorted(res["params"])
         assert res["in_buffer"] == res["viewed"], "a viewed parameter's storage is not in the parameter buffer"
+        # the TP engine keeps the masters of TP-split pieces; every other owned master is its slot
+        assert "tp" not in res["masters"]["aliased"] and set(res["masters"]["separate"]) <= {"tp"}
+        assert res["masters"]["inside"]
         if key[1] == "megatron":
             assert res["dtensor"] == []
         else:
             assert res["dtensor"], "the case needs DTensor parameters"
+
+
+def test_tp_optimizer_error_lands_every_bucket_so_dp_replicas_agree(runs) -> None:
+    res = runs(4, "tp_error", None)
+    for r in res:
+        assert r["error"] is not None and r["error"][0] == "RankFailure", r["error"]
+        assert "ArithmeticError: flaky element-wise optimizer refused this step" in r["error"][1]
+    assert any(r["late_aliased"] for r in res), "no aliased master sits in a bucket gathered after the TP engine"
+    for tp in range(2):  # global rank = 2 * dp + tp
+        a, b = res[tp], res[2 + tp]
+        for key in ("after_error", "after_next"):
+            assert tensors_equal(a[key], b[key]) == [], f"tp rank {tp}: DP replicas differ ({key})"
 
 
 @pytest.mark.parametrize("dtensor", [False, True], ids=["plain", "dtensor"])

@@ -98,6 +98,14 @@ class CommStats:
         return {k: {"sent": self.sent.get(k, 0), "recv": self.recv.get(k, 0), "calls": self.calls.get(k, 0)} for k in self.phases()}
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` (contiguous) intersects."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class _ThenWork:
     """An asynchronous collective whose ``wait()`` also runs a local step on its result, once."""
 
@@ -236,7 +244,12 @@ class Comm:
             out.copy_(local.reshape(-1))
             return out, None
         flat = local.reshape(-1).contiguous()
+        # ``local`` may be this rank's own region of ``out`` (the DP runtime sends parameter-buffer
+        # slots in place): NCCL gathers in place (an in-place all-gather, or an in-place broadcast
+        # from the root for the list form); gloo gets a copy rather than overlapping buffers.
         if len(set(sizes)) == 1:
+            if not self._nccl(local) and _overlaps(flat, out):
+                flat = flat.clone()
             work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
             return out, work
         if self._nccl(local):

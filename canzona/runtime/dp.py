@@ -84,10 +84,17 @@ launched at the very end of backward).
 An error raised by a local optimizer in bucket ``k`` leaves the owned parameters of buckets ``< k``
 already updated on this rank's masters. The failing rank still launches every early bucket's
 all-gather the others launch (sending what its masters hold), so no collective is left unmatched;
-the second status exchange then raises the error on every rank, after those gathers have landed:
-every rank holds the same parameters, each equal to its owner's master (some of this step's
-updates, none of the failing bucket's on the failing rank). Non-finite gradients never get that
-far: the first exchange refuses them before any update or any gather.
+the second status exchange then raises the error on every rank, after every rank has launched the
+remaining buckets' all-gathers too and all of them have landed: every rank holds the same
+parameters, each equal to its owner's master (some of this step's updates, none of the failing
+bucket's on the failing rank). Non-finite gradients never get that far: the first exchange
+refuses them before any update or any gather.
+
+Masters. With ``param_views`` (the default) a bucket whose parameter buffer is in the master
+dtype (fp32 parameters) has no separate masters: each owned piece's master is its slot in the
+buffer (:meth:`DPRuntime._master_slot`), so the update writes into the model and the all-gather
+sends this rank's region in place. bf16 buffers, TP-split pieces and ``param_views=False`` keep
+separate fp32 masters, packed into the send buffer per step.
 
 Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
 rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
@@ -118,6 +125,7 @@ from canzona.runtime.agree import (
     STATUS_TIMEOUT_S,
     HyperparameterMismatch,
     NonFiniteGradient,
+    RankFailure,
     ReplicaGuard,
     agree,
     check_step_flags,
@@ -296,10 +304,18 @@ class DPRuntime:
             dtypes = {local_tensor(self.params[n].detach()).dtype for n in b.params}
             self.gather_dtype.append(dtypes.pop() if len(dtypes) == 1 else master_dtype)
 
+        self._init_param_views(param_views)
         self.masters: dict[Piece, torch.Tensor] = {}
+        #: owned pieces whose master is their slot in the parameter buffer (see :meth:`_master_slot`)
+        self.aliased_masters: set[Piece] = set()
         with torch.no_grad():
             for pc in self.pieces:
                 local = local_tensor(self.params[pc.name].detach())
+                slot = self._master_slot(pc, local)
+                if slot is not None:
+                    self.masters[pc] = slot
+                    self.aliased_masters.add(pc)
+                    continue
                 if pc.whole:
                     m = local.to(master_dtype, copy=True)
                 else:
@@ -360,16 +376,23 @@ class DPRuntime:
             [(pc, self._grad_source(i)[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)) for pc in pcs]
             for i, pcs in enumerate(self.pieces_by_bucket)
         ]
-        # Reserved once: the all-gather's send buffer of every bucket (this rank's shard, in the
-        # gather dtype) with each owned master's slot in it.
+        # The all-gather's send buffer of every bucket (this rank's shard, in the gather dtype): its
+        # own region of the parameter buffer when the bucket has one in the master dtype (the
+        # aliased masters already hold their values there), else reserved once; the masters not
+        # in it yet (TP-split pieces, a copy in another dtype) are packed into their slots.
         self._send: dict[int, torch.Tensor] = {}
-        self._send_views: dict[int, list[torch.Tensor]] = {}
+        self._pack: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         if self.reduce_scatter:
             for i, s in enumerate(self._shard_sizes):
-                buf = torch.empty(s[self.dp_rank], dtype=self.gather_dtype[i], device=dev)
+                pbuf = self.param_buffers.get(i)
+                if pbuf is not None and pbuf.dtype == master_dtype:
+                    lo = self.plan.buckets[i].cuts[self.dp_rank]
+                    buf = pbuf[lo : lo + s[self.dp_rank]]
+                else:
+                    buf = torch.empty(s[self.dp_rank], dtype=self.gather_dtype[i], device=dev)
                 self._send[i] = buf
-                self._send_views[i] = [buf[pc.src : pc.src + pc.numel] for pc in self.pieces_by_bucket[i]]
-        self._init_param_views(param_views)
+                todo = [pc for pc in self.pieces_by_bucket[i] if pc not in self.aliased_masters]
+                self._pack[i] = ([buf[pc.src : pc.src + pc.numel] for pc in todo], [self.masters[pc].reshape(-1) for pc in todo])
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
@@ -412,19 +435,37 @@ class DPRuntime:
                 copy_out = []
                 for n in b.params:
                     p, pp = self.params[n], self.plan.param(n)
+                    local = local_tensor(p.detach())
+                    # every slot starts with its parameter's value (an aliased master reads it there)
+                    buf[pp.offset : pp.offset + pp.numel].copy_(local.reshape(-1))
                     why = self.view_refusal(p, buf)
                     if why:
                         self.copied_params[n] = why
                         copy_out.append(n)
                         continue
-                    local = local_tensor(p.detach())
                     view = buf[pp.offset : pp.offset + pp.numel].view(local.shape)
-                    view.copy_(local)
                     _bind(p, view)
                     self.param_views[n] = view
                     self._bucket_views[i].append((n, p, view))
                     self._bucket_viewed_params[i].append(p)
                 self._copy_out[i] = copy_out
+
+    def _master_slot(self, pc: Piece, local: torch.Tensor) -> torch.Tensor | None:
+        """Piece ``pc``'s slot in its bucket's parameter buffer, to be its fp32 master itself (as
+        Megatron's distributed optimizer keeps views of fp32 parameters as their main copies), or
+        None where the master stays a copy of its own: no parameter buffer (``param_views`` off,
+        all-reduce strategies), a buffer in another dtype than the masters' (bf16 parameters with
+        fp32 masters), or a TP-split piece (the TP engine owns those masters).
+
+        The slot holds the parameter's value already (:meth:`_init_param_views`), the owner's update
+        writes straight into it, the bucket's all-gather sends it from there without a pack copy,
+        and no separate master is kept."""
+        buf = self.param_buffers.get(pc.bucket)
+        if buf is None or buf.dtype != self.master_dtype or pc.role == "tp":
+            return None
+        off = self.plan.param(pc.name).offset
+        slot = buf[off + pc.start : off + pc.end]
+        return slot.view(local.shape) if pc.whole else slot
 
     @staticmethod
     def view_refusal(p: torch.Tensor, buf: torch.Tensor) -> str | None:
@@ -617,8 +658,15 @@ class DPRuntime:
             try:
                 agree(error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
             except BaseException as exc:
-                # the early all-gathers are in flight on every rank: land them, so every rank holds
-                # the same parameters (the values its owners sent) and nothing is left in flight
+                # Every rank is here (the exchange raised RankFailure everywhere): launch the
+                # remaining all-gathers too and land them all, so every rank holds the same
+                # parameters, each its owner's master (an aliased master already changed its
+                # owner's copy in place), and nothing is left in flight. After a timeout some rank
+                # is missing: only the gathers already launched are waited for.
+                if self.reduce_scatter and isinstance(exc, RankFailure):
+                    for i in range(len(self.plan.buckets)):
+                        if i not in gathers:
+                            gathers[i] = self._pack_and_launch(i)
                 self._finish_gathers(gathers)
                 self.discard_grads()
                 self.replicas.failed(exc)
@@ -778,9 +826,10 @@ class DPRuntime:
         es = dtype.itemsize
         with phase(indexed(DP_ALL_GATHER, f"bucket{i}", LAUNCH), bytes=sizes[self.dp_rank] * es, bucket=i, peers=self.dp):
             send = self._send[i]
-            if self._send_views[i]:
+            dst, src = self._pack[i]
+            if dst:
                 with torch.no_grad():
-                    torch._foreach_copy_(self._send_views[i], [self.masters[pc].reshape(-1) for pc in self.pieces_by_bucket[i]])
+                    torch._foreach_copy_(dst, src)
             # into the parameter buffer (the viewed parameters' storage) when there is one
             return self.comm.all_gather_v(send, sizes, out=self.param_buffers.get(i), async_op=True)
 
@@ -891,4 +940,6 @@ class DPRuntime:
         return total
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters.values())
+        """Bytes of masters this rank keeps apart from the model (aliased masters are parameter
+        buffer slots, so they cost nothing extra)."""
+        return sum(m.numel() * m.element_size() for pc, m in self.masters.items() if pc not in self.aliased_masters)
