@@ -129,8 +129,8 @@ from canzona.runtime.agree import (
     ReplicaGuard,
     agree,
     check_step_flags,
-    status_group,
     nonfinite,
+    status_group,
     step_flags,
 )
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
