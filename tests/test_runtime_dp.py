@@ -275,23 +275,14 @@ def _tp_case(rank: int, strategy: str, feed: str) -> dict:
             "in_buffer": _in_param_buffers(model, opt.runtime), "masters": _master_layout(opt.runtime)}
 
 
-class _FlakyAdamW(torch.optim.AdamW):
-    """AdamW that raises while the class flag is set (set on one DP rank only)."""
-
-    fail = False
-
-    def step(self, closure=None):
-        if _FlakyAdamW.fail and any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            raise ArithmeticError("flaky element-wise optimizer refused this step")
-        return super().step(closure)
-
-
 def _tp_error_case(rank: int) -> dict:
     """dp2 x tp2, lb-asc: the element-wise optimizer raises on DP rank 1 at the second step, after
     that rank's earlier buckets were updated in place (their masters are parameter-buffer slots).
     Every rank lands every bucket's all-gather before raising, the buckets holding TP-split pieces
     included, so the DP replicas hold the same parameters; the next step works."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from test_robust_errors import FlakyAdamW
 
     import canzona
     from canzona.models.tp import parallelize
@@ -303,7 +294,7 @@ def _tp_error_case(rank: int) -> dict:
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     parallelize(model, mesh["tp"])
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=MATRIX_KW,
-                                       elementwise_optimizer=_FlakyAdamW, elementwise_kwargs=EW_KW, bucket_numel=4096)
+                                       elementwise_optimizer=FlakyAdamW, elementwise_kwargs=EW_KW, bucket_numel=4096)
     rt = opt.runtime
 
     def feed(s: int) -> None:
@@ -318,11 +309,11 @@ def _tp_error_case(rank: int) -> dict:
     opt.step()
     opt.zero_grad()
     feed(1)
-    _FlakyAdamW.fail = dp_rank == 1
+    FlakyAdamW.fail = dp_rank == 1
     try:
         out = {"error": raised(opt.step)}
     finally:
-        _FlakyAdamW.fail = False
+        FlakyAdamW.fail = False
     out["after_error"] = local_params()
     opt.zero_grad()
     feed(2)
@@ -941,7 +932,7 @@ def test_tp_optimizer_error_lands_every_bucket_so_dp_replicas_agree(runs) -> Non
     res = runs(4, "tp_error", None)
     for r in res:
         assert r["error"] is not None and r["error"][0] == "RankFailure", r["error"]
-        assert "ArithmeticError: flaky element-wise optimizer refused this step" in r["error"][1]
+        assert "rank(s); rank 2: ArithmeticError: flaky optimizer refused this step" in r["error"][1], r["error"]
     assert any(r["late_aliased"] for r in res), "no aliased master sits in a bucket gathered after the TP engine"
     for tp in range(2):  # global rank = 2 * dp + tp
         a, b = res[tp], res[2 + tp]
