@@ -84,7 +84,9 @@ def _run_case(rank: int, case: tuple[str, str, str, str], bucket_numel: int) -> 
                 p.grad = grads[n].clone()
         opt.step()
         opt.zero_grad()
-    return {"params": params_of(model), "launched": launched_in_backward, "cut": _has_cut_piece(opt)}
+    return {"params": params_of(model), "launched": launched_in_backward, "cut": _has_cut_piece(opt),
+            "viewed": sorted(opt.runtime.param_views), "names": sorted(n for n, _ in model.named_parameters()),
+            "masters": _master_layout(opt.runtime)}
 
 
 def _has_cut_piece(opt) -> bool:
@@ -146,6 +148,13 @@ def test_every_strategy_matches_single_process_bitwise(runs, world: int, case: t
     if case[0] == "zero1":
         # zero1 with 40-element buckets must cut parameters, so the flat-piece path is exercised
         assert results[0]["cut"], "zero1 cut no parameter"
+    if case[0] != "layerwise":
+        # fp32 model: parameters are views of the parameter buffers and every owned master is its
+        # slot, sc's (every rank owns everything) included; layerwise broadcasts into the parameters
+        for got in results:
+            m = got["masters"]
+            assert got["viewed"] == got["names"], case
+            assert m["separate"] == [] and m["inside"] and m["master_bytes"] == 0 and m["packed"] == 0, (case, m)
 
 
 # ------------------------------------------------------------------------------ real backward
@@ -910,12 +919,10 @@ def test_other_dtypes_keep_the_copies_they_need(runs, key: str) -> None:
 def test_tp_parameters_are_views_dtensor_and_plain(runs, key: tuple[str, str]) -> None:
     """Every parameter becomes a view of its bucket's parameter buffer: DTensor parameters through
     their local tensor (the all-gather writes straight into ``to_local()``), plain shards
-    (Megatron-style ``tp_dims``) and plain replicated parameters directly; ``sc`` returns no values
-    by all-gather."""
+    (Megatron-style ``tp_dims``) and plain replicated parameters directly. ``sc`` returns no values
+    by all-gather, but its parameters are views too: the masters that are slots are updated in
+    the model itself, the TP engine's are copied in."""
     for res in runs(4, "tp", key):
-        if key[0] == "sc":
-            assert res["viewed"] == [] and res["copied"] == {}
-            continue
         assert res["copied"] == {}
         assert res["viewed"] == sorted(res["params"])
         assert res["in_buffer"] == res["viewed"], "a viewed parameter's storage is not in the parameter buffer"

@@ -58,10 +58,11 @@ group. Per iteration:
      (:meth:`finish_param_sync` forces them, e.g. before reading parameters outside a forward);
    - :meth:`apply_params`: with ``param_views`` (default) the all-gather already wrote into the
      parameters, which are views of a per-bucket parameter buffer (:meth:`_init_param_views`): it
-     only checks they still are (rebinding replaced storage) and bumps their version counters;
-     the parameters that cannot be views (DTensor, another dtype than their bucket's, not
-     contiguous: :attr:`copied_params`) and every parameter without views get the values copied in
-     (``to_local()`` for DTensor). docs/runtime.md lists the copies that remain.
+     only checks they still are (rebinding replaced storage) and bumps their version counters
+     (``sc``: the update itself wrote into them, see *Masters* below); the parameters that cannot
+     be views (a DTensor without a rebindable local tensor, another dtype than their bucket's,
+     not contiguous: :attr:`copied_params`) and every parameter without views get the values
+     copied in (``to_local()`` for DTensor). docs/runtime.md lists the copies that remain.
 
 Overlap inside the step. While bucket ``i``'s update runs, the collectives of buckets ``> i`` are
 still in flight wherever backward left them unfinished (typically the last buckets: they are
@@ -93,8 +94,10 @@ refuses them before any update or any gather.
 Masters. With ``param_views`` (the default) a bucket whose parameter buffer is in the master
 dtype (fp32 parameters) has no separate masters: each owned piece's master is its slot in the
 buffer (:meth:`DPRuntime._master_slot`), so the update writes into the model and the all-gather
-sends this rank's region in place. bf16 buffers, TP-split pieces and ``param_views=False`` keep
-separate fp32 masters, packed into the send buffer per step.
+sends this rank's region in place. ``sc`` gets parameter buffers too (every rank owns every
+slot), so its update happens in the model and nothing is copied back. bf16 buffers, TP-split
+pieces and ``param_views=False`` keep separate fp32 masters, packed into the send buffer (or,
+under ``sc``, copied into the parameters) per step.
 
 Who updates what follows the plan exactly: a parameter with ``dp_owner == r`` is updated whole on
 rank ``r``; a cut element-wise parameter's ``dp_ranges`` pieces are updated as flat pieces by their
@@ -393,6 +396,13 @@ class DPRuntime:
                 self._send[i] = buf
                 todo = [pc for pc in self.pieces_by_bucket[i] if pc not in self.aliased_masters]
                 self._pack[i] = ([buf[pc.src : pc.src + pc.numel] for pc in todo], [self.masters[pc].reshape(-1) for pc in todo])
+        # sc (nothing returns): the parameters whose new value is not already in their storage
+        # after the update, each with the tensor that holds it (its separate master, or its
+        # master slot when the parameter could not become a view of it)
+        self._sc_sources: list[tuple[str, torch.Tensor]] = [
+            (pc.name, self.masters[pc]) for pc in self.pieces
+            if self.param_return == "none" and not (pc in self.aliased_masters and pc.name in self.param_views)
+        ]
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
@@ -407,12 +417,13 @@ class DPRuntime:
         self.steps = 0
 
     def _init_param_views(self, enabled: bool) -> None:
-        """``param_views`` (all-gather strategies only): one flat parameter buffer per bucket in the
-        plan's geometry and the bucket's gather dtype, reserved once; the bucket's all-gather
-        receives into it, and every parameter that can be (:meth:`view_refusal`) becomes a view of
-        its slot (``p.data`` rebound once, here, after copying its value in), so the gather writes
-        straight into the model. The others keep the copy out of the buffer."""
-        #: bucket -> its flat parameter buffer (all-gather strategies with ``param_views``)
+        """``param_views`` (all-gather strategies, and ``sc``): one flat parameter buffer per bucket
+        in the plan's geometry and the bucket's gather dtype, reserved once; the bucket's all-gather
+        receives into it (``sc``: the masters that are slots are updated in it), and every
+        parameter that can be (:meth:`view_refusal`) becomes a view of its slot (``p.data`` rebound
+        once, here, after copying its value in), so the gather writes straight into the model. The
+        others keep the copy out of the buffer."""
+        #: bucket -> its flat parameter buffer (all-gather strategies and sc, with ``param_views``)
         self.param_buffers: dict[int, torch.Tensor] = {}
         #: parameter name -> its slot in :attr:`param_buffers`, which is the parameter's storage
         self.param_views: dict[str, torch.Tensor] = {}
@@ -425,7 +436,7 @@ class DPRuntime:
         self._bucket_views: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_buckets)]
         self._bucket_viewed_params: list[list[torch.Tensor]] = [[] for _ in range(n_buckets)]
         self._copy_out: list[list[str]] = [list(b.params) for b in self.plan.buckets]
-        if not (enabled and self.reduce_scatter):
+        if not (enabled and (self.reduce_scatter or self.param_return == "none")):
             return
         dev = self.buffer.data.device
         with torch.no_grad():
@@ -885,9 +896,16 @@ class DPRuntime:
         # one multi-tensor copy per call instead of a copy_ dispatch per parameter
         with torch.no_grad():
             if self.param_return == "none":
-                if self.pieces:
-                    torch._foreach_copy_([local_tensor(self.params[pc.name].detach()) for pc in self.pieces],
-                                         [self.masters[pc] for pc in self.pieces])
+                # every rank updated everything: viewed parameters with their masters in their
+                # slots hold the new values already (check the views, bump the versions); the
+                # rest get their values copied in
+                for i, views in enumerate(self._bucket_views):
+                    if views:
+                        self._check_views(i)
+                        torch._C._increment_version(self._bucket_viewed_params[i])
+                if self._sc_sources:
+                    torch._foreach_copy_([local_tensor(self.params[n].detach()) for n, _ in self._sc_sources],
+                                         [src for _, src in self._sc_sources])
                 return
             for i, flat in gathered.items():
                 if self._bucket_views[i]:
