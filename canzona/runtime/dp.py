@@ -387,8 +387,8 @@ class DPRuntime:
         self._pack: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         if self.reduce_scatter:
             for i, s in enumerate(self._shard_sizes):
-                pbuf = self.param_buffers.get(i)
-                if pbuf is not None and pbuf.dtype == master_dtype:
+                pbuf = self._master_buffer(i)
+                if pbuf is not None:
                     lo = self.plan.buckets[i].cuts[self.dp_rank]
                     buf = pbuf[lo : lo + s[self.dp_rank]]
                 else:
@@ -399,10 +399,10 @@ class DPRuntime:
         # sc (nothing returns): the parameters whose new value is not already in their storage
         # after the update, each with the tensor that holds it (its separate master, or its
         # master slot when the parameter could not become a view of it)
-        self._sc_sources: list[tuple[str, torch.Tensor]] = [
-            (pc.name, self.masters[pc]) for pc in self.pieces
-            if self.param_return == "none" and not (pc in self.aliased_masters and pc.name in self.param_views)
-        ]
+        self._sc_sources: list[tuple[str, torch.Tensor]] = (
+            [(pc.name, self.masters[pc]) for pc in self.pieces if not (pc in self.aliased_masters and pc.name in self.param_views)]
+            if self.param_return == "none" else []
+        )
         self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
         self._tp_grads: dict[str, torch.Tensor] = {}
         #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
@@ -461,6 +461,14 @@ class DPRuntime:
                     self._bucket_viewed_params[i].append(p)
                 self._copy_out[i] = copy_out
 
+    def _master_buffer(self, i: int) -> torch.Tensor | None:
+        """Bucket ``i``'s parameter buffer when it can hold the masters (it exists and is in the
+        master dtype), else None. The one rule for both sides of the all-gather: masters become its
+        slots (:meth:`_master_slot`), and this rank's region of it is the send buffer, so the
+        masters that are slots are never packed."""
+        buf = self.param_buffers.get(i)
+        return buf if buf is not None and buf.dtype == self.master_dtype else None
+
     def _master_slot(self, pc: Piece, local: torch.Tensor) -> torch.Tensor | None:
         """Piece ``pc``'s slot in its bucket's parameter buffer, to be its fp32 master itself (as
         Megatron's distributed optimizer keeps views of fp32 parameters as their main copies), or
@@ -471,8 +479,8 @@ class DPRuntime:
         The slot holds the parameter's value already (:meth:`_init_param_views`), the owner's update
         writes straight into it, the bucket's all-gather sends it from there without a pack copy,
         and no separate master is kept."""
-        buf = self.param_buffers.get(pc.bucket)
-        if buf is None or buf.dtype != self.master_dtype or pc.role == "tp":
+        buf = self._master_buffer(pc.bucket)
+        if buf is None or pc.role == "tp":
             return None
         off = self.plan.param(pc.name).offset
         slot = buf[off + pc.start : off + pc.end]
