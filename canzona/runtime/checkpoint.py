@@ -71,7 +71,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.agree import RankFailure, agree, status_group
+from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.integrity import atomic_write, tensor_checksum
 
@@ -175,9 +175,10 @@ class Checkpointable(Protocol):
     status_timeout_s: float
     comm_stats: CommStats
     param_groups: list[dict[str, Any]]
-    #: the optimizer's runtime; checkpoints call only its ``set_hyperparams(role, values)`` and
+    #: the optimizer's runtime; checkpoints use only its ``set_hyperparams(role, values)``,
     #: ``replicas.check(what)`` (:class:`canzona.runtime.agree.ReplicaGuard`: saves are refused
-    #: while a failed update left per-rank replicas different)
+    #: while a failed update left per-rank replicas different) and ``status_comm`` (the status
+    #: exchanges' :class:`~canzona.runtime.comm.Comm`, counted in ``comm_stats``)
     runtime: Any
 
     @property
@@ -367,7 +368,7 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
         mine = _exports(src)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    agree(error, "consolidating the optimizer state", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+    agree(error, "consolidating the optimizer state", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     # through the byte-counting layer, so checkpoint traffic shows in comm_stats ("unphased")
     got = Comm(None, src.comm_stats).gather_object(mine, dst=0)
     if dist.get_rank() != 0:
@@ -544,7 +545,7 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
     try:
-        agree(error, "loading the checkpoint", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+        agree(error, "loading the checkpoint", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None  # this rank's own error says it best
@@ -584,7 +585,7 @@ def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
             atomic_write(path, lambda f: torch.save(doc, f))
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
             error = exc
-    agree(error, f"saving the checkpoint {path}", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+    agree(error, f"saving the checkpoint {path}", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
 
 
 def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
@@ -599,7 +600,7 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {_first_line(exc)})")
     try:
-        agree(error, f"reading the checkpoint {path}", comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+        agree(error, f"reading the checkpoint {path}", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None

@@ -61,8 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.agree import RankFailure, agree, status_group
-from canzona.runtime.comm import Comm
+from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.checkpoint import (
     Box,
     CheckpointError,
@@ -575,7 +574,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
 def _agree(src: Checkpointable, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed; this rank's own error says it best."""
     try:
-        agree(error, what, comm=Comm(status_group(), src.comm_stats), timeout_s=src.status_timeout_s, mark=True)
+        agree(error, what, comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:
         if error is not None:
             raise error from None
