@@ -313,13 +313,14 @@ def nonfinite(pieces: Sequence[torch.Tensor | None], device: torch.device | str 
     return nonfinite_flags(pieces, device)
 
 
-def step_flags(digest: int, received: torch.Tensor, bad: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def step_flags(digest: int, received: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """The flags a rank brings to the optimizer step's status exchange (:func:`agree`, reduced with
     MAX): ``[digest, -digest, received (n), non-finite (n)]``, ``received`` and ``bad`` one entry per
     parameter in an order every rank shares. ``digest`` and ``-digest`` reduce to the largest and
-    minus the smallest digest, which are equal only when every rank hashed the same hyperparameters."""
+    minus the smallest digest, which are equal only when every rank hashed the same hyperparameters.
+    Built on CPU, where the exchange runs: ``bad`` computed on a device is its one copy to the host."""
     head = torch.tensor([digest, -digest], dtype=torch.int64)
-    return torch.cat([head.to(device), received.to(device=device, dtype=torch.int64), bad.to(device=device, dtype=torch.int64)])
+    return torch.cat([head, received.to(device="cpu", dtype=torch.int64), bad.to(device="cpu", dtype=torch.int64)])
 
 
 def check_step_flags(reduced: torch.Tensor, names: Sequence[str]) -> frozenset[str]:

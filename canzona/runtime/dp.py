@@ -746,7 +746,7 @@ class DPRuntime:
         if used:
             # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
             bad.index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
-        return step_flags(digest, received, bad > 0, "cpu")  # the status exchange runs on CPU: one device-to-host copy
+        return step_flags(digest, received, bad > 0)
 
     def launch_order(self) -> list[int]:
         """Buckets in the order their collectives were launched this iteration (after ``flush``: all)."""

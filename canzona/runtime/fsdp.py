@@ -163,7 +163,7 @@ class FSDPRuntime:
         a gradient for each parameter and whether its piece holds NaN or inf (a CPU tensor: the
         device's finiteness flags are its one device-to-host copy)."""
         received = torch.tensor([grads[name] is not None for name in self.names], dtype=torch.int64)
-        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device), "cpu")
+        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device))
 
     @torch.no_grad()
     def step(self, digest: int = 0) -> None:
