@@ -57,6 +57,7 @@ from torch import nn
 from canzona.distributed import (
     GROUP_NAMES,
     DistributedOptimizer,
+    ParamWatch,
     _plain,
     check_per_parameter,
     exchange_fingerprints,
@@ -288,7 +289,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         layouts = self._exchange_layouts(plan, named)
         self._layouts = layouts
         self._init_fsdp_param_groups(plan, named)
-        self._signature = self._param_signature()
+        self._watch = ParamWatch(model)
         self.runtime = FSDPRuntime(
             {p.name: named[p.name] for p in plan.params},
             layouts,

@@ -111,13 +111,15 @@ def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], ep
     work_dtype = grad.dtype if dtype is None else dtype
     # copy=True: with a bf16 input, .to() would alias it and the in-place normalisation below
     # would overwrite the caller's tensor (torch 2.13 does exactly that to the bf16 momentum buffer).
-    x = grad.to(work_dtype, copy=True)
-    tall = grad.size(0) > grad.size(1)
+    # (keyword form: torch's fastest overload of .to for a plain dtype conversion)
+    x = grad.to(dtype=work_dtype, copy=True)
+    tall = grad.shape[0] > grad.shape[1]
     if tall:
         x = x.T
     # The norm is taken on the (possibly transposed) view, as torch does: a reduction over a
-    # differently strided tensor may sum in another order and round differently.
-    x.div_(x.norm().clamp(min=eps))
+    # differently strided tensor may sum in another order and round differently. x.norm() is
+    # this same vector_norm call behind a Python wrapper (torch.functional.norm).
+    x.div_(torch.linalg.vector_norm(x).clamp(min=eps))
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)

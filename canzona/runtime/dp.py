@@ -734,18 +734,23 @@ class DPRuntime:
     def _local_flags(self, digest: int) -> torch.Tensor:
         """:func:`~canzona.runtime.agree.step_flags` by plan parameter index: whether this rank
         received a gradient for each parameter and whether any gradient slice this rank will use is
-        non-finite (a CPU tensor: the device's finiteness flags are its one device-to-host copy)."""
+        non-finite (a CPU tensor: reading the buckets' finiteness is its one device-to-host copy)."""
         n = len(self._param_index)
         received = torch.zeros(n, dtype=torch.int64)
         got = [self._param_index[name] for name in self.buffer.received]
         if got:
             received[got] = 1  # one indexed write, not one per parameter
-        device = self.buffer.data.device
-        used = [self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc) for pc in self.pieces]
-        bad = torch.zeros(n, dtype=torch.int64, device=device)
-        if used:
+        bad = torch.zeros(n, dtype=torch.int64)
+        # Every gradient slice handed out is a view into its bucket's reduced region (the whole
+        # bucket, or this rank's shard), so when every region is finite every slice is: one test per
+        # bucket and one host read in the common case, instead of one per piece. A region with a
+        # non-finite entry somewhere (maybe in a piece another rank owns) falls back to the test per
+        # piece, so the flags are exactly those of the per-piece test in every case.
+        if self.pieces and bool(nonfinite([self._grad_source(i) for i in range(len(self.plan.buckets))], self.buffer.data.device).any()):
+            device = self.buffer.data.device
+            used = [self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc) for pc in self.pieces]
             # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
-            bad.index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
+            bad = bad.to(device).index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
         return step_flags(digest, received, bad > 0)
 
     def launch_order(self) -> list[int]:
