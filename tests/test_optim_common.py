@@ -383,6 +383,31 @@ def test_finiteness_check_catches_every_kind_in_both_paths(numel: int, bad: floa
         assert not _all_finite(g), (i, bad)
 
 
+def test_nonfinite_flags_name_exactly_the_tensors_that_hold_nan_or_inf() -> None:
+    """One flag per tensor, whichever path tests it (sizes on both sides of the CPU and the
+    default thresholds, mixed dtypes grouped apart, None and empty tensors False), equal to
+    ``not isfinite(t).all()``; finite values whose sum would overflow are not flagged."""
+    from canzona.optim._common import nonfinite_flags
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [1, 16, 511, 512, 4096, (1 << 16) - 1, 1 << 16]
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
+    tensors: list[torch.Tensor | None] = [None, torch.empty(0)]
+    for k, n in enumerate(sizes * 2):
+        dtype = dtypes[k % len(dtypes)]
+        tensors.append((torch.rand(n, generator=g) * torch.finfo(dtype).max).to(dtype))
+    specials = [float("nan"), float("inf"), -float("inf")]
+    for trial in range(8):
+        ts = [None if t is None else t.clone() for t in tensors]
+        for k in torch.randperm(len(ts), generator=g)[: 2 + trial].tolist():
+            t = ts[k]
+            if t is not None and t.numel():
+                t[int(torch.randint(t.numel(), (1,), generator=g))] = specials[(k + trial) % 3]
+        want = [t is not None and t.numel() > 0 and not bool(torch.isfinite(t).all()) for t in ts]
+        assert nonfinite_flags(ts).tolist() == want, trial
+        assert any(want) and not all(want)
+
+
 def test_finite_grads_verified_skips_only_the_finiteness_test() -> None:
     """Inside ``finite_grads_verified()`` a caller vouches for finiteness: a NaN gradient is not
     read again (the runtimes test the same tensors before any update); outside it, and after it,
