@@ -1000,4 +1000,3 @@ def test_optimizers_do_not_test_gradients_the_step_already_found_finite(single_r
 
     with pytest.raises(RankFailure if overlap else NonFiniteGradient, match="up.weight" if not overlap else "is not finite"):
         opt.step()
-
