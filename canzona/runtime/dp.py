@@ -331,14 +331,14 @@ class DPRuntime:
 
         self.matrix_opt = build("matrix", matrix_factory)
         self.elementwise_opt = build("elementwise", elementwise_factory)
-        #: per bucket, the (optimizer, pieces) local steps :meth:`update_bucket` runs
-        self._local_steps: list[list[tuple[torch.optim.Optimizer, list[Piece]]]] = []
+        #: per bucket, the (optimizer, pieces, their masters) local steps :meth:`update_bucket` runs
+        self._local_steps: list[list[tuple[torch.optim.Optimizer, list[Piece], list[torch.Tensor]]]] = []
         for pcs in self.pieces_by_bucket:
             steps = []
             for role, opt in (("matrix", self.matrix_opt), ("elementwise", self.elementwise_opt)):
                 mine = [pc for pc in pcs if pc.role == role]
                 if opt is not None and mine:
-                    steps.append((opt, mine))
+                    steps.append((opt, mine, [self.masters[pc] for pc in mine]))
             self._local_steps.append(steps)
         tp_masters = {pc.name: self.masters[pc] for pc in self.pieces if pc.role == "tp"}
         self.tp_engine: Any = None
@@ -435,6 +435,10 @@ class DPRuntime:
         n_buckets = len(self.plan.buckets)
         self._bucket_views: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_buckets)]
         self._bucket_viewed_params: list[list[torch.Tensor]] = [[] for _ in range(n_buckets)]
+        #: per bucket, the storage address each viewed parameter must still have, and whether it
+        #: is a plain tensor (else a DTensor, whose local tensor holds the storage)
+        self._view_ptrs: list[list[int]] = [[] for _ in range(n_buckets)]
+        self._view_plain: list[list[bool]] = [[] for _ in range(n_buckets)]
         self._copy_out: list[list[str]] = [list(b.params) for b in self.plan.buckets]
         if not (enabled and (self.reduce_scatter or self.param_return == "none")):
             return
@@ -459,6 +463,8 @@ class DPRuntime:
                     self.param_views[n] = view
                     self._bucket_views[i].append((n, p, view))
                     self._bucket_viewed_params[i].append(p)
+                    self._view_ptrs[i].append(view.data_ptr())
+                    self._view_plain[i].append(is_plain(p))
                 self._copy_out[i] = copy_out
 
     def _master_buffer(self, i: int) -> torch.Tensor | None:
@@ -505,6 +511,10 @@ class DPRuntime:
         """Bucket ``i``'s viewed parameters must still be their views (one pointer compare each); a
         parameter whose storage was replaced (``p.data = ...``, ``vector_to_parameters``) is bound
         to its view again, which holds its updated value; one moved or cast is refused."""
+        params = self._bucket_viewed_params[i]
+        now = [p.data_ptr() if plain else p._local_tensor.data_ptr() for p, plain in zip(params, self._view_plain[i])]
+        if now == self._view_ptrs[i]:
+            return  # the common case: one address read per parameter, no per-parameter branch
         for n, p, view in self._bucket_views[i]:
             held = _bound_storage(p)
             if held.data_ptr() == view.data_ptr():
@@ -797,21 +807,22 @@ class DPRuntime:
         keeps a later bucket's step from stepping them again. Parameters in ``skip`` (no gradient
         on any rank) get no ``.grad``, so the optimizer skips them as ``torch.optim`` does."""
         with phase(f"{DP_LOCAL_UPDATE}/bucket{i}"):
-            for opt, mine in self._local_steps[i]:
+            grads = self._piece_grads
+            for opt, mine, masters in self._local_steps[i]:
                 try:
-                    live = [pc for pc in mine if pc.name not in skip]
-                    for pc in live:
-                        self.masters[pc].grad = self._piece_grads[pc]
+                    live = [(pc, m) for pc, m in zip(mine, masters) if pc.name not in skip] if skip else list(zip(mine, masters))
+                    for pc, m in live:
+                        m.grad = grads[pc]
                     if not live:
                         continue
                     if self.update_hooks:  # hooks see full values only: no cut or TP-sharded pieces
-                        full = [(pc.name, self.masters[pc]) for pc in live if pc.whole and not self.specs[pc.name].tp_split]
+                        full = [(pc.name, m) for pc, m in live if pc.whole and not self.specs[pc.name].tp_split]
                         self.update_hooks.step(opt, full)
                     else:
                         opt.step()
                 finally:
-                    for pc in mine:
-                        self.masters[pc].grad = None
+                    for m in masters:
+                        m.grad = None
 
     def compute_tp(self, skip: frozenset[str] = frozenset(), *, passive: bool = False) -> None:
         """The TP micro-group engine over the TP-split matrix parameters this rank updates, once every
