@@ -216,6 +216,25 @@ def _async_worker(rank: int, world: int, trace_dir: str) -> dict:
     got, work = Comm(None).all_gather_v(mine_t, sizes, out=buf, async_op=True)
     work.wait()
     out["ag"] = (got.data_ptr() == buf.data_ptr(), got.tolist())
+
+    # equal all-gathers sent from this rank's own region of the output (the DP runtime's parameter
+    # buffers): in place, no copy of the region, several in flight at once
+    clones: list[int] = []
+    real_clone = torch.Tensor.clone
+    torch.Tensor.clone = lambda t, *a, **k: clones.append(t.numel()) or real_clone(t, *a, **k)  # type: ignore[method-assign]
+    try:
+        pending = []
+        for b, n in enumerate((1, 5, 1000, 70_000)):
+            full = torch.full((2 * n,), -1.0)
+            full[rank * n : (rank + 1) * n] = torch.arange(n, dtype=torch.float32) + 1000 * rank + b
+            pending.append((b, n, *Comm(None).all_gather_v(full[rank * n : (rank + 1) * n], [n, n], out=full, async_op=True)))
+        good = []
+        for b, n, got_b, w in pending:
+            w.wait()
+            good.append(torch.equal(got_b, torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r + b for r in range(2)])))
+    finally:
+        torch.Tensor.clone = real_clone  # type: ignore[method-assign]
+    out["ag_in_place"] = (good, clones)
     return out
 
 
@@ -309,6 +328,8 @@ def test_uneven_all_gather_into_a_given_buffer(async_run) -> None:
         same, values = r["ag"]
         assert same
         assert values == [0.0, 1.0, 2.0, 10.0, 11.0]
+        good, clones = r["ag_in_place"]
+        assert good == [True] * 4 and clones == [], (good, clones)
 
 
 # =========================================================================== the shared engine (one rank)

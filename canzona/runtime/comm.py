@@ -246,9 +246,13 @@ class Comm:
         flat = local.reshape(-1).contiguous()
         # ``local`` may be this rank's own region of ``out`` (the DP runtime sends parameter-buffer
         # slots in place): NCCL gathers in place (an in-place all-gather, or an in-place broadcast
-        # from the root for the list form); gloo gets a copy rather than overlapping buffers.
+        # from the root for the list form), and so does gloo's equal all-gather (nothing but this
+        # rank's own values is ever written there; tests/test_runtime_async.py checks it with
+        # several gathers in flight). Any other overlap would be a caller's bug: gloo gets a copy.
         if len(set(sizes)) == 1:
-            if not self._nccl(local) and _overlaps(flat, out):
+            es = flat.element_size()
+            own = flat.data_ptr() == out.data_ptr() + sum(sizes[: self.rank]) * es
+            if not self._nccl(local) and not own and _overlaps(flat, out):
                 flat = flat.clone()
             work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
             return out, work
