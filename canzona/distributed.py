@@ -261,16 +261,19 @@ class ParamWatch:
         self._params = [(p, p.shape, p.dtype) for _, p in self.model.named_parameters()]
 
     def _same(self) -> bool:
-        for m, params, children in self._tree:
-            now_p, now_c = m._parameters, m._modules
-            if len(now_p) != len(params) or len(now_c) != len(children):
-                return False
-            for k, v in params:
-                if now_p.get(k) is not v:
+        try:
+            for m, params, children in self._tree:
+                now_p, now_c = m._parameters, m._modules
+                if len(now_p) != len(params) or len(now_c) != len(children):
                     return False
-            for k, c in children:
-                if now_c.get(k) is not c:
-                    return False
+                for k, v in params:
+                    if now_p.get(k) is not v:
+                        return False
+                for k, c in children:
+                    if now_c.get(k) is not c:
+                        return False
+        except (AttributeError, TypeError):  # dicts of another kind (a TorchScript module's): the full test decides
+            return False
         return all(p.shape == shape and p.dtype is dtype for p, shape, dtype in self._params)
 
     def parameters(self) -> list[torch.Tensor] | Iterator[torch.Tensor]:

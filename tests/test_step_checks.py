@@ -110,3 +110,18 @@ def test_param_watch_accepts_a_change_undone_and_saves_the_layout_again() -> Non
     model.up.weight = weight
     watch.check()
     assert watch._same()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_param_watch_falls_back_to_the_full_test_on_modules_with_other_dicts() -> None:
+    """A TorchScript module's parameter and child dicts are wrappers without ``.get``: the quick
+    test gives way to the full one, which still passes an unchanged model and names a change."""
+    from canzona.distributed import ParamWatch
+
+    model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)))
+    watch = ParamWatch(model)
+    watch.check()
+    assert [id(p) for p in watch.parameters()] == [id(p) for p in model.parameters()]
+    model[0].weight.data = torch.zeros(9)
+    with pytest.raises(RuntimeError, match=r"replaced or reshaped \['0.weight'\]"):
+        watch.check()
