@@ -55,6 +55,11 @@ def test_copy_variants_and_the_median_of_runs() -> None:
 
     ddp, copy = median_of_runs([run(0.1), run(0.5), run(0.2)])
     assert copy.variant == "lb-asc/copy" and math.isclose(copy.step_ms, 200.0) and math.isclose(copy.ratios["step"], 0.2)
+    # each run's own ratio is kept, in run order, and printed under the table
+    assert [round(x, 6) for x in copy.run_ratios["step"]] == [0.1, 0.5, 0.2] and ddp.run_ratios["step"] == [1.0] * 3
+    assert format_table([ddp, copy], title="t").splitlines()[-1] == (
+        "  x DDP step time in each run, wall / CPU: lb-asc/copy 0.10 / 0.10, 0.50 / 0.50, 0.20 / 0.20")
+    assert "each run" not in format_table(median_of_runs([run(0.1)]), title="t")
     assert copy.phases == {"canzona/dp/all_gather/wait": [200.0, 200.0]} and ddp.phases == {}
     assert "lb-asc/copy" in format_phases([ddp, copy], title="p") and "200.00" in format_phases([ddp, copy], title="p")
     with pytest.raises(ValueError, match="different variants"):
@@ -168,3 +173,23 @@ def test_the_ideal_ratio_is_fwd_bwd_plus_a_share_of_the_optimizer() -> None:
     ddp = summarize(case, "ddp", [{**_rank([0.5] * 3, [0.4] * 3, 1), "step_cpu_s": [0.4] * 3, "opt_cpu_s": [0.2] * 3}] * 4)
     wall, cpu = ideal_ratio(ddp, 4)
     assert math.isclose(wall, (0.1 + 0.1) / 0.5) and math.isclose(cpu, (0.2 + 0.05) / 0.4)
+
+
+def test_the_goal_lines_give_the_ratio_of_each_run() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_vs_torch", Path(__file__).resolve().parents[1] / "profiling" / "bench_vs_torch.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    case = Case("c", "stack", 2, depth=4, width=32)
+
+    def run(t: float) -> list:
+        return [summarize(case, v, [_rank([x] * 3, [x / 2] * 3, 1)] * 2) for v, x in (("ddp", 1.0), ("sc", t), ("lb-asc", t / 2))]
+
+    lines = bench._verdicts(median_of_runs([run(1.0), run(1.2), run(1.1)]), 2)
+    assert lines[0] == "  goal lb-asc <= 0.58 x DDP step time: 0.55 x wall, runs 0.50-0.60 -> met (0.55 x in CPU time)"
+    assert lines[1] == "  goal sc <= 1.05 x DDP step time: 1.10 x wall, runs 1.00-1.20 -> MISSED (1.10 x in CPU time)"
+    single = bench._verdicts(median_of_runs([run(1.0)]), 2)
+    assert single[1] == "  goal sc <= 1.05 x DDP step time: 1.00 x wall -> met (1.00 x in CPU time)"

@@ -164,6 +164,9 @@ class VariantResult:
     #: peak memory per rank of the processes that ran the variant: in interleaved mode every
     #: variant's together (``peak_mib`` is then NaN), in separate mode the same as ``peak_mib``
     all_peak_mib: float = float("nan")
+    #: :func:`median_of_runs`: each run's own step ratios to DDP (``step``, ``step_cpu``), in run
+    #: order, so a reader sees how far the ratio moved between runs; empty for a single run
+    run_ratios: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------- worker side
@@ -521,6 +524,8 @@ def median_of_runs(runs: Sequence[Sequence[VariantResult]]) -> list[VariantResul
     compare them under the same drifting load. Ratios are recomputed; a NaN figure (peak memory in
     interleaved mode) stays NaN."""
     out = []
+    for run in runs:
+        add_ratios(list(run))  # each run's own ratios (run_ratios below)
     for same in zip(*runs):
         first = same[0]
         if any(r.variant != first.variant for r in same):
@@ -540,6 +545,7 @@ def median_of_runs(runs: Sequence[Sequence[VariantResult]]) -> list[VariantResul
             step_cpu_ms=med("step_cpu_ms"), optimizer_cpu_ms=med("optimizer_cpu_ms"), exposed_comm_ms=med("exposed_comm_ms"),
             bytes_per_step=int(med("bytes_per_step")), peak_mib=med("peak_mib"), params=first.params, phases=phases,
             state_bytes=int(med("state_bytes")), mode=first.mode, all_peak_mib=med("all_peak_mib"),
+            run_ratios={k: [r.ratios[k] for r in same] for k in ("step", "step_cpu") if all(k in r.ratios for r in same)},
         ))
     add_ratios(out)
     return out
@@ -584,6 +590,11 @@ def format_table(results: Sequence[VariantResult], *, title: str) -> str:
             f"{r.optimizer_cpu_ms:9.2f} {r.exposed_comm_ms:10.2f} {r.bytes_per_step / 1024:9.1f} "
             f"{peak:>9s} {1e3 * r.step_ms / max(1, r.params):9.1f} {1e3 * r.step_cpu_ms / max(1, r.params):9.1f}"
         )
+    spread = [r for r in results if r.variant != "ddp" and len(r.run_ratios.get("step", ())) > 1]
+    if spread:
+        lines.append("  x DDP step time in each run, wall / CPU: " + "; ".join(
+            f"{r.variant} " + ", ".join(f"{w:.2f} / {c:.2f}" for w, c in zip(r.run_ratios["step"], r.run_ratios["step_cpu"]))
+            for r in spread))
     shared = [r for r in results if math.isnan(r.peak_mib)]
     if shared:
         together = max(r.all_peak_mib for r in shared)
