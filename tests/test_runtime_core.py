@@ -99,6 +99,24 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
         c.reduce_scatter_v(mine, cut, scratch=torch.empty(world * cut[rank] - 1))
     except ValueError as exc:
         out["scratch_error"] = str(exc)
+    # the all-reduce in rank order (sc, layerwise): the same rank-order sum on every rank, counted
+    # once as an all-reduce; 1001 elements, so its even slices are uneven at world 4
+    c_ar = Comm()
+    odd = torch.cat([values(rank), torch.tensor([float(rank)])])
+    async_ar = odd.clone()
+    scratch_ar = torch.empty(c_ar.reduce_scatter_scratch(odd, even_sizes(odd.numel(), world)))
+    with phase("canzona/dp/all_reduce/bucket0"):
+        work = c_ar.all_reduce_in_rank_order(async_ar, scratch=scratch_ar, async_op=True)
+    with phase("canzona/dp/all_reduce/bucket0/wait"):
+        if work is not None:
+            work.wait()
+    sync_ar = odd.clone()
+    with phase("canzona/dp/all_reduce/bucket0"):
+        c_ar.all_reduce_in_rank_order(sync_ar)
+    gloo_ar = odd.clone()
+    dist.all_reduce(gloo_ar)
+    out["ordered"] = (async_ar, sync_ar, torch.cat([ref, torch.tensor([float(sum(range(world)))])]), gloo_ar,
+                      c_ar.sums_in_rank_order(odd), c_ar.stats.as_dict())
     return out
 
 
@@ -214,6 +232,21 @@ def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None
             assert not torch.signbit(got[:5]).any() and not torch.signbit(ref[:5]).any()
         assert scratch == world * ref.numel()  # gloo receives every rank's slice
         assert "scratch must be" in out["scratch_error"]
+    # the all-reduce in rank order: the reference's sum on every rank, bit for bit (with 2 ranks
+    # gloo's own all-reduce already is: a two-term sum commutes; at world 4 its ring order is
+    # not, which these rounding-sensitive values show), counted as one all-reduce per call
+    for r, out in enumerate(res):
+        async_ar, sync_ar, want, gloo_ar, own_form, st = out["ordered"]
+        assert own_form == (world > 2)
+        assert torch.equal(async_ar, want) and torch.equal(sync_ar, want), "the all-reduce is not the rank-order sum"
+        assert torch.equal(async_ar, res[0]["ordered"][0])
+        if world == 2:
+            assert torch.equal(gloo_ar, want)
+        even = even_sizes(1001, world)[r]
+        ar_bytes = ((1001 - even) + (world - 1) * even) * 4
+        assert st == {"canzona/dp/all_reduce": {"sent": 2 * ar_bytes, "recv": 2 * ar_bytes, "calls": 2}}, st
+    if world == 4:
+        assert any(not torch.equal(o["ordered"][3], o["ordered"][2]) for o in res), "gloo's ring order happened to match"
     # summed over ranks, an all-reduce moves twice a reduce-scatter of the same buffer
     rs = sum(o["stats"]["canzona/dp/reduce_scatter"]["sent"] for o in res)
     assert rs == (world - 1) * 11 * 4
@@ -459,3 +492,43 @@ def test_front_end_hook_sees_every_parameter_once_per_step_and_plants_a_fault(si
             assert (faulty[n] != clean[n]).flatten().nonzero().flatten().tolist() != []
         else:
             assert torch.equal(faulty[n], clean[n]), n
+
+
+def test_two_stage_work_launches_its_second_stage_on_advance_and_waits_it_once() -> None:
+    """The rank-order all-reduce's work: ``advance()`` waits the first collective and launches the
+    second (so a caller can launch every bucket's second stage before waiting any), ``wait()``
+    advances if needed and waits the second, each exactly once; ``is_completed`` does the same
+    as the stages land."""
+    from canzona.runtime.comm import _TwoStageWork
+
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, done: bool = True) -> None:
+            self.name, self.done = name, done
+
+        def wait(self, timeout: object = None) -> bool:
+            log.append(f"wait {self.name}")
+            return True
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    def then(name: str) -> Fake:
+        log.append(f"launch {name}")
+        return Fake(name)
+
+    a, b = _TwoStageWork(Fake("rs0"), lambda: then("ag0")), _TwoStageWork(Fake("rs1"), lambda: then("ag1"))
+    a.advance()
+    b.advance()
+    a.advance()  # a second advance does nothing
+    a.wait()
+    b.wait()
+    b.wait()
+    assert log == ["wait rs0", "launch ag0", "wait rs1", "launch ag1", "wait ag0", "wait ag1"]
+    log.clear()
+    first = Fake("rs", done=False)
+    c = _TwoStageWork(first, lambda: then("ag"))
+    assert not c.is_completed() and log == []
+    first.done = True
+    assert c.is_completed() and log == ["wait rs", "launch ag", "wait ag"]

@@ -241,8 +241,9 @@ def test_unwritable_report_path_exits_2_and_writes_nothing(tmp_path: Path, capsy
 
 @pytest.mark.slow
 def test_quick_suite_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``canzona validate --quick`` on the real runtime: every cell bit-exact (training within its
-    documented bound where bitwise equality is not expected), exit code 0, report written."""
+    """``canzona validate --quick`` on the real runtime: every cell bit-exact (training: gradients
+    against one process within their documented bound, parameters bitwise), exit code 0, report
+    written."""
     rc = validate_main(["--quick", "-q", "--report", str(tmp_path / "quick.json")])
     out = capsys.readouterr().out
     doc = load_report(tmp_path / "quick.json")
@@ -252,6 +253,13 @@ def test_quick_suite_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert doc["summary"]["failed"] == 0
     injected = [c for c in doc["cells"] if c["check"] == "injected"]
     assert all(c["max_abs_diff"] == 0.0 and c["compared"] > 0 for c in injected)
+    # training: parameters bitwise equal to the single-device optimizer on the run's DP-mean
+    # gradients, and every strategy bitwise equal to sc, at every DP size (dp4 included: every
+    # DP reduction sums in rank order)
+    training = [c for c in doc["cells"] if c["check"] == "training"]
+    assert {c["mesh"] for c in training} >= {"dp2", "dp4"}
+    assert all(c["params_identical"] and c["rtol"]["value"] == 0.0 for c in training), [c["cell"] for c in training if not c["params_identical"]]
+    assert all(c["vs_sc_identical"] for c in training if c["strategy"] != "sc"), [c["cell"] for c in training if not c.get("vs_sc_identical")]
     assert (tmp_path / "quick.csv").is_file()
 
 

@@ -135,7 +135,7 @@ def settings() -> dict[str, Any]:
         "training": {
             "runner": "validation.checks._train_run (canzona.models.parallelize, DistributedOptimizer) vs validation.checks._teacher_forced",
             "grad_rtol": dict(checks.GRAD_RTOL),
-            "param_rtol_wide_dp": dict(checks.PARAM_RTOL_WIDE_DP),
+            "param_rtol": 0.0,
             "lr": {**DEFAULT_LR, "adamw": DEFAULT_ELEMENTWISE_LR},
             "elementwise_lr": DEFAULT_ELEMENTWISE_LR,
             "batch": checks.TRAIN_BATCH,

@@ -129,6 +129,44 @@ class _ThenWork:
         return self._work is None
 
 
+class _TwoStageWork:
+    """A collective made of two: ``advance()`` waits the first, runs ``then()``, which launches the
+    second asynchronously and returns its work; ``wait()`` advances if needed and waits the
+    second. A caller holding several can advance them all first, so the second stages overlap
+    each other (every rank must advance them in the same order: they are collectives)."""
+
+    def __init__(self, first: Any, then: Any) -> None:
+        self._first, self._then, self._second = first, then, None
+
+    def advance(self, timeout: Any = None) -> None:
+        if self._first is not None:
+            if timeout is None:
+                self._first.wait()
+            else:
+                self._first.wait(timeout)
+            self._first = None
+            self._second = self._then()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.advance(timeout)
+        if self._second is not None:
+            if timeout is None:
+                self._second.wait()
+            else:
+                self._second.wait(timeout)
+            self._second = None
+        return True
+
+    def is_completed(self) -> bool:
+        """True once both stages have landed (advancing when the first has)."""
+        if self._first is not None and self._first.is_completed():
+            self.advance()
+        if self._first is None and (self._second is None or self._second.is_completed()):
+            self.wait()
+            return True
+        return False
+
+
 class Comm:
     """Collectives over one process group (None: the default group), counted into ``stats``."""
 
@@ -167,6 +205,47 @@ class Comm:
         if self.size == 1:
             return None
         return dist.all_reduce(t, op=reduce_op, group=self.group, async_op=async_op)
+
+    def sums_in_rank_order(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce_in_rank_order` on ``t`` needs its own two-step form: on gloo
+        with 3 or more ranks. With 2 ranks gloo's all-reduce is already exact (one addition per
+        element, and ``a + b == b + a``); NCCL keeps its own order, fastest there."""
+        return self.size > 2 and not self._nccl(t)
+
+    def all_reduce_in_rank_order(self, flat: torch.Tensor, *, scratch: torch.Tensor | None = None, async_op: bool = False) -> Any:
+        """Sum ``flat`` over the group in place, as :meth:`all_reduce` does, but where
+        :meth:`sums_in_rank_order` says so with every element summed in rank order from zero:
+        the sum a single device makes of the ranks' gradients, bit for bit, whatever the ring
+        order of gloo's all-reduce would have been. It is :meth:`reduce_scatter_v` into this
+        rank's own even slice of ``flat`` (``scratch``: its receive buffer,
+        :meth:`reduce_scatter_scratch` elements), then :meth:`all_gather_v` of the slices into
+        ``flat`` in place, launched by the returned work's ``advance()`` (or ``wait()``). Counted
+        once, at launch, as the all-reduce whose bytes it moves (the same per rank: a
+        reduce-scatter plus an all-gather)."""
+        if not self.sums_in_rank_order(flat):
+            return self.all_reduce(flat, async_op=async_op)
+        n, es = flat.numel(), flat.element_size()
+        sizes = even_sizes(n, self.size)
+        own = sizes[self.rank]
+        start = sum(sizes[: self.rank])
+        moved = (n - own) + (self.size - 1) * own
+        self.stats.record(moved * es, moved * es)
+        quiet = self._uncounted()
+        mine = flat[start : start + own]  # its values are sent by the reduce-scatter before the sum lands there
+        _, work = quiet.reduce_scatter_v(flat, sizes, out=mine, scratch=scratch, async_op=True)
+        both = _TwoStageWork(work, lambda: quiet.all_gather_v(mine, sizes, out=flat, async_op=True)[1])
+        if not async_op:
+            both.wait()
+            return None
+        return both
+
+    def _uncounted(self) -> "Comm":
+        """A Comm over the same group whose traffic goes uncounted (for collectives made of others,
+        counted once by the caller)."""
+        quiet = getattr(self, "_quiet", None)
+        if quiet is None:
+            quiet = self._quiet = Comm(self.group, CommStats())
+        return quiet
 
     def reduce_scatter_scratch(self, flat: torch.Tensor, sizes: Sequence[int]) -> int:
         """Elements of the receive buffer :meth:`reduce_scatter_v` needs for ``flat`` cut at

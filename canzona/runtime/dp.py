@@ -137,7 +137,7 @@ from canzona.runtime.agree import (
     step_flags,
 )
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
-from canzona.runtime.comm import Comm
+from canzona.runtime.comm import Comm, even_sizes
 from canzona.runtime.phases import (
     DP_ALL_GATHER,
     DP_ALL_REDUCE,
@@ -369,12 +369,17 @@ class DPRuntime:
         )
         # Reserved once: where the gloo reduce-scatter receives every rank's slice of a bucket before
         # summing them into the shard (Comm.reduce_scatter_v); NCCL needs none.
+        # All-reduce strategies on gloo with 3 or more ranks sum in rank order the same way
+        # (Comm.all_reduce_in_rank_order), over even slices of the bucket.
         self._rs_scratch: dict[int, torch.Tensor] = {}
-        if self.reduce_scatter:
-            for i, s in enumerate(self._shard_sizes):
-                n = dp_comm.reduce_scatter_scratch(self.buffer.bucket(i), s)
-                if n:
-                    self._rs_scratch[i] = torch.empty(n, dtype=master_dtype, device=dev)
+        for i in range(len(plan.buckets)):
+            flat = self.buffer.bucket(i)
+            if self.reduce_scatter:
+                n = dp_comm.reduce_scatter_scratch(flat, self._shard_sizes[i])
+            else:
+                n = dp_comm.reduce_scatter_scratch(flat, even_sizes(flat.numel(), dp_comm.size)) if dp_comm.sums_in_rank_order(flat) else 0
+            if n:
+                self._rs_scratch[i] = torch.empty(n, dtype=flat.dtype, device=dev)
         self._grad_views: list[list[tuple[Piece, torch.Tensor]]] = [
             [(pc, self._grad_source(i)[pc.src : pc.src + pc.numel].view(self.masters[pc].shape)) for pc in pcs]
             for i, pcs in enumerate(self.pieces_by_bucket)
@@ -567,7 +572,7 @@ class DPRuntime:
                     flat, self._shard_sizes[i], out=self._shards[i], scratch=self._rs_scratch.get(i), async_op=True
                 )
             else:
-                work = self.comm.all_reduce(flat, async_op=True)
+                work = self.comm.all_reduce_in_rank_order(flat, scratch=self._rs_scratch.get(i), async_op=True)
         self._works[i] = work
         self._launched.append(i)
 
@@ -646,6 +651,8 @@ class DPRuntime:
                         updated.add(i)
                         self._launch_ready_gathers(gathers, updated)
                 else:
+                    if not reuse:
+                        self._advance_grad_syncs(order)
                     for i in order:
                         self.finish_grad_sync(i, reuse=reuse)
                     flags = self._local_flags(digest)
@@ -774,6 +781,18 @@ class DPRuntime:
 
     def _grad_source(self, i: int) -> torch.Tensor:
         return self._shards[i] if self.reduce_scatter else self.buffer.bucket(i)
+
+    def _advance_grad_syncs(self, order: list[int]) -> None:
+        """Collectives of two stages (the rank-order all-reduce on gloo,
+        :meth:`~canzona.runtime.comm.Comm.all_reduce_in_rank_order`): land every bucket's first
+        stage and launch its second, in launch order on every rank, so the second stages overlap
+        each other instead of running one after another inside the waits."""
+        for i in order:
+            w = self._works.get(i)
+            advance = getattr(w, "advance", None)
+            if advance is not None:
+                with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+                    advance()
 
     def finish_grad_sync(self, i: int, *, reuse: bool = False) -> None:
         """Wait for bucket ``i``'s collective (only that one), average it, and keep each owned piece's
