@@ -106,6 +106,14 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def _wait_for(work: Any, timeout: Any) -> None:
+    """``work.wait()``, passing ``timeout`` only when one is given (torch's works take none by default)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 class _ThenWork:
     """An asynchronous collective whose ``wait()`` also runs a local step on its result, once."""
 
@@ -114,10 +122,7 @@ class _ThenWork:
 
     def wait(self, timeout: Any = None) -> bool:
         if self._work is not None:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
+            _wait_for(self._work, timeout)
             self._work = None
             self._then()
         return True
@@ -140,20 +145,14 @@ class _TwoStageWork:
 
     def advance(self, timeout: Any = None) -> None:
         if self._first is not None:
-            if timeout is None:
-                self._first.wait()
-            else:
-                self._first.wait(timeout)
+            _wait_for(self._first, timeout)
             self._first = None
             self._second = self._then()
 
     def wait(self, timeout: Any = None) -> bool:
         self.advance(timeout)
         if self._second is not None:
-            if timeout is None:
-                self._second.wait()
-            else:
-                self._second.wait(timeout)
+            _wait_for(self._second, timeout)
             self._second = None
         return True
 
