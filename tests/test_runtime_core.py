@@ -497,22 +497,18 @@ def test_front_end_hook_sees_every_parameter_once_per_step_and_plants_a_fault(si
 def test_two_stage_work_launches_its_second_stage_on_advance_and_waits_it_once() -> None:
     """The rank-order all-reduce's work: ``advance()`` waits the first collective and launches the
     second (so a caller can launch every bucket's second stage before waiting any), ``wait()``
-    advances if needed and waits the second, each exactly once; ``is_completed`` does the same
-    as the stages land."""
+    advances if needed and waits the second, each exactly once."""
     from canzona.runtime.comm import _TwoStageWork
 
     log: list[str] = []
 
     class Fake:
-        def __init__(self, name: str, done: bool = True) -> None:
-            self.name, self.done = name, done
+        def __init__(self, name: str) -> None:
+            self.name = name
 
         def wait(self, timeout: object = None) -> bool:
-            log.append(f"wait {self.name}")
+            log.append(f"wait {self.name}" + ("" if timeout is None else f" {timeout}"))
             return True
-
-        def is_completed(self) -> bool:
-            return self.done
 
     def then(name: str) -> Fake:
         log.append(f"launch {name}")
@@ -527,8 +523,5 @@ def test_two_stage_work_launches_its_second_stage_on_advance_and_waits_it_once()
     b.wait()
     assert log == ["wait rs0", "launch ag0", "wait rs1", "launch ag1", "wait ag0", "wait ag1"]
     log.clear()
-    first = Fake("rs", done=False)
-    c = _TwoStageWork(first, lambda: then("ag"))
-    assert not c.is_completed() and log == []
-    first.done = True
-    assert c.is_completed() and log == ["wait rs", "launch ag", "wait ag"]
+    _TwoStageWork(Fake("rs"), lambda: then("ag")).wait(5)  # a timeout reaches both stages
+    assert log == ["wait rs 5", "launch ag", "wait ag 5"]

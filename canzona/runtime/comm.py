@@ -138,7 +138,8 @@ class _TwoStageWork:
     """A collective made of two: ``advance()`` waits the first, runs ``then()``, which launches the
     second asynchronously and returns its work; ``wait()`` advances if needed and waits the
     second. A caller holding several can advance them all first, so the second stages overlap
-    each other (every rank must advance them in the same order: they are collectives)."""
+    each other (every rank must advance them in the same order: they are collectives, which is
+    why nothing here polls and launches on its own)."""
 
     def __init__(self, first: Any, then: Any) -> None:
         self._first, self._then, self._second = first, then, None
@@ -155,15 +156,6 @@ class _TwoStageWork:
             _wait_for(self._second, timeout)
             self._second = None
         return True
-
-    def is_completed(self) -> bool:
-        """True once both stages have landed (advancing when the first has)."""
-        if self._first is not None and self._first.is_completed():
-            self.advance()
-        if self._first is None and (self._second is None or self._second.is_completed()):
-            self.wait()
-            return True
-        return False
 
 
 class Comm:
