@@ -242,11 +242,12 @@ class ParamWatch:
 
     The full test compares ``(name, id, shape, dtype)`` of every ``named_parameters()`` entry, a
     walk over every module (about 1.5 ms at 500 parameters). The quick test (0.45 ms), tried
-    first, reads the same facts from what it saved: every module's parameter and child dicts (same
-    sizes, the same objects under the same names) and every parameter's shape and dtype. A parameter or
-    module added, removed or replaced by any means shows in those dicts, and a tensor swapped in
-    through ``p.data`` shows in the shape or dtype, so when the quick test passes the full one
-    would too; when it fails, the full test decides (and, passing, saves the new layout)."""
+    first, reads the same facts from what it saved: every module's parameter and child dicts
+    (same sizes, the same objects under the same names) and every parameter's shape and dtype. A
+    parameter or module added, removed or replaced by any means shows in those dicts, and a
+    tensor swapped in through ``p.data`` shows in the shape or dtype, so when the quick test
+    passes the full one would too; when it fails, the full test decides (and, passing, saves the
+    new layout)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

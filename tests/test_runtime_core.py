@@ -104,7 +104,7 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
     c_ar = Comm()
     odd = torch.cat([values(rank), torch.tensor([float(rank)])])
     async_ar = odd.clone()
-    scratch_ar = torch.empty(c_ar.reduce_scatter_scratch(odd, even_sizes(odd.numel(), world)))
+    scratch_ar = torch.empty(c_ar.rank_order_scratch(odd))
     with phase("canzona/dp/all_reduce/bucket0"):
         work = c_ar.all_reduce_in_rank_order(async_ar, scratch=scratch_ar, async_op=True)
     with phase("canzona/dp/all_reduce/bucket0/wait"):
@@ -116,7 +116,7 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
     gloo_ar = odd.clone()
     dist.all_reduce(gloo_ar)
     out["ordered"] = (async_ar, sync_ar, torch.cat([ref, torch.tensor([float(sum(range(world)))])]), gloo_ar,
-                      c_ar.sums_in_rank_order(odd), c_ar.stats.as_dict())
+                      c_ar.sums_in_rank_order(odd), c_ar.stats.as_dict(), scratch_ar.numel())
     return out
 
 
@@ -236,8 +236,10 @@ def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None
     # gloo's own all-reduce already is: a two-term sum commutes; at world 4 its ring order is
     # not, which these rounding-sensitive values show), counted as one all-reduce per call
     for r, out in enumerate(res):
-        async_ar, sync_ar, want, gloo_ar, own_form, st = out["ordered"]
+        async_ar, sync_ar, want, gloo_ar, own_form, st, scratch_n = out["ordered"]
         assert own_form == (world > 2)
+        # the receive buffer of its reduce-scatter: every rank's even slice for this rank; none at world 2
+        assert scratch_n == (world * even_sizes(1001, world)[r] if world > 2 else 0)
         assert torch.equal(async_ar, want) and torch.equal(sync_ar, want), "the all-reduce is not the rank-order sum"
         assert torch.equal(async_ar, res[0]["ordered"][0])
         if world == 2:

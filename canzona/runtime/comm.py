@@ -188,14 +188,20 @@ class Comm:
         reduce_op = _REDUCE_OPS.get(op)
         if reduce_op is None:
             raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        n, es = t.numel(), t.element_size()
-        shards = even_sizes(n, self.size)
-        own = shards[self.rank]
-        moved = (n - own) + (self.size - 1) * own
-        self.stats.record(moved * es, moved * es)
+        self._record_all_reduce(t)
         if self.size == 1:
             return None
         return dist.all_reduce(t, op=reduce_op, group=self.group, async_op=async_op)
+
+    def _record_all_reduce(self, t: torch.Tensor) -> list[int]:
+        """Count an all-reduce of ``t`` (a reduce-scatter over even slices plus an all-gather of
+        them, each rank's volume); returns those slice sizes."""
+        n, es = t.numel(), t.element_size()
+        sizes = even_sizes(n, self.size)
+        own = sizes[self.rank]
+        moved = (n - own) + (self.size - 1) * own
+        self.stats.record(moved * es, moved * es)
+        return sizes
 
     def sums_in_rank_order(self, t: torch.Tensor) -> bool:
         """Whether :meth:`all_reduce_in_rank_order` on ``t`` needs its own two-step form: on gloo
@@ -203,26 +209,29 @@ class Comm:
         element, and ``a + b == b + a``); NCCL keeps its own order, fastest there."""
         return self.size > 2 and not self._nccl(t)
 
+    def rank_order_scratch(self, flat: torch.Tensor) -> int:
+        """Elements of the ``scratch`` buffer :meth:`all_reduce_in_rank_order` needs for ``flat``
+        (0 where it runs as a plain all-reduce)."""
+        if not self.sums_in_rank_order(flat):
+            return 0
+        return self.reduce_scatter_scratch(flat, even_sizes(flat.numel(), self.size))
+
     def all_reduce_in_rank_order(self, flat: torch.Tensor, *, scratch: torch.Tensor | None = None, async_op: bool = False) -> Any:
         """Sum ``flat`` over the group in place, as :meth:`all_reduce` does, but where
         :meth:`sums_in_rank_order` says so with every element summed in rank order from zero:
         the sum a single device makes of the ranks' gradients, bit for bit, whatever the ring
         order of gloo's all-reduce would have been. It is :meth:`reduce_scatter_v` into this
         rank's own even slice of ``flat`` (``scratch``: its receive buffer,
-        :meth:`reduce_scatter_scratch` elements), then :meth:`all_gather_v` of the slices into
+        :meth:`rank_order_scratch` elements), then :meth:`all_gather_v` of the slices into
         ``flat`` in place, launched by the returned work's ``advance()`` (or ``wait()``). Counted
         once, at launch, as the all-reduce whose bytes it moves (the same per rank: a
         reduce-scatter plus an all-gather)."""
         if not self.sums_in_rank_order(flat):
             return self.all_reduce(flat, async_op=async_op)
-        n, es = flat.numel(), flat.element_size()
-        sizes = even_sizes(n, self.size)
-        own = sizes[self.rank]
+        sizes = self._record_all_reduce(flat)
         start = sum(sizes[: self.rank])
-        moved = (n - own) + (self.size - 1) * own
-        self.stats.record(moved * es, moved * es)
         quiet = self._uncounted()
-        mine = flat[start : start + own]  # its values are sent by the reduce-scatter before the sum lands there
+        mine = flat[start : start + sizes[self.rank]]  # its values are sent by the reduce-scatter before the sum lands there
         _, work = quiet.reduce_scatter_v(flat, sizes, out=mine, scratch=scratch, async_op=True)
         both = _TwoStageWork(work, lambda: quiet.all_gather_v(mine, sizes, out=flat, async_op=True)[1])
         if not async_op:

@@ -137,7 +137,7 @@ from canzona.runtime.agree import (
     step_flags,
 )
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
-from canzona.runtime.comm import Comm, even_sizes
+from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
     DP_ALL_GATHER,
     DP_ALL_REDUCE,
@@ -377,7 +377,7 @@ class DPRuntime:
             if self.reduce_scatter:
                 n = dp_comm.reduce_scatter_scratch(flat, self._shard_sizes[i])
             else:
-                n = dp_comm.reduce_scatter_scratch(flat, even_sizes(flat.numel(), dp_comm.size)) if dp_comm.sums_in_rank_order(flat) else 0
+                n = dp_comm.rank_order_scratch(flat)
             if n:
                 self._rs_scratch[i] = torch.empty(n, dtype=flat.dtype, device=dev)
         self._grad_views: list[list[tuple[Piece, torch.Tensor]]] = [
@@ -934,28 +934,29 @@ class DPRuntime:
             if id(module) in owner_buckets:
                 self._hooks.append(module.register_forward_pre_hook(module_hook))
 
+    def _views_written(self, i: int) -> None:
+        """Bucket ``i``'s parameter buffer holds its viewed parameters' new values (the all-gather,
+        or ``sc``'s update, wrote them there): check the parameters still use it
+        (:meth:`_check_views`) and bump their version counters, as an in-place copy would."""
+        if self._bucket_views[i]:
+            self._check_views(i)
+            torch._C._increment_version(self._bucket_viewed_params[i])
+
     def apply_params(self, gathered: Mapping[int, torch.Tensor]) -> None:
         """Write updated values into the model's parameters (in place; DTensor: the local shard)."""
         # one multi-tensor copy per call instead of a copy_ dispatch per parameter
         with torch.no_grad():
             if self.param_return == "none":
                 # every rank updated everything: viewed parameters with their masters in their
-                # slots hold the new values already (check the views, bump the versions); the
-                # rest get their values copied in
-                for i, views in enumerate(self._bucket_views):
-                    if views:
-                        self._check_views(i)
-                        torch._C._increment_version(self._bucket_viewed_params[i])
+                # slots hold the new values already; the rest get their values copied in
+                for i in range(len(self._bucket_views)):
+                    self._views_written(i)
                 if self._sc_sources:
                     torch._foreach_copy_([local_tensor(self.params[n].detach()) for n, _ in self._sc_sources],
                                          [src for _, src in self._sc_sources])
                 return
             for i, flat in gathered.items():
-                if self._bucket_views[i]:
-                    # the all-gather wrote into these parameters' storage: nothing to copy, but check
-                    # they still use it, and bump their version counters as an in-place copy would
-                    self._check_views(i)
-                    torch._C._increment_version(self._bucket_viewed_params[i])
+                self._views_written(i)  # the all-gather wrote into the viewed parameters' storage
                 dst, src = [], []
                 for n in self._copy_out[i]:
                     pp = self.plan.param(n)
