@@ -10,6 +10,10 @@ Prints, for one transformer block's matrices:
   several seconds on 2 CPU cores.
 * Batched Newton-Schulz (one ``baddbmm`` chain over k same-shape matrices, as Canzona's TP
   micro-groups would use, arXiv 2602.06079 Sec. 3.3) vs a loop, with the bitwise verdict.
+* The finiteness test of a step's gradients (the optimizers' own, and the runtimes' test of the
+  reduced buckets): canzona's ``nonfinite_flags`` (on CPU a sum per tensor, ``aminmax`` only where
+  the sum is not finite) against ``aminmax`` alone and ``torch.isfinite(g).all()`` per tensor,
+  interleaved, with a check that all three name the same tensors when one holds NaN.
 
 Run from the repository root: ``.venv/bin/python profiling/bench_optimizers.py`` (< 1 minute on
 2 cores; ``--quick`` for a smoke run).
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from canzona.optim import SOAP, Muon, Shampoo, batched_newton_schulz, newton_schulz  # noqa: E402
+from canzona.optim import _common  # noqa: E402
 
 __all__ = ["block_shapes", "main"]
 
@@ -156,6 +161,44 @@ def bench_batched_ns(hidden: int, group_size: int, repeats: int) -> None:
               f"bitwise equal: {equal}" + ("" if equal else f" (max |diff| {diff:.3g})"))
 
 
+def bench_finiteness(hidden: int, copies: int, repeats: int) -> None:
+    shapes = block_shapes(hidden)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(shape, generator=gen) for _ in range(copies) for shape in shapes.values()]
+    numel = sum(g.numel() for g in grads)
+    print(f"\n== Finiteness test of {len(grads)} gradients ({copies} blocks' matrices, {numel} fp32 elements)")
+
+    def exact_only(ts: list[torch.Tensor]) -> torch.Tensor:
+        real = _common._finite_sums
+        _common._finite_sums = lambda same: same  # every tensor straight to aminmax
+        try:
+            return _common.nonfinite_flags(ts)
+        finally:
+            _common._finite_sums = real
+
+    tests: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
+        "canzona nonfinite_flags": _common.nonfinite_flags,
+        "aminmax per tensor": exact_only,
+        "isfinite(g).all() per tensor": lambda ts: torch.stack([~torch.isfinite(t).all() for t in ts]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in tests}
+    for i in range(repeats + 1):
+        order = list(tests.items())
+        for name, fn in order[i % len(order):] + order[: i % len(order)]:
+            elapsed = _timed(lambda fn=fn: bool(fn(grads).any()))
+            if i:
+                times[name].append(elapsed)
+    bad = [g.clone() for g in grads]
+    bad[len(bad) // 2].view(-1)[7] = float("nan")
+    verdicts = {name: fn(bad).tolist() for name, fn in tests.items()}
+    same = len({tuple(v) for v in verdicts.values()}) == 1 and sum(verdicts["canzona nonfinite_flags"]) == 1
+    ref = statistics.median(times["canzona nonfinite_flags"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:30s} {_ms(med)}  {med / ref:6.2f}x canzona's")
+    print(f"  the three name the same tensor holding one NaN: {same}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512, help="hidden size for Muon and batched NS")
@@ -183,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_muon(args.hidden, args.repeats)
     bench_eig_optimizers(args.eig_hidden, args.repeats)
     bench_batched_ns(args.hidden, args.group_size, max(3, args.repeats // 2))
+    bench_finiteness(args.hidden, 4, args.repeats)
     print(f"\ntotal wall time {time.perf_counter() - start:.1f} s")
 
 

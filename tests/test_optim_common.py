@@ -408,6 +408,31 @@ def test_nonfinite_flags_name_exactly_the_tensors_that_hold_nan_or_inf() -> None
         assert any(want) and not all(want)
 
 
+def test_nonfinite_flags_on_cpu_sum_first_and_test_exactly_only_a_non_finite_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a large tensor is summed first: all-finite tensors of ordinary size never reach
+    ``aminmax``; a tensor whose sum overflows (finite entries) or cancels to NaN (+inf and -inf)
+    does, alone, and gets the exact answer."""
+    from canzona.optim import _common
+
+    calls: list[int] = []
+    real = torch.aminmax
+
+    def counting(t: torch.Tensor, *a: object, **k: object) -> object:
+        calls.append(t.numel())
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(_common.torch, "aminmax", counting)
+    g = torch.Generator().manual_seed(1)
+    ordinary = [torch.randn(n, generator=g) for n in (512, 4096, 70000)]
+    assert _common.nonfinite_flags(ordinary).tolist() == [False] * 3
+    assert calls == []
+    huge = torch.full((1000,), torch.finfo(torch.float32).max)  # finite, but its sum is inf
+    both = torch.randn(2000, generator=g)
+    both[3], both[1500] = float("inf"), -float("inf")  # the sum is NaN
+    assert _common.nonfinite_flags([*ordinary, huge, both]).tolist() == [False, False, False, False, True]
+    assert sorted(calls) == [1000, 2000]
+
+
 def test_finite_grads_verified_skips_only_the_finiteness_test() -> None:
     """Inside ``finite_grads_verified()`` a caller vouches for finiteness: a NaN gradient is not
     read again (the runtimes test the same tensors before any update); outside it, and after it,

@@ -307,9 +307,10 @@ class HyperparameterMismatch(RuntimeError):
 
 def nonfinite(pieces: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
     """One bool per gradient piece: does it hold NaN or inf (None or empty: False)? The optimizers'
-    own exact test (:func:`canzona.optim._common.nonfinite_flags`: max-abs or min/max per piece, no
-    false alarm on finite values whose sum would overflow, no host sync), so the step's flags and
-    what the optimizers would find agree by construction."""
+    own exact test (:func:`canzona.optim._common.nonfinite_flags`: max-abs or min/max per piece,
+    on CPU behind a cheaper sum that settles the all-finite case; no false alarm on finite values
+    whose sum would overflow, no host sync on CUDA), so the step's flags and what the optimizers
+    would find agree by construction."""
     return nonfinite_flags(pieces, device)
 
 
