@@ -20,12 +20,17 @@ Importing this module has no side effects (no process groups, no global seeds, n
   each test reads its own case (a failure names the case and the rank, not the whole run).
 - :func:`file_init_method` / :func:`process_group` (from :mod:`canzona.runtime.launch`): a
   ``file://`` rendezvous in a fresh directory and a bounded, self-destroying process group around it.
+- :class:`HostReads`: counts the operations that read tensor values back to the host (``item()``,
+  ``bool(t)``, ``nonzero``...), each with the line that asked: on CUDA each is a synchronization,
+  so a test on CPU can check that a step's count does not grow with the model.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
+import os
 import time
 import traceback
 import zlib
@@ -40,6 +45,7 @@ from canzona.runtime.launch import file_init_method, process_group  # re-exporte
 from canzona.specs import is_matrix_param
 
 __all__ = [
+    "HostReads",
     "ReferenceRunner",
     "ToyModel",
     "attempt",
@@ -346,3 +352,58 @@ def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: objec
             raise AssertionError(f"case {name} failed on rank {rank}: {outcome['error']}")
         out.append(outcome["result"])
     return out
+
+
+class HostReads:
+    """Context manager counting, on this thread, the tensor operations whose result the host must
+    read: ``aten._local_scalar_dense`` (``item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
+    ``nonzero``, ``equal``, ``is_nonzero`` and ``masked_select`` (their output size depends on
+    the values). On CUDA each of them waits for the device (a host synchronization), so counting
+    them in a CPU run shows where a GPU step would stall, and a test can check that a step's count
+    does not grow with the number of parameters, buckets or micro-groups.
+
+    ``where`` counts each read by the innermost frame outside torch (``file:function:line``), so a
+    failing check names the line that added a read. What it cannot see on CPU: ``Tensor.tolist()``
+    and ``.cpu()`` of a CPU tensor (no operation is dispatched for them; on CUDA ``tolist`` and
+    ``.cpu()`` of a device tensor copy to the host, a synchronization), and reads inside other
+    threads (gloo's). A read of a tensor that stays on the CPU in a GPU run (the status exchange's
+    vector, ``torch.optim.AdamW``'s step counter) is counted too: it costs no synchronization there.
+    """
+
+    OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+                     "aten.is_nonzero.default", "aten.masked_select.default"})
+
+    def __init__(self) -> None:
+        #: reads per operation name
+        self.ops: collections.Counter[str] = collections.Counter()
+        #: reads per asking line (``file:function:line``, the innermost frame outside torch)
+        self.where: collections.Counter[str] = collections.Counter()
+        self._mode: Any = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def __enter__(self) -> "HostReads":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+                name = str(func)
+                if name in HostReads.OPS:
+                    reads.ops[name] += 1
+                    frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                                  if not f.filename.startswith(torch_dir) and f.filename != __file__), None)
+                    reads.where[f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}" if frame else "?"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None

@@ -1,6 +1,8 @@
-"""The step's own checks, single process (quick gate): the finiteness flags of the reduced
-gradients (one test per bucket region, per piece when one is non-finite) and the check that the
-model still has the parameters its plan was made for (:class:`canzona.distributed.ParamWatch`)."""
+"""The step's own checks (quick gate): the finiteness flags of the reduced gradients (one test
+per bucket region, per piece when one is non-finite), the check that the model still has the
+parameters its plan was made for (:class:`canzona.distributed.ParamWatch`), and the host reads
+of a step (one spawned run at world 2: their number must not grow with the model, since on CUDA
+each one is a host synchronization)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from canzona.testing import ToyModel, inject_grads, integer_grads
+from canzona.testing import HostReads, ToyModel, attempt, case_results, inject_grads, integer_grads
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
@@ -125,3 +127,125 @@ def test_param_watch_falls_back_to_the_full_test_on_modules_with_other_dicts() -
     model[0].weight.data = torch.zeros(9)
     with pytest.raises(RuntimeError, match=r"replaced or reshaped \['0.weight'\]"):
         watch.check()
+
+
+# ------------------------------------------------------------------------------ host reads of a step
+
+#: (strategy, matrix optimizer) of the DP cases; each runs on a stack of 4 and of 16 matrices
+READ_CASES = (("lb-asc", "muon"), ("asc", "muon"), ("sc", "muon"), ("layerwise", "muon"), ("lb-asc", "soap"), ("lb-asc", "shampoo"))
+#: at most this many host reads in one step of a model without element-wise parameters (not
+#: counting :data:`CPU_ONLY`): the finiteness flags of the buckets (the one read of device data),
+#: the two status exchanges' error flags and the step flags' checks (CPU vectors in every run)
+MAX_READS = 5
+
+
+def _reads_dp(rank: int, strategy: str, optname: str, depth: int) -> dict:
+    import canzona
+    from canzona.profiling.vs_torch import LinearStack
+
+    torch.manual_seed(0)
+    model = LinearStack(depth, 16)
+    opt = canzona.DistributedOptimizer(model, optname, strategy=strategy, optimizer_kwargs={"lr": 0.02}, bucket_numel=600)
+    per_step = []
+    for step in range(3):
+        model.loss(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        with HostReads() as reads:
+            opt.step()
+        opt.zero_grad()
+        per_step.append((reads.total, dict(reads.where)))
+    return {"buckets": len(opt.plan.buckets), "steps": per_step[1:]}  # step 0 creates the optimizer state
+
+
+def _reads_tp(rank: int, cmax_mb: float) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+    from canzona.config import load_model_config
+    from canzona.models import Qwen3
+    from canzona.models.tp import parallelize
+    from canzona.testing import tp_local
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(Qwen3(load_model_config("qwen3-tiny"), seed=0), mesh["tp"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # tasks over a tiny C_max get a micro-group each: wanted here
+        opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02},
+                                           elementwise_kwargs={"lr": 1e-3}, bucket_numel=4096, cmax_mb=cmax_mb)
+    shapes = {sp.name: sp.shape for sp in opt.plan.specs}
+    per_step = []
+    for step in range(3):
+        inject_grads(model, tp_local(integer_grads(shapes, step=step, rank=0), opt.plan.specs, mesh.get_local_rank("tp")))
+        with HostReads() as reads:
+            opt.step()
+        opt.zero_grad()
+        per_step.append((reads.total, dict(reads.where)))
+    return {"groups": len(opt.runtime.tp_engine.groups), "steps": per_step[1:]}
+
+
+def reads_worker(rank: int, world: int) -> dict:
+    out: dict = {"dp": {}, "tp": {}}
+    for strategy, optname in READ_CASES:
+        for depth in (4, 16):
+            out["dp"][(strategy, optname, depth)] = attempt(_reads_dp, rank, strategy, optname, depth)
+    for cmax_mb in (0.01, 512.0):
+        out["tp"][cmax_mb] = attempt(_reads_tp, rank, cmax_mb)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reads_run() -> list:
+    from canzona.runtime.launch import run_workers
+
+    return run_workers(reads_worker, 2, timeout_s=240)
+
+
+#: the read of the CPU-only finiteness pre-test (its sums' ``nonzero``): it comes with the first
+#: tensor of 512 elements or more, so small and large models differ by it; never made on CUDA
+CPU_ONLY = "_common.py:_finite_sums:"
+
+
+def _device_reads(where: dict) -> int:
+    return sum(n for line, n in where.items() if not line.startswith(CPU_ONLY))
+
+
+def _same_reads(small: dict, large: dict, what: str) -> None:
+    for (_, where_small), (_, where_large) in zip(small["steps"], large["steps"]):
+        n_small, n_large = _device_reads(where_small), _device_reads(where_large)
+        assert n_small == n_large, f"{what}: {n_small} host reads in a step of the small model, {n_large} in the large one " \
+                                   f"(small: {where_small}; large: {where_large})"
+
+
+@pytest.mark.parametrize("strategy,optname", READ_CASES, ids=[f"{s}-{o}" for s, o in READ_CASES])
+def test_host_reads_of_a_step_do_not_grow_with_parameters_or_buckets(reads_run, strategy: str, optname: str) -> None:
+    """The same number of host reads (on CUDA: synchronizations) in a step of 4 and of 16
+    matrices, with several times the buckets, at most :data:`MAX_READS`: nothing per parameter,
+    per piece or per bucket reads a value back."""
+    small = case_results(reads_run, "dp", (strategy, optname, 4))
+    large = case_results(reads_run, "dp", (strategy, optname, 16))
+    assert large[0]["buckets"] >= 3 * small[0]["buckets"], (small[0]["buckets"], large[0]["buckets"])
+    for rank, (a, b) in enumerate(zip(small, large)):
+        _same_reads(a, b, f"{strategy}/{optname} rank {rank}")
+        for _, where in a["steps"] + b["steps"]:
+            assert 0 < _device_reads(where) <= MAX_READS, where
+
+
+def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> None:
+    """DP1 x TP2, the tiny Qwen3: 12 micro-groups or 1, the same host reads in a step (those of
+    the element-wise pieces' AdamW, whose step counter is a CPU tensor, included)."""
+    many, one = case_results(reads_run, "tp", 0.01), case_results(reads_run, "tp", 512.0)
+    assert many[0]["groups"] >= 10 and one[0]["groups"] == 1, (many[0]["groups"], one[0]["groups"])
+    for rank, (a, b) in enumerate(zip(many, one)):
+        _same_reads(a, b, f"TP rank {rank}")
+
+
+def test_host_reads_counts_each_read_by_the_line_that_asked() -> None:
+    x = torch.randn(10)
+    with HostReads() as reads:
+        bool(x.sum() > 0)
+        x.nonzero()
+        torch.equal(x, x)
+    x[0].item()  # outside: not counted
+    assert reads.total == 3 and set(reads.ops) == {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default"}
+    assert len(reads.where) == 3 and all(k.startswith("test_step_checks.py:test_host_reads_counts") for k in reads.where)
