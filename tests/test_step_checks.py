@@ -184,8 +184,32 @@ def _reads_tp(rank: int, cmax_mb: float) -> dict:
     return {"groups": len(opt.runtime.tp_engine.groups), "steps": per_step[1:]}
 
 
+def _reads_fsdp(rank: int, depth: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import canzona
+    from canzona.profiling.vs_torch import LinearStack
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = LinearStack(depth, 16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02})
+    per_step = []
+    for step in range(3):
+        model.loss(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        with HostReads() as reads:
+            opt.step()
+        opt.zero_grad()
+        per_step.append((reads.total, dict(reads.where)))
+    return {"steps": per_step[1:]}
+
+
 def reads_worker(rank: int, world: int) -> dict:
-    out: dict = {"dp": {}, "tp": {}}
+    out: dict = {"dp": {}, "tp": {}, "fsdp": {depth: attempt(_reads_fsdp, rank, depth) for depth in (4, 16)}}
     for strategy, optname in READ_CASES:
         for depth in (4, 16):
             out["dp"][(strategy, optname, depth)] = attempt(_reads_dp, rank, strategy, optname, depth)
@@ -238,6 +262,16 @@ def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> Non
     assert many[0]["groups"] >= 10 and one[0]["groups"] == 1, (many[0]["groups"], one[0]["groups"])
     for rank, (a, b) in enumerate(zip(many, one)):
         _same_reads(a, b, f"TP rank {rank}")
+
+
+def test_host_reads_of_an_fsdp2_step_do_not_grow_with_parameters(reads_run) -> None:
+    """FSDP2 (``fully_shard`` per layer, dp_shard 2), lb-asc: a step of 4 and of 16 matrices
+    reads the same values back, at most :data:`MAX_READS`."""
+    small, large = case_results(reads_run, "fsdp", 4), case_results(reads_run, "fsdp", 16)
+    for rank, (a, b) in enumerate(zip(small, large)):
+        _same_reads(a, b, f"FSDP2 rank {rank}")
+        for _, where in a["steps"]:
+            assert 0 < _device_reads(where) <= MAX_READS, where
 
 
 def test_host_reads_counts_each_read_by_the_line_that_asked() -> None:
