@@ -146,14 +146,24 @@ def _reads_dp(rank: int, strategy: str, optname: str, depth: int) -> dict:
     torch.manual_seed(0)
     model = LinearStack(depth, 16)
     opt = canzona.DistributedOptimizer(model, optname, strategy=strategy, optimizer_kwargs={"lr": 0.02}, bucket_numel=600)
+    return {"buckets": len(opt.plan.buckets), "steps": _steps_reads(opt, _stack_backward(model, rank))}
+
+
+def _stack_backward(model: torch.nn.Module, rank: int) -> Callable[[int], None]:
+    return lambda step: model.loss(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+
+
+def _steps_reads(opt, backward: Callable[[int], None]) -> list:
+    """Three steps, each after ``backward(step)``; each step's (host reads, reads by line), but the
+    first's (which creates the optimizer state)."""
     per_step = []
     for step in range(3):
-        model.loss(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        backward(step)
         with HostReads() as reads:
             opt.step()
         opt.zero_grad()
         per_step.append((reads.total, dict(reads.where)))
-    return {"buckets": len(opt.plan.buckets), "steps": per_step[1:]}  # step 0 creates the optimizer state
+    return per_step[1:]
 
 
 def _reads_tp(rank: int, cmax_mb: float) -> dict:
@@ -174,14 +184,11 @@ def _reads_tp(rank: int, cmax_mb: float) -> dict:
         opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02},
                                            elementwise_kwargs={"lr": 1e-3}, bucket_numel=4096, cmax_mb=cmax_mb)
     shapes = {sp.name: sp.shape for sp in opt.plan.specs}
-    per_step = []
-    for step in range(3):
+
+    def backward(step: int) -> None:
         inject_grads(model, tp_local(integer_grads(shapes, step=step, rank=0), opt.plan.specs, mesh.get_local_rank("tp")))
-        with HostReads() as reads:
-            opt.step()
-        opt.zero_grad()
-        per_step.append((reads.total, dict(reads.where)))
-    return {"groups": len(opt.runtime.tp_engine.groups), "steps": per_step[1:]}
+
+    return {"groups": len(opt.runtime.tp_engine.groups), "steps": _steps_reads(opt, backward)}
 
 
 def _reads_fsdp(rank: int, depth: int) -> dict:
@@ -198,14 +205,7 @@ def _reads_fsdp(rank: int, depth: int) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02})
-    per_step = []
-    for step in range(3):
-        model.loss(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
-        with HostReads() as reads:
-            opt.step()
-        opt.zero_grad()
-        per_step.append((reads.total, dict(reads.where)))
-    return {"steps": per_step[1:]}
+    return {"steps": _steps_reads(opt, _stack_backward(model, rank))}
 
 
 def reads_worker(rank: int, world: int) -> dict:
