@@ -50,6 +50,7 @@ __all__ = [
     "TP_STYLES",
     "TrainConfig",
     "TrainResult",
+    "check_model",
     "train",
     "train_worker",
     "params_fingerprint",
@@ -212,6 +213,20 @@ def _check_world(cfg: TrainConfig) -> None:
         raise ValueError(f"dp*tp = {cfg.dp}*{cfg.tp} = {cfg.world_size} must equal the world size ({world})")
 
 
+def check_model(config: TrainConfig) -> Any:
+    """The model ``config`` trains (:class:`~canzona.config.ModelConfig`), after checking that
+    training can run it: a dense Qwen3 (not a mixture of experts) that splits ``config.tp`` ways
+    (whole attention heads per rank). Raises ValueError naming the problem; no collective."""
+    from canzona.models import check_tp
+    from canzona.plan import resolve_model
+
+    cfg = resolve_model(config.model)
+    if cfg.moe is not None:
+        raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
+    check_tp(cfg, config.tp)
+    return cfg
+
+
 def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float]], None] | None = None) -> TrainResult:
     """Train for ``config.steps`` steps on this rank (collective: every rank of the world calls it).
 
@@ -219,9 +234,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float
     seconds of that step, base phase names). Raises ValueError (on every rank, before any
     collective) when the world size is not ``dp * tp`` or the model cannot be split ``tp`` ways.
     """
-    from canzona.models import check_tp
-    from canzona.plan import resolve_model
-
     owns_group = False
     if not dist.is_initialized():
         if config.world_size != 1:
@@ -236,11 +248,7 @@ def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float
         owns_group = True
     try:
         _check_world(config)
-        cfg = resolve_model(config.model)
-        if cfg.moe is not None:
-            raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
-        check_tp(cfg, config.tp)
-        return _train(config, cfg, on_step)
+        return _train(config, check_model(config), on_step)
     finally:
         if owns_group:
             dist.destroy_process_group()

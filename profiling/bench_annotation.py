@@ -37,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=2, help="steps per A/B block (default 2)")
     p.add_argument("--calls", type=int, default=20000, help="calls per micro-benchmark sample")
     args = p.parse_args(argv)
+    from canzona.train import TrainConfig, check_model
+
+    if args.block < 1 or args.calls < 1:
+        p.error("--block and --calls must be >= 1")
+    if args.steps < 1 + 2 * args.block:
+        p.error(f"--steps must be at least 1 + 2 x --block = {1 + 2 * args.block} (one skipped step, then an annotated and a bare block)")
+    try:
+        cfg = TrainConfig(optimizer=args.optimizer, strategy=args.strategy, dp=args.dp, tp=args.tp, steps=args.steps, progress=False)
+        check_model(cfg)  # e.g. a TP degree the model cannot split
+    except ValueError as exc:
+        p.error(str(exc))
 
     cost = annotation_cost(n=args.calls)
     print("per call, no profiler attached (median of 7 samples, this process):")
@@ -45,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<16}{v['wall_us']:>9.2f}{v['cpu_us']:>9.2f}")
 
     from canzona.runtime.launch import run_workers
-    from canzona.train import TrainConfig
 
-    cfg = TrainConfig(optimizer=args.optimizer, strategy=args.strategy, dp=args.dp, tp=args.tp, steps=args.steps, progress=False)
     per_rank = run_workers(ab_worker, cfg.world_size, cfg, args.block, 1, timeout_s=900)
     print(f"\ntraining steps, {cfg.model} {cfg.optimizer} {cfg.strategy} dp{cfg.dp} x tp{cfg.tp}, "
           f"{args.steps} steps in blocks of {args.block}, annotated and bare alternating (medians per mode):")

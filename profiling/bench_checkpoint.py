@@ -118,7 +118,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=2, help="local processes (DP ranks, gloo on CPU)")
     ap.add_argument("--hidden", type=int, default=768, help="model hidden size")
@@ -126,7 +126,14 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=2048, help="MLP intermediate size")
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     ap.add_argument("--chunk-mib", type=float, default=32, help="sharded format: largest stored chunk and load scratch buffer (MiB)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("dp", "layers", "ffn", "vocab"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.hidden < 64 or args.hidden % 64:
+        ap.error(f"--hidden must be a positive multiple of 64 (the heads are 64 wide), got {args.hidden}")
+    if not args.chunk_mib > 0:
+        ap.error(f"--chunk-mib must be > 0, got {args.chunk_mib:g}")
     if not Path("/proc/self/clear_refs").exists() and not torch.cuda.is_available():
         print("bench_checkpoint: needs Linux /proc (or CUDA) to measure peak memory", file=sys.stderr)
         return 2

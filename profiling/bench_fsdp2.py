@@ -342,7 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from canzona.runtime.launch import run_workers
 
-    worlds = [int(w) for w in args.worlds.split(",")]
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        p.error(f"--worlds must be a comma list of integers, got {args.worlds!r}")
+    if any(w < 1 for w in worlds):
+        p.error(f"--worlds must be >= 1 each, got {args.worlds!r}")
+    for name in ("layers", "hidden", "q", "kv", "ffn", "vocab", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or not args.cmax_mb > 0 or not args.lr > 0:
+        p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
     for w in worlds:
         for dim in (args.hidden, args.q, args.kv, args.ffn, args.vocab):
             if dim % w:

@@ -98,11 +98,13 @@ def bench_family() -> None:
     print("targets (canzona's planner beyond the paper): lb-asc-joint max ratio <= 1.10 for qwen3-32b, <= 1.15 for qwen3-14b at DP32 x TP8")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-1t", action="store_true", help="skip the 1T-parameter MoE (about a second per plan)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     bench_speed(args.repeat, args.skip_1t)
     bench_family()
 

@@ -63,7 +63,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from canzona.train import TrainConfig
+    from canzona.train import TrainConfig, check_model
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     # the benchmark runs a matrix optimizer: strategies that cut matrices cannot take part
@@ -74,14 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 1:
         print("bench_strategies: --steps and --warmup must be >= 1 (step 0 builds the optimizer state)", file=sys.stderr)
         return 2
+    try:
+        configs = [
+            TrainConfig(
+                model=args.model, optimizer=args.optimizer, strategy=s, dp=args.dp, tp=args.tp,
+                steps=args.warmup + args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                backend=args.backend, progress=False,
+            )
+            for s in strategies
+        ]
+        check_model(configs[0])
+    except ValueError as exc:
+        print(f"bench_strategies: {exc}", file=sys.stderr)
+        return 2
     results = []
     t0 = time.perf_counter()
-    for s in strategies:
-        cfg = TrainConfig(
-            model=args.model, optimizer=args.optimizer, strategy=s, dp=args.dp, tp=args.tp,
-            steps=args.warmup + args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            backend=args.backend, progress=False,
-        )
+    for s, cfg in zip(strategies, configs):
         t = time.perf_counter()
         per_rank = run_strategy(cfg, timeout_s=args.timeout_s)
         results.append(summarize(s, per_rank, warmup=args.warmup))

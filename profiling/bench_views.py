@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run (seconds)")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
-    if any(m not in SHAPES for m in models) or args.world < 1 or args.steps < 1 or args.warmup < 0:
-        print(f"bench_views: models must be among {sorted(SHAPES)}; world, steps >= 1, warmup >= 0", file=sys.stderr)
+    if any(m not in SHAPES for m in models) or args.world < 1 or args.steps < 1 or args.warmup < 0 or not args.timeout_s > 0:
+        print(f"bench_views: models must be among {sorted(SHAPES)}; world, steps >= 1, warmup >= 0, timeout-s > 0", file=sys.stderr)
         return 2
     from canzona.runtime.launch import run_workers
 

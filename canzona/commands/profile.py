@@ -89,10 +89,9 @@ def spec_from_args(args: argparse.Namespace):  # -> canzona.profiling.run.Profil
         backend=args.backend,
         progress=False,
     )
-    from canzona.config import load_model_config
-    from canzona.models import check_tp
+    from canzona.train import check_model
 
-    check_tp(load_model_config(cfg.model), cfg.tp)
+    check_model(cfg)
     return ProfileSpec(cfg, sch, args.tensorboard, bool(args.cuda_capture))
 
 

@@ -118,13 +118,9 @@ def _log_dir(args: argparse.Namespace) -> str | None:
 
 
 def _check_model(config: TrainConfig) -> None:
-    from canzona.models import check_tp
-    from canzona.plan import resolve_model
+    from canzona.train import check_model
 
-    cfg = resolve_model(config.model)
-    if cfg.moe is not None:
-        raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
-    check_tp(cfg, config.tp)
+    cfg = check_model(config)
     # Plan once here (milliseconds for the models train runs): a combination the planner refuses
     # (e.g. --strategy sc with --tp-schedule lpt) is one line before any worker starts.
     import warnings
