@@ -21,7 +21,7 @@ Importing this module has no side effects (no process groups, no global seeds, n
 - :func:`file_init_method` / :func:`process_group` (from :mod:`canzona.runtime.launch`): a
   ``file://`` rendezvous in a fresh directory and a bounded, self-destroying process group around it.
 - :class:`HostReads`: counts the operations that read tensor values back to the host (``item()``,
-  ``bool(t)``, ``nonzero``...), each with the line that asked: on CUDA each is a synchronization,
+  ``bool(t)``, ``nonzero``, ``tolist()``...), each with the line that asked: on CUDA each is a synchronization,
   so a test on CPU can check that a step's count does not grow with the model.
 """
 
@@ -362,16 +362,22 @@ class HostReads:
     them in a CPU run shows where a GPU step would stall, and a test can check that a step's count
     does not grow with the number of parameters, buckets or micro-groups.
 
+    ``Tensor.tolist()``, ``.cpu()`` and ``.numpy()`` dispatch no operation on a CPU tensor (on a
+    CUDA tensor each copies to the host), so while the block runs those methods are wrapped and
+    counted too (this patches ``torch.Tensor`` for every thread of the process: a test helper).
+
     ``where`` counts each read by the innermost frame outside torch (``file:function:line``), so a
-    failing check names the line that added a read. What it cannot see on CPU: ``Tensor.tolist()``
-    and ``.cpu()`` of a CPU tensor (no operation is dispatched for them; on CUDA ``tolist`` and
-    ``.cpu()`` of a device tensor copy to the host, a synchronization), and reads inside other
-    threads (gloo's). A read of a tensor that stays on the CPU in a GPU run (the status exchange's
-    vector, ``torch.optim.AdamW``'s step counter) is counted too: it costs no synchronization there.
+    failing check names the line that added a read. Not seen: ``.to("cpu")`` of a CPU tensor (a
+    no-op that dispatches nothing) and reads inside gloo's threads. A read of a tensor that stays
+    on the CPU in a GPU run (the status exchange's vector, ``torch.optim.AdamW``'s step counter) is
+    counted too: it costs no synchronization there.
     """
 
     OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
                      "aten.is_nonzero.default", "aten.masked_select.default"})
+    #: tensor methods counted as reads by a patch while the block runs (they dispatch nothing on a
+    #: CPU tensor; on a CUDA tensor each copies to the host)
+    METHODS = ("tolist", "cpu", "numpy")
 
     def __init__(self) -> None:
         #: reads per operation name
@@ -388,22 +394,39 @@ class HostReads:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         reads = self
-        torch_dir = os.path.dirname(torch.__file__) + os.sep
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
                 name = str(func)
                 if name in HostReads.OPS:
-                    reads.ops[name] += 1
-                    frame = next((f for f in reversed(traceback.extract_stack()[:-1])
-                                  if not f.filename.startswith(torch_dir) and f.filename != __file__), None)
-                    reads.where[f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}" if frame else "?"] += 1
+                    reads._count(name)
                 return func(*args, **(kwargs or {}))
 
         self._mode = _Mode()
         self._mode.__enter__()
+        # reads that dispatch no operation on a CPU tensor (on a CUDA tensor each copies to the host)
+        self._patched = {}
+        for method in HostReads.METHODS:
+            real = getattr(torch.Tensor, method)
+            self._patched[method] = real
+
+            def counted(t: torch.Tensor, *a: Any, _real: Any = real, _name: str = f"Tensor.{method}", **k: Any) -> Any:
+                reads._count(_name)
+                return _real(t, *a, **k)
+
+            setattr(torch.Tensor, method, counted)
         return self
 
+    def _count(self, name: str) -> None:
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        self.ops[name] += 1
+        frame = next((f for f in reversed(traceback.extract_stack()[:-2])
+                      if not f.filename.startswith(torch_dir) and f.filename != __file__), None)
+        self.where[f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}" if frame else "?"] += 1
+
     def __exit__(self, *exc: Any) -> None:
+        for method, real in self._patched.items():
+            setattr(torch.Tensor, method, real)
+        self._patched = {}
         self._mode.__exit__(*exc)
         self._mode = None

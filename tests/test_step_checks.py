@@ -134,9 +134,10 @@ def test_param_watch_falls_back_to_the_full_test_on_modules_with_other_dicts() -
 #: (strategy, matrix optimizer) of the DP cases; each runs on a stack of 4 and of 16 matrices
 READ_CASES = (("lb-asc", "muon"), ("asc", "muon"), ("sc", "muon"), ("layerwise", "muon"), ("lb-asc", "soap"), ("lb-asc", "shampoo"))
 #: at most this many host reads in one step of a model without element-wise parameters (not
-#: counting :data:`CPU_ONLY`): the finiteness flags of the buckets (the one read of device data),
-#: the two status exchanges' error flags and the step flags' checks (CPU vectors in every run)
-MAX_READS = 5
+#: counting :data:`CPU_ONLY`): the finiteness flag of the buckets (the one read of device data),
+#: the two status exchanges' error flags, and the step flags' digests and their ``tolist`` (CPU
+#: vectors in every run)
+MAX_READS = 6
 
 
 def _reads_dp(rank: int, strategy: str, optname: str, depth: int) -> dict:
@@ -276,10 +277,16 @@ def test_host_reads_of_an_fsdp2_step_do_not_grow_with_parameters(reads_run) -> N
 
 def test_host_reads_counts_each_read_by_the_line_that_asked() -> None:
     x = torch.randn(10)
+    real = torch.Tensor.tolist
     with HostReads() as reads:
         bool(x.sum() > 0)
         x.nonzero()
         torch.equal(x, x)
+        assert x.tolist() == real(x)
+        x.cpu()
     x[0].item()  # outside: not counted
-    assert reads.total == 3 and set(reads.ops) == {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default"}
-    assert len(reads.where) == 3 and all(k.startswith("test_step_checks.py:test_host_reads_counts") for k in reads.where)
+    x.tolist()
+    assert torch.Tensor.tolist is real  # the wrapped methods are restored
+    assert reads.total == 5 and set(reads.ops) == {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+                                                   "Tensor.tolist", "Tensor.cpu"}
+    assert len(reads.where) == 5 and all(k.startswith("test_step_checks.py:test_host_reads_counts") for k in reads.where)
