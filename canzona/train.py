@@ -18,10 +18,13 @@ and calls :func:`train_worker` in spawned workers or :func:`train_from_env` unde
 (``torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2``); this module never imports the
 command line. Library callers (demo, profiling, validation) call :func:`train` from a worker.
 
-Because a layout with dp <= 2 sums at most two gradient contributions per element (a + b == b + a
-in IEEE arithmetic) and the optimizer steps are exact, runs with the same dp x tp and different
-strategies (sc, layerwise, asc, lb-asc, lb-asc-joint; any TP schedule; either TP style) end with
-bitwise equal parameters: ``TrainResult.params_fingerprint`` shows it (``tests/test_train_cli.py``).
+Every strategy reduces the DP ranks' gradients to the same sum and the optimizer steps are
+exact, so runs with the same dp x tp and different strategies (sc, layerwise, asc, lb-asc,
+lb-asc-joint; any TP schedule; either TP style) end with bitwise equal parameters:
+``TrainResult.params_fingerprint`` shows it (``tests/test_train_cli.py``). With dp <= 2 that holds
+on any backend (a + b == b + a in IEEE arithmetic); with more DP ranks it holds on gloo, where
+every strategy sums in rank order from zero (:mod:`canzona.runtime.comm`; ``canzona validate
+--full --mesh dp4`` checks it), and not on NCCL, whose reductions keep their own order.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,9 @@ import torch.distributed as dist
 from canzona import phase_names as P
 from canzona.optimizers import check_strategy_optimizer, get_optimizer, optimizer_names
 from canzona.plan.strategies import strategy_names
+
+if TYPE_CHECKING:
+    from canzona.config import ModelConfig
 
 __all__ = [
     "DEFAULT_LR",
@@ -213,7 +219,7 @@ def _check_world(cfg: TrainConfig) -> None:
         raise ValueError(f"dp*tp = {cfg.dp}*{cfg.tp} = {cfg.world_size} must equal the world size ({world})")
 
 
-def check_model(config: TrainConfig) -> Any:
+def check_model(config: TrainConfig) -> ModelConfig:
     """The model ``config`` trains (:class:`~canzona.config.ModelConfig`), after checking that
     training can run it: a dense Qwen3 (not a mixture of experts) that splits ``config.tp`` ways
     (whole attention heads per rank). Raises ValueError naming the problem; no collective."""

@@ -42,6 +42,7 @@ optimizer's ``comm_stats``) to have the bytes counted; without one the exchange 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -80,7 +81,10 @@ STATUS_TIMEOUT_S = 60.0
 MESSAGE_BYTES = 1024
 
 _seq = itertools.count()  # every rank calls agree() in the same order, so this numbers the calls alike
-#: (the default process group, the status group made for it): one status group per process group
+#: weak references to (the default process group, the status group made for it, None where the
+#: default group is the status group): one status group per process group. Weak, so that after
+#: ``destroy_process_group`` nothing here keeps a group (and its backend's threads) alive until
+#: the interpreter shuts down; torch's own registry holds the status group while it is in use.
 _status: tuple[Any, Any] | None = None
 
 
@@ -105,10 +109,16 @@ def status_group() -> Any:
     that process group is destroyed."""
     global _status
     default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
-    if _status is None or _status[0] is not default:
+    if _status is None or _status[0]() is not default:
         own = dist.get_world_size() > 1 and not reduces_cpu_tensors(str(dist.get_backend()))
-        _status = (default, dist.new_group(backend="gloo") if own else None)
-    return _status[1]
+        group = dist.new_group(backend="gloo") if own else None
+        _status = (weakref.ref(default), weakref.ref(group) if group is not None else None)
+    if _status[1] is None:
+        return None
+    group = _status[1]()
+    if group is None:  # destroyed on its own while the default group lives on
+        raise RuntimeError("canzona's status process group was destroyed while the default process group is still in use")
+    return group
 
 
 class RankFailure(RuntimeError):

@@ -61,6 +61,7 @@ collectives from ``on_ready``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -225,21 +226,31 @@ class GradBuffer:
         self._handles.clear()
         self._acc_nodes.clear()
 
+    # Both hooks hold the buffer weakly. They live in C++ (the parameter's autograd metadata, the
+    # AccumulateGrad node), where Python's garbage collector cannot see them, so a strong reference
+    # would make buffer -> parameters -> hooks -> buffer a cycle it can never free: every model and
+    # optimizer built in a process would stay in memory (with their process groups) until exit.
     def _make_prehook(self, name: str, p: torch.Tensor) -> Callable[[object], None]:
         slot = self._views[name]
         bucket = self.bucket_of[name]
+        me = weakref.ref(self)
 
         def prehook(_grad_outputs: object) -> None:
+            buf = me()
             # only while the slot is zero: what autograd then leaves in it is this backward's gradient
-            if p.grad is None and not self.retained and bucket >= self._next and name not in self.received:
+            if buf is not None and p.grad is None and not buf.retained and bucket >= buf._next and name not in buf.received:
                 p.grad = slot
-                self._installed.add(name)
+                buf._installed.add(name)
 
         return prehook
 
     def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        me = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            self.defer(name, p)
+            buf = me()
+            if buf is not None:
+                buf.defer(name, p)
 
         return hook
 
