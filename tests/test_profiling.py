@@ -338,16 +338,18 @@ def test_nsys_command_line() -> None:
     assert cmd[cmd.index("py"):] == ["py", "-m", "canzona", "profile", "--cuda-capture", "--steps", "3"]
 
 
-def test_cli_profile_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_profile_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from canzona.cli import main
 
+    out = str(tmp_path / "traces")
     assert main(["profile"]) == 2
-    assert main(["profile", "--tensorboard", "x", "--tp", "3"]) == 2  # 3 does not divide the heads
+    assert main(["profile", "--tensorboard", out, "--tp", "3"]) == 2  # 3 does not divide the heads
     assert "tp=3 does not divide" in capsys.readouterr().err
     # a mixture of experts cannot be trained, so it cannot be profiled: refused before any worker starts
-    assert main(["profile", "--tensorboard", "x", "--model", "qwen3-30b-a3b"]) == 2
+    assert main(["profile", "--tensorboard", out, "--model", "qwen3-30b-a3b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mixture-of-experts" in err[0], err
+    assert not (tmp_path / "traces").exists()  # nothing written
 
 
 def test_spec_checks() -> None:
