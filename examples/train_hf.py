@@ -72,6 +72,10 @@ def main() -> int:
             dist.all_reduce(shown, group=mesh["dp"].get_group())
             if dist.get_rank() == 0:
                 print(f"step {step + 1}/{args.steps} loss {float(shown) / dp:.4f}", flush=True)
+        # Let every rank's gloo worker threads finish with the last collectives before the group
+        # goes: a worker that still holds a finished collective's tensors when the interpreter
+        # shuts down aborts the process (torch's gloo backend frees them on its own thread).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
