@@ -354,6 +354,9 @@ def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: objec
     return out
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # frames from here are torch's, not the caller's
+
+
 class HostReads:
     """Context manager counting, on this thread, the tensor operations whose result the host must
     read: ``aten._local_scalar_dense`` (``item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
@@ -385,6 +388,7 @@ class HostReads:
         #: reads per asking line (``file:function:line``, the innermost frame outside torch)
         self.where: collections.Counter[str] = collections.Counter()
         self._mode: Any = None
+        self._patched: dict[str, Any] = {}  # method name -> the original, while the block runs
 
     @property
     def total(self) -> int:
@@ -405,7 +409,6 @@ class HostReads:
         self._mode = _Mode()
         self._mode.__enter__()
         # reads that dispatch no operation on a CPU tensor (on a CUDA tensor each copies to the host)
-        self._patched = {}
         for method in HostReads.METHODS:
             real = getattr(torch.Tensor, method)
             self._patched[method] = real
@@ -418,10 +421,9 @@ class HostReads:
         return self
 
     def _count(self, name: str) -> None:
-        torch_dir = os.path.dirname(torch.__file__) + os.sep
         self.ops[name] += 1
         frame = next((f for f in reversed(traceback.extract_stack()[:-2])
-                      if not f.filename.startswith(torch_dir) and f.filename != __file__), None)
+                      if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__), None)
         self.where[f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}" if frame else "?"] += 1
 
     def __exit__(self, *exc: Any) -> None:
