@@ -543,7 +543,13 @@ def train_from_env(config: TrainConfig) -> TrainResult:
     if owns_group:
         dist.init_process_group(backend=config.resolved_backend, init_method="env://")
     try:
-        return train_worker(rank, world, config)
+        result = train_worker(rank, world, config)
+        if owns_group and world > 1:
+            # Let every rank's gloo workers let go of the last collectives' tensors before the group
+            # goes: one still holding them when the interpreter shuts down aborts the process (a
+            # race in torch's gloo backend; examples/train_hf.py does the same).
+            dist.barrier()
+        return result
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
