@@ -88,17 +88,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class, get_optimizer, optimizer_names
-from canzona.plan.plan import Plan, PlanInputs
-from canzona.plan.strategies import get_strategy, strategy_names
+from canzona.layouts import choose_layout
+from canzona.layouts.base import Layout
+from canzona.optimizers import get_optimizer, optimizer_names
 from canzona.runtime.agree import STATUS_TIMEOUT_S, RankFailure, agree, mark_arrival, missing_ranks, new_tag, status_group
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import GROUP_NAMES, SCHEDULED_KEYS, Held, ModelPiece, ParamRecord, flat_range_boxes, inner_hyperparams, whole_box
+from canzona.runtime.checkpoint import GROUP_NAMES, SCHEDULED_KEYS, Held, ModelPiece, ParamRecord, inner_hyperparams
 from canzona.runtime.comm import Comm, CommStats
-from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
-from canzona.runtime.integrity import tensor_checksum
+from canzona.runtime.dp import OptimizerFactory
 from canzona.runtime.phases import PhaseTimer, timing
-from canzona.specs import ParamSpec, specs_from_module
+from canzona.settings import OptimizerSettings, check_hyperparams
 
 __all__ = [
     "GROUP_NAMES",
@@ -316,9 +315,12 @@ def _plain(value: Any) -> Any:
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Run a per-parameter optimizer under ZeRO-1 DP (and TP) exactly, with a Canzona plan.
+    """Run a per-parameter optimizer exactly under ZeRO-1 DP (and TP) or on an FSDP2 model, with a Canzona plan.
 
-    See the module docstring for the semantics.
+    See the module docstring for the semantics. One class serves every layout: the model decides
+    which (:func:`canzona.layouts.choose_layout`; canzona's ZeRO-1 buffer for plain and DTensor-TP
+    models, :class:`~canzona.layouts.fsdp2.FSDP2Layout` for ``fully_shard`` models), and the layout
+    object (``opt.layout``) holds what differs; everything else is written here once.
 
     Why a ``torch.optim.Optimizer`` subclass rather than a duck type: every torch LR scheduler
     checks ``isinstance(optimizer, torch.optim.Optimizer)`` in its constructor, and ``Optimizer``
@@ -327,8 +329,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``param_groups`` schedulers edit. What it brings and how it is used:
 
     - ``param_groups``: two groups, ``"matrix"`` and ``"elementwise"`` (see the module docstring);
-      ``step()`` pushes their ``lr``/``weight_decay`` into the inner optimizers before updating.
-      ``add_param_group`` is refused: the parameters are fixed by the plan.
+      ``step()`` checks their ``lr``/``weight_decay`` and pushes them into the inner optimizers
+      before updating. ``add_param_group`` is refused: the parameters are fixed by the plan.
     - ``step`` is wrapped by ``Optimizer`` (``profile_hook_step``: a ``record_function`` named
       ``Optimizer.step#DistributedOptimizer.step`` around it, and the step pre/post hooks of
       ``register_step_pre_hook``/``register_step_post_hook``); a scheduler additionally wraps it per
@@ -338,20 +340,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
       ``state_dict``/``load_state_dict``/``zero_grad`` are this class's own (consolidated,
       plan-independent documents; the ``Optimizer`` state-dict hooks are not called).
     - ``defaults`` is empty: each group carries its own values.
-     Attributes: ``plan`` (the frozen
-    :class:`~canzona.plan.plan.Plan`), ``comm_stats`` (:class:`~canzona.runtime.comm.CommStats`,
-    bytes per rank per phase; cleared after construction), ``phase_times``
-    (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this object opens, accumulated
-    across steps), ``dp_rank``/``tp_rank``/``dp``/``tp``, ``runtime`` (the
-    :class:`~canzona.runtime.dp.DPRuntime`), ``steps``, ``status_timeout_s``.
+
+    Attributes: ``layout`` (the :class:`~canzona.layouts.base.Layout`), ``settings`` (the
+    :class:`~canzona.settings.OptimizerSettings` built from the keywords), ``plan`` (the layout's
+    frozen plan: :class:`~canzona.plan.plan.Plan` or :class:`~canzona.plan.fsdp.FSDPPlan`),
+    ``runtime`` (the layout's step engine: :class:`~canzona.runtime.dp.DPRuntime` or
+    :class:`~canzona.runtime.fsdp.FSDPRuntime`), ``comm_stats``
+    (:class:`~canzona.runtime.comm.CommStats`, bytes per rank per phase; cleared after
+    construction), ``phase_times`` (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this
+    object opens, accumulated across steps), ``mesh``, ``steps``, ``strategy``, ``matrix_cls``,
+    ``elementwise_cls``, ``status_timeout_s``; and the layout's own sizes and ranks (ZeRO-1:
+    ``dp``, ``tp``, ``dp_rank``, ``tp_rank``; FSDP2: ``dp``, ``tp``, ``tp_rank``, ``replica``,
+    ``group_rank``, ``group_size``), forwarded from ``opt.layout``.
 
     Robustness arguments (docs/robustness.md): ``status_timeout_s`` bounds every wait for the other
     ranks in canzona's status exchanges (plan fingerprints, replica check, the step's two
-    exchanges, checkpoint save/load; default 60 s); ``overlap_updates=True`` updates each bucket as
-    soon as its collective lands instead of after the step's first exchange, giving up the
-    torch-style skipping of parameters without a gradient and the pre-update non-finite check.
+    exchanges, checkpoint save/load; default 60 s), on every layout; ``overlap_updates=True``
+    (ZeRO-1) updates each bucket as soon as its collective lands instead of after the step's first
+    exchange, giving up the torch-style skipping of parameters without a gradient and the
+    pre-update non-finite check.
 
-    Copies (docs/runtime.md): ``param_views=True`` (default) makes every parameter of the
+    Copies (ZeRO-1, docs/runtime.md): ``param_views=True`` (default) makes every parameter of the
     all-gather strategies (``zero1``, ``asc``, ``lb-asc``, ``lb-asc-joint``) a view of a flat
     parameter buffer in the plan's geometry, so the all-gather writes straight into the model
     (``p.data`` is rebound once, at construction; for a DTensor parameter its local tensor;
@@ -359,18 +368,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     listed in ``runtime.copied_params``).
     ``grad_views=True`` (default) lets autograd accumulate the gradients of plain parameters of the
     master dtype straight into the gradient buffer. Both are exact (the same values bit for bit);
-    False restores the copies.
+    False restores the copies. The FSDP2 layout refuses the ZeRO-1 options (``grad_reduce``,
+    ``param_sync``, ``bucket_numel``, ``tp_dims``, ``param_views``, ``grad_views``,
+    ``overlap_updates``, ``alpha``, ``tp_schedule``) when they differ from their defaults.
     """
-
-    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> DistributedOptimizer:
-        """A model holding FSDP2 (``fully_shard``) modules gets the FSDP2 engine
-        (:class:`canzona.fsdp.FSDPDistributedOptimizer`, a subclass); any other the ZeRO-1 path."""
-        if cls is DistributedOptimizer:
-            from canzona.fsdp import FSDPDistributedOptimizer, is_fsdp2_model
-
-            if is_fsdp2_model(model):
-                return super().__new__(FSDPDistributedOptimizer)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -391,7 +392,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         master_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "mean",
         param_sync: str = "eager",
-        plan: Plan | None = None,
+        plan: Any = None,
         status_timeout_s: float = STATUS_TIMEOUT_S,
         overlap_updates: bool = False,
         param_views: bool = True,
@@ -400,38 +401,71 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        try:
-            record = get_strategy(strategy)
-        except ValueError as exc:  # a PlanError: a user's bad argument is a plain ValueError here
-            raise ValueError(str(exc)) from None
-        if grad_reduce not in ("mean", "sum"):
-            raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
-        if param_sync not in ("eager", "lazy"):
-            raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
-        if master_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype}")
-        for flag, value in (("param_views", param_views), ("grad_views", grad_views)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {value!r}")
-        if not (isinstance(status_timeout_s, (int, float)) and 0 < status_timeout_s < float("inf")):
-            raise ValueError(f"status_timeout_s must be a positive number of seconds, got {status_timeout_s!r}")
-        self.status_timeout_s = float(status_timeout_s)
+        settings = OptimizerSettings(
+            strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
+            cmax_mb=cmax_mb, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
+            status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
+        )
+        self._set_settings(settings)
+        matrix_cls, ew_cls = self._resolve_optimizers(optimizer, optimizer_kwargs, elementwise_optimizer, elementwise_kwargs)
+        device = self._check_model(model)
+        layout = choose_layout(model)(model, mesh, settings, device=device)
+        layout.check_optimizers(matrix_cls, ew_cls)
+        self.layout = layout
+        self.mesh = layout.mesh
+        self.model = model
+
+        # ---- plan, agreed on every rank; groups; replicas
+        self.plan = self._agree_plan(layout, matrix_cls, plan, device)
+        self._init_param_groups(model, layout)
+        layout.check_replicas()
+        # every rank's optimizer arguments, folded into the per-step hyperparameter digest
+        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
+
+        # ---- runtime
+        self.comm_stats = CommStats()
+        self.phase_times = PhaseTimer()
+        self._watch = ParamWatch(model)
+        self.runtime = layout.build(
+            matrix_factory=_factory(matrix_cls, self.optimizer_kwargs),
+            elementwise_factory=_factory(ew_cls, self.elementwise_kwargs),
+            comm_stats=self.comm_stats,
+            phase_times=self.phase_times,
+        )
+        self.comm_stats.reset()
+
+    # ------------------------------------------------------------------------------ construction
+    def _set_settings(self, settings: OptimizerSettings) -> None:
+        self.settings = settings
+        self.strategy = settings.strategy
+        self.master_dtype = settings.master_dtype
+        self.status_timeout_s = settings.status_timeout_s
+
+    def _resolve_optimizers(
+        self,
+        optimizer: Any,
+        optimizer_kwargs: Mapping[str, Any] | None,
+        elementwise_optimizer: Any,
+        elementwise_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[type[torch.optim.Optimizer], type[torch.optim.Optimizer]]:
+        """Both optimizer classes, probed to be per-parameter, with their arguments' ranges checked."""
         matrix_cls = resolve_optimizer(optimizer, "optimizer")
         ew_cls = resolve_optimizer(elementwise_optimizer, "elementwise_optimizer")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.elementwise_kwargs = dict(elementwise_kwargs or {})
-        if record.elementwise_only and matrix_cls is not ew_cls and matrix_cls is not torch.optim.AdamW:
-            others = ", ".join(n for n in strategy_names() if not get_strategy(n).elementwise_only)
-            raise ValueError(
-                f"{strategy} cuts matrices at equal chunks, so it can only run an element-wise optimizer; got {matrix_cls.__name__}. "
-                f"Use optimizer='adamw' or a strategy that keeps matrices whole ({others}) for matrix optimizers"
-            )
         check_per_parameter(matrix_cls, self.optimizer_kwargs, "optimizer")
         if ew_cls is not matrix_cls or self.elementwise_kwargs != self.optimizer_kwargs:
             check_per_parameter(ew_cls, self.elementwise_kwargs, "elementwise_optimizer")
+        check_hyperparams(self.optimizer_kwargs, "optimizer_kwargs")
+        check_hyperparams(self.elementwise_kwargs, "elementwise_kwargs")
+        self.matrix_cls, self.elementwise_cls = matrix_cls, ew_cls
+        return matrix_cls, ew_cls
+
+    @staticmethod
+    def _check_model(model: nn.Module) -> torch.device:
+        """The device of the model's parameters; refuses an uninitialized world and meta parameters."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
-        world = dist.get_world_size()
         first = next(iter(model.parameters()), None)
         if first is None:
             raise ValueError("the model has no parameters")
@@ -441,32 +475,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"the model has {len(meta)} parameter(s) on the meta device (e.g. {meta[0]}): they hold no values; "
                 "materialize and initialize them (model.to_empty(device=...) then your init) before building the optimizer"
             )
-        device = local_tensor(first).device
-        mesh = self._check_mesh(mesh, world, device)
-        self.mesh = mesh
-        names = mesh.mesh_dim_names or ("dp",)
-        self.dp = mesh.size(names.index("dp"))
-        self.tp = mesh.size(names.index("tp")) if "tp" in names else 1
-        self.dp_rank = mesh.get_local_rank("dp") if mesh.ndim > 1 else dist.get_rank(mesh.get_group())
-        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
-        self.model = model
-        self.strategy = strategy
-        self.matrix_cls, self.elementwise_cls = matrix_cls, ew_cls
-        self.master_dtype = master_dtype
+        return local_tensor(first.detach()).device
 
-        # ---- specs and plan; a failure on some ranks only surfaces through the fingerprint exchange
+    def _agree_plan(self, layout: Layout, matrix_cls: type[torch.optim.Optimizer], plan: Any, device: torch.device) -> Any:
+        """The layout's plan, once every rank has shown the same fingerprint. A failure on some ranks
+        only surfaces through the fingerprint exchange: every rank learns the failing ranks'
+        messages (:func:`~canzona.runtime.agree.agree`, bounded by ``status_timeout_s``)."""
         err: Exception | None = None
         fp: str | None = None
         try:
-            # frozen parameters (requires_grad=False) are not the optimizer's: no buffer slot, no owner
-            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-            specs = [s for s in specs_from_module(model, tp_dims=tp_dims, tp=self.tp) if s.name in trainable]
-            if not specs:
-                raise ValueError("the model has no trainable parameters")
-            if plan is None:
-                plan = self._make_plan(specs, matrix_cls, strategy, tp_schedule, bucket_numel, alpha, cost, cmax_mb, master_dtype)
-            else:
-                self._check_given_plan(plan, specs, strategy)
+            plan = layout.make_plan(matrix_cls, plan)
             fp = plan.fingerprint
         except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange below
             # Whatever went wrong here, this rank enters the fingerprint exchange (with None) before
@@ -474,9 +492,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # a later collective of this rank.
             err = exc
         fps = exchange_fingerprints(fp, device=device, timeout_s=self.status_timeout_s)
-        failed = [r for r, f in enumerate(fps) if f is None]
-        if failed:
-            # every rank learns the failing ranks' messages (the failing rank re-raises its own error)
+        if any(f is None for f in fps):
             try:
                 agree(err, "building the plan", timeout_s=self.status_timeout_s)
             except RankFailure as exc:
@@ -489,58 +505,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for r, f in enumerate(fps):
                 groups.setdefault(str(f), []).append(r)
             raise RuntimeError(f"plan fingerprints differ across ranks: {groups}; every rank must plan the same model with the same inputs")
-        assert plan is not None
-        self.plan = plan
-        self._init_param_groups(model, plan, matrix_cls, ew_cls)
-        self._check_replicas(model, device)
-        # every rank's optimizer arguments, folded into the per-step hyperparameter digest
-        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
+        return plan
 
-        # ---- runtime
-        self.comm_stats = CommStats()
-        self.phase_times = PhaseTimer()
-        dp_group = mesh.get_group("dp") if mesh.ndim > 1 else mesh.get_group()
-        self.dp_comm = Comm(dp_group, self.comm_stats)
-        self.tp_comm = Comm(mesh.get_group("tp"), self.comm_stats) if self.tp > 1 else None
-        named = dict(model.named_parameters())
-        self._watch = ParamWatch(model)
-        params = {p.name: named[p.name] for p in plan.params}
-        self.runtime = DPRuntime(
-            plan,
-            params,
-            dp_comm=self.dp_comm,
-            matrix_factory=self._factory(matrix_cls, self.optimizer_kwargs),
-            elementwise_factory=self._factory(ew_cls, self.elementwise_kwargs),
-            tp_engine_factory=self._tp_engine_factory(),
-            master_dtype=master_dtype,
-            grad_reduce=grad_reduce,
-            param_sync=param_sync,
-            status_timeout_s=self.status_timeout_s,
-            overlap_updates=overlap_updates,
-            param_views=param_views,
-            grad_views=grad_views,
-        )
-        self.runtime.timer = self.phase_times
-        self.runtime.attach()
-        if self.runtime.lazy:
-            self.runtime.install_forward_hooks(model)
-        self.comm_stats.reset()
-
-    # ------------------------------------------------------------------------------ construction
-    def _init_param_groups(
-        self, model: nn.Module, plan: Plan, matrix_cls: type[torch.optim.Optimizer], ew_cls: type[torch.optim.Optimizer]
-    ) -> None:
-        """``Optimizer.__init__`` over the plan's parameters, split by the role their inner
-        optimizer has (under ``zero1`` every parameter is element-wise, the matrix group empty)."""
-        planned = {pp.name for pp in plan.params}
+    def _init_param_groups(self, model: nn.Module, layout: Layout) -> None:
+        """``Optimizer.__init__`` over the planned parameters in model order, split by the role the
+        layout gives them (under ``zero1`` every parameter is element-wise, the matrix group empty)."""
         hyper = {
-            "matrix": scheduled_hyperparams(matrix_cls, self.optimizer_kwargs),
-            "elementwise": scheduled_hyperparams(ew_cls, self.elementwise_kwargs),
+            "matrix": scheduled_hyperparams(self.matrix_cls, self.optimizer_kwargs),
+            "elementwise": scheduled_hyperparams(self.elementwise_cls, self.elementwise_kwargs),
         }
+        planned = layout.planned
         members: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name in GROUP_NAMES}
         for n, p in model.named_parameters():
             if n in planned:
-                members["elementwise" if elementwise_role(plan, n) else "matrix"].append((n, p))
+                members[layout.role(n)].append((n, p))
         groups = [{"name": name, "params": [p for _, p in members[name]], **hyper[name]} for name in GROUP_NAMES]
         self._groups_fixed = False
         super().__init__(groups, {})
@@ -551,29 +529,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group["param_names"] = [n for n, _ in members[group["name"]]]
         self._scheduled = {name: tuple(hyper[name]) for name in GROUP_NAMES}
 
-    def _check_replicas(self, model: nn.Module, device: torch.device) -> None:
-        """Replicas must start equal: every DP rank's copy of each parameter (its TP-local shard)
-        is compared through a 62-bit checksum of its bytes (one all-reduce over the world group,
-        once). Different seeds or a skipped broadcast are refused on every rank, naming the
-        parameters; under ``sc`` they would otherwise stay different forever."""
-        planned = [pp.name for pp in self.plan.params]
-        named = dict(model.named_parameters())
-        n = len(planned)
-        lowest = torch.iinfo(torch.int64).min
-        flags = torch.full((self.tp, n, 2), lowest, dtype=torch.int64)
-        for k, name in enumerate(planned):
-            c = tensor_checksum(local_tensor(named[name].detach()))
-            flags[self.tp_rank, k, 0], flags[self.tp_rank, k, 1] = c, -c
-        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=self.status_timeout_s)
-        assert reduced is not None
-        r = reduced.cpu().view(self.tp, n, 2)
-        differ = sorted({planned[k] for t in range(self.tp) for k in range(n) if int(r[t, k, 0]) != -int(r[t, k, 1])})
-        if differ:
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            raise RuntimeError(
-                f"parameter values differ across DP ranks at construction: {', '.join(differ[:3])}{more}; "
-                "every DP rank must start from the same model (same seed, or broadcast the parameters first)"
-            )
+    def __getattr__(self, name: str) -> Any:
+        # only reached when ordinary lookup fails: the layout's sizes and ranks (its ``exposed``)
+        layout = self.__dict__.get("layout")
+        if layout is not None and name in layout.exposed:
+            return getattr(layout, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _digest(self) -> int:
         """62-bit hash of this rank's hyperparameters (the groups' scheduled values, exact float
@@ -591,6 +552,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    def _check_hyperparams(self) -> None:
+        """Refuse out-of-range scheduled values (NaN or negative ``lr`` ...) before anything changes.
+
+        Why raising here, locally, reaches every rank: every rank runs this check on its own
+        groups before joining any collective of the step. The groups were equal on every rank at
+        the last step (its status exchange compares their digest), and what changes them between
+        steps (a scheduler, the training script) runs on every rank alike, so every rank sees the
+        same values and raises the same error at the same point, none of them inside a collective.
+        Should a rank-dependent edit make the values differ, the ranks that pass go on into the
+        step's first status exchange, which the refusing ranks never join: they raise
+        :class:`~canzona.runtime.agree.AgreementTimeout` naming those ranks within
+        ``status_timeout_s``, and that exchange comes before any state changes (without
+        ``overlap_updates``), so no rank applies anything."""
+        for group in self.param_groups:
+            check_hyperparams({k: group[k] for k in group if k != "params"}, f"parameter group {group['name']!r}")
+
     def _push_hyperparams(self) -> None:
         """Write each group's scheduled hyperparameters into the inner optimizers of its role (a few
         dict writes; every rank holds the same groups, so every inner optimizer sees the same values)."""
@@ -598,101 +575,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             name = group["name"]
             self.runtime.set_hyperparams(name, {k: group[k] for k in self._scheduled[name]})
 
-    @staticmethod
-    def _check_mesh(mesh: Any, world: int, device: torch.device) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-        if mesh is None:
-            return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a torch.distributed DeviceMesh (or None for 1-D DP), got {type(mesh).__name__}")
-        if mesh.size() != world:
-            raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
-        names = mesh.mesh_dim_names
-        if names is not None and "dp_shard" in names:
-            raise ValueError(
-                f"the mesh {names} names FSDP2 dimensions but the model holds no fully_shard module; shard the model "
-                "with fully_shard first, or use a ('dp',) / ('dp', 'tp') mesh for canzona's own ZeRO-1 path"
-            )
-        if mesh.ndim == 1 and names not in (None, ("dp",)):
-            raise ValueError(f"a 1-D mesh must be named ('dp',), got {names}")
-        if mesh.ndim > 1 and (names is None or "dp" not in names or set(names) - {"dp", "tp"} or mesh.ndim != 2):
-            raise ValueError(f"a 2-D mesh needs dimensions named ('dp', 'tp'), got {names}")
-        return mesh
-
-    def _make_plan(
-        self,
-        specs: list[ParamSpec],
-        matrix_cls: type[torch.optim.Optimizer],
-        strategy: str,
-        tp_schedule: str | None,
-        bucket_numel: int | None,
-        alpha: float,
-        cost: str,
-        cmax_mb: float,
-        master_dtype: torch.dtype,
-    ) -> Plan:
-        from canzona.plan import default_bucket_numel, default_tp_schedule, make_plan
-
-        inputs = PlanInputs(
-            model=type(self.model).__name__,
-            layout="module",
-            dp=self.dp,
-            tp=self.tp,
-            # the registry's cost key of the class (classes it does not know are costed as Muon); an
-            # element-wise-only strategy runs every parameter through the element-wise optimizer
-            optimizer=ELEMENTWISE_DEFAULT if get_strategy(strategy).elementwise_only else cost_key_for_class(matrix_cls),
-            strategy=strategy,
-            tp_schedule=tp_schedule or default_tp_schedule(strategy),
-            bucket_numel=bucket_numel if bucket_numel is not None else default_bucket_numel(self.dp),
-            alpha=alpha,
-            cost=cost,
-            cmax_bytes=max(1, int(cmax_mb * 2**20)),
-            grad_bytes=torch.empty((), dtype=master_dtype).element_size(),
-        )
-        return make_plan(specs, inputs)
-
-    def _check_given_plan(self, plan: Plan, specs: list[ParamSpec], strategy: str) -> None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a canzona Plan, got {type(plan).__name__}")
-        if plan.inputs.dp != self.dp or plan.inputs.tp != self.tp:
-            raise ValueError(f"the plan is for dp={plan.inputs.dp} x tp={plan.inputs.tp}, the mesh is dp={self.dp} x tp={self.tp}")
-        if plan.inputs.strategy != strategy:
-            raise ValueError(f"the plan is for strategy {plan.inputs.strategy!r}, not {strategy!r}")
-        if {s.name: s for s in plan.specs} != {s.name: s for s in specs}:
-            raise ValueError("the plan was made for other parameters than this model's (names, shapes, kinds or TP splits differ)")
-
-    def _factory(self, cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> OptimizerFactory:
-        kw = dict(kwargs)
-        return lambda ts: cls(ts, **kw)
-
-    def _tp_engine_factory(self) -> Any:
-        if self.tp == 1:
-            return None
-        from canzona.runtime.tp import TPEngine
-
-        factory = self._factory(self.matrix_cls, self.optimizer_kwargs)
-        plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
-        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
-
-    def _check_params_unchanged(self) -> None:
-        self._watch.check()
-
     # ------------------------------------------------------------------------------ torch-like API
     def step(self, closure: Any = None) -> Any:
-        """Wait for gradients, update owned parameters, return values to every rank (eager)."""
+        """Wait for gradients, update owned parameters, return values to every rank (eager).
+
+        The groups' hyperparameters are range-checked first, on every rank, before anything changes
+        (:meth:`_check_hyperparams`); then the runtime's step joins the status exchanges that settle
+        errors, missing and non-finite gradients and the hyperparameter digest on every rank."""
         if closure is not None:
             raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
-        self._check_params_unchanged()
+        self._watch.check()
+        self._check_hyperparams()
         self._push_hyperparams()
         with timing(self.phase_times):
             self.runtime.step(self._digest())
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard gradients: the buffer's, and every ``p.grad`` of the model, which becomes None or,
-        with ``set_to_none=False``, is zeroed in place as ``torch.optim.Optimizer.zero_grad`` does
-        (detached from its graph first)."""
+        """Discard gradients: the runtime's (the ZeRO-1 buffer), and every ``p.grad`` of the model,
+        which becomes None or, with ``set_to_none=False``, is zeroed in place as
+        ``torch.optim.Optimizer.zero_grad`` does (detached from its graph first)."""
         with timing(self.phase_times):
             self.runtime.discard_grads()
         for p in self._watch.parameters():
@@ -707,14 +609,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def finish_param_sync(self) -> None:
         """``param_sync="lazy"``: wait for the pending parameter all-gathers now (the forward does it
-        bucket by bucket otherwise); call before reading parameters outside a forward pass."""
+        bucket by bucket otherwise); call before reading parameters outside a forward pass. Nothing
+        is pending on layouts that return values inside ``step()``."""
         with timing(self.phase_times):
             self.runtime.finish_param_sync()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients over micro-batches without launching collectives."""
-        with self.runtime.buffer.no_sync():
+        """Accumulate gradients over micro-batches without launching gradient collectives: wrap
+        every backward but the last of an accumulation in it. ZeRO-1: the buffer's hooks keep
+        accumulating without launching the bucket collectives; FSDP2: FSDP2's gradient sync is
+        off on every ``fully_shard`` module inside the block."""
+        with self.layout.no_sync():
             yield
 
     def register_update_hook(self, hook: Any) -> Any:
@@ -726,12 +632,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (e.g. :class:`~canzona.runtime.hooks.UpdateNormLog`)."""
         return self.runtime.register_update_hook(hook)
 
+    def refresh_masters(self) -> None:
+        """Re-read the masters from the model (collective; layouts that keep separate masters of
+        the model's pieces): call after overwriting parameters outside the optimizer."""
+        refresh = getattr(self.layout, "refresh_masters", None)
+        if refresh is None:
+            raise TypeError(f"the {self.layout.engine} layout has no refresh_masters (its masters are the parameter buffer's)")
+        refresh()
+
     @property
     def steps(self) -> int:
         return self.runtime.steps
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (local optimizers plus hosted TP tasks)."""
+        """Bytes of optimizer state on this rank (local optimizers plus hosted matrix tasks)."""
         return self.runtime.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
@@ -761,59 +675,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         load_consolidated_state_dict(self, state)
 
     # ------------------------------------------------------------------------------ checkpoint source
-    # What canzona.runtime.checkpoint and canzona.runtime.dcp read (their Checkpointable protocol).
+    # What canzona.runtime.checkpoint and canzona.runtime.dcp read (their Checkpointable protocol):
+    # the layout says what this rank holds; the hyperparameters are the front end's.
     def checkpoint_params(self) -> list[ParamRecord]:
-        return [ParamRecord(s.name, tuple(s.shape), s.kind, s.tp_dim, elementwise_role(self.plan, s.name)) for s in self.plan.specs]
+        return self.layout.checkpoint_params()
 
     def checkpoint_describe(self) -> dict[str, Any]:
-        from dataclasses import fields
-
-        inp = self.plan.inputs
-        return {
-            "engine": "dp",
-            "strategy": inp.strategy,
-            "dp": inp.dp,
-            "tp": inp.tp,
-            "fingerprint": self.plan.fingerprint,
-            "plan_inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
-        }
-
-    def _tp_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A box of this rank's TP-local shard of ``spec`` in the full tensor's coordinates."""
-        if not spec.tp_split:
-            return box
-        off = list(box[0])
-        off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
-        return tuple(off), box[1]
+        return self.layout.checkpoint_describe()
 
     def held(self) -> list[Held]:
-        rt = self.runtime
-        # every DP rank holds the same values under sc: DP rank 0's copy is canonical
-        replica = rt.plan.every_rank_updates and rt.dp_rank != 0
-        out: list[Held] = []
-        for pc in rt.pieces:
-            spec = rt.specs[pc.name]
-            region = tuple(self._tp_box(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
-            m = rt.masters[pc]
-            opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
-            # replicated across TP: TP rank 0's copy is canonical
-            canonical = not replica and (spec.tp_split or self.tp_rank == 0)
-            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, pc.role == "elementwise", canonical))
-        eng = rt.tp_engine
-        if eng is not None:
-            # TP hosts hold each task's full state (its full master is re-assembled from the shards);
-            # under the sync schedule every TP rank holds it: TP rank 0's is canonical
-            for name in eng.hosted:
-                canonical = not replica and (not eng.sync or self.tp_rank == 0)
-                out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
-        return out
+        return self.layout.held()
 
     def model_pieces(self) -> list[ModelPiece]:
-        rt = self.runtime
-        return [
-            ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))
-            for name, p in rt.params.items()
-        ]
+        return self.layout.model_pieces()
+
+    def status_device(self) -> torch.device:
+        return self.layout.status_device()
+
+    def finish_load(self, steps: int) -> None:
+        self.layout.finish_load(steps)
 
     def hyperparams(self) -> dict[str, dict[str, Any]]:
         inner = getattr(self, "_inner_hyper", None)
@@ -824,19 +704,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             }
         return {g["name"]: {**inner[g["name"]], **{k: g[k] for k in self._scheduled[g["name"]]}} for g in self.param_groups}
 
-    def status_device(self) -> torch.device:
-        return self.runtime.buffer.data.device
-
-    def finish_load(self, steps: int) -> None:
-        rt = self.runtime
-        if rt.tp_engine is not None:
-            rt.tp_engine.refresh_masters()  # hosts re-assemble their full masters from the loaded shards
-        rt.steps = int(steps)
-        rt.discard_grads()
-        rt.replicas.clear()  # every rank holds the loaded state
-
     def __repr__(self) -> str:
         return (
             f"DistributedOptimizer({self.matrix_cls.__name__} + {self.elementwise_cls.__name__}, strategy={self.strategy!r}, "
-            f"dp={self.dp}, tp={self.tp}, plan={self.plan.fingerprint})"
+            f"layout={self.layout.engine}, {self.layout.describe()}, plan={self.plan.fingerprint})"
         )
+
+
+def _factory(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> OptimizerFactory:
+    """``ts -> cls(ts, **kwargs)``: how the runtime builds an inner optimizer over its masters."""
+    kw = dict(kwargs)
+    return lambda ts: cls(ts, **kw)

@@ -34,7 +34,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                       "canzona.commands", "canzona.cli"),
     # the runtime executes a plan; it never re-plans from a name or reaches up to the front ends
     "canzona.runtime": ("canzona.commands", "canzona.cli", "canzona.train", "canzona.viz", "canzona.profiling",
-                        "canzona.distributed", "canzona.fsdp", "canzona.hf", "canzona.testing"),
+                        "canzona.distributed", "canzona.layouts", "canzona.hf", "canzona.testing"),
+    # layouts sit below the one front end; the settings record below both
+    "canzona.layouts": ("canzona.distributed", "canzona.commands", "canzona.cli", "canzona.train"),
+    "canzona.settings": ("canzona.distributed", "canzona.layouts", "canzona.commands", "canzona.cli"),
     # the library loop and front end never import the command line
     "canzona.distributed": ("canzona.commands", "canzona.cli", "canzona.train"),
     "canzona.train": ("canzona.commands", "canzona.cli"),
@@ -97,7 +100,8 @@ def test_rule_catches_a_back_edge() -> None:
     assert not _hits("canzona.optimizers", _rule("canzona.plan"))  # the registry of names is not optimizer math
     # checkpoints reach the front ends only through canzona.runtime.checkpoint.Checkpointable
     assert _hits("canzona.distributed.DistributedOptimizer", _rule("canzona.runtime.checkpoint"))
-    assert _hits("canzona.fsdp", _rule("canzona.runtime.dcp"))
+    assert _hits("canzona.layouts.fsdp2", _rule("canzona.runtime.dcp"))
+    assert _hits("canzona.distributed", _rule("canzona.layouts.zero1"))
     assert not _hits("canzona.runtime.checkpoint", _rule("canzona.runtime.dcp"))
 
 
@@ -106,9 +110,9 @@ def test_checkpoint_modules_name_no_front_end() -> None:
     not even for type annotations, and the front ends import the contract from the runtime."""
     paths = dict(_modules())
     for mod in ("canzona.runtime.checkpoint", "canzona.runtime.dcp"):
-        front = sorted(m for m in _imports(mod, paths[mod]) if m.startswith(("canzona.distributed", "canzona.fsdp")))
+        front = sorted(m for m in _imports(mod, paths[mod]) if m.startswith(("canzona.distributed", "canzona.layouts")))
         assert front == [], f"{mod} imports {front}"
-    for mod in ("canzona.distributed", "canzona.fsdp"):
+    for mod in ("canzona.distributed", "canzona.layouts.base", "canzona.layouts.zero1", "canzona.layouts.fsdp2"):
         assert "canzona.runtime.checkpoint" in _imports(mod, paths[mod]), f"{mod} must implement canzona.runtime.checkpoint's contract"
 
 

@@ -713,7 +713,7 @@ def test_refusals_are_one_clear_error() -> None:
 
 
 def test_shard_groups_of_a_mesh() -> None:
-    from canzona.fsdp import fsdp_group_ranks
+    from canzona.layouts.fsdp2 import fsdp_group_ranks
 
     assert fsdp_group_ranks((4,), ("dp_shard",), [0, 1, 2, 3]) == [[0, 1, 2, 3]]
     assert fsdp_group_ranks((2, 2), ("dp_replicate", "dp_shard"), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
@@ -721,7 +721,7 @@ def test_shard_groups_of_a_mesh() -> None:
 
 
 def test_unsupported_placement_and_mixed_mesh_are_refused() -> None:
-    from canzona.fsdp import _check_mesh, _check_placements
+    from canzona.layouts.fsdp2 import check_fsdp2_mesh as _check_mesh, check_placements as _check_placements
 
     class FakeMesh:
         mesh_dim_names = ("dp", "dp_shard")

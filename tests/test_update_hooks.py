@@ -148,7 +148,7 @@ def _fsdp_case(rank: int, world: int) -> dict[str, Any]:
             if p.host == me:
                 expected.append(p.name)
             continue
-        blocks = opt._layouts[p.name].blocks
+        blocks = opt.runtime.layouts[p.name].blocks
         holders = [r for r, b in enumerate(blocks) if tuple(b.shape) == tuple(p.shape)]
         if not holders:
             cut.append(p.name)

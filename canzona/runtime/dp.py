@@ -125,7 +125,6 @@ from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.agree import (
-    STATUS_TIMEOUT_S,
     HyperparameterMismatch,
     NonFiniteGradient,
     RankFailure,
@@ -149,6 +148,7 @@ from canzona.runtime.phases import (
     phase,
     timing,
 )
+from canzona.settings import OptimizerSettings
 
 __all__ = [
     "DPRuntime",
@@ -238,7 +238,9 @@ class DPRuntime:
     ``elementwise_factory`` build a per-parameter optimizer over a list of master tensors.
     ``tp_engine_factory(local_masters)`` builds the TP micro-group engine over the fp32 TP-local
     masters of the TP-split matrix parameters this rank updates; it is required only when such
-    parameters exist.
+    parameters exist. ``settings`` (:class:`canzona.settings.OptimizerSettings`, validated when it
+    was built) supplies the master dtype, the gradient reduction, parameter return, status timeout
+    and the view and overlap options; None: the defaults.
     """
 
     def __init__(
@@ -250,18 +252,13 @@ class DPRuntime:
         matrix_factory: OptimizerFactory,
         elementwise_factory: OptimizerFactory,
         tp_engine_factory: Callable[[dict[str, torch.Tensor]], Any] | None = None,
-        master_dtype: torch.dtype = torch.float32,
-        grad_reduce: str = "mean",
-        param_sync: str = "eager",
-        status_timeout_s: float = STATUS_TIMEOUT_S,
-        overlap_updates: bool = False,
-        param_views: bool = True,
-        grad_views: bool = True,
+        settings: OptimizerSettings | None = None,
     ) -> None:
-        if param_sync not in ("eager", "lazy"):
-            raise ValueError(f"param_sync must be 'eager' or 'lazy', got {param_sync!r}")
-        if grad_reduce not in ("mean", "sum"):
-            raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
+        # the options were validated once, when the settings record was built
+        settings = settings if settings is not None else OptimizerSettings()
+        master_dtype, grad_reduce, param_sync = settings.master_dtype, settings.grad_reduce, settings.param_sync
+        status_timeout_s, overlap_updates = settings.status_timeout_s, settings.overlap_updates
+        param_views, grad_views = settings.param_views, settings.grad_views
         if dp_comm.size != plan.inputs.dp:
             raise ValueError(f"the plan is for dp={plan.inputs.dp} but the DP group has {dp_comm.size} ranks")
         self.plan = plan

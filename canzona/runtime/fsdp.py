@@ -45,10 +45,11 @@ from torch import nn
 from canzona.optim import finite_grads_verified
 from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
-from canzona.runtime.agree import STATUS_TIMEOUT_S, ReplicaGuard, agree, check_step_flags, nonfinite, status_group, step_flags
+from canzona.runtime.agree import ReplicaGuard, agree, check_step_flags, nonfinite, status_group, step_flags
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
+from canzona.settings import OptimizerSettings
 
 __all__ = ["FSDPEngine", "FSDPRuntime", "local_block"]
 
@@ -100,7 +101,8 @@ class FSDPRuntime:
     (name, host) lists. Gradients are read from ``p.grad`` (FSDP2's reduce-scattered DTensor) at
     :meth:`step`. As on the ZeRO-1 path, a parameter without a gradient on any rank is skipped (as
     ``torch.optim`` skips ``p.grad is None``) and one with a gradient on some ranks only counts the
-    others' pieces as zero. ``status_timeout_s`` bounds each wait in the step's status exchanges.
+    others' pieces as zero. ``settings`` (:class:`canzona.settings.OptimizerSettings`) gives the
+    master dtype and ``status_timeout_s``, the bound on each wait in the step's status exchanges.
     """
 
     def __init__(
@@ -112,9 +114,11 @@ class FSDPRuntime:
         comm: Comm,
         matrix_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         elementwise_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        master_dtype: torch.dtype = torch.float32,
-        status_timeout_s: float = STATUS_TIMEOUT_S,
+        settings: OptimizerSettings | None = None,
     ) -> None:
+        # the options were validated once, when the settings record was built
+        settings = settings if settings is not None else OptimizerSettings()
+        master_dtype, status_timeout_s = settings.master_dtype, settings.status_timeout_s
         self.params = dict(params)
         self.layouts = dict(layouts)
         self.comm = comm

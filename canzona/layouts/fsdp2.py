@@ -1,0 +1,370 @@
+"""The FSDP2 layout: models sharded by ``fully_shard`` (FSDP, HSDP, FSDP x TP).
+
+Usage is the one front end's (every rank)::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = parallelize(Qwen3(cfg), mesh["tp"])            # optional TP (DTensor Shard(0|1))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh)
+    loss.backward(); opt.step(); opt.zero_grad()           # FSDP2 does its own reduce-scatter
+
+The mesh dimensions are named as in torchtitan: ``dp_shard`` (required), ``tp`` and
+``dp_replicate`` (HSDP) optional, outermost first. Each parameter's piece is read from its DTensor
+placements (``Shard(0)`` on ``dp_shard``, ``Shard(d)`` or ``Replicate`` on ``tp``, ``Replicate`` on
+``dp_replicate``); any other placement or a non-DTensor parameter is refused, naming the parameter.
+
+How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
+
+- gradients arrive in ``p.grad``: FSDP2 reduce-scatters them (HSDP also all-reduces) as it always
+  does; ``no_sync()`` turns FSDP2's gradient sync off on every ``fully_shard`` module for its
+  duration (``set_requires_gradient_sync``), so micro-batches accumulate unreduced;
+- element-wise parameters (embeddings, heads, norms, biases): the element-wise optimizer runs on
+  each rank's own piece (fp32 masters of the piece);
+- matrix parameters: one task per parameter, hosted by one rank of its *shard group* (the
+  ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.fsdp` and stepped
+  by :class:`canzona.runtime.fsdp.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
+  Algorithm 2) with the pieces of a matrix spread over that group;
+- HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
+  HSDP's all-reduce, identical results bit for bit);
+- uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
+  sizes.
+
+Invariants: every rank holds one block per parameter; the blocks gathered once at construction
+tile every tensor exactly (:class:`canzona.runtime.exchange.PieceLayout` checks it); a hosted
+matrix's full master and state live on its host only (on every rank under ``sc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from canzona.layouts.base import Layout, OptimizerFactory
+from canzona.optimizers import cost_key_for_class
+from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
+from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
+from canzona.runtime.comm import Comm, CommStats
+from canzona.runtime.exchange import Block, PieceLayout
+from canzona.runtime.fsdp import FSDPRuntime, local_block
+from canzona.runtime.phases import PhaseTimer
+from canzona.settings import OptimizerSettings
+from canzona.specs import is_matrix_param
+
+__all__ = ["FSDP_MESH_DIMS", "FSDP2Layout", "check_fsdp2_mesh", "check_placements", "fsdp_group_ranks", "fsdp_modules", "is_fsdp2_model"]
+
+#: mesh dimension names of the FSDP2 layout (torchtitan's), outermost first
+FSDP_MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
+GROUP_TIMEOUT_S = 300.0
+
+
+def fsdp_modules(model: Any) -> list[nn.Module]:
+    """The modules of ``model`` wrapped by FSDP2's ``fully_shard`` (empty for any other model)."""
+    if not isinstance(model, nn.Module):
+        return []
+    # a model can only hold fully_shard modules once torch.distributed.fsdp is loaded: do not pay
+    # its import (seconds) on the ZeRO-1 path
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return [m for m in model.modules() if isinstance(m, module_cls)] if module_cls is not None else []
+
+
+def is_fsdp2_model(model: Any) -> bool:
+    """True when ``model`` (an ``nn.Module``) contains a module wrapped by FSDP2's ``fully_shard``."""
+    return bool(fsdp_modules(model))
+
+
+def fsdp_group_ranks(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...], ranks: list[int]) -> list[list[int]]:
+    """The shard groups of a mesh (one per ``dp_replicate`` index): the global ranks of its
+    ``dp_shard x tp`` sub-mesh, sorted. ``ranks`` is the mesh's rank list in row-major order."""
+    if "dp_replicate" not in mesh_dim_names:
+        return [sorted(ranks)]
+    axis = mesh_dim_names.index("dp_replicate")
+    t = torch.tensor(ranks).view(mesh_shape).movedim(axis, 0)
+    return [sorted(row.flatten().tolist()) for row in t]
+
+
+def check_fsdp2_mesh(mesh: Any, world: int) -> Any:
+    """The mesh an FSDP2 model was sharded on: a DeviceMesh over the world named from
+    :data:`FSDP_MESH_DIMS` including ``dp_shard``, outermost first."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is None:
+        raise ValueError(
+            "an FSDP2 model needs mesh=: the DeviceMesh it was sharded on, with dimensions named "
+            "from ('dp_replicate', 'dp_shard', 'tp') (torchtitan's names)"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp" in names:
+        raise ValueError(
+            "the model is sharded by FSDP2 (fully_shard) but the mesh has a 'dp' dimension, which is canzona's own ZeRO-1 "
+            "path: mixing the two is not supported; name the mesh dimensions ('dp_replicate', 'dp_shard', 'tp')"
+        )
+    if "dp_shard" not in names or set(names) - set(FSDP_MESH_DIMS) or len(set(names)) != len(names):
+        raise ValueError(f"an FSDP2 mesh needs dimensions named from {FSDP_MESH_DIMS} including 'dp_shard', got {names}")
+    if list(names) != [d for d in FSDP_MESH_DIMS if d in names]:
+        raise ValueError(f"FSDP2 mesh dimensions must be ordered {FSDP_MESH_DIMS} (outermost first), got {names}")
+    if mesh.size() != world:
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
+    return mesh
+
+
+def _placement_ok(dim_name: str, pl: Any, ndim: int) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if dim_name == "dp_shard":
+        # Shard(0), or FSDP2's _StridedShard(0) when TP also cuts dim 0 (FSDP chunks the TP-local rows)
+        return (isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard") and getattr(pl, "dim", None) == 0
+    if dim_name == "tp":
+        return isinstance(pl, Replicate) or (type(pl) is Shard and 0 <= pl.dim < ndim)
+    return isinstance(pl, Replicate)
+
+
+def check_placements(name: str, p: torch.Tensor, mesh: Any) -> int | None:
+    """Refuse any piece layout the FSDP2 layout cannot serve; return the TP split dim (None: replicated)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"{name}: not a DTensor; every trainable parameter of an FSDP2 model must be sharded by fully_shard "
+            "(wrap the root module too)"
+        )
+    pm = p.device_mesh
+    pnames = tuple(pm.mesh_dim_names or ())
+    if "dp_shard" not in pnames:
+        raise ValueError(f"{name}: its mesh {pnames} has no 'dp_shard' dimension; shard it with fully_shard(mesh=mesh['dp_shard'])")
+    names = tuple(mesh.mesh_dim_names)
+    tp_dim: int | None = None
+    for dim_name, pl in zip(pnames, p.placements):
+        if dim_name not in names or pm.size(pnames.index(dim_name)) != mesh.size(names.index(dim_name)):
+            raise ValueError(f"{name}: its mesh dimension {dim_name!r} is not a dimension of the same size in the optimizer's mesh {names}")
+        if not _placement_ok(dim_name, pl, p.ndim):
+            raise ValueError(
+                f"{name}: placement {pl!r} on mesh dimension {dim_name!r} is not supported on the FSDP2 path "
+                "(expected Shard(0) on dp_shard, Shard(d) or Replicate on tp, Replicate on dp_replicate)"
+            )
+        if dim_name == "tp" and type(pl) is Shard:
+            tp_dim = pl.dim
+    return tp_dim
+
+
+class FSDP2Layout(Layout):
+    """An FSDP2 (``fully_shard``) model (see the module docstring).
+
+    Attributes the front end forwards: ``dp`` (``dp_replicate x dp_shard``), ``tp``, ``tp_rank``,
+    ``replica`` (this rank's ``dp_replicate`` index), ``group_rank`` and ``group_size`` (this rank
+    in its shard group), ``comm`` (the shard group's :class:`~canzona.runtime.comm.Comm`). ``plan``
+    is an :class:`~canzona.plan.fsdp.FSDPPlan`, ``runtime`` an
+    :class:`~canzona.runtime.fsdp.FSDPRuntime`."""
+
+    engine = "fsdp2"
+    refused = ("grad_reduce", "param_sync", "bucket_numel", "tp_dims", "param_views", "grad_views", "overlap_updates", "alpha", "tp_schedule")
+    refused_reason = "of canzona's ZeRO-1 path, which do not apply to an FSDP2 model (FSDP2 owns the gradients and their reduction)"
+    exposed = ("dp", "tp", "tp_rank", "replica", "group_rank", "group_size", "comm")
+
+    @classmethod
+    def serves(cls, model: nn.Module) -> bool:
+        return is_fsdp2_model(model)
+
+    def __init__(self, model: nn.Module, mesh: Any, settings: OptimizerSettings, *, device: torch.device) -> None:
+        super().__init__(model, mesh, settings, device=device)
+        if settings.strategy not in FSDP_STRATEGIES:
+            raise ValueError(
+                f"strategy {settings.strategy!r} needs canzona's own ZeRO-1 buffer and cannot run on an FSDP2 model; "
+                f"choose one of {', '.join(FSDP_STRATEGIES)}"
+            )
+        self.mesh = mesh = check_fsdp2_mesh(mesh, dist.get_world_size())
+        names = tuple(mesh.mesh_dim_names)
+        self.size = {d: (mesh.size(names.index(d)) if d in names else 1) for d in FSDP_MESH_DIMS}
+        self.dp, self.tp = self.size["dp_replicate"] * self.size["dp_shard"], self.size["tp"]
+        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
+        self.replica = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+
+    # ------------------------------------------------------------------ plan
+    def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> FSDPPlan:
+        s = self.settings
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters")
+        records = []
+        for n, p in trainable:
+            tp_dim = check_placements(n, p, self.mesh)
+            shape = tuple(p.shape)
+            records.append(FSDPParam(n, shape, "matrix" if is_matrix_param(n, shape) else "elementwise", tp_dim))
+        inputs = FSDPInputs(
+            model=type(self.model).__name__,
+            dp_shard=self.size["dp_shard"],
+            tp=self.size["tp"],
+            dp_replicate=self.size["dp_replicate"],
+            optimizer=cost_key_for_class(matrix_cls),  # classes the registry does not know are costed as Muon
+            strategy=s.strategy,
+            cost=s.cost,
+            cmax_bytes=max(1, int(s.cmax_mb * 2**20)),
+            grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
+        )
+        if plan is None:
+            plan = plan_fsdp(records, inputs)
+        else:
+            self._check_given_plan(plan, records, inputs)
+        self.plan = plan
+        self._kinds = {p.name: p.kind for p in plan.params}
+        return plan
+
+    @staticmethod
+    def _check_given_plan(plan: Any, records: list[FSDPParam], inputs: FSDPInputs) -> None:
+        if not isinstance(plan, FSDPPlan):
+            raise TypeError(f"plan must be a canzona FSDPPlan on an FSDP2 model, got {type(plan).__name__}")
+        if plan.inputs != inputs:
+            raise ValueError(f"the plan was made for {plan.inputs}, this optimizer needs {inputs}")
+        mine = [(p.name, p.shape, p.kind, p.tp_dim) for p in plan.params]
+        if mine != [(p.name, p.shape, p.kind, p.tp_dim) for p in records]:
+            raise ValueError("the plan was made for other parameters than this model's (names, shapes, kinds or TP splits differ)")
+
+    @property
+    def planned(self) -> frozenset[str]:
+        return frozenset(self._kinds)
+
+    def role(self, name: str) -> str:
+        return "matrix" if self._kinds[name] == "matrix" else "elementwise"
+
+    # ------------------------------------------------------------------ runtime
+    def build(
+        self, *, matrix_factory: OptimizerFactory, elementwise_factory: OptimizerFactory, comm_stats: CommStats, phase_times: PhaseTimer
+    ) -> FSDPRuntime:
+        plan = self.plan
+        self.comm = Comm(self._shard_group(), comm_stats)
+        self.group_rank, self.group_size = self.comm.rank, self.comm.size
+        named = dict(self.model.named_parameters())
+        layouts = self._exchange_layouts(plan, named)
+        self.runtime = FSDPRuntime(
+            {p.name: named[p.name] for p in plan.params},
+            layouts,
+            [list(zip(g.names, g.hosts)) for g in plan.groups],
+            comm=self.comm,
+            matrix_factory=matrix_factory,
+            elementwise_factory=elementwise_factory,
+            settings=self.settings,
+        )
+        return self.runtime
+
+    def _shard_group(self) -> Any:
+        """This rank's shard group (every rank creates every replica's group, in the same order)."""
+        names = tuple(self.mesh.mesh_dim_names)
+        shard_groups = fsdp_group_ranks(tuple(self.mesh.mesh.shape), names, self.mesh.mesh.flatten().tolist())
+        me = dist.get_rank()
+        group = None
+        for ranks in shard_groups:
+            g = dist.new_group(ranks, timeout=timedelta(seconds=GROUP_TIMEOUT_S)) if len(shard_groups) > 1 else None
+            if me in ranks:
+                group = g
+        return group
+
+    def _exchange_layouts(self, plan: FSDPPlan, named: Mapping[str, torch.Tensor]) -> dict[str, PieceLayout]:
+        """Every rank's block of every parameter, from the DTensor placements (one all-gather of
+        offsets and shapes over the shard group; not counted in ``comm_stats``)."""
+        # DTensor's own rule for a rank's block (it understands FSDP2's _StridedShard under TP); a
+        # private helper, also what torch.distributed.checkpoint uses. PieceLayout re-checks that
+        # the gathered blocks tile every tensor exactly, so a changed rule fails loudly.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        nd = max(len(p.shape) for p in plan.params)
+        rows = []
+        for pp in plan.params:
+            p = named[pp.name]
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            if tuple(local_block(p.detach()).shape) != tuple(shape):
+                raise RuntimeError(f"{pp.name}: local tensor has shape {tuple(local_block(p.detach()).shape)}, its placements say {tuple(shape)}")
+            pad = nd - len(shape)
+            rows.append(list(offset) + [0] * pad + list(shape) + [0] * pad)
+        mine = torch.tensor(rows, dtype=torch.int64).flatten()
+        n = self.comm.size
+        out, work = Comm(self.comm.group).all_gather_equal(mine)
+        if work is not None:
+            work.wait()
+        table = out.view(n, len(plan.params), 2 * nd).tolist()
+        layouts = {}
+        for i, pp in enumerate(plan.params):
+            k = len(pp.shape)
+            blocks = tuple(Block(tuple(table[r][i][:k]), tuple(table[r][i][nd : nd + k])) for r in range(n))
+            layouts[pp.name] = PieceLayout(pp.name, tuple(pp.shape), blocks)
+        return layouts
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """FSDP2's gradient sync off on every ``fully_shard`` module while inside: each backward
+        accumulates into FSDP2's unsharded gradients without reduce-scatter (or HSDP's all-reduce);
+        the first backward after the block reduces the accumulated sum. On exit the sync is turned
+        back on (FSDP2's default): a model whose sync the caller had switched off gets it back."""
+        modules = fsdp_modules(self.model)
+        for m in modules:
+            m.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+    def refresh_masters(self) -> None:
+        """Re-read the fp32 masters from the model (collective): call after overwriting parameters."""
+        self.runtime.refresh_masters()
+
+    def describe(self) -> str:
+        i = self.plan.inputs
+        return f"dp_replicate={i.dp_replicate}, dp_shard={i.dp_shard}, tp={i.tp}"
+
+    # ------------------------------------------------------------------ checkpoint pieces
+    def checkpoint_params(self) -> list[ParamRecord]:
+        return [ParamRecord(p.name, tuple(p.shape), p.kind, p.tp_dim, p.kind != "matrix") for p in self.plan.params]
+
+    def checkpoint_describe(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "strategy": self.settings.strategy,
+            "dp": self.dp,
+            "tp": self.tp,
+            "fingerprint": self.plan.fingerprint,
+            "plan_inputs": asdict(self.plan.inputs),
+        }
+
+    def held(self) -> list[Held]:
+        """Element-wise pieces (this rank's block, state shaped like it) and the hosted matrices
+        (full master and state). Replica 0 is canonical under HSDP; among ranks holding the same
+        block (replicated over ``tp``) the layout's source; under ``sc`` group rank 0."""
+        rt, eng = self.runtime, self.runtime.engine
+        first = self.replica == 0
+        out: list[Held] = []
+        for name, m in rt.ew_masters.items():
+            lay = rt.layouts[name]
+            b = lay.blocks[self.group_rank]
+            out.append(Held(name, ((b.offset, b.shape),), m, rt.ew_optimizer, m, True, first and lay.sources[self.group_rank]))
+        for name in eng.hosted:
+            m = eng.masters[name]
+            canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
+            out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+        return out
+
+    def model_pieces(self) -> list[ModelPiece]:
+        rt = self.runtime
+        out = []
+        for name, p in rt.params.items():
+            b = rt.layouts[name].blocks[self.group_rank]
+            out.append(ModelPiece(name, local_block(p.detach()), (b.offset, b.shape)))
+        return out
+
+    def status_device(self) -> torch.device:
+        return local_block(next(iter(self.runtime.params.values())).detach()).device
+
+    def finish_load(self, steps: int) -> None:
+        self.runtime.steps = int(steps)  # hosts hold full masters, loaded whole: nothing to re-assemble
+        self.runtime.replicas.clear()  # every rank holds the loaded state

@@ -1,0 +1,287 @@
+"""The ZeRO-1 buffer layout: canzona's own gradient buffer over plain or DTensor-TP models.
+
+The paper's setting (Sections 3 and 4). The model's parameters are whole on every DP rank (or
+TP-local shards under DTensor tensor parallelism, or Megatron-style plain shards described by
+``tp_dims``); gradients arrive through backward hooks into a flat, bucketed buffer
+(:mod:`canzona.runtime.buffer`), each bucket's collective (reduce-scatter to the plan's cut points,
+or all-reduce) launched as soon as it is complete; each DP rank updates the parameters the plan
+(Algorithm 1, :mod:`canzona.plan`) gives it, TP-split matrices go through the micro-group engine
+(Algorithm 2, :mod:`canzona.runtime.tp`), and values return by all-gather or broadcast
+(:class:`canzona.runtime.dp.DPRuntime`).
+
+The mesh is ``None`` (1-D DP over the world), ``("dp",)`` or ``("dp", "tp")``. Invariants: the
+plan's specs are the model's trainable parameters with their TP splits; every rank checks at
+construction that its DP replicas start bitwise equal; the rank that owns a piece is the one
+rank whose optimizer state holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from canzona.layouts.base import Layout, OptimizerFactory
+from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class
+from canzona.plan.plan import Plan, PlanInputs
+from canzona.plan.strategies import get_strategy, strategy_names
+from canzona.runtime.agree import agree
+from canzona.runtime.buffer import local_tensor
+from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
+from canzona.runtime.comm import Comm, CommStats
+from canzona.runtime.dp import DPRuntime, elementwise_role
+from canzona.runtime.integrity import tensor_checksum
+from canzona.runtime.phases import PhaseTimer
+from canzona.settings import OptimizerSettings
+from canzona.specs import ParamSpec, specs_from_module
+
+__all__ = ["Zero1Layout", "check_zero1_mesh"]
+
+
+def check_zero1_mesh(mesh: Any, world: int, device: torch.device) -> Any:
+    """The mesh of the ZeRO-1 layout (a 1-D ``("dp",)`` mesh over the world when ``mesh`` is None)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if mesh is None:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh (or None for 1-D DP), got {type(mesh).__name__}")
+    if mesh.size() != world:
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
+    names = mesh.mesh_dim_names
+    if names is not None and "dp_shard" in names:
+        raise ValueError(
+            f"the mesh {names} names FSDP2 dimensions but the model holds no fully_shard module; shard the model "
+            "with fully_shard first, or use a ('dp',) / ('dp', 'tp') mesh for canzona's own ZeRO-1 path"
+        )
+    if mesh.ndim == 1 and names not in (None, ("dp",)):
+        raise ValueError(f"a 1-D mesh must be named ('dp',), got {names}")
+    if mesh.ndim > 1 and (names is None or "dp" not in names or set(names) - {"dp", "tp"} or mesh.ndim != 2):
+        raise ValueError(f"a 2-D mesh needs dimensions named ('dp', 'tp'), got {names}")
+    return mesh
+
+
+class Zero1Layout(Layout):
+    """Canzona's ZeRO-1 buffer over a plain or DTensor-TP model (see the module docstring).
+
+    Attributes the front end forwards: ``dp``, ``tp``, ``dp_rank``, ``tp_rank``, ``dp_comm``,
+    ``tp_comm``. ``plan`` is a :class:`~canzona.plan.plan.Plan`, ``runtime`` a
+    :class:`~canzona.runtime.dp.DPRuntime`."""
+
+    engine = "dp"
+    exposed = ("dp", "tp", "dp_rank", "tp_rank", "dp_comm", "tp_comm")
+
+    @classmethod
+    def serves(cls, model: nn.Module) -> bool:
+        return True  # the fallback: any model no other layout claims
+
+    def __init__(self, model: nn.Module, mesh: Any, settings: OptimizerSettings, *, device: torch.device) -> None:
+        super().__init__(model, mesh, settings, device=device)
+        try:
+            self.strategy_record = get_strategy(settings.strategy)
+        except ValueError as exc:  # a PlanError: a user's bad argument is a plain ValueError here
+            raise ValueError(str(exc)) from None
+        self.mesh = mesh = check_zero1_mesh(mesh, dist.get_world_size(), device)
+        names = mesh.mesh_dim_names or ("dp",)
+        self.dp = mesh.size(names.index("dp"))
+        self.tp = mesh.size(names.index("tp")) if "tp" in names else 1
+        self.dp_rank = mesh.get_local_rank("dp") if mesh.ndim > 1 else dist.get_rank(mesh.get_group())
+        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
+
+    def check_optimizers(self, matrix_cls: type[torch.optim.Optimizer], ew_cls: type[torch.optim.Optimizer]) -> None:
+        """``zero1`` cuts matrices at equal chunks: it runs only an element-wise optimizer."""
+        strategy = self.settings.strategy
+        if self.strategy_record.elementwise_only and matrix_cls is not ew_cls and matrix_cls is not torch.optim.AdamW:
+            others = ", ".join(n for n in strategy_names() if not get_strategy(n).elementwise_only)
+            raise ValueError(
+                f"{strategy} cuts matrices at equal chunks, so it can only run an element-wise optimizer; got {matrix_cls.__name__}. "
+                f"Use optimizer='adamw' or a strategy that keeps matrices whole ({others}) for matrix optimizers"
+            )
+
+    # ------------------------------------------------------------------ plan
+    def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> Plan:
+        s = self.settings
+        # frozen parameters (requires_grad=False) are not the optimizer's: no buffer slot, no owner
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        specs = [sp for sp in specs_from_module(self.model, tp_dims=s.tp_dims, tp=self.tp) if sp.name in trainable]
+        if not specs:
+            raise ValueError("the model has no trainable parameters")
+        if plan is None:
+            plan = self._plan(specs, matrix_cls)
+        else:
+            self._check_given_plan(plan, specs)
+        self.plan = plan
+        self._planned = frozenset(pp.name for pp in plan.params)
+        return plan
+
+    def _plan(self, specs: list[ParamSpec], matrix_cls: type[torch.optim.Optimizer]) -> Plan:
+        from canzona.plan import default_bucket_numel, default_tp_schedule, make_plan
+
+        s = self.settings
+        inputs = PlanInputs(
+            model=type(self.model).__name__,
+            layout="module",
+            dp=self.dp,
+            tp=self.tp,
+            # the registry's cost key of the class (classes it does not know are costed as Muon); an
+            # element-wise-only strategy runs every parameter through the element-wise optimizer
+            optimizer=ELEMENTWISE_DEFAULT if self.strategy_record.elementwise_only else cost_key_for_class(matrix_cls),
+            strategy=s.strategy,
+            tp_schedule=s.tp_schedule or default_tp_schedule(s.strategy),
+            bucket_numel=s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp),
+            alpha=s.alpha,
+            cost=s.cost,
+            cmax_bytes=max(1, int(s.cmax_mb * 2**20)),
+            grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
+        )
+        return make_plan(specs, inputs)
+
+    def _check_given_plan(self, plan: Any, specs: list[ParamSpec]) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a canzona Plan, got {type(plan).__name__}")
+        if plan.inputs.dp != self.dp or plan.inputs.tp != self.tp:
+            raise ValueError(f"the plan is for dp={plan.inputs.dp} x tp={plan.inputs.tp}, the mesh is dp={self.dp} x tp={self.tp}")
+        if plan.inputs.strategy != self.settings.strategy:
+            raise ValueError(f"the plan is for strategy {plan.inputs.strategy!r}, not {self.settings.strategy!r}")
+        if {sp.name: sp for sp in plan.specs} != {sp.name: sp for sp in specs}:
+            raise ValueError("the plan was made for other parameters than this model's (names, shapes, kinds or TP splits differ)")
+
+    @property
+    def planned(self) -> frozenset[str]:
+        return self._planned
+
+    def role(self, name: str) -> str:
+        # under zero1 every parameter is element-wise, the matrix group empty
+        return "elementwise" if elementwise_role(self.plan, name) else "matrix"
+
+    def check_replicas(self) -> None:
+        """Replicas must start equal: every DP rank's copy of each parameter (its TP-local shard)
+        is compared through a 62-bit checksum of its bytes (one all-reduce over the world group,
+        once). Different seeds or a skipped broadcast are refused on every rank, naming the
+        parameters; under ``sc`` they would otherwise stay different forever."""
+        planned = [pp.name for pp in self.plan.params]
+        named = dict(self.model.named_parameters())
+        n = len(planned)
+        lowest = torch.iinfo(torch.int64).min
+        flags = torch.full((self.tp, n, 2), lowest, dtype=torch.int64)
+        for k, name in enumerate(planned):
+            c = tensor_checksum(local_tensor(named[name].detach()))
+            flags[self.tp_rank, k, 0], flags[self.tp_rank, k, 1] = c, -c
+        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=self.settings.status_timeout_s)
+        assert reduced is not None
+        r = reduced.cpu().view(self.tp, n, 2)
+        differ = sorted({planned[k] for t in range(self.tp) for k in range(n) if int(r[t, k, 0]) != -int(r[t, k, 1])})
+        if differ:
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise RuntimeError(
+                f"parameter values differ across DP ranks at construction: {', '.join(differ[:3])}{more}; "
+                "every DP rank must start from the same model (same seed, or broadcast the parameters first)"
+            )
+
+    # ------------------------------------------------------------------ runtime
+    def build(
+        self, *, matrix_factory: OptimizerFactory, elementwise_factory: OptimizerFactory, comm_stats: CommStats, phase_times: PhaseTimer
+    ) -> DPRuntime:
+        mesh = self.mesh
+        dp_group = mesh.get_group("dp") if mesh.ndim > 1 else mesh.get_group()
+        self.dp_comm = Comm(dp_group, comm_stats)
+        self.tp_comm = Comm(mesh.get_group("tp"), comm_stats) if self.tp > 1 else None
+        named = dict(self.model.named_parameters())
+        self.runtime = DPRuntime(
+            self.plan,
+            {p.name: named[p.name] for p in self.plan.params},
+            dp_comm=self.dp_comm,
+            matrix_factory=matrix_factory,
+            elementwise_factory=elementwise_factory,
+            tp_engine_factory=self._tp_engine_factory(matrix_factory),
+            settings=self.settings,
+        )
+        self.runtime.timer = phase_times
+        self.runtime.attach()
+        if self.runtime.lazy:
+            self.runtime.install_forward_hooks(self.model)
+        return self.runtime
+
+    def _tp_engine_factory(self, factory: OptimizerFactory) -> Any:
+        if self.tp == 1:
+            return None
+        from canzona.runtime.tp import TPEngine
+
+        plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
+        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.runtime.buffer.no_sync():
+            yield
+
+    def describe(self) -> str:
+        return f"dp={self.dp}, tp={self.tp}"
+
+    # ------------------------------------------------------------------ checkpoint pieces
+    def checkpoint_params(self) -> list[ParamRecord]:
+        return [ParamRecord(sp.name, tuple(sp.shape), sp.kind, sp.tp_dim, elementwise_role(self.plan, sp.name)) for sp in self.plan.specs]
+
+    def checkpoint_describe(self) -> dict[str, Any]:
+        inp = self.plan.inputs
+        return {
+            "engine": self.engine,
+            "strategy": inp.strategy,
+            "dp": inp.dp,
+            "tp": inp.tp,
+            "fingerprint": self.plan.fingerprint,
+            "plan_inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
+        }
+
+    def _tp_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A box of this rank's TP-local shard of ``spec`` in the full tensor's coordinates."""
+        if not spec.tp_split:
+            return box
+        off = list(box[0])
+        off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
+        return tuple(off), box[1]
+
+    def held(self) -> list[Held]:
+        rt = self.runtime
+        # every DP rank holds the same values under sc: DP rank 0's copy is canonical
+        replica = rt.plan.every_rank_updates and rt.dp_rank != 0
+        out: list[Held] = []
+        for pc in rt.pieces:
+            spec = rt.specs[pc.name]
+            region = tuple(self._tp_box(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
+            m = rt.masters[pc]
+            opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
+            # replicated across TP: TP rank 0's copy is canonical
+            canonical = not replica and (spec.tp_split or self.tp_rank == 0)
+            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, pc.role == "elementwise", canonical))
+        eng = rt.tp_engine
+        if eng is not None:
+            # TP hosts hold each task's full state (its full master is re-assembled from the shards);
+            # under the sync schedule every TP rank holds it: TP rank 0's is canonical
+            for name in eng.hosted:
+                canonical = not replica and (not eng.sync or self.tp_rank == 0)
+                out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
+        return out
+
+    def model_pieces(self) -> list[ModelPiece]:
+        rt = self.runtime
+        return [
+            ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))
+            for name, p in rt.params.items()
+        ]
+
+    def status_device(self) -> torch.device:
+        return self.runtime.buffer.data.device
+
+    def finish_load(self, steps: int) -> None:
+        rt = self.runtime
+        if rt.tp_engine is not None:
+            rt.tp_engine.refresh_masters()  # hosts re-assemble their full masters from the loaded shards
+        rt.steps = int(steps)
+        rt.discard_grads()
+        rt.replicas.clear()  # every rank holds the loaded state
