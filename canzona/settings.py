@@ -12,7 +12,7 @@ defaults, which is what a layout refuses when it cannot serve an option (for exa
 buffer's options on an FSDP2 model).
 
 :func:`check_hyperparams` is the range check of the scheduled hyperparameters (``lr``,
-``weight_decay``, ``betas``, ``eps``, ``momentum``), made at construction on the optimizers'
+``weight_decay``, ``betas``, ``eps``), made at construction on the optimizers'
 arguments and at every ``step()`` on the parameter groups, since a scheduler or the user may change
 them after construction.
 """
@@ -109,17 +109,13 @@ def _number(value: Any) -> float | None:
 
 def check_hyperparams(values: Mapping[str, Any], where: str) -> None:
     """ValueError naming ``where`` and the key when a scheduled hyperparameter is out of range:
-    ``lr`` and ``weight_decay`` non-finite or negative, ``momentum`` outside [0, 1), each of ``betas``
+    ``lr`` and ``weight_decay`` non-finite or negative, each of ``betas``
     outside [0, 1), ``eps`` non-finite or not positive. Keys ``values`` lacks are not checked."""
     for key in ("lr", "weight_decay"):
         if key in values:
             x = _number(values[key])
             if x is None or not math.isfinite(x) or x < 0:
                 raise ValueError(f"{where}: {key} must be a finite number >= 0, got {values[key]!r}")
-    if "momentum" in values:
-        x = _number(values["momentum"])
-        if x is None or not 0 <= x < 1:
-            raise ValueError(f"{where}: momentum must be in [0, 1), got {values['momentum']!r}")
     if "betas" in values:
         betas = values["betas"]
         nums = [_number(b) for b in betas] if isinstance(betas, (tuple, list)) else [None]

@@ -523,6 +523,69 @@ def _robust_cases(rank: int, mesh) -> dict:
     out["hyper"] = _attempt(hyper)
     dist.barrier()
 
+    def accumulate(strategy):
+        # two micro-batches per step, the first under no_sync(): FSDP2 reduces nothing inside the
+        # block (no p.grad appears), the second backward reduces the accumulated sum. The
+        # gradients are integers times 2**-4, so every partial sum is exact in fp32 and the order
+        # of FSDP2's accumulation and reduction cannot change a bit: bitwise against the
+        # single-device optimizers fed the mean over ranks of each rank's two micro-batches.
+        model, opt = build(strategy)
+        reduced_inside = []
+        for s in range(STEPS):
+            with opt.no_sync():
+                backward(model, 2 * s)
+                reduced_inside.append(any(p.grad is not None for p in model.parameters()))
+            backward(model, 2 * s + 1)
+            opt.step()
+            opt.zero_grad()
+        params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+        res = {"reduced_inside": reduced_inside}
+        if rank == 0:
+            ref = ReferenceRunner(FSDPToy(torch.float32), Muon, kw, torch.optim.AdamW, EW_KWARGS)
+            shapes = {n: shape for n, (shape, _) in SHAPES.items()}
+            for s in range(STEPS):
+                per_rank = []
+                for r in range(2):
+                    a, b = integer_grads(shapes, step=2 * s, rank=r), integer_grads(shapes, step=2 * s + 1, rank=r)
+                    per_rank.append({n: a[n] + b[n] for n in a})
+                ref.step(mean_grads(per_rank))
+            res["mismatches"] = compare_with_reference(params, doc, ref)
+        return res
+
+    for strategy in ("lb-asc", "sc"):
+        out[f"no_sync/{strategy}"] = _attempt(lambda: accumulate(strategy))
+        dist.barrier()
+
+    def bad_hyper():
+        # out-of-range values set on every rank after construction: refused on every rank before
+        # anything changes; restored, the same gradients then give three uninterrupted steps
+        model, opt = build("lb-asc", status_timeout_s=20)
+        backward(model, 0)
+        opt.step()
+        opt.zero_grad()
+        backward(model, 1)
+        before = _local_snapshot(opt)
+        got = {}
+        for label, group, key, value in (("nan_lr", 0, "lr", float("nan")), ("neg_wd", 1, "weight_decay", -0.1),
+                                         ("inf_lr", 1, "lr", float("inf"))):
+            old = opt.param_groups[group][key]
+            opt.param_groups[group][key] = value
+            got[label] = raised(opt.step)
+            opt.param_groups[group][key] = old
+        got["changed"] = _changed(before, _local_snapshot(opt))
+        got["timeout"] = (opt.status_timeout_s, opt.runtime.status_timeout_s)
+        opt.step()
+        opt.zero_grad()
+        _run(model, opt, mesh, range(2, STEPS))
+        params, doc = _full_params(model), opt.state_dict()
+        if rank == 0:
+            ref = fsdp_reference(Muon, kw, EW_KWARGS, dtype=torch.float32, dp=2, steps=STEPS)
+            got["mismatches"] = compare_with_reference(params, doc, ref)
+        return got
+
+    out["bad_hyper"] = _attempt(bad_hyper)
+    dist.barrier()
+
     def ew_error():
         flaky = _flaky(torch.optim.AdamW, "element-wise")
         model, opt = build("lb-asc", elementwise_optimizer=flaky)
@@ -820,6 +883,33 @@ def test_hyperparameters_that_differ_across_ranks_are_refused_before_any_change(
     for rank, r in enumerate(_robust("hyper")):
         assert r["raised"] is not None and r["raised"][0] == "HyperparameterMismatch", (rank, r["raised"])
         assert r["changed"] == [], (rank, r["changed"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["lb-asc", "sc"])
+def test_no_sync_accumulates_micro_batches_like_a_single_device(strategy: str) -> None:
+    """``opt.no_sync()`` means on FSDP2 what it means on the ZeRO-1 buffer: no gradient collective
+    inside the block (no ``p.grad`` appears), and the accumulated step is bitwise the single-device
+    optimizers' on the summed micro-batches."""
+    per_rank = _robust(f"no_sync/{strategy}")
+    for rank, r in enumerate(per_rank):
+        assert r["reduced_inside"] == [False] * STEPS, (rank, r["reduced_inside"])
+    assert per_rank[0]["mismatches"] == [], per_rank[0]["mismatches"]
+
+
+@pytest.mark.slow
+def test_out_of_range_hyperparameters_are_refused_on_every_rank_before_any_change() -> None:
+    """A NaN/inf ``lr`` or a negative ``weight_decay`` set after construction is refused on every
+    rank, nothing changes, and ``status_timeout_s`` reaches the FSDP2 runtime."""
+    per_rank = _robust("bad_hyper")
+    for rank, r in enumerate(per_rank):
+        for label, text in (("nan_lr", "parameter group 'matrix': lr must be a finite number >= 0, got nan"),
+                            ("neg_wd", "parameter group 'elementwise': weight_decay must be a finite number >= 0, got -0.1"),
+                            ("inf_lr", "parameter group 'elementwise': lr must be a finite number >= 0, got inf")):
+            assert r[label] is not None and r[label][:2] == ("ValueError", text), (rank, label, r[label])
+        assert r["changed"] == [], (rank, r["changed"])
+        assert r["timeout"] == (20.0, 20.0), r["timeout"]
+    assert per_rank[0]["mismatches"] == [], per_rank[0]["mismatches"]
 
 
 @pytest.mark.slow
