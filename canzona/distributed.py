@@ -11,7 +11,18 @@ Usage (every rank runs the same code)::
         opt.step()                      # owners update, values return; the model is updated
         opt.zero_grad()
 
-What happens (the paper's Sections 3 and 4; see :mod:`canzona.runtime.dp` for the phases):
+One class for every layout. The model says which (:func:`canzona.layouts.choose_layout`): a
+model holding FSDP2 ``fully_shard`` modules gets the FSDP2 layout
+(:mod:`canzona.layouts.fsdp2`: FSDP2 reduces the gradients into ``p.grad``, matrices are hosted
+over the shard group), any other model canzona's ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`),
+described below. This module holds what every layout shares: the argument checks and the
+:class:`~canzona.settings.OptimizerSettings` record, the optimizer probes, the plan-fingerprint
+agreement, the parameter groups, the hyperparameter check, push and digest, and the torch
+optimizer and checkpoint interfaces. Invariant: whatever this class raises during construction or
+``step()`` before a collective, it raises on every rank alike, or through a status exchange.
+
+What happens on the ZeRO-1 buffer layout (the paper's Sections 3 and 4; see
+:mod:`canzona.runtime.dp` for the phases):
 
 - Construction reads parameter specs from the model (:func:`canzona.specs.specs_from_module`,
   DTensor placements or ``tp_dims`` for Megatron-style plain shards), makes the plan

@@ -586,6 +586,14 @@ def _robust_cases(rank: int, mesh) -> dict:
     out["bad_hyper"] = _attempt(bad_hyper)
     dist.barrier()
 
+    def plan_fails():
+        # a planning failure on one rank only reaches every rank through the fingerprint agreement
+        model = build_fsdp_toy(mesh, torch.float32)
+        return {"raised": raised(lambda: canzona.DistributedOptimizer(model, "muon", mesh=mesh, plan="nonsense" if rank == 1 else None))}
+
+    out["plan_fails"] = _attempt(plan_fails)
+    dist.barrier()
+
     def ew_error():
         flaky = _flaky(torch.optim.AdamW, "element-wise")
         model, opt = build("lb-asc", elementwise_optimizer=flaky)
@@ -883,6 +891,17 @@ def test_hyperparameters_that_differ_across_ranks_are_refused_before_any_change(
     for rank, r in enumerate(_robust("hyper")):
         assert r["raised"] is not None and r["raised"][0] == "HyperparameterMismatch", (rank, r["raised"])
         assert r["changed"] == [], (rank, r["changed"])
+
+
+@pytest.mark.slow
+def test_a_planning_failure_on_one_rank_is_raised_on_every_rank() -> None:
+    """The one front end's fingerprint agreement on the FSDP2 layout: rank 1's own error there,
+    a RankFailure naming rank 1 and its message on rank 0, both within seconds."""
+    r0, r1 = (r["raised"] for r in _robust("plan_fails"))
+    assert r1 is not None and r1[0] == "TypeError" and "plan must be a canzona FSDPPlan" in r1[1], r1
+    assert r0 is not None and r0[0] == "RankFailure", r0
+    assert r0[1].startswith("building the plan (no rank proceeds) failed on 1 rank(s); rank 1: ") and "FSDPPlan" in r0[1], r0
+    assert r0[2] < BOUND_S and r1[2] < BOUND_S
 
 
 @pytest.mark.slow

@@ -65,17 +65,19 @@ def errors_worker(rank: int, world: int) -> dict:
     # a planning failure on one rank only: that rank raises its ValueError, the other a RuntimeError
     out["one_rank_fails"] = _catch(lambda: D(ToyModel(), "muon", tp_dims={"no.such.param": 0} if rank == 1 else None))
     # an unexpected kind of error while planning on one rank: the others still learn of it at once
-    original = D._make_plan
+    from canzona.layouts.zero1 import Zero1Layout
+
+    original = Zero1Layout._plan
 
     def _explode(self, *args, **kwargs):
         raise RuntimeError("planner exploded")
 
     if rank == 1:
-        D._make_plan = _explode
+        Zero1Layout._plan = _explode
     try:
         out["one_rank_crashes"] = _catch(lambda: D(ToyModel(), "muon"))
     finally:
-        D._make_plan = original
+        Zero1Layout._plan = original
 
     # parameters changed after the plan was made
     model = ToyModel()

@@ -288,6 +288,27 @@ class DPRuntime:
         self.status_comm = Comm(status_group(), dp_comm.stats)
         #: update each bucket as soon as its collective lands, without the pre-update agreement
         self.overlap_updates = bool(overlap_updates)
+        self._init_pieces(master_dtype)
+        self._init_param_views(param_views)
+        self._init_masters(master_dtype)
+        self._init_optimizers(matrix_factory, elementwise_factory, tp_engine_factory)
+        self._init_step_buffers(master_dtype)
+        self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
+        self._tp_grads: dict[str, torch.Tensor] = {}
+        #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
+        self._piece_grads: dict[Piece, torch.Tensor] = {}
+        self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
+        #: wall seconds the last step() spent blocked on each bucket's gradient collective
+        self.bucket_wait_s: dict[int, float] = {}
+        #: ``lazy``: parameter all-gathers launched by step() and finished by forward pre-hooks
+        self.lazy = param_sync == "lazy" and self.reduce_scatter
+        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._hooks: list[Any] = []
+        self.steps = 0
+
+    def _init_pieces(self, master_dtype: torch.dtype) -> None:
+        """The pieces this rank owns, by bucket, and each bucket's dtype for returning values."""
+        plan = self.plan
         self._param_names = [pp.name for pp in plan.params]
         self._param_index = {n: k for k, n in enumerate(self._param_names)}
         self.pieces = pieces_for_rank(plan, self.dp_rank)
@@ -304,7 +325,9 @@ class DPRuntime:
             dtypes = {local_tensor(self.params[n].detach()).dtype for n in b.params}
             self.gather_dtype.append(dtypes.pop() if len(dtypes) == 1 else master_dtype)
 
-        self._init_param_views(param_views)
+    def _init_masters(self, master_dtype: torch.dtype) -> None:
+        """The master of every owned piece: its slot in the parameter buffer where it can alias
+        one, else a copy of its values in ``master_dtype``."""
         self.masters: dict[Piece, torch.Tensor] = {}
         #: owned pieces whose master is their slot in the parameter buffer (see :meth:`_master_slot`)
         self.aliased_masters: set[Piece] = set()
@@ -322,6 +345,16 @@ class DPRuntime:
                     m = local.reshape(-1)[pc.start : pc.end].to(master_dtype, copy=True)
                 self.masters[pc] = m.contiguous()
 
+
+    def _init_optimizers(
+        self,
+        matrix_factory: OptimizerFactory,
+        elementwise_factory: OptimizerFactory,
+        tp_engine_factory: Callable[[dict[str, torch.Tensor]], Any] | None,
+    ) -> None:
+        """The inner optimizers over the owned masters, their per-bucket local steps, the TP
+        micro-group engine over the TP-split pieces, and the replica guard."""
+        plan = self.plan
         def build(role: str, factory: OptimizerFactory) -> torch.optim.Optimizer | None:
             ts = [self.masters[pc] for pc in self.pieces if pc.role == role]
             return factory(ts) if ts else None
@@ -351,6 +384,10 @@ class DPRuntime:
             plan.every_rank_updates or (self.tp_engine is not None and self.tp_engine.sync),
             f"strategy {plan.inputs.strategy!r}" if plan.every_rank_updates else "the 'sync' TP schedule",
         )
+
+    def _init_step_buffers(self, master_dtype: torch.dtype) -> None:
+        """What every step reuses, reserved once: shards, scratch, gradient views, send buffers."""
+        plan, dp_comm = self.plan, self.comm
         # Buckets whose values are final after their local update on every rank (no TP-split piece
         # anywhere in them): their all-gathers leave during the step, the others after the TP engine.
         tp_buckets = {pc.bucket for r in range(self.dp) for pc in pieces_for_rank(plan, r) if pc.role == "tp"}
@@ -405,18 +442,6 @@ class DPRuntime:
             [(pc.name, self.masters[pc]) for pc in self.pieces if not (pc in self.aliased_masters and pc.name in self.param_views)]
             if self.param_return == "none" else []
         )
-        self._launched: list[int] = []  # bucket indices in collective launch order, this iteration
-        self._tp_grads: dict[str, torch.Tensor] = {}
-        #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
-        self._piece_grads: dict[Piece, torch.Tensor] = {}
-        self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
-        #: wall seconds the last step() spent blocked on each bucket's gradient collective
-        self.bucket_wait_s: dict[int, float] = {}
-        #: ``lazy``: parameter all-gathers launched by step() and finished by forward pre-hooks
-        self.lazy = param_sync == "lazy" and self.reduce_scatter
-        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._hooks: list[Any] = []
-        self.steps = 0
 
     def _init_param_views(self, enabled: bool) -> None:
         """``param_views`` (all-gather strategies, and ``sc``): one flat parameter buffer per bucket
