@@ -1,4 +1,7 @@
-"""canzona: exact, load-balanced matrix-based optimizers under ZeRO-1 DP and TP (arXiv 2602.06079).
+"""canzona: exact, load-balanced matrix-based optimizers under ZeRO-1 DP, TP and FSDP2 (arXiv 2602.06079).
+
+One optimizer front end, :class:`DistributedOptimizer`, lays itself out the way the model is laid
+out (:mod:`canzona.layouts`: canzona's ZeRO-1 buffer, or FSDP2 ``fully_shard``).
 
 Data flows one way: model config or module -> :mod:`canzona.specs` -> :mod:`canzona.plan` (pure,
 offline) -> :mod:`canzona.runtime` (torch.distributed) -> phases (NVTX + record_function) ->
@@ -14,6 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DistributedOptimizer": "canzona.distributed",
+    "OptimizerSettings": "canzona.settings",
     "make_plan": "canzona.plan",
     "Plan": "canzona.plan",
     "PlanInputs": "canzona.plan",
