@@ -34,14 +34,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                       "canzona.commands", "canzona.cli"),
     # the runtime executes a plan; it never re-plans from a name or reaches up to the front ends
     "canzona.runtime": ("canzona.commands", "canzona.cli", "canzona.train", "canzona.viz", "canzona.profiling",
-                        "canzona.distributed", "canzona.fsdp", "canzona.hf", "canzona.testing"),
+                        "canzona.distributed", "canzona.fsdp", "canzona.hf", "validation.harness"),
     # the library loop and front end never import the command line
     "canzona.distributed": ("canzona.commands", "canzona.cli", "canzona.train"),
     "canzona.train": ("canzona.commands", "canzona.cli"),
     "canzona.models": ("canzona.commands", "canzona.cli", "canzona.runtime"),
     "canzona.viz": ("canzona.commands", "canzona.cli"),
     "canzona.profiling": ("canzona.commands", "canzona.cli"),
-    "canzona.testing": ("canzona.commands", "canzona.cli"),
+    "validation.harness": ("canzona.commands", "canzona.cli"),
 }
 
 def _modules() -> list[tuple[str, Path]]:

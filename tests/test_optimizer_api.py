@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from canzona.testing import ToyModel
+from validation.harness import ToyModel
 
 
 def test_zero_grad_sets_to_none_or_zeroes_in_place(single_rank_group) -> None:

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from canzona.runtime.launch import WorkerError, run_workers
-from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of, raised, unpack
+from harness import raised
+from validation.harness import ToyModel, inject_grads, integer_grads, pack, params_of, unpack
 
 pytestmark = pytest.mark.slow
 

@@ -145,7 +145,7 @@ def _async_worker(rank: int, world: int, trace_dir: str) -> dict:
     from canzona.optim import Muon
     from canzona.runtime.comm import Comm
     from canzona.runtime.tp import TPEngine
-    from canzona.testing import ToyModel, inject_grads, integer_grads
+    from validation.harness import ToyModel, inject_grads, integer_grads
 
     out: dict = {}
     plan = _plan(cmax=50_000)  # several micro-groups

@@ -7,7 +7,7 @@ in the next collective).
 
 **injected** (the exactness promise, Sections 3-4: a Canzona step computes exactly what the
 single-device optimizer computes on the full tensors). Per step, per parameter and per DP rank the
-gradient is an integer in [-8, 8] times 2**-6 (:func:`canzona.testing.integer_grads`, drawn on
+gradient is an integer in [-8, 8] times 2**-6 (:func:`validation.harness.integer_grads`, drawn on
 the *full* shape; TP ranks cut their shard from it), so any DP sum is exact in any order and the
 mean over a power-of-two DP size is exact. The gradients enter through a real backward pass
 (``(p * g).sum()``), so the ZeRO-1 buffer hooks fire as in training. After ``steps`` steps, with
@@ -46,9 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.plan.strategies import get_strategy
-from canzona.runtime import faults
+from validation import faults
 from canzona.runtime.buffer import local_tensor
-from canzona.testing import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, params_of, tp_cut, unpack
+from validation.harness import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, params_of, tp_cut, unpack
 from canzona.train import DTYPES
 from validation.compare import Comparator, Mismatch
 from validation.matrix import Cell, parse_mesh, strategy_args
@@ -744,7 +744,7 @@ def run_mesh(
     """Worker body (module level for spawn): every cell of one mesh; rank 0 returns the results.
 
     ``fault`` = [(cell name, mode, Fault or defect name), ...] plants a defect in each named cell: mode
-    ``runtime`` registers a :class:`canzona.runtime.faults.FaultHook` as an update hook on that
+    ``runtime`` registers a :class:`validation.faults.FaultHook` as an update hook on that
     cell's optimizer (the runtime perturbs an update or a state), ``post-step`` perturbs the model's parameter right after the optimizer step (ulp
     only), ``defect`` arms one of :data:`validation.defects.DEFECTS` (training cells).
     ``options``: ``optimizer_kwargs`` / ``model_kwargs`` for the user's optimizer and model,

@@ -10,7 +10,7 @@
 - :func:`build_model`: the awkward model or the tiny Qwen3 in a dtype, sharded Megatron-style
   (plain local shards plus ``tp_dims``) for TP, with the full unsharded copy the reference runs on.
 
-``canzona.testing.ToyModel`` has awkward sizes too but no ``1 x n`` matrix, no tied embedding and
+``validation.harness.ToyModel`` has awkward sizes too but no ``1 x n`` matrix, no tied embedding and
 no parameter larger than a rank's share, hence this model here.
 """
 

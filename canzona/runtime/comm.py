@@ -16,7 +16,7 @@ Collectives per backend (Section 3.1 needs one coalesced *variable-size* collect
 - reduce-scatter to uneven cut points: on NCCL the list form (``dist.reduce_scatter``); on gloo an
   ``all_to_all_single`` that sends every rank its slice (a reduce-scatter's bytes exactly),
   followed at ``wait()`` by the sum of the R received slices in rank order, starting from zero (the
-  reference reduction of :func:`canzona.testing.mean_grads`, bit for bit). gloo's list form costs
+  reference reduction of :func:`validation.harness.mean_grads`, bit for bit). gloo's list form costs
   2-7x more wall and CPU time (``profiling/bench_collectives.py``, 300k elements, wall: 3.5
   against 1.1 ms at world 2, 14.5 against 2.1 ms at world 4). The price is a receive buffer of R slices,
   which callers reserve once (:meth:`Comm.reduce_scatter_scratch`).
