@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
 from canzona.runtime.comm import Comm
-from canzona.runtime.phases import STATUS, phase
+from canzona.runtime.phases import phase
 
 __all__ = [
     "MESSAGE_BYTES",
@@ -280,7 +280,7 @@ def agree(
         vec[0] = 1
     if flags is not None:
         vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
-    with phase(STATUS):
+    with phase("canzona/status"):
         _wait(comm.all_reduce(vec, op="max", async_op=True), timeout_s, what, group, tag)
         if int(vec[0].item()) == 0:
             return vec[1:]
