@@ -1,4 +1,4 @@
-"""Errors on one rank reach every rank within seconds, naming the rank (issue 17).
+"""Errors on one rank reach every rank within seconds, naming the rank.
 
 One spawned world of two ranks runs every case in turn (each case records, per rank, what was
 raised and how long after the failing rank's own error the rank raised); each test asserts on its

@@ -1,4 +1,4 @@
-"""torch semantics for missing gradients, bitwise against the single-device optimizer (issue 17).
+"""torch semantics for missing gradients, bitwise against the single-device optimizer.
 
 One spawned world of two ranks runs the same gradient schedule under several strategies (and
 DP1 x TP2 on the tiny Qwen3 model, where a TP-split matrix goes unused); the parent replays it on

@@ -596,7 +596,7 @@ def _final_params(run: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 def _training_cells(cells: Sequence[Cell], ctx: _Ctx, opts: Mapping[str, Any], defects: Mapping[str, Any], emit: Any) -> list[dict[str, Any]]:
     """Run the training cells of one mesh, ``sc`` first per (optimizer, dtype) as the baseline.
 
-    Each cell is judged three ways (issue 17's gate that cannot be fooled): against the
+    Each cell is judged three ways (a gate that one shared mistake cannot fool): against the
     single-process model per tensor (gradients after the TP backward, parameters after every
     step, gradients within GRAD_RTOL, parameters bitwise: an independent oracle, since ``sc``
     shares the model's TP code with every other strategy); every replica on every rank bitwise

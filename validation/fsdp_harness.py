@@ -45,7 +45,7 @@ __all__ = [
     "run_fsdp_case",
 ]
 
-#: the meshes of issue 12: name -> (shape, dimension names)
+#: the FSDP2 meshes of the suite: name -> (shape, dimension names)
 FSDP_MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "dp_shard2": ((2,), ("dp_shard",)),
     "dp_shard4": ((4,), ("dp_shard",)),

@@ -1,4 +1,4 @@
-"""Agreement across ranks at the points where one rank can fail alone (issue 17).
+"""Agreement across ranks at the points where one rank can fail alone.
 
 A distributed optimizer step, checkpoint load or save runs the same code on every rank, but an
 exception can still happen on one rank only: a non-finite gradient on its owner, an optimizer that
