@@ -26,9 +26,9 @@ initialized with ``nccl`` alone, a gloo group over every rank made once). So on 
 makes the host wait for the CUDA streams: only flags that are themselves computed on the device
 (the gradients' finiteness, in the step's first exchange) are copied to the host, the one
 synchronization that "refuse before anything changes" requires; the second exchange, which
-carries only errors, does not touch the device. (A status group of its own on a gloo world was
-measured and rejected: at world 2 on two CPU cores the extra gloo group's threads made a step
-about 7 ms slower than queuing the exchange behind the step's all-gathers.)
+carries only errors, does not touch the device. On a gloo world the exchange shares the default
+group, queued behind the step's all-gathers, rather than opening a gloo group of its own whose
+threads compete with the step's (measured in docs/runtime.md, "Collectives per backend").
 
 Both collectives go through :class:`canzona.runtime.comm.Comm`, inside a phase of their own,
 ``canzona/status`` (an NVTX and profiler range, a :class:`~canzona.runtime.phases.PhaseTimer`
