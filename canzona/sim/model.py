@@ -391,10 +391,9 @@ def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, 
     tp_split = np.array([p.spec.tp_split for p in params])
     ns_time = _matrix_times(plan, hw, setup, matrix_opt)
     adamw_local = ADAMW_BYTES_PER_ELEMENT * local_numel / hbm  # element-wise update of the local shard
-    sync_ag = np.zeros(n)  # per-parameter TP all-gather of the gradient (sync schedule)
-    for i in range(n):
-        if is_matrix[i] and tp_split[i] and matrix_opt != "adamw":
-            sync_ag[i] = all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
+    # per-parameter TP all-gather of the gradient (sync schedule)
+    sync_ag = np.array([all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
+                        if is_matrix[i] and tp_split[i] and matrix_opt != "adamw" else 0.0 for i in range(n)])
     if plan.every_rank_updates:
         # every DP rank all-reduced the gradients and updates everything, every TP rank the full matrix
         e = float(adamw_local[~is_matrix].sum())
