@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from canzona.commands._args import one_line_errors
+from canzona.errors import UserError  # re-exported: subcommands raise canzona.cli.UserError
 
 __all__ = ["COMMANDS", "DefaultsHelpFormatter", "command_parser", "main", "UserError"]
 
@@ -51,10 +52,6 @@ def command_parser(name: str) -> tuple[object, argparse.ArgumentParser]:
     one_line_errors(parser)
     module.add_arguments(parser)
     return module, parser
-
-
-class UserError(Exception):
-    """Raised by a subcommand for a mistake the user can fix; printed as one line, exit 2."""
 
 
 def _top_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Atomic file writes for everything canzona writes (torch-free; issue 17).
+"""Atomic file writes for everything canzona writes (torch-free).
 
 :func:`atomic_write` writes a file so that a reader sees either the old file or the complete new
 one, never a truncated mix: the bytes go to a temporary file in the same folder (same file system,

@@ -1,7 +1,8 @@
 """pytest plugin: the exactness gate as a fixture, for a project's own optimizer and model.
 
 Installed with canzona (entry point ``pytest11``: ``canzona``), so any project that has canzona
-installed can write::
+installed can write (the fixture reaches the exactness suite through :func:`canzona.lab.suite`,
+imported only when a test calls it)::
 
     def test_my_optimizer_is_exact(canzona_exact):
         canzona_exact(MyOptimizer, my_model, meshes=["dp2", "dp2xtp2"])
@@ -50,9 +51,9 @@ def canzona_exact(request: pytest.FixtureRequest) -> Callable[..., Any]:
         timeout_s: float = 600.0,
         **filters: Any,
     ) -> Any:
-        from validation import run
-        from validation.probe import NotSeparableError
-        from validation.targets import TargetError
+        from canzona.lab import suite
+
+        lab = suite()
 
         calls[0] += 1
         report = None
@@ -60,7 +61,7 @@ def canzona_exact(request: pytest.FixtureRequest) -> Callable[..., Any]:
             safe = request.node.name.replace("/", "_").replace("[", "_").replace("]", "")
             report = f"{report_root}/{safe}-{calls[0]}"
         try:
-            res = run(
+            res = lab.run(
                 optimizer,
                 model,
                 meshes=meshes,
@@ -71,9 +72,9 @@ def canzona_exact(request: pytest.FixtureRequest) -> Callable[..., Any]:
                 mesh_timeout_s=timeout_s,
                 **filters,
             )
-        except NotSeparableError as exc:
+        except lab.NotSeparableError as exc:
             pytest.fail(f"canzona_exact: refused: {exc}", pytrace=False)
-        except TargetError as exc:
+        except lab.TargetError as exc:
             pytest.fail(f"canzona_exact: {exc}", pytrace=False)
         if not res.ok:
             pytest.fail(f"canzona_exact: {len(res.failures)} of {len(res.report['cells'])} cells failed\n{res.table()}", pytrace=False)

@@ -265,7 +265,7 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
 
     from canzona.distributed import DistributedOptimizer
     from canzona.models import Qwen3, batch, parallelize, shard_megatron
-    from canzona.runtime.phases import BACKWARD, FORWARD, phase, timing
+    from canzona.runtime.phases import phase, timing
 
     backend = config.resolved_backend
     device = _device(backend)
@@ -302,9 +302,9 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
         before = {k: v["wall_s"] for k, v in opt.phase_times.as_dict().items()}
         t0 = time.perf_counter()
         with timing(opt.phase_times):
-            with phase(FORWARD):
+            with phase("canzona/forward"):
                 loss = model.loss(ids, labels)
-            with phase(BACKWARD):
+            with phase("canzona/backward"):
                 loss.backward()
         opt.step()
         opt.zero_grad()

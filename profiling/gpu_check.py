@@ -3,7 +3,7 @@
 In order, each check bounded in time, every result in one summary table at the end:
 
 1. NCCL exactness cells that fit the GPU count (world 1, 2, 4; one GPU per rank): every DP
-   strategy bitwise equal to a single-device run (``canzona.profiling.gpu.exactness_worker``);
+   strategy bitwise equal to a single-device run (``validation.gpu.exactness_worker``);
 2. the uneven collectives in their NCCL forms, the stream ordering of asynchronous waits, the
    pipelined TP engine on NCCL, and the host synchronizations of one optimizer step;
 3. an ``nsys`` capture of ``canzona profile`` (when ``nsys`` is on PATH) and a check that every
@@ -72,9 +72,9 @@ class Summary:
 
 
 def _exactness(world: int) -> tuple[bool, str]:
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
-    from canzona.testing import tensors_equal
+    from validation.harness import tensors_equal
 
     got = run_workers(gpu.exactness_worker, world, backend="nccl", timeout_s=150)
     want = gpu.reference_params(world)
@@ -85,7 +85,7 @@ def _exactness(world: int) -> tuple[bool, str]:
 def _uneven(world: int) -> tuple[bool, str]:
     import torch
 
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
 
     res = run_workers(gpu.uneven_collectives_worker, world, backend="nccl", timeout_s=90)
@@ -96,7 +96,7 @@ def _uneven(world: int) -> tuple[bool, str]:
 
 
 def _stream(world: int) -> tuple[bool, str]:
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
 
     res = run_workers(gpu.stream_order_worker, world, backend="nccl", timeout_s=90)
@@ -105,7 +105,7 @@ def _stream(world: int) -> tuple[bool, str]:
 
 
 def _tp(world: int) -> tuple[bool, str]:
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
 
     res = run_workers(gpu.tp_engine_worker, world, backend="nccl", timeout_s=120)
@@ -114,7 +114,7 @@ def _tp(world: int) -> tuple[bool, str]:
 
 
 def _syncs() -> tuple[bool, str]:
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
 
     (res,) = run_workers(gpu.host_sync_worker, 1, backend="nccl", timeout_s=90)
@@ -146,7 +146,7 @@ def _nsys(out: Path, nsys: str, n_gpus: int) -> tuple[bool, str]:
 
 
 def _ns(out: Path) -> tuple[bool, str]:
-    from canzona.profiling.gpu import ns_tflops
+    from validation.gpu import ns_tflops
     from canzona.sim.measure import QWEN3_32B_SHAPES, measure_matrix_timings, write_timings_csv
 
     rows = measure_matrix_timings(QWEN3_32B_SHAPES, optimizer="muon", dtype="bf16", device="cuda", repeats=5)
@@ -156,7 +156,7 @@ def _ns(out: Path) -> tuple[bool, str]:
 
 
 def _overlap(out: Path, world: int) -> tuple[bool, str]:
-    from canzona.profiling import gpu
+    from validation import gpu
     from canzona.runtime.launch import run_workers
 
     res = run_workers(gpu.overlap_worker, world, 4, str(out), backend="nccl", timeout_s=150)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing done")
         return 0
-    from canzona.profiling.gpu import cells_for
+    from validation.gpu import cells_for
 
     n = torch.cuda.device_count()
     out = Path(args.out)

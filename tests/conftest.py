@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from canzona.testing import case_results, file_init_method, process_group
+from canzona.runtime.launch import file_init_method, process_group
+from harness import case_results
 
 #: the plugin test drives a nested pytest run (tests/test_validation_api.py)
 pytest_plugins = ["pytester"]

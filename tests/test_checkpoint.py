@@ -18,20 +18,8 @@ import torch
 
 from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import file_init_method, process_group, run_workers
-from canzona.testing import (
-    ReferenceRunner,
-    ToyModel,
-    attempt,
-    case_results,
-    load_refused,
-    inject_grads,
-    integer_grads,
-    mean_grads,
-    pack,
-    params_of,
-    tensors_equal,
-    unpack,
-)
+from harness import attempt, case_results, load_refused
+from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, params_of, tensors_equal, unpack
 
 from tiny_qwen3 import EW_KW, MATRIX_KW, MORE_STEPS, SAVE_STEPS, full_params, tiny_opt, tiny_reference, tiny_run
 

@@ -9,7 +9,7 @@ checkpoints at DP2, the Qwen3 one at DP2 and DP1 x TP2, the FSDP2 ones at dp_sha
 resumes at dp_shard 2 and across the engines (ZeRO-1 dp 2 <-> FSDP2 dp_shard 2), checks refusals on
 both paths and the load's memory bound. Every resumed run must equal, bit for bit, one process
 that continued the original run (gradients are integers times 2**-4: any reduction order and DP
-size give the exact mean). Each case runs under ``canzona.testing.attempt`` and fails on its own.
+size give the exact mean). Each case runs under ``harness.attempt`` (tests/harness.py) and fails on its own.
 """
 
 from __future__ import annotations
@@ -23,20 +23,8 @@ import torch
 
 from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import run_workers
-from canzona.testing import (
-    ReferenceRunner,
-    ToyModel,
-    attempt,
-    case_results,
-    load_refused,
-    inject_grads,
-    integer_grads,
-    mean_grads,
-    pack,
-    params_of,
-    tensors_equal,
-    unpack,
-)
+from harness import attempt, case_results, load_refused
+from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, params_of, tensors_equal, unpack
 
 from tiny_qwen3 import EW_KW, MATRIX_KW, MORE_STEPS, SAVE_STEPS, full_params, qk_norms, tiny_opt, tiny_reference, tiny_run
 
@@ -105,7 +93,7 @@ def _hf_dp2xtp2(folder: str) -> dict:
     from canzona.hf import apply_tp_plan
     from canzona.runtime.dcp import load_sharded, save_sharded
     from canzona.specs import specs_from_module
-    from canzona.testing import tp_cut
+    from validation.harness import tp_cut
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
@@ -147,16 +135,16 @@ FSDP_KW = {"lr": 0.02}
 def _fsdp_mesh(name: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from canzona.testing_fsdp import FSDP_MESHES
+    from validation.fsdp_harness import FSDP_MESHES
 
     shape, names = FSDP_MESHES[name]
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _fsdp(mesh_name: str, optname: str = "muon"):
-    """FSDPToy under fully_shard on a mesh of canzona.testing_fsdp.FSDP_MESHES, lb-asc."""
+    """FSDPToy under fully_shard on a mesh of validation.fsdp_harness.FSDP_MESHES, lb-asc."""
     import canzona
-    from canzona.testing_fsdp import build_fsdp_toy, fsdp_local_grads
+    from validation.fsdp_harness import build_fsdp_toy, fsdp_local_grads
 
     mesh = _fsdp_mesh(mesh_name)
     model = build_fsdp_toy(mesh)
@@ -172,7 +160,7 @@ def _fsdp(mesh_name: str, optname: str = "muon"):
 
 
 def _fsdp_shapes() -> dict[str, tuple[int, ...]]:
-    from canzona.testing_fsdp import FSDP_TOY_SHAPES
+    from validation.fsdp_harness import FSDP_TOY_SHAPES
 
     return {n: s for n, (s, _) in FSDP_TOY_SHAPES.items()}
 
@@ -180,7 +168,7 @@ def _fsdp_shapes() -> dict[str, tuple[int, ...]]:
 def _zero1_toy(optname: str = "muon"):
     """The same FSDPToy on canzona's own ZeRO-1 path (1-D dp mesh, plain tensors)."""
     import canzona
-    from canzona.testing_fsdp import FSDPToy
+    from validation.fsdp_harness import FSDPToy
 
     model = FSDPToy()
     opt = canzona.DistributedOptimizer(model, optname, strategy="lb-asc", optimizer_kwargs=FSDP_KW, elementwise_kwargs=EW_KW, bucket_numel=40)
@@ -196,7 +184,7 @@ def _zero1_toy(optname: str = "muon"):
 
 def _outcome(model, opt) -> dict:
     """Full parameters and the consolidated document (masters and every state entry; rank 0)."""
-    from canzona.testing_fsdp import _full_params
+    from validation.fsdp_harness import _full_params
 
     params = _full_params(model)
     doc = opt.state_dict()
@@ -233,7 +221,7 @@ def _fsdp_reference(dps: tuple[int, int]) -> object:
     """One process: SAVE_STEPS steps with the means of dps[0] data-parallel ranks, then MORE_STEPS
     with those of dps[1]."""
     from canzona.optim import Muon
-    from canzona.testing_fsdp import FSDPToy
+    from validation.fsdp_harness import FSDPToy
 
     ref = ReferenceRunner(FSDPToy(), Muon, FSDP_KW, torch.optim.AdamW, EW_KW)
     for s in range(SAVE_STEPS + MORE_STEPS):
@@ -525,7 +513,7 @@ def test_dcp_tools_read_the_checkpoint(folder: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="transformers is not installed")
 def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
     from canzona.optim import Muon
-    from canzona.testing import tp_cut
+    from validation.harness import tp_cut
 
     model = _hf_model()
     ref = ReferenceRunner(model, Muon, MATRIX_KW, torch.optim.AdamW, EW_KW)
@@ -574,8 +562,8 @@ FSDP_RESUMES = {
 def test_fsdp2_sharded_resume_is_bitwise_in_parameters_and_every_state_entry(folder: Path, case: str) -> None:
     """Saved on one layout (FSDP2 dp_shard 2 / 4 / 2 x tp 2, or canzona's ZeRO-1 dp 2; sharded, and
     one consolidated file), loaded on another, MORE_STEPS more steps: parameters, masters and every optimizer-state entry equal one
-    uninterrupted process's (canzona.testing_fsdp.compare_with_reference: torch.equal)."""
-    from canzona.testing_fsdp import compare_with_reference
+    uninterrupted process's (validation.fsdp_harness.compare_with_reference: torch.equal)."""
+    from validation.fsdp_harness import compare_with_reference
 
     world, dps = FSDP_RESUMES[case]
     if world == 2:
@@ -609,7 +597,7 @@ def test_fsdp2_checkpoint_is_chunked_and_read_by_dcp_tools(folder: Path, tmp_pat
     dcp_to_torch_save(folder / "fsdp2", out)
     doc = torch.load(out, weights_only=True)
     from canzona.optim import Muon
-    from canzona.testing_fsdp import FSDPToy
+    from validation.fsdp_harness import FSDPToy
 
     ref = ReferenceRunner(FSDPToy(), Muon, FSDP_KW, torch.optim.AdamW, EW_KW)
     for s in range(SAVE_STEPS):

@@ -29,8 +29,9 @@ from canzona.runtime.exchange import (
 )
 from canzona.runtime.launch import run_workers
 from canzona.runtime.tp import all_to_all_reference
-from canzona.testing import pack, raised, tensors_equal, unpack
-from canzona.testing_fsdp import FSDP_MESHES, FSDP_TOY_SHAPES, build_fsdp_toy, fsdp_local_grads, run_fsdp_case
+from harness import raised
+from validation.harness import pack, tensors_equal, unpack
+from validation.fsdp_harness import FSDP_MESHES, FSDP_TOY_SHAPES, build_fsdp_toy, fsdp_local_grads, run_fsdp_case
 
 STEPS = 3
 
@@ -311,7 +312,7 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
     if mesh_key == "dp_shard2":
         # canzona validate's entry point, with planted defects inside the FSDP2 engine: one ulp on a
         # hosted update, one lost state update; and a clean case
-        from canzona.testing_fsdp import fsdp_mesh_worker
+        from validation.fsdp_harness import fsdp_mesh_worker
 
         base = {"optimizer": "muon", "strategy": "lb-asc", "optimizer_kwargs": {"lr": 0.02}}
         out["validation"] = fsdp_mesh_worker(rank, 2, "dp_shard2", [
@@ -358,7 +359,7 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
 
-        from canzona.testing_fsdp import FSDPToy
+        from validation.fsdp_harness import FSDPToy
 
         # canzona's own ZeRO-1 mesh on an FSDP2 model
         try:
@@ -444,8 +445,8 @@ def _robust_cases(rank: int, mesh) -> dict:
     import canzona
     from canzona.optim import Muon
     from canzona.runtime.fsdp import local_block
-    from canzona.testing import ReferenceRunner, integer_grads, mean_grads
-    from canzona.testing_fsdp import FSDPToy, compare_with_reference, fsdp_reference
+    from validation.harness import ReferenceRunner, integer_grads, mean_grads
+    from validation.fsdp_harness import FSDPToy, compare_with_reference, fsdp_reference
 
     kw = {"lr": 0.02}
 
@@ -712,8 +713,10 @@ def _check_case(key: str, label: str) -> None:
     else:
         assert sorted(hosted) == sorted(matrices * replicas)
         # the host optimizer's math never communicates; values come back by scatter
-        assert all("canzona/tp/compute" not in r[label]["stats"] for r in results)
-        assert any(r[label]["stats"].get("canzona/tp/scatter", {}).get("sent", 0) > 0 for r in results)
+        assert all("canzona/shard/compute" not in r[label]["stats"] for r in results)
+        assert any(r[label]["stats"].get("canzona/shard/scatter", {}).get("sent", 0) > 0 for r in results)
+    # the shard group's exchange is named for its dimension: an FSDP2 run opens no canzona/tp/* range
+    assert not [k for r in results for k in r[label]["stats"] if k.startswith("canzona/tp/")]
 
 
 def _case_ids(key: str) -> list[str]:
@@ -760,7 +763,7 @@ def test_state_dict_round_trip_resumes_bitwise(key: str) -> None:
 
 @pytest.mark.slow
 def test_validation_worker_names_planted_defects() -> None:
-    """canzona.testing_fsdp.fsdp_mesh_worker (what ``canzona validate`` calls): a clean case is
+    """validation.fsdp_harness.fsdp_mesh_worker (what ``canzona validate`` calls): a clean case is
     empty, a planted one-ulp error and a lost state update are named, nothing else."""
     out = {c["label"]: c["mismatches"] for c in _mesh_results("dp_shard2")[0]["validation"]}
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona.profiling import gpu
+from validation import gpu
 from canzona.runtime.launch import run_workers
-from canzona.testing import tensors_equal
+from validation.harness import tensors_equal
 
 pytestmark = [
     pytest.mark.slow,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona.profiling.gpu import cells_for, ns_tflops, overlap_fraction
+from validation.gpu import cells_for, ns_tflops, overlap_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 

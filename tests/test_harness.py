@@ -1,4 +1,4 @@
-"""The test harness in :mod:`canzona.testing`: per-case outcomes of a multi-case run and the
+"""The test harness in tests/harness.py: per-case outcomes of a multi-case run, and the launcher's
 ``file://`` rendezvous."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from canzona.testing import attempt, case_results, file_init_method, process_group
+from canzona.runtime.launch import file_init_method, process_group
+from harness import attempt, case_results
 
 
 def _div(a: int, b: int) -> float:

@@ -11,7 +11,7 @@ import torch
 
 from canzona.config import load_model_config
 from canzona.runtime.launch import run_workers
-from canzona.testing import (
+from validation.harness import (
     ReferenceRunner,
     inject_grads,
     integer_grads,
@@ -37,7 +37,7 @@ DP_CASES: dict[str, str] = {"zero1": "adamw", "sc": "muon", "layerwise": "muon",
 TP_STRATEGIES: tuple[str, ...] = ("lb-asc", "sc")
 BUCKET_NUMEL = 30_000
 #: gradients transformers' TP plan all-reduces over TP in backward (per-head q/k norms): each TP rank
-#: holds a partial sum, so injected gradients give them ``full / tp`` (see canzona.testing.tp_cut)
+#: holds a partial sum, so injected gradients give them ``full / tp`` (see validation.harness.tp_cut)
 PARTIAL = ("q_norm.weight", "k_norm.weight")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.testing import attempt, case_results
+from harness import attempt, case_results
 
 
 def _stack_case(mesh: Any = None) -> tuple[Any, ...]:
@@ -95,7 +95,7 @@ def test_the_status_group_record_does_not_keep_a_destroyed_group_alive(tmp_path:
     import torch.distributed as dist
 
     from canzona.runtime.agree import status_group
-    from canzona.testing import file_init_method, process_group
+    from canzona.runtime.launch import file_init_method, process_group
 
     with process_group(file_init_method(tmp_path)):
         assert status_group() is None  # one rank: the default group itself

@@ -27,19 +27,8 @@ import pytest
 import torch
 
 from canzona.runtime.launch import run_workers
-from canzona.testing import (
-    ReferenceRunner,
-    ToyModel,
-    attempt,
-    case_results,
-    inject_grads,
-    integer_grads,
-    mean_grads,
-    pack,
-    params_of,
-    tensors_equal,
-    unpack,
-)
+from harness import attempt, case_results
+from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, params_of, tensors_equal, unpack
 from tiny_qwen3 import tiny, tiny_grads
 
 pytestmark = pytest.mark.slow
@@ -198,7 +187,7 @@ def case_tp(rank: int) -> dict:
     import canzona
     from canzona.models.tp import parallelize
     from canzona.optim import Muon
-    from canzona.testing import tp_local
+    from validation.harness import tp_local
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona.testing import ToyModel
+from validation.harness import ToyModel
 
 
 def test_zero_grad_sets_to_none_or_zeroes_in_place(single_rank_group) -> None:
@@ -63,7 +63,7 @@ def test_out_of_range_hyperparameters_set_after_construction_are_refused_before_
 def test_out_of_range_optimizer_arguments_are_refused_at_construction(single_rank_group) -> None:
     import canzona
 
-    from canzona.testing import ToyModel as Toy
+    from validation.harness import ToyModel as Toy
 
     # torch's AdamW accepts eps=0 (a division by zero where the second moment is zero); canzona refuses it
     with pytest.raises(ValueError, match="elementwise_kwargs: eps must be a finite number > 0, got 0.0"):

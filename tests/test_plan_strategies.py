@@ -184,7 +184,7 @@ def test_a_registered_strategy_plans_and_simulates(toy, tmp_path):
 # ----------------------------------------------------------------------------- runtime, unchanged
 def _toy_worker(rank: int, world: int) -> bytes:
     import canzona
-    from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of
+    from validation.harness import ToyModel, inject_grads, integer_grads, pack, params_of
 
     register_strategy(_toy())  # a fresh process: the plug-in registers itself, as a user's would
     model = ToyModel()
@@ -202,7 +202,7 @@ def _toy_worker(rank: int, world: int) -> bytes:
 def test_a_registered_strategy_runs_exactly():
     from canzona.optim import Muon
     from canzona.runtime.launch import run_workers
-    from canzona.testing import ReferenceRunner, ToyModel, integer_grads, mean_grads, tensors_equal, unpack
+    from validation.harness import ReferenceRunner, ToyModel, integer_grads, mean_grads, tensors_equal, unpack
 
     got = [unpack(r) for r in run_workers(_toy_worker, 2, timeout_s=120)]
     model = ToyModel()

@@ -1,4 +1,4 @@
-"""``canzona reproduce`` (issue 19): the paper convention, pipeline stages, every figure entry.
+"""``canzona reproduce``: the paper convention, pipeline stages, every figure entry.
 
 Planner and simulator only (no processes, no torch.distributed): the whole file runs in seconds.
 """

@@ -1,4 +1,4 @@
-"""Bounds, one-line errors and atomic outputs of the commands (issue 17; no process group).
+"""Bounds, one-line errors and atomic outputs of the commands (no process group).
 
 Every bad input here ends with exit code 2, exactly one line on stderr, no traceback, and fast
 (the bound is generous: a correctness bound against minutes-long runs, not a speed test). A

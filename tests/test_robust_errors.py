@@ -1,4 +1,4 @@
-"""Errors on one rank reach every rank within seconds, naming the rank (issue 17).
+"""Errors on one rank reach every rank within seconds, naming the rank.
 
 One spawned world of two ranks runs every case in turn (each case records, per rank, what was
 raised and how long after the failing rank's own error the rank raised); each test asserts on its
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from canzona.runtime.launch import WorkerError, run_workers
-from canzona.testing import ToyModel, inject_grads, integer_grads, pack, params_of, raised, unpack
+from harness import raised
+from validation.harness import ToyModel, inject_grads, integer_grads, pack, params_of, unpack
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
-"""torch semantics for missing gradients, bitwise against the single-device optimizer (issue 17).
+"""torch semantics for missing gradients, bitwise against the single-device optimizer.
 
 One spawned world of two ranks runs the same gradient schedule under several strategies (and
 DP1 x TP2 on the tiny Qwen3 model, where a TP-split matrix goes unused); the parent replays it on
-:class:`canzona.testing.ReferenceRunner`, which is plain ``torch.optim`` on one process:
+:class:`validation.harness.ReferenceRunner`, which is plain ``torch.optim`` on one process:
 
 - step 0: two parameters get no gradient on any rank (skipped: no update, no weight decay, no
   state, no step count), two get a gradient on one rank only (the others count as zero);
@@ -25,7 +25,7 @@ import torch
 
 from canzona.optim import Muon
 from canzona.runtime.launch import run_workers
-from canzona.testing import (
+from validation.harness import (
     ReferenceRunner,
     ToyModel,
     inject_grads,
@@ -136,7 +136,7 @@ def _tp_case(rank: int) -> dict:
 
     import canzona
     from canzona.models.tp import parallelize
-    from canzona.testing import tp_local
+    from validation.harness import tp_local
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize(_tiny(), mesh["tp"])

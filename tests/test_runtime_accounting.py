@@ -29,7 +29,7 @@ from canzona.runtime.phases import (
     STATUS,
 )
 from canzona.runtime.comm import even_sizes
-from canzona.testing import ToyModel, inject_grads, integer_grads
+from validation.harness import ToyModel, inject_grads, integer_grads
 
 pytestmark = pytest.mark.slow
 

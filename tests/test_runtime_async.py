@@ -145,7 +145,7 @@ def _async_worker(rank: int, world: int, trace_dir: str) -> dict:
     from canzona.optim import Muon
     from canzona.runtime.comm import Comm
     from canzona.runtime.tp import TPEngine
-    from canzona.testing import ToyModel, inject_grads, integer_grads
+    from validation.harness import ToyModel, inject_grads, integer_grads
 
     out: dict = {}
     plan = _plan(cmax=50_000)  # several micro-groups
@@ -340,7 +340,10 @@ def test_engine_runs_overlap_work_after_the_first_launch_and_reads_skip_at_compu
     gather is launched (and also when there is no micro-group at all); tasks the caller adds to
     the ``skip`` set it passed are not stepped."""
     from canzona.runtime.comm import Comm
+    from canzona.phase_names import exchange_phases
     from canzona.runtime.exchange import Block, ExchangeTask, MicroGroupEngine, PieceLayout
+
+    names = exchange_phases("canzona/shard/gather", "canzona/shard/compute", "canzona/shard/scatter", "canzona/shard/apply")
 
     def task(name: str, shape: tuple[int, int]) -> ExchangeTask:
         return ExchangeTask(PieceLayout(name, shape, (Block((0, 0), shape),)), 0)
@@ -348,7 +351,7 @@ def test_engine_runs_overlap_work_after_the_first_launch_and_reads_skip_at_compu
     groups = [[task("a", (3, 4)), task("b", (2, 5))], [task("c", (4, 4))]]
     values = {t.name: torch.randn(t.layout.full_shape, generator=torch.Generator().manual_seed(i)) for i, g in enumerate(groups) for t in g}
     initial = {k: v.clone() for k, v in values.items()}
-    engine = MicroGroupEngine(groups, comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial=values)
+    engine = MicroGroupEngine(groups, comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial=values, phases=names)
     skip: set[str] = set()
     seen: list[list[tuple[str, int]]] = []
 
@@ -362,7 +365,7 @@ def test_engine_runs_overlap_work_after_the_first_launch_and_reads_skip_at_compu
     assert engine.last_events == pipeline(2)
     assert torch.equal(values["a"], initial["a"] - 0.5) and torch.equal(values["b"], initial["b"] - 0.5)
     assert torch.equal(values["c"], initial["c"])
-    empty = MicroGroupEngine([], comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial={})
+    empty = MicroGroupEngine([], comm=Comm(None), optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), initial={}, phases=names)
     calls: list[int] = []
     empty.run({}, {}, overlap=lambda: calls.append(1))
     assert calls == [1]

@@ -8,7 +8,7 @@ import torch
 from canzona.plan import PlanInputs, make_plan
 from canzona.runtime.buffer import GradBuffer, GradSyncError
 from canzona.specs import specs_from_module
-from canzona.testing import ToyModel, inject_grads, integer_grads
+from validation.harness import ToyModel, inject_grads, integer_grads
 
 
 def _plan(model: torch.nn.Module, strategy: str = "lb-asc", dp: int = 2, bucket_numel: int = 40):

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from canzona.runtime import faults
+from validation import faults
 from canzona.runtime.agree import MESSAGE_BYTES, agree
 from canzona.runtime.hooks import UpdateHooks, UpdateNormLog
 from canzona.runtime.comm import Comm, CommStats, even_sizes
 from canzona.runtime.launch import WorkerError, run_workers
-from canzona.testing import attempt, raised
+from harness import attempt, raised
 from canzona.runtime.phases import STATUS, PhaseTimer, base_phase, current_phase, phase, timing
 
 
@@ -270,7 +270,7 @@ def _own_status_group_worker(rank: int, world: int, folder: str) -> dict:
     import canzona
     from canzona.runtime import agree as agree_mod
     from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from canzona.testing import ToyModel, inject_grads, integer_grads, params_of
+    from validation.harness import ToyModel, inject_grads, integer_grads, params_of
 
     agree_mod.reduces_cpu_tensors = lambda backend: False  # what an nccl-only world reports
     out: dict = {}
@@ -464,7 +464,7 @@ def test_front_end_hook_sees_every_parameter_once_per_step_and_plants_a_fault(si
     parameter once per step with its own optimizer; a planted ulp moves exactly that element of the
     model's parameter; after ``remove()`` nothing is called and nothing is perturbed."""
     import canzona
-    from canzona.testing import ToyModel, inject_grads, integer_grads
+    from validation.harness import ToyModel, inject_grads, integer_grads
 
     def run(plant: bool) -> tuple[list[tuple[str, int]], dict[str, torch.Tensor]]:
         model = ToyModel()

@@ -2,7 +2,7 @@
 
 Bitwise (torch.equal) throughout:
 
-- injected gradients are small integers times 2**-4 (:func:`canzona.testing.integer_grads`), so
+- injected gradients are small integers times 2**-4 (:func:`validation.harness.integer_grads`), so
   any reduction order gives the same sum and the mean over a power-of-two DP size is exact;
 - real backward passes at DP=2 are bitwise too: a two-rank sum is one addition, and floating-point
   addition is commutative, so gloo's reduce gives exactly ``g0 + g1``, which the reference forms;
@@ -20,21 +20,8 @@ import pytest
 import torch
 
 from canzona.runtime.launch import run_workers
-from canzona.testing import (
-    ReferenceRunner,
-    ToyModel,
-    attempt,
-    case_results,
-    inject_grads,
-    integer_grads,
-    mean_grads,
-    pack,
-    params_of,
-    raised,
-    tensors_equal,
-    tp_local,
-    unpack,
-)
+from harness import attempt, case_results, raised
+from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, params_of, tensors_equal, tp_local, unpack
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +83,7 @@ def _has_cut_piece(opt) -> bool:
 def world_worker(rank: int, world: int, bucket_numel: int) -> bytes:
     """One spawned run per world size: every strategy, then the real-backward (world 2) or the
     DP2 x TP2 (world 4) checks, so the process start-up cost is paid once. Each case's outcome is
-    recorded on its own (:func:`canzona.testing.attempt`), so a failing case fails its own test."""
+    recorded on its own (:func:`harness.attempt`), so a failing case fails its own test."""
     out: dict = {"strategies": {case: attempt(_run_case, rank, case, bucket_numel) for case in CASES}}
     if world == 2:
         out["backward"] = {st: attempt(_backward_case, rank, st) for st in BACKWARD_STRATEGIES}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from canzona.runtime.launch import run_workers
-from canzona.testing import ToyModel, inject_grads, integer_grads
+from validation.harness import ToyModel, inject_grads, integer_grads
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from canzona.runtime.tp import (
     unpack_scatter,
 )
 from canzona.specs import specs_from_config
-from canzona.testing import attempt, case_results
+from harness import attempt, case_results
 
 CFG = load_model_config("qwen3-tiny")
 STEPS = 3

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from canzona.testing import HostReads, ToyModel, attempt, case_results, inject_grads, integer_grads
+from harness import HostReads, attempt, case_results
+from validation.harness import ToyModel, inject_grads, integer_grads
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
@@ -176,7 +177,7 @@ def _reads_tp(rank: int, cmax_mb: float) -> dict:
     from canzona.config import load_model_config
     from canzona.models import Qwen3
     from canzona.models.tp import parallelize
-    from canzona.testing import tp_local
+    from validation.harness import tp_local
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize(Qwen3(load_model_config("qwen3-tiny"), seed=0), mesh["tp"])

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 from canzona.runtime.hooks import UpdateNormLog
 from canzona.runtime.launch import run_workers
-from canzona.testing import ReferenceRunner, attempt, case_results, inject_grads, integer_grads, mean_grads, pack, tp_cut, unpack
+from harness import attempt, case_results
+from validation.harness import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, tp_cut, unpack
 
 STEPS = 2
 #: case -> (dp, tp, strategy); "fsdp": FSDP2 on a 2-rank dp_shard mesh
@@ -122,7 +123,7 @@ def _fsdp_case(rank: int, world: int) -> dict[str, Any]:
 
     import canzona
     from canzona.optim import Muon
-    from canzona.testing_fsdp import FSDP_TOY_SHAPES, FSDPToy, build_fsdp_toy, fsdp_local_grads
+    from validation.fsdp_harness import FSDP_TOY_SHAPES, FSDPToy, build_fsdp_toy, fsdp_local_grads
 
     kw, ew = {"lr": 0.02}, {"lr": 0.01, "weight_decay": 0.1}
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))

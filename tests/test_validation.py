@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona.runtime.faults import Fault
+from validation.faults import Fault
 from validation import PlantedFault, Selection, build_matrix, load_report, run_suite
 from validation.cli import main as validate_main
 from validation.compare import Comparator, compare_tensors
@@ -52,11 +52,11 @@ def test_parse_mesh_canonical_names() -> None:
 
 
 def test_parse_mesh_fsdp_names_match_the_fsdp_meshes() -> None:
-    """The four FSDP2 names map onto canzona.testing_fsdp's meshes, with their process count; any
+    """The four FSDP2 names map onto validation.fsdp_harness's meshes, with their process count; any
     other fsdp/hsdp spelling is refused in one line that lists the four."""
     import math
 
-    from canzona.testing_fsdp import FSDP_MESHES
+    from validation.fsdp_harness import FSDP_MESHES
 
     want = {"fsdp2": "dp_shard2", "fsdp4": "dp_shard4", "fsdp2xtp2": "dp_shard2_tp2", "hsdp2x2": "dp_replicate2_dp_shard2"}
     assert FSDP_MESH_NAMES == tuple(want)
@@ -335,7 +335,7 @@ _FSDP_CELL = "injected/fsdp-toy/muon/lb-asc/fsdp2/float32"
 
 
 def test_fsdp_judgement_needs_both_comparisons_and_a_visible_fault() -> None:
-    """An FSDP2 cell passes only when the per-tensor comparison and canzona.testing_fsdp's agree
+    """An FSDP2 cell passes only when the per-tensor comparison and validation.fsdp_harness's agree
     that nothing differs; a planted fault that left no trace fails it; a differing state entry is
     named with its element."""
     from validation.fsdp import compare_fsdp, judge_fsdp
@@ -359,7 +359,7 @@ def test_fsdp_judgement_needs_both_comparisons_and_a_visible_fault() -> None:
     ok = judge_fsdp(cell, clean, [], None, 0.5)
     assert ok["passed"] and ok["max_abs_diff"] == 0.0 and ok["bitwise_expected"] and ok["cell"] == _FSDP_CELL
     disagree = judge_fsdp(cell, clean, ["param:w"], None, 0.5)
-    assert not disagree["passed"] and "canzona.testing_fsdp's comparison" in disagree["error"]
+    assert not disagree["passed"] and "validation.fsdp_harness's comparison" in disagree["error"]
     silent = judge_fsdp(cell, clean, [], Fault("ulp", "nosuch", step=2, index=0), 0.5)
     assert not silent["passed"] and "left no trace" in silent["error"] and silent["fault"]["detected"] is False
     off = (w * 2).clone()

@@ -89,6 +89,24 @@ def test_wheel_ships_every_package_data_file(wheel_venv: tuple[Path, Path]) -> N
     assert [n for n in data if n not in names] == []
 
 
+def test_wheel_keeps_product_and_lab_apart(wheel_venv: tuple[Path, Path]) -> None:
+    """The product ships no test helper: the planted defects, the reference runner and the GPU
+    check are the exactness suite's (``validation/``, shipped beside it), the tests' helpers stay
+    in the checkout, and importing the installed ``canzona`` (CLI included) imports no suite."""
+    wheel, py = wheel_venv
+    names = set(zipfile.ZipFile(wheel).namelist())
+    lab_in_product = sorted(n for n in names if n in {"canzona/testing.py", "canzona/testing_fsdp.py", "canzona/runtime/faults.py", "canzona/profiling/gpu.py"})
+    assert lab_in_product == []
+    assert not any(n.startswith("tests/") for n in names)
+    assert {"validation/harness.py", "validation/faults.py", "validation/fsdp_harness.py", "canzona/lab.py"} <= names
+    code = ("import sys, canzona, canzona.cli, canzona.distributed, canzona.pytest_plugin, canzona.commands.validate; "
+            "print(sorted(m for m in sys.modules if m == 'validation' or m.startswith('validation.')))")
+    res = _run([str(py), "-c", code], wheel.parent)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+    res = _run([str(py), "-c", "import canzona.lab; print(canzona.lab.suite().__file__)"], wheel.parent)
+    assert res.returncode == 0 and "site-packages" in res.stdout, res.stdout + res.stderr
+
+
 def test_installed_wheel_plans_from_its_own_configs(wheel_venv: tuple[Path, Path], tmp_path: Path) -> None:
     _, py = wheel_venv
     _installed_package(py, tmp_path)

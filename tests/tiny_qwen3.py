@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from canzona.testing import ReferenceRunner, inject_grads, integer_grads, mean_grads, tp_local
+from validation.harness import ReferenceRunner, inject_grads, integer_grads, mean_grads, tp_local
 
 SAVE_STEPS, MORE_STEPS = 3, 2
 MATRIX_KW = {"lr": 0.05}

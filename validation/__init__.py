@@ -20,11 +20,17 @@ model by import path), :mod:`validation.probe` (separability probes), :mod:`vali
 
 Python API: ``validation.run(optimizer, model, meshes=[...])`` returns a :class:`SuiteResult`
 (``ok``, ``failures``, ``table()``, ``report``); the pytest fixture ``canzona_exact``
-(:mod:`canzona.pytest_plugin`) wraps it.
+(:mod:`canzona.pytest_plugin`) wraps it. ``canzona`` reaches this package only through
+:func:`canzona.lab.suite` (the product imports the lab on demand, never at import time); the
+suite's helpers (:mod:`validation.harness`: the toy model, integer gradients, the single-device
+reference; :mod:`validation.faults`: planted runtime defects; :mod:`validation.fsdp_harness`: the
+FSDP2 case; :mod:`validation.gpu`: the CUDA/NCCL checks) live here, not in the product.
 """
 
 from __future__ import annotations
 
+from validation.cli import add_arguments as add_cli_arguments
+from validation.cli import run as run_cli
 from validation.matrix import CHECKS, DTYPES, FSDP_MESH_NAMES, MODELS, OPTIMIZERS, STANDARD_MESHES, STRATEGIES, Cell, MeshSpec, Selection, build_matrix, parse_mesh
 from validation.report import format_table, load_report, report_frame, write_report
 from validation.probe import NotSeparableError, probe_separable
@@ -32,6 +38,8 @@ from validation.suite import PlantedFault, SuiteResult, run, run_suite
 from validation.targets import TargetError
 
 __all__ = [
+    "add_cli_arguments",
+    "run_cli",
     "CHECKS",
     "DTYPES",
     "MODELS",

@@ -7,7 +7,7 @@ in the next collective).
 
 **injected** (the exactness promise, Sections 3-4: a Canzona step computes exactly what the
 single-device optimizer computes on the full tensors). Per step, per parameter and per DP rank the
-gradient is an integer in [-8, 8] times 2**-6 (:func:`canzona.testing.integer_grads`, drawn on
+gradient is an integer in [-8, 8] times 2**-6 (:func:`validation.harness.integer_grads`, drawn on
 the *full* shape; TP ranks cut their shard from it), so any DP sum is exact in any order and the
 mean over a power-of-two DP size is exact. The gradients enter through a real backward pass
 (``(p * g).sum()``), so the ZeRO-1 buffer hooks fire as in training. After ``steps`` steps, with
@@ -46,9 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.plan.strategies import get_strategy
-from canzona.runtime import faults
+from validation import faults
 from canzona.runtime.buffer import local_tensor
-from canzona.testing import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, params_of, tp_cut, unpack
+from validation.harness import ReferenceRunner, inject_grads, integer_grads, mean_grads, pack, params_of, tp_cut, unpack
 from canzona.train import DTYPES
 from validation.compare import Comparator, Mismatch
 from validation.matrix import Cell, parse_mesh, strategy_args
@@ -186,7 +186,8 @@ def _post_step_fault(model: nn.Module, fault: faults.Fault, tp_dims: Mapping[str
 
 
 def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -> dict[str, Any] | None:
-    from canzona.distributed import DistributedOptimizer
+    """One injected cell on every rank of the mesh: run it distributed, gather every rank's copies
+    on rank 0 and judge them there against the single-device reference (None on other ranks)."""
     from validation.replicas import compare_replicas, local_params, local_replicas
 
     rank, dp_rank, tp_rank, dp, tp, mesh = ctx.rank, ctx.dp_rank, ctx.tp_rank, ctx.dp, ctx.tp, ctx.mesh
@@ -195,7 +196,6 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     model, full, tp_dims, bucket_numel = build_model(cell.model, dtype, tp_rank=tp_rank, tp=tp, model_kwargs=opts.get("model_kwargs"))
     shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
     cls, kw, ew = optimizer_setup(cell.optimizer, opts.get("optimizer_kwargs"))
-    strategy, schedule = strategy_args(cell.strategy)
     mode, f = fault if fault is not None else (None, None)
     defect = None
     if mode == "defect":
@@ -205,32 +205,10 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     planted = faults.FaultHook(f) if mode == "runtime" else None
     handle = None
     try:
-        dopt = DistributedOptimizer(
-            model,
-            cls,
-            strategy=strategy,
-            mesh=mesh,
-            optimizer_kwargs=kw,
-            elementwise_optimizer=torch.optim.AdamW,
-            elementwise_kwargs=ew,
-            tp_schedule=schedule,
-            tp_dims=tp_dims or None,
-            bucket_numel=bucket_numel,
-            master_dtype=torch.float32,
-        )
+        dopt = _distributed_optimizer(model, cell, mesh, cls, kw, ew, tp_dims, bucket_numel)
         if planted is not None:
             handle = dopt.register_update_hook(planted)
-        for step in range(1, cell.steps + 1):
-            g_full = _full_grads(shapes, step, dp_rank, dtype)
-            inject_grads(model, tp_cut(g_full, tp_dims, tp_rank, tp))
-            if defect is not None:
-                defect.before_step(step, dopt, dp_rank)
-            dopt.step()
-            if defect is not None:
-                defect.after_step(step, cell.steps, dopt, dp_rank)
-            dopt.zero_grad()
-            if mode == "post-step" and step == f.step:
-                _post_step_fault(model, f, tp_dims, shapes[f.param], tp_rank, tp)
+        _injected_steps(dopt, model, cell, ctx, shapes, tp_dims, dtype, fault, defect)
         fired = int(planted is not None and planted.fired)
     finally:
         if handle is not None:
@@ -252,11 +230,73 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     )
     for step in range(1, cell.steps + 1):
         runner.step(mean_grads([_full_grads(shapes, step, d, dtype) for d in range(dp)]))
+    cmp = Comparator()
+    _compare_injected(cmp, runner, sd, got, shapes, tp_dims, dp, tp)
+    # every copy of a parameter, master and optimizer state on every rank (not just the one the
+    # consolidated state_dict reads) must hold the same bits
+    shared = compare_replicas([g["copies"] for g in got], cmp)
+    extra: dict[str, Any] = {"replicas_checked": shared}
+    if mode is not None:
+        extra["fault"] = _fault_record(mode, f, got)
+    r = _result(cell, cmp, time.perf_counter() - t0, bitwise_expected=True, bitwise=cmp.equal, reason="", **extra)
+    if mode == "runtime" and not extra["fault"]["fired"]:
+        # A defect that could not be planted proves nothing: fail loudly instead of passing.
+        r["passed"] = False
+        r["error"] = (
+            f"planted {f.kind} fault on {f.param} (step {f.step}) never fired: the runtime's update hooks "
+            "did not see that parameter updated whole that often on any rank"
+        )
+    return r
+
+
+def _distributed_optimizer(model: nn.Module, cell: Cell, mesh: Any, cls: type, kw: Mapping[str, Any], ew: Mapping[str, Any],
+                           tp_dims: Mapping[str, int], bucket_numel: int | None) -> Any:
+    """The cell's ``DistributedOptimizer``: its strategy and TP schedule, AdamW on element-wise
+    parameters, fp32 masters."""
+    from canzona.distributed import DistributedOptimizer
+
+    strategy, schedule = strategy_args(cell.strategy)
+    return DistributedOptimizer(
+        model,
+        cls,
+        strategy=strategy,
+        mesh=mesh,
+        optimizer_kwargs=kw,
+        elementwise_optimizer=torch.optim.AdamW,
+        elementwise_kwargs=ew,
+        tp_schedule=schedule,
+        tp_dims=tp_dims or None,
+        bucket_numel=bucket_numel,
+        master_dtype=torch.float32,
+    )
+
+
+def _injected_steps(dopt: Any, model: nn.Module, cell: Cell, ctx: _Ctx, shapes: Mapping[str, tuple[int, ...]],
+                    tp_dims: Mapping[str, int], dtype: torch.dtype, fault: Any, defect: Any) -> None:
+    """The cell's steps on this rank: integer gradients through a real backward, the optimizer
+    step, and the planted defect or ``post-step`` fault at its step."""
+    mode, f = fault if fault is not None else (None, None)
+    for step in range(1, cell.steps + 1):
+        g_full = _full_grads(shapes, step, ctx.dp_rank, dtype)
+        inject_grads(model, tp_cut(g_full, tp_dims, ctx.tp_rank, ctx.tp))
+        if defect is not None:
+            defect.before_step(step, dopt, ctx.dp_rank)
+        dopt.step()
+        if defect is not None:
+            defect.after_step(step, cell.steps, dopt, ctx.dp_rank)
+        dopt.zero_grad()
+        if mode == "post-step" and step == f.step:
+            _post_step_fault(model, f, tp_dims, shapes[f.param], ctx.tp_rank, ctx.tp)
+
+
+def _compare_injected(cmp: Comparator, runner: ReferenceRunner, sd: Mapping[str, Any], got: Sequence[Mapping[str, Any]],
+                      shapes: Mapping[str, tuple[int, ...]], tp_dims: Mapping[str, int], dp: int, tp: int) -> None:
+    """Compare, per parameter, the model's value on every DP replica (TP shards concatenated; a
+    replicated parameter on every TP rank too), the consolidated fp32 master and the optimizer
+    state with the reference ``runner``'s, bit for bit, into ``cmp``."""
     ref_params = runner.params()
     ref_masters = runner.master_values()
     ref_state = runner.states()
-
-    cmp = Comparator()
     for name in shapes:
         # the model's value on every DP replica (its TP shards concatenated)
         td = tp_dims.get(name)
@@ -273,25 +313,17 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
         else:
             cmp.tensors(name, "master", ref_masters[name], sd["params"][name])
         cmp.states(name, ref_state.get(name, {}), sd.get("state", {}).get(name, {}))
-    # every copy of a parameter, master and optimizer state on every rank (not just the one the
-    # consolidated state_dict reads) must hold the same bits
-    shared = compare_replicas([g["copies"] for g in got], cmp)
-    extra: dict[str, Any] = {"replicas_checked": shared}
+
+
+def _fault_record(mode: str, f: Any, got: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The report's ``fault`` entry of a cell with a planted fault: what was planted and, for a
+    ``runtime`` fault, whether its hook fired on any rank (a named defect always runs)."""
     if mode == "defect":
-        extra["fault"] = {"mode": mode, "kind": f, "fired": True}
-    elif mode is not None:
-        extra["fault"] = {"mode": mode, "kind": f.kind, "param": f.param, "step": f.step, "index": f.index}
-        if mode == "runtime":
-            extra["fault"]["fired"] = bool(sum(g["fired"] for g in got))
-    r = _result(cell, cmp, time.perf_counter() - t0, bitwise_expected=True, bitwise=cmp.equal, reason="", **extra)
-    if mode == "runtime" and not extra["fault"]["fired"]:
-        # A defect that could not be planted proves nothing: fail loudly instead of passing.
-        r["passed"] = False
-        r["error"] = (
-            f"planted {f.kind} fault on {f.param} (step {f.step}) never fired: the runtime's update hooks "
-            "did not see that parameter updated whole that often on any rank"
-        )
-    return r
+        return {"mode": mode, "kind": f, "fired": True}
+    out = {"mode": mode, "kind": f.kind, "param": f.param, "step": f.step, "index": f.index}
+    if mode == "runtime":
+        out["fired"] = bool(sum(g["fired"] for g in got))
+    return out
 
 
 # ============================================================================ real training
@@ -596,7 +628,7 @@ def _final_params(run: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 def _training_cells(cells: Sequence[Cell], ctx: _Ctx, opts: Mapping[str, Any], defects: Mapping[str, Any], emit: Any) -> list[dict[str, Any]]:
     """Run the training cells of one mesh, ``sc`` first per (optimizer, dtype) as the baseline.
 
-    Each cell is judged three ways (issue 17's gate that cannot be fooled): against the
+    Each cell is judged three ways (a gate that one shared mistake cannot fool): against the
     single-process model per tensor (gradients after the TP backward, parameters after every
     step, gradients within GRAD_RTOL, parameters bitwise: an independent oracle, since ``sc``
     shares the model's TP code with every other strategy); every replica on every rank bitwise
@@ -744,7 +776,7 @@ def run_mesh(
     """Worker body (module level for spawn): every cell of one mesh; rank 0 returns the results.
 
     ``fault`` = [(cell name, mode, Fault or defect name), ...] plants a defect in each named cell: mode
-    ``runtime`` registers a :class:`canzona.runtime.faults.FaultHook` as an update hook on that
+    ``runtime`` registers a :class:`validation.faults.FaultHook` as an update hook on that
     cell's optimizer (the runtime perturbs an update or a state), ``post-step`` perturbs the model's parameter right after the optimizer step (ulp
     only), ``defect`` arms one of :data:`validation.defects.DEFECTS` (training cells).
     ``options``: ``optimizer_kwargs`` / ``model_kwargs`` for the user's optimizer and model,

@@ -1,6 +1,6 @@
 """Planted defects that the training gate must catch: the suite's own proof that it can fail.
 
-Each defect reproduces a class of bug the gate once missed (issue 17: a gate that compared every
+Each defect reproduces a class of bug an earlier gate missed (one that compared every
 strategy with ``sc``, which shares the model's TP code, and read state from DP rank 0 only). They
 are armed for one cell inside the validation worker (``PlantedFault(cell, "<name>", "defect")``
 or ``CANZONA_FAULT="defect=<name>"``), never in the runtime's hot path:

@@ -1,14 +1,14 @@
-"""The injected check on FSDP2 meshes: :mod:`canzona.testing_fsdp` cells in the suite's report format.
+"""The injected check on FSDP2 meshes: :mod:`validation.fsdp_harness` cells in the suite's report format.
 
-Each cell is one case of :func:`canzona.testing_fsdp.fsdp_mesh_worker`: the ``FSDPToy`` model
+Each cell is one case of :func:`validation.fsdp_harness.fsdp_mesh_worker`: the ``FSDPToy`` model
 (odd shapes FSDP2 pads, uneven TP chunks, a 1 x n matrix, a tied embedding) sharded with
 ``fully_shard``, ``canzona.DistributedOptimizer`` stepped with integer gradients injected through
 a real FSDP2 backward, rank 0's full parameters and consolidated state returned. Rank 0 then
-replays the steps with the single-device optimizers (:func:`canzona.testing_fsdp.fsdp_reference`)
+replays the steps with the single-device optimizers (:func:`validation.fsdp_harness.fsdp_reference`)
 and compares every parameter, fp32 master and optimizer-state entry with ``torch.equal``
 (:class:`validation.compare.Comparator`, which locates the first differing element);
-``testing_fsdp``'s own comparison must agree. A planted runtime fault travels in the case
-(``testing_fsdp`` arms it for that case only); a planted fault that leaves no trace fails the cell.
+``fsdp_harness``'s own comparison must agree. A planted runtime fault travels in the case
+(``fsdp_harness`` arms it for that case only); a planted fault that leaves no trace fails the cell.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from validation.matrix import Cell, parse_mesh
 
 __all__ = ["FSDP_ELEMENTWISE_KWARGS", "FSDP_DEFAULT_KWARGS", "fsdp_case", "compare_fsdp", "judge_fsdp", "run_fsdp_mesh"]
 
-#: The element-wise AdamW settings of :func:`canzona.testing_fsdp.run_fsdp_case` (its cases carry
+#: The element-wise AdamW settings of :func:`validation.fsdp_harness.run_fsdp_case` (its cases carry
 #: none). If they ever drift apart, the reference differs on the element-wise parameters and the
 #: cell fails: a drift can never make a cell pass.
 FSDP_ELEMENTWISE_KWARGS: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.1}
-#: What :func:`~canzona.testing_fsdp.run_fsdp_case` gives an optimizer when a case has no keyword
+#: What :func:`~validation.fsdp_harness.run_fsdp_case` gives an optimizer when a case has no keyword
 #: arguments (a user's optimizer without ``--optimizer-kwargs``); the reference gets the same.
 FSDP_DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.02}
 
@@ -41,8 +41,8 @@ def _dtype(name: str) -> tuple[torch.dtype, bool]:
 
 
 def fsdp_case(cell: Cell, fault: Any, optimizer_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The :func:`~canzona.testing_fsdp.fsdp_mesh_worker` case of ``cell``; ``fault`` is a
-    :class:`~canzona.runtime.faults.Fault` or None."""
+    """The :func:`~validation.fsdp_harness.fsdp_mesh_worker` case of ``cell``; ``fault`` is a
+    :class:`~validation.faults.Fault` or None."""
     from validation.checks import optimizer_setup
     from validation.targets import BUILTIN_OPTIMIZERS
 
@@ -92,7 +92,7 @@ def judge_fsdp(cell: Cell, cmp: Comparator, mismatches: Sequence[str], fault: An
     r = _result(cell, cmp, seconds, bitwise_expected=True, bitwise=cmp.equal, reason="")
     if mismatches and cmp.equal:
         r["passed"] = False
-        r["error"] = f"canzona.testing_fsdp's comparison found differences the per-tensor comparison did not: {', '.join(mismatches[:5])}"
+        r["error"] = f"validation.fsdp_harness's comparison found differences the per-tensor comparison did not: {', '.join(mismatches[:5])}"
     if fault is not None:
         detected = not r["passed"]
         r["fault"] = {"mode": "runtime", "kind": fault.kind, "param": fault.param, "step": fault.step, "index": fault.index, "detected": detected}
@@ -118,7 +118,7 @@ def run_fsdp_mesh(
     Only ``runtime`` faults can be planted here (see :func:`validation.suite.run_suite`)."""
     import torch.distributed as dist
 
-    from canzona.testing_fsdp import fsdp_mesh_worker, fsdp_reference
+    from validation.fsdp_harness import fsdp_mesh_worker, fsdp_reference
     from validation.checks import _error, optimizer_setup
 
     opts = dict(options or {})

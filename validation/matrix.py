@@ -10,7 +10,7 @@ number of steps:
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
   embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``) or ``fsdp-toy``
-  (:class:`canzona.testing_fsdp.FSDPToy`: odd shapes FSDP2 pads, uneven TP chunks, a 1 x n
+  (:class:`validation.fsdp_harness.FSDPToy`: odd shapes FSDP2 pads, uneven TP chunks, a 1 x n
   matrix, a tied embedding; the one model of the FSDP2 meshes, injected check only).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
   ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
@@ -25,7 +25,7 @@ number of steps:
 - ``mesh``: ZeRO-1 meshes ``dp<N>``, ``tp<M>`` or ``dp<N>xtp<M>`` (standard: ``dp2``, ``tp2``,
   ``dp2xtp2``, ``dp4``) and the FSDP2 (``fully_shard``) meshes ``fsdp2`` (dp_shard 2),
   ``fsdp4`` (dp_shard 4), ``fsdp2xtp2`` (dp_shard 2 x tp 2) and ``hsdp2x2`` (dp_replicate 2 x
-  dp_shard 2), exactly these four (:data:`canzona.testing_fsdp.FSDP_MESHES`).
+  dp_shard 2), exactly these four (:data:`validation.fsdp_harness.FSDP_MESHES`).
 - ``dtype``: ``float32``, ``bfloat16`` (bf16 model parameters, fp32 masters) or ``bf16-mixed``
   (FSDP2 meshes only: fp32 sharded parameters, FSDP2's ``MixedPrecisionPolicy`` computing in bf16
   and reducing gradients in fp32).
@@ -73,7 +73,7 @@ OPTIMIZERS: tuple[str, ...] = optimizer_names()
 STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bf16-mixed")
 STANDARD_MESHES: tuple[str, ...] = ("dp2", "tp2", "dp2xtp2", "dp4")
-#: FSDP2 mesh name -> (key of :data:`canzona.testing_fsdp.FSDP_MESHES`, DP size, TP size); the DP
+#: FSDP2 mesh name -> (key of :data:`validation.fsdp_harness.FSDP_MESHES`, DP size, TP size); the DP
 #: size counts every data-parallel rank (dp_replicate x dp_shard)
 _FSDP_LAYOUTS: dict[str, tuple[str, int, int]] = {
     "fsdp2": ("dp_shard2", 2, 1),
@@ -97,7 +97,7 @@ _MESH_RE = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?$")
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
     """A DP x TP process mesh; ``world = dp * tp`` processes, ranks laid out row-major (dp, tp).
-    ``fsdp``: for an FSDP2 mesh, its key in :data:`canzona.testing_fsdp.FSDP_MESHES` (None: a
+    ``fsdp``: for an FSDP2 mesh, its key in :data:`validation.fsdp_harness.FSDP_MESHES` (None: a
     ZeRO-1 mesh of canzona's own)."""
 
     name: str
@@ -256,7 +256,7 @@ _STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training
 
 def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     if mesh.fsdp is not None:
-        # canzona.testing_fsdp: the FSDP2 toy with injected gradients, the FSDP2 planner's strategies
+        # validation.fsdp_harness: the FSDP2 toy with injected gradients, the FSDP2 planner's strategies
         return check == "injected" and model == FSDP_MODEL and strategy in FSDP_STRATEGIES
     if model == FSDP_MODEL or dtype in _FSDP_ONLY_DTYPES:
         return False

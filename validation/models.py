@@ -1,6 +1,6 @@
 """The models the validation cells run on, built identically on every rank from a seed.
 
-- :class:`AwkwardModel`: a parameter set chosen to break naive partitioners (the issue's list):
+- :class:`AwkwardModel`: a parameter set chosen to break naive partitioners:
   odd sizes everywhere, a ``1 x n`` matrix, a tall and a wide matrix, one matrix larger than a
   whole DP rank's share of the buffer (and of its bucket), a 3-D element-wise tensor, odd biases
   and norms, and a token embedding *tied* to the output head (one parameter, two uses). Its TP
@@ -10,7 +10,7 @@
 - :func:`build_model`: the awkward model or the tiny Qwen3 in a dtype, sharded Megatron-style
   (plain local shards plus ``tp_dims``) for TP, with the full unsharded copy the reference runs on.
 
-``canzona.testing.ToyModel`` has awkward sizes too but no ``1 x n`` matrix, no tied embedding and
+``validation.harness.ToyModel`` has awkward sizes too but no ``1 x n`` matrix, no tied embedding and
 no parameter larger than a rank's share, hence this model here.
 """
 

@@ -9,7 +9,7 @@ against the processes available, the report path), so bad input costs nothing an
 
 Test-only fault hook (documented in ``docs/validation.md``): ``fault=PlantedFault(cell, Fault,
 mode)`` plants one defect in one cell. ``mode="runtime"`` registers it as an update hook
-(:class:`canzona.runtime.faults.FaultHook`) on that cell's optimizer only, so the runtime itself perturbs
+(:class:`validation.faults.FaultHook`) on that cell's optimizer only, so the runtime itself perturbs
 the update (``ulp``) or loses a state update (``stale_state``); ``mode="post-step"`` has the
 validation worker add one ulp to the model's copy of the parameter element right after the
 optimizer step (a corrupted value return; ``ulp`` only). From the command line:
@@ -17,7 +17,7 @@ optimizer step (a corrupted value return; ``ulp`` only). From the command line:
 (and optionally ``CANZONA_FAULT_MODE=post-step``). ``mode="defect"`` arms one of the training
 gate's planted defects (:mod:`validation.defects`: ``qk-norm-unreduced``, ``state-on-dp1``,
 ``lr-on-dp1``), from the command line ``CANZONA_FAULT="defect=<name>"``. FSDP2 cells take
-``runtime`` faults only (:mod:`canzona.testing_fsdp` arms them for the one case).
+``runtime`` faults only (:mod:`validation.fsdp_harness` arms them for the one case).
 
 :func:`run` is the Python API behind ``canzona validate``, the pytest plugin and the exactness
 notebook: the user's optimizer and model by name, class or import path, returning the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canzona.runtime.faults import Fault
+from validation.faults import Fault
 from validation.matrix import Cell, Selection, build_matrix, group_by_mesh, parse_mesh, process_groups
 from validation.report import build_report, check_writable, write_report
 
@@ -48,7 +48,7 @@ FAULT_MODES = ("runtime", "post-step", "defect")
 @dataclass(frozen=True, slots=True)
 class PlantedFault:
     """A test-only defect planted in one cell (see the module docstring); ``fault`` is a
-    :class:`~canzona.runtime.faults.Fault`, or a defect name for ``mode="defect"``."""
+    :class:`~validation.faults.Fault`, or a defect name for ``mode="defect"``."""
 
     cell: str
     fault: Fault | str
@@ -64,7 +64,7 @@ class PlantedFault:
                 raise ValueError(f"unknown planted defect {self.fault!r}; choose one of {', '.join(DEFECTS)}")
             return
         if not isinstance(self.fault, Fault):
-            raise ValueError(f"mode {self.mode!r} needs a canzona.runtime.faults.Fault, got {self.fault!r}")
+            raise ValueError(f"mode {self.mode!r} needs a validation.faults.Fault, got {self.fault!r}")
         if self.mode == "post-step" and self.fault.kind != "ulp":
             raise ValueError("post-step faults model a corrupted value return: kind 'ulp' only")
 
@@ -98,7 +98,7 @@ class SuiteResult:
 
 def fault_from_env() -> PlantedFault | None:
     """The planted fault described by ``CANZONA_FAULT`` + ``CANZONA_FAULT_CELL`` (+ ``CANZONA_FAULT_MODE``)."""
-    from canzona.runtime.faults import parse
+    from validation.faults import parse
 
     text = os.environ.get("CANZONA_FAULT", "").strip()
     if not text:
@@ -126,9 +126,9 @@ def settings() -> dict[str, Any]:
         "elementwise_optimizer": "AdamW",
         "elementwise_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in checks.ELEMENTWISE_KWARGS.items()},
         "fsdp": {
-            "runner": "canzona.testing_fsdp.fsdp_mesh_worker (FSDPToy under fully_shard) vs canzona.testing_fsdp.fsdp_reference",
+            "runner": "validation.fsdp_harness.fsdp_mesh_worker (FSDPToy under fully_shard) vs validation.fsdp_harness.fsdp_reference",
             "meshes": {m: parse_mesh(m).fsdp for m in FSDP_MESH_NAMES},
-            "injected_gradients": "canzona.testing.integer_grads (its default seed and scale) per DP rank",
+            "injected_gradients": "validation.harness.integer_grads (its default seed and scale) per DP rank",
             "elementwise_kwargs": dict(FSDP_ELEMENTWISE_KWARGS),
             "optimizer_kwargs_when_none": dict(FSDP_DEFAULT_KWARGS),
         },

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NoReturn
 
+from canzona.errors import UserError
+
 __all__ = ["one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
 
 
@@ -53,8 +55,7 @@ def _say(exc: OSError, path: str | os.PathLike[str]) -> str:
 
 def output_path(path: str | os.PathLike[str], what: str = "output") -> Path:
     """Check before the work that ``path`` can be written (its folder exists and is writable, it is
-    not a folder); a :class:`canzona.cli.UserError` naming the path otherwise."""
-    from canzona.cli import UserError
+    not a folder); a :class:`canzona.errors.UserError` naming the path otherwise."""
     from canzona.fileio import check_writable
 
     try:
@@ -65,9 +66,8 @@ def output_path(path: str | os.PathLike[str], what: str = "output") -> Path:
 
 def write_output(path: str | os.PathLike[str], data: str | bytes | Callable[[IO[bytes]], None]) -> Path:
     """Write a command's output file atomically (:func:`canzona.runtime.integrity.atomic_write`);
-    an ``OSError`` (full disk, read-only folder ...) becomes one :class:`canzona.cli.UserError`
+    an ``OSError`` (full disk, read-only folder ...) becomes one :class:`canzona.errors.UserError`
     line naming the path, with the old file left intact and no temporary file behind."""
-    from canzona.cli import UserError
     from canzona.fileio import atomic_write
 
     try:
@@ -78,10 +78,8 @@ def write_output(path: str | os.PathLike[str], data: str | bytes | Callable[[IO[
 
 def output_dir(path: str | os.PathLike[str], what: str = "output folder") -> Path:
     """Check before the work that folder ``path`` exists or can be created (its nearest existing
-    ancestor is a writable folder); a :class:`canzona.cli.UserError` naming the path otherwise.
+    ancestor is a writable folder); a :class:`canzona.errors.UserError` naming the path otherwise.
     Creates nothing."""
-    from canzona.cli import UserError
-
     p = Path(path)
     if p.exists():
         if not p.is_dir():

@@ -110,9 +110,9 @@ def _act_train(optimizer: str, steps: int, out: Path) -> None:
 
 
 def _act_verify(optimizer: str) -> bool:
-    from validation.matrix import Selection
-    from validation.report import format_table
-    from validation.suite import run_suite
+    from canzona.lab import suite
+
+    Selection, format_table, run_suite = suite().Selection, suite().format_table, suite().run_suite
 
     _banner("3. Verify: lb-asc at dp2 x tp2 against the single-device optimizer, bit for bit")
     sel = Selection(level="quick", optimizers=(optimizer,), strategies=("lb-asc",), meshes=("dp2xtp2",), checks=("injected",))

@@ -1,4 +1,4 @@
-"""``canzona validate``: the exactness suite (``validation/``): distributed updates vs single-device
+"""``canzona validate``: the exactness suite (``validation/``, reached through :func:`canzona.lab.suite`): distributed updates vs single-device
 optimizers, bit for bit. Exit 0 all cells passed, 1 any mismatch, 2 bad input."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from validation.cli import add_arguments as add
+    from canzona.lab import suite
 
-    add(parser)
+    suite().add_cli_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from validation.cli import run as run_validation
+    from canzona.lab import suite
 
-    return run_validation(args)
+    return suite().run_cli(args)

@@ -1,4 +1,4 @@
-"""Planning conventions: the paper authors' (a named preset) beside canzona's own (issue 19).
+"""Planning conventions: the paper authors' (a named preset) beside canzona's own.
 
 The paper's Figure 3 numbers come from the authors' Megatron implementation, whose planning
 conventions differ from canzona's on every point below. :data:`PAPER` names them as one preset;

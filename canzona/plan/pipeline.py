@@ -1,4 +1,4 @@
-"""Pipeline-parallel stages for the planner (issue 19): one plan per stage.
+"""Pipeline-parallel stages for the planner: one plan per stage.
 
 Megatron-Core splits a GPT model's ``num_layers`` transformer layers evenly over ``pp`` pipeline
 stages (``get_num_layers_to_build``: ``num_layers // pp`` consecutive layers each; the layer count

@@ -34,12 +34,11 @@ from canzona.runtime import phases as _phases
 from canzona.runtime.phases import (
     BACKWARD,
     DP_ALL_GATHER,
-    DP_LOCAL_UPDATE,
     FORWARD,
     OPTIMIZER_STEP,
-    TP_COMPUTE,
     base_phase,
 )
+from canzona.phase_names import COMPUTE_PHASES as COMPUTE
 
 __all__ = [
     "BENCH_STRATEGIES",
@@ -53,7 +52,6 @@ __all__ = [
 ]
 
 BENCH_STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc")
-COMPUTE = (DP_LOCAL_UPDATE, TP_COMPUTE)
 
 
 class PhaseRecorder:

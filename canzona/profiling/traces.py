@@ -51,16 +51,14 @@ import pandas as pd
 from canzona.fileio import atomic_write
 from canzona.phase_names import (
     BACKWARD,
+    COMM_PHASES,
+    COMPUTE_PHASES,
     DP_ALL_GATHER,
-    DP_LOCAL_UPDATE,
     FORWARD,
     LAUNCH,
-    LAYERWISE_BROADCAST,
+    OPTIMIZER_COMM_PHASES,
     OPTIMIZER_STEP,
     STATUS,
-    TP_COMPUTE,
-    TP_GATHER,
-    TP_SCATTER,
     WAIT,
     is_communication,
     parse,
@@ -100,12 +98,10 @@ PHASE_COLUMNS: dict[str, str] = {
 }
 #: every canzona phase name starts with this
 PREFIX = "canzona/"
-#: phases that are optimizer math (no communication inside): the work Canzona balances
-COMPUTE_PHASES: tuple[str, ...] = (DP_LOCAL_UPDATE, TP_COMPUTE)
-#: phases inside the optimizer step that move data (their time includes waiting for peers); every
-#: stage of any communication phase (:func:`canzona.phase_names.is_communication`), DP
-#: reduce-scatter waits included, is classed ``comm`` by :func:`phase_kind`
-COMM_PHASES: tuple[str, ...] = (TP_GATHER, TP_SCATTER, LAYERWISE_BROADCAST)
+# COMPUTE_PHASES (optimizer math, the work Canzona balances) and COMM_PHASES (every phase that
+# moves bytes; each of its stages is classed ``comm`` by phase_kind) are canzona.phase_names's:
+# one definition. The step summary's ``optimizer_comm_us`` counts OPTIMIZER_COMM_PHASES, the
+# exchanges of optimizer data inside the step.
 META_KEYS: tuple[str, ...] = ("strategy", "optimizer", "dp", "tp", "steps", "model")
 
 _TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
@@ -470,7 +466,7 @@ def step_makespans(df: pd.DataFrame) -> pd.DataFrame:
                 "optimizer_us": float(opt.groupby("rank")["dur_us"].sum().max()) if not opt.empty else np.nan,
                 "optimizer_span_us": float((opt["start_us"] + opt["dur_us"]).max() - opt["start_us"].min()) if not opt.empty else np.nan,
                 "optimizer_compute_us": float(_per_rank(d, COMPUTE_PHASES, ranks).max()),
-                "optimizer_comm_us": float(_per_rank(d, COMM_PHASES, ranks).max()),
+                "optimizer_comm_us": float(_per_rank(d, OPTIMIZER_COMM_PHASES, ranks).max()),
                 "param_return_us": float(_per_rank(d, (DP_ALL_GATHER,), ranks).max()),
                 "exposed_comm_us": float(_exposed(d).reindex(ranks, fill_value=0.0).max()),
                 "slowest_rank": int(opt_end.idxmax()) if not opt_end.empty else -1,

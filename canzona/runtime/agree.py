@@ -1,4 +1,4 @@
-"""Agreement across ranks at the points where one rank can fail alone (issue 17).
+"""Agreement across ranks at the points where one rank can fail alone.
 
 A distributed optimizer step, checkpoint load or save runs the same code on every rank, but an
 exception can still happen on one rank only: a non-finite gradient on its owner, an optimizer that
@@ -26,9 +26,9 @@ initialized with ``nccl`` alone, a gloo group over every rank made once). So on 
 makes the host wait for the CUDA streams: only flags that are themselves computed on the device
 (the gradients' finiteness, in the step's first exchange) are copied to the host, the one
 synchronization that "refuse before anything changes" requires; the second exchange, which
-carries only errors, does not touch the device. (A status group of its own on a gloo world was
-measured and rejected: at world 2 on two CPU cores the extra gloo group's threads made a step
-about 7 ms slower than queuing the exchange behind the step's all-gathers.)
+carries only errors, does not touch the device. On a gloo world the exchange shares the default
+group, queued behind the step's all-gathers, rather than opening a gloo group of its own whose
+threads compete with the step's (measured in docs/runtime.md, "Collectives per backend").
 
 Both collectives go through :class:`canzona.runtime.comm.Comm`, inside a phase of their own,
 ``canzona/status`` (an NVTX and profiler range, a :class:`~canzona.runtime.phases.PhaseTimer`
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
 from canzona.runtime.comm import Comm
-from canzona.runtime.phases import STATUS, phase
+from canzona.runtime.phases import phase
 
 __all__ = [
     "MESSAGE_BYTES",
@@ -280,7 +280,7 @@ def agree(
         vec[0] = 1
     if flags is not None:
         vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
-    with phase(STATUS):
+    with phase("canzona/status"):
         _wait(comm.all_reduce(vec, op="max", async_op=True), timeout_s, what, group, tag)
         if int(vec[0].item()) == 0:
             return vec[1:]

@@ -16,16 +16,16 @@ Collectives per backend (Section 3.1 needs one coalesced *variable-size* collect
 - reduce-scatter to uneven cut points: on NCCL the list form (``dist.reduce_scatter``); on gloo an
   ``all_to_all_single`` that sends every rank its slice (a reduce-scatter's bytes exactly),
   followed at ``wait()`` by the sum of the R received slices in rank order, starting from zero (the
-  reference reduction of :func:`canzona.testing.mean_grads`, bit for bit). gloo's list form costs
-  2-7x more wall and CPU time (``profiling/bench_collectives.py``, 300k elements, wall: 3.5
-  against 1.1 ms at world 2, 14.5 against 2.1 ms at world 4). The price is a receive buffer of R slices,
-  which callers reserve once (:meth:`Comm.reduce_scatter_scratch`).
+  reference reduction of the exactness suite, bit for bit), because gloo's list form is several
+  times slower (docs/runtime.md, "Collectives per backend", measured with
+  ``profiling/bench_collectives.py``). The price is a receive
+  buffer of R slices, which callers reserve once (:meth:`Comm.reduce_scatter_scratch`).
 - uneven all-gather: on NCCL the list form ``dist.all_gather`` into views of the output (NCCL runs
   it as grouped broadcasts straight into the output): no staging buffer. gloo has no uneven list
-  form; it gets ``all_to_all_single`` over this rank's shard repeated once per peer. Measured with
-  ``profiling/bench_collectives.py``, that beat both other gloo forms (one broadcast per owner into
-  views of the output, and an equal all-gather of padded shards plus a compaction copy) in process
-  CPU time at world 2 and 4, so the R-fold send buffer stays on gloo only. Equal sizes use
+  form; it gets ``all_to_all_single`` over this rank's shard repeated once per peer, the cheapest
+  of the three gloo forms (the others: one broadcast per owner into views of the output, an equal
+  all-gather of padded shards plus a compaction copy; measured in docs/runtime.md), so the R-fold send
+  buffer stays on gloo only. Equal sizes use
   ``all_gather_single`` (one call, both backends).
 - all-to-all with split sizes: ``all_to_all_single`` on both backends (one fused call over one
   flat send buffer; the list form would only add per-peer tensors the engine already packs).

@@ -121,7 +121,6 @@ from typing import Any
 import torch
 
 from canzona.optim import finite_grads_verified
-from canzona.phase_names import LAUNCH, WAIT, indexed
 from canzona.plan.plan import Plan
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
 from canzona.runtime.agree import (
@@ -138,12 +137,6 @@ from canzona.runtime.agree import (
 from canzona.runtime.buffer import GradBuffer, is_plain, local_tensor
 from canzona.runtime.comm import Comm
 from canzona.runtime.phases import (
-    DP_ALL_GATHER,
-    DP_ALL_REDUCE,
-    DP_LOCAL_UPDATE,
-    DP_REDUCE_SCATTER,
-    LAYERWISE_BROADCAST,
-    OPTIMIZER_STEP,
     PhaseTimer,
     phase,
     timing,
@@ -297,7 +290,6 @@ class DPRuntime:
         self._tp_grads: dict[str, torch.Tensor] = {}
         #: this iteration's averaged gradient slice per owned (non-TP) piece, set by finish_grad_sync
         self._piece_grads: dict[Piece, torch.Tensor] = {}
-        self._collective_phase = DP_REDUCE_SCATTER if self.reduce_scatter else DP_ALL_REDUCE
         #: wall seconds the last step() spent blocked on each bucket's gradient collective
         self.bucket_wait_s: dict[int, float] = {}
         #: ``lazy``: parameter all-gathers launched by step() and finished by forward pre-hooks
@@ -587,7 +579,7 @@ class DPRuntime:
             self._start_collective(i, self.buffer.bucket(i))
 
     def _start_collective(self, i: int, flat: torch.Tensor) -> None:
-        name = indexed(self._collective_phase, f"bucket{i}", LAUNCH)
+        name = f"canzona/dp/reduce_scatter/bucket{i}/launch" if self.reduce_scatter else f"canzona/dp/all_reduce/bucket{i}/launch"
         with phase(name, bytes=flat.numel() * flat.element_size(), bucket=i, peers=self.dp):
             if self.reduce_scatter:
                 _, work = self.comm.reduce_scatter_v(
@@ -658,7 +650,7 @@ class DPRuntime:
         #: this step's parameter all-gathers launched so far: bucket -> (receive buffer, work)
         gathers: dict[int, tuple[torch.Tensor, Any]] = {}
         updated: set[int] = set()
-        with phase(OPTIMIZER_STEP):
+        with phase("canzona/optimizer/step"):
             try:
                 if not reuse:
                     if self.buffer.retained:
@@ -813,7 +805,7 @@ class DPRuntime:
             w = self._works.get(i)
             advance = getattr(w, "advance", None)
             if advance is not None:
-                with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+                with phase(f"canzona/dp/reduce_scatter/bucket{i}/wait" if self.reduce_scatter else f"canzona/dp/all_reduce/bucket{i}/wait", bucket=i, peers=self.dp):
                     advance()
 
     def finish_grad_sync(self, i: int, *, reuse: bool = False) -> None:
@@ -826,7 +818,7 @@ class DPRuntime:
             # The wait is the collective's own ``/wait`` range (inside the step), so traces show per
             # bucket how long the step was blocked on it; on NCCL this is host time only (see module doc).
             t0 = time.perf_counter()
-            with phase(indexed(self._collective_phase, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+            with phase(f"canzona/dp/reduce_scatter/bucket{i}/wait" if self.reduce_scatter else f"canzona/dp/all_reduce/bucket{i}/wait", bucket=i, peers=self.dp):
                 if w is not None:
                     w.wait()
             self.bucket_wait_s[i] = time.perf_counter() - t0
@@ -847,7 +839,7 @@ class DPRuntime:
         steps exactly this bucket's parameters; clearing the grads afterwards (also on error)
         keeps a later bucket's step from stepping them again. Parameters in ``skip`` (no gradient
         on any rank) get no ``.grad``, so the optimizer skips them as ``torch.optim`` does."""
-        with phase(f"{DP_LOCAL_UPDATE}/bucket{i}"):
+        with phase(f"canzona/dp/local_update/bucket{i}"):
             grads = self._piece_grads
             for opt, mine, masters in self._local_steps[i]:
                 try:
@@ -884,14 +876,14 @@ class DPRuntime:
         all DP ranks, inside the step."""
         works = []
         nbytes = 0
-        with phase(indexed(LAYERWISE_BROADCAST, stage=LAUNCH), peers=self.dp), torch.no_grad():
+        with phase("canzona/layerwise/broadcast/launch", peers=self.dp), torch.no_grad():
             for pp in self._order:
                 local = local_tensor(self.params[pp.name].detach())
                 if pp.dp_owner == self.dp_rank:
                     local.copy_(self.masters[self._whole_pieces[pp.name]])
                     nbytes += local.numel() * local.element_size()
                 works.append(self.comm.broadcast(local, pp.dp_owner, async_op=True))
-        with phase(indexed(LAYERWISE_BROADCAST, stage=WAIT), bytes=nbytes, peers=self.dp):
+        with phase("canzona/layerwise/broadcast/wait", bytes=nbytes, peers=self.dp):
             for w in works:
                 if w is not None:
                     w.wait()
@@ -900,7 +892,7 @@ class DPRuntime:
         sizes = self._shard_sizes[i]
         dtype = self.gather_dtype[i]
         es = dtype.itemsize
-        with phase(indexed(DP_ALL_GATHER, f"bucket{i}", LAUNCH), bytes=sizes[self.dp_rank] * es, bucket=i, peers=self.dp):
+        with phase(f"canzona/dp/all_gather/bucket{i}/launch", bytes=sizes[self.dp_rank] * es, bucket=i, peers=self.dp):
             send = self._send[i]
             dst, src = self._pack[i]
             if dst:
@@ -910,7 +902,7 @@ class DPRuntime:
             return self.comm.all_gather_v(send, sizes, out=self.param_buffers.get(i), async_op=True)
 
     def _wait_param_gather(self, i: int, work: Any) -> None:
-        with phase(indexed(DP_ALL_GATHER, f"bucket{i}", WAIT), bucket=i, peers=self.dp):
+        with phase(f"canzona/dp/all_gather/bucket{i}/wait", bucket=i, peers=self.dp):
             if work is not None:
                 work.wait()
 

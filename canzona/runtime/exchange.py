@@ -55,9 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from canzona.phase_names import LAUNCH, WAIT, indexed
+from canzona.phase_names import ExchangePhases
 from canzona.runtime.hooks import RemovableHandle, UpdateHook, UpdateHooks
-from canzona.runtime.phases import TP_APPLY, TP_COMPUTE, TP_GATHER, TP_SCATTER, phase
+from canzona.runtime.phases import phase
 
 __all__ = [
     "APPLY",
@@ -502,7 +502,9 @@ class MicroGroupEngine:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         direct: bool = False,
+        phases: ExchangePhases,
     ) -> None:
+        self.phases = phases  # the owner's names for the four phases (canzona.phase_names)
         self.comm = comm
         self.rank, self.n = comm.rank, comm.size
         self.dtype = dtype
@@ -598,19 +600,19 @@ class MicroGroupEngine:
                 g = groups[k]
                 events.append((ev, k))
                 if ev == GATHER_LAUNCH:
-                    with phase(indexed(TP_GATHER, g.phase_index, LAUNCH), bytes=g.send_numel * self._es, group=k, peers=peers):
+                    with phase(f"{self.phases.gather}/{g.phase_index}/launch", bytes=g.send_numel * self._es, group=k, peers=peers):
                         works[GATHER_WAIT, k] = self._launch_gather(g, grads)
                     if overlap is not None:
                         overlap()
                         overlap = None
                 elif ev == GATHER_WAIT:
-                    with phase(indexed(TP_GATHER, g.phase_index, WAIT), bytes=sum(g.gather_recv) * self._es, group=k, peers=peers):
+                    with phase(f"{self.phases.gather}/{g.phase_index}/wait", bytes=sum(g.gather_recv) * self._es, group=k, peers=peers):
                         self._wait(works.pop((GATHER_WAIT, k)))
                     # unpacking copies out of the gather slot, which the next launch reuses at once
-                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                    with phase(f"{self.phases.compute}/{g.phase_index}"):
                         full_grads = self._unpack_gather(g, grads)
                 elif ev == COMPUTE:
-                    with phase(indexed(TP_COMPUTE, g.phase_index)):
+                    with phase(f"{self.phases.compute}/{g.phase_index}"):
                         try:
                             if error is not None:
                                 raise error
@@ -620,7 +622,7 @@ class MicroGroupEngine:
                             updated = {name: self.masters[name].detach() for name in g.hosted}
                     full_grads = {}
                 elif ev == SCATTER_LAUNCH:
-                    with phase(indexed(TP_SCATTER, g.phase_index, LAUNCH), bytes=sum(g.scatter_send) * self._es, group=k, peers=peers):
+                    with phase(f"{self.phases.scatter}/{g.phase_index}/launch", bytes=sum(g.scatter_send) * self._es, group=k, peers=peers):
                         works[SCATTER_WAIT, k] = self._launch_scatter(g, updated)
                     if g.local_back:
                         # the hosted masters (or the error path's unchanged values); a later
@@ -628,10 +630,10 @@ class MicroGroupEngine:
                         own_results[k] = updated
                     updated = {}
                 elif ev == SCATTER_WAIT:
-                    with phase(indexed(TP_SCATTER, g.phase_index, WAIT), bytes=sum(g.scatter_recv) * self._es, group=k, peers=peers):
+                    with phase(f"{self.phases.scatter}/{g.phase_index}/wait", bytes=sum(g.scatter_recv) * self._es, group=k, peers=peers):
                         self._wait(works.pop((SCATTER_WAIT, k)))
                 else:  # APPLY
-                    with phase(indexed(TP_APPLY, g.phase_index)), torch.no_grad():
+                    with phase(f"{self.phases.apply}/{g.phase_index}"), torch.no_grad():
                         if g.sync:
                             for c in g.own:
                                 dest[c.name].copy_(updated[c.name][c.index])

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from canzona.optim import finite_grads_verified
-from canzona.phase_names import DP_LOCAL_UPDATE, OPTIMIZER_STEP
+from canzona.phase_names import exchange_phases
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
 from canzona.runtime.agree import ReplicaGuard, agree, check_step_flags, nonfinite, status_group, step_flags
 from canzona.runtime.comm import Comm
@@ -67,7 +67,7 @@ class FSDPEngine(MicroGroupEngine):
     def __init__(self, groups: Sequence[Sequence[ExchangeTask]], *, master_dtype: torch.dtype = torch.float32, **kw: Any) -> None:
         # kw: comm, optimizer_factory, initial (see MicroGroupEngine)
         # direct: a host's own blocks never go through the exchanges (see describe_group)
-        super().__init__(groups, dtype=master_dtype, direct=True, **kw)
+        super().__init__(groups, dtype=master_dtype, direct=True, phases=exchange_phases("canzona/shard/gather", "canzona/shard/compute", "canzona/shard/scatter", "canzona/shard/apply"), **kw)
 
     def step(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], *, skip: Collection[str] = (),
              overlap: Callable[[], None] | None = None) -> None:
@@ -186,7 +186,7 @@ class FSDPRuntime:
         error: BaseException | None = None
         flags = torch.zeros(2 * n + 2, dtype=torch.int64)
         grads: dict[str, torch.Tensor | None] = {}
-        with phase(OPTIMIZER_STEP):
+        with phase("canzona/optimizer/step"):
             try:
                 grads = {name: self._grad(name) for name in self.names}
                 flags = self._local_flags(grads, digest)
@@ -206,7 +206,7 @@ class FSDPRuntime:
             def elementwise() -> None:
                 # runs while the first micro-group's gather is in flight; must not raise (see run)
                 try:
-                    with phase(DP_LOCAL_UPDATE):
+                    with phase("canzona/dp/local_update"):
                         for n, m in live.items():
                             g = grads[n]
                             m.grad = g if g is not None else self._zeros(n)

@@ -21,7 +21,7 @@ FSDP2's element-wise pieces) are updated piecewise and no rank computes their fu
 do not see them. With no hook registered a step pays one truth test per local optimizer step.
 
 Two clients: :class:`UpdateNormLog` (below) and the planted defects of
-:mod:`canzona.runtime.faults` that the exactness suite must catch.
+:mod:`validation.faults` that the exactness suite must catch.
 """
 
 from __future__ import annotations

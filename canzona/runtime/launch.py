@@ -28,7 +28,7 @@ No orphans, no stragglers:
   sends it SIGKILL (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread notices within a second.
 
 :func:`file_init_method` and :func:`process_group` are the same rendezvous for a group formed by
-hand (the tests' one-rank groups; ``canzona.testing`` re-exports them). torchrun jobs keep
+hand (the tests' one-rank groups). torchrun jobs keep
 ``env://``.
 """
 

@@ -9,7 +9,8 @@ Every phase is opened with :func:`phase`, which enters, with the identical strin
 - a :class:`PhaseTimer` when one is active (:func:`timing`): wall time and this thread's CPU
   time per phase name, and the current phase name that communication accounting files bytes under.
 
-Names are defined once in :mod:`canzona.phase_names` (listed in docs/profiling.md): ``<base>[/bucket<i>|/group<k>][/launch|/wait]``. An
+Names are registered in :mod:`canzona.phase_names` (listed in docs/profiling.md) and spelled
+literally where they are opened: ``<base>[/bucket<i>|/group<k>][/launch|/wait]``. An
 asynchronously started collective opens a ``.../launch`` range while it is issued and a
 ``.../wait`` range while the caller blocks on it; the timer keeps the two apart (key
 ``<base>/launch`` and ``<base>/wait``), so exposed communication (wait time) is never mixed with

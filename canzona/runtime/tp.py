@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from canzona.phase_names import exchange_phases
 from canzona.plan.plan import Plan
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import Block, ExchangeTask, MicroGroupEngine, PieceLayout, assemble_at_host, from_hosts_recv_sizes
@@ -254,6 +255,7 @@ class TPEngine(MicroGroupEngine):
             initial=local_masters,
             dtype=dtype,
             device=device,
+            phases=exchange_phases("canzona/tp/gather", "canzona/tp/compute", "canzona/tp/scatter", "canzona/tp/apply"),
         )
         self.sync = self.schedule == "sync"
 

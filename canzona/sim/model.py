@@ -258,30 +258,26 @@ def _links(hw: HardwareProfile, dp: int, tp: int) -> tuple[Link, Link]:
     return dp_link, tp_link
 
 
-def simulate_plan(
-    plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup(), *, whole_model: bool = True
-) -> StepBreakdown:
-    """Predict one iteration of ``plan`` (see the module docstring for the model).
+@dataclass(frozen=True, slots=True)
+class _FwdBwd:
+    """The forward-backward part of one iteration (seconds; see :func:`_fwd_bwd`)."""
 
-    ``whole_model=False``: ``plan`` holds one pipeline stage; its forward work is that of its own
-    parameters (their matmuls and their layers' attention) and its TP activation collectives those
-    of its own layers (see :func:`simulate_pipeline`).
-    """
-    inp = plan.inputs
-    dp, tp, strategy, opt = inp.dp, inp.tp, inp.strategy, inp.optimizer
-    # the plan's record (for what the plan does not spell out per bucket or parameter)
-    elementwise_only = plan.strategy.elementwise_only
-    if elementwise_only and opt != ELEMENTWISE_DEFAULT:
-        raise ValueError(
-            f"{strategy} equal-chunk partitioning is exact only for element-wise optimizers; simulate it with optimizer {ELEMENTWISE_DEFAULT}"
-        )
-    dp_link, tp_link = _links(hw, dp, tp)
-    hbm = hw.hbm_bytes_per_s
-    ns_peak = peak_flops(hw, setup.ns_dtype)
-    params = plan.params
-    n = len(params)
+    t_fwd: float  # compute of one micro-batch's forward
+    t_bwd: float  # compute of one micro-batch's backward (recomputation included)
+    t_tp_fwd: float  # TP activation collectives of one forward
+    t_tp_bwd: float  # ... and of one backward
+    grad_comm: list[float]  # per bucket: the gradient collective
+    param_comm: list[float]  # per bucket: the parameter all-gather (0 without reduce-scatter)
+    grad_exposed: float  # gradient communication the backward does not hide
+    param_exposed: float  # parameter all-gathers the next forward does not hide
+    total: float  # the whole fwd-bwd span over every micro-batch
 
-    # ---------------------------------------------------------------- fwd-bwd
+
+def _fwd_bwd(plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup, dp_link: Link, tp_link: Link, whole_model: bool) -> _FwdBwd:
+    """Forward and backward compute, the TP activation collectives, and the DP bucket collectives
+    overlapped with them as a two-machine flow shop (buckets fill in buffer order in backward; the
+    first layers' parameters are needed first in the next forward)."""
+    dp, tp = plan.inputs.dp, plan.inputs.tp
     n_layers = cfg.num_hidden_layers
     if whole_model:
         f_fwd = fwd_flops_per_gpu(cfg, setup, tp)
@@ -305,7 +301,7 @@ def simulate_plan(
     bwd_stream = t_bwd + t_tp_bwd
 
     work = _param_fwd_work(plan, cfg, setup)
-    index = {p.name: i for i, p in enumerate(params)}
+    index = {p.name: i for i, p in enumerate(plan.params)}
     bucket_work = np.array([work[[index[x] for x in b.params]].sum() for b in plan.buckets])
     share = bucket_work / bucket_work.sum() if bucket_work.sum() > 0 else np.full(len(plan.buckets), 1 / len(plan.buckets))
 
@@ -326,117 +322,169 @@ def simulate_plan(
         param_exposed = fwd_span - fwd_stream
     else:
         param_exposed = 0.0
-    ga = setup.grad_accum
-    fwd_bwd = ga * (fwd_stream + bwd_stream) + grad_exposed + param_exposed
+    total = setup.grad_accum * (fwd_stream + bwd_stream) + grad_exposed + param_exposed
+    return _FwdBwd(t_fwd, t_bwd, t_tp_fwd, t_tp_bwd, grad_comm, param_comm, grad_exposed, param_exposed, total)
 
-    # ---------------------------------------------------------------- optimizer step
-    shapes_full = [p.spec.shape for p in params]
-    local_numel = np.array([p.spec.local_numel for p in params], dtype=np.float64)
-    is_matrix = np.array([p.spec.kind == "matrix" for p in params])
-    tp_split = np.array([p.spec.tp_split for p in params])
 
-    matrix_opt = ELEMENTWISE_DEFAULT if elementwise_only else opt
-    ns_time = np.zeros(n)
-    for i, p in enumerate(params):
-        if is_matrix[i] and matrix_opt != "adamw":
-            shp = shapes_full[i]
+@dataclass(frozen=True, slots=True)
+class _StepLoads:
+    """The optimizer step per DP rank (seconds): element-wise updates, matrix compute, TP
+    exchanges, and the rank's whole step (its TP pipeline's span); plus the layerwise broadcast
+    after the step and the number of micro-groups (see :func:`_step_loads`)."""
+
+    elementwise: np.ndarray
+    matrix: np.ndarray
+    tp_comm: np.ndarray
+    total: np.ndarray
+    dp_comm: float
+    n_groups: int
+
+
+def _matrix_times(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str) -> np.ndarray:
+    """Per parameter: the full-shape matrix optimizer's time on one GPU (its FLOPs at the
+    calibrated Newton-Schulz / eigh throughput, plus its element-wise passes over HBM); 0 for
+    element-wise parameters."""
+    ns_peak = peak_flops(hw, setup.ns_dtype)
+    ns_time = np.zeros(len(plan.params))
+    for i, p in enumerate(plan.params):
+        if p.spec.kind == "matrix" and matrix_opt != "adamw":
+            shp = p.spec.shape
             fl = FLOPS_PER_MAC * matrix_flops(matrix_opt, shp)
-            ns_time[i] = fl / (ns_peak * ns_efficiency(hw, shp)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shp) / hbm
-    adamw_local = ADAMW_BYTES_PER_ELEMENT * local_numel / hbm  # element-wise update of the local shard
-    apply_local = APPLY_BYTES_PER_ELEMENT * local_numel / hbm
+            ns_time[i] = fl / (ns_peak * ns_efficiency(hw, shp)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shp) / hw.hbm_bytes_per_s
+    return ns_time
 
+
+def _add_elementwise(ew_rank: np.ndarray, params: Sequence[Any], matrix: np.ndarray, adamw_local: np.ndarray, hbm: float) -> None:
+    """Add each DP rank's element-wise update time to ``ew_rank``: a parameter owned whole goes to
+    its owner, one cut across ranks (zero1-style ranges) to every rank by its share; parameters
+    flagged in ``matrix`` are the matrix optimizer's."""
+    for i, p in enumerate(params):
+        if matrix[i]:
+            continue
+        if p.dp_owner is not None:
+            ew_rank[p.dp_owner] += adamw_local[i]
+        else:
+            for r, s0, s1 in p.dp_ranges:
+                ew_rank[r] += ADAMW_BYTES_PER_ELEMENT * (s1 - s0) / hbm
+
+
+def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, dp_link: Link, tp_link: Link) -> _StepLoads:
+    """The optimizer step of every DP rank: equal chunks of AdamW (element-wise-only strategies),
+    everything on every rank (``sc``), or each rank's owned parameters plus its TP micro-group
+    pipeline (Section 4); the layerwise baseline adds one broadcast per parameter afterwards."""
+    dp, tp = plan.inputs.dp, plan.inputs.tp
+    hbm = hw.hbm_bytes_per_s
+    params = plan.params
+    n = len(params)
     ew_rank = np.zeros(dp)
     mat_rank = np.zeros(dp)
     tpc_rank = np.zeros(dp)
-    total_rank = np.zeros(dp)
-    dp_comm_step = 0.0
-    n_groups = 0
-
-    if elementwise_only:
+    if plan.strategy.elementwise_only:
         # every element of the rank's equal chunk gets AdamW
         owned = np.zeros(dp)
         for b in plan.buckets:
             owned += np.array(b.shard_sizes(), dtype=np.float64)
         ew_rank = ADAMW_BYTES_PER_ELEMENT * owned / hbm
-        total_rank = ew_rank.copy()
-    else:
-        sync_ag = np.zeros(n)  # per-parameter TP all-gather of the gradient (sync schedule)
-        for i, p in enumerate(params):
-            if is_matrix[i] and tp_split[i] and matrix_opt != "adamw":
-                sync_ag[i] = all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
-        if plan.every_rank_updates:
-            # every DP rank all-reduced the gradients and updates everything, every TP rank the full matrix
-            e = float(adamw_local[~is_matrix].sum())
-            m = float(ns_time[is_matrix].sum())
-            c = float(sync_ag.sum())
-            ew_rank[:] = e
-            mat_rank[:] = m
-            tpc_rank[:] = c
-            total_rank[:] = e + m + c
-        else:
-            owner = np.full(n, -1)
-            for i, p in enumerate(params):
-                if p.dp_owner is not None:
-                    owner[i] = p.dp_owner
-            # element-wise work, including parameters cut across ranks (zero1-style ranges)
-            for i, p in enumerate(params):
-                if is_matrix[i] and matrix_opt != "adamw":
-                    continue
-                if p.dp_owner is not None:
-                    ew_rank[p.dp_owner] += adamw_local[i]
-                else:
-                    for r, s0, s1 in p.dp_ranges:
-                        ew_rank[r] += ADAMW_BYTES_PER_ELEMENT * (s1 - s0) / hbm
-            grouped = np.array([p.tp_host is not None for p in params])
-            local_mat = is_matrix & ~grouped & (matrix_opt != "adamw")
-            # matrices handled without micro-groups: replicated ones (every TP rank updates its
-            # replica) and TP-split ones under the sync schedule (all-gather, redundant compute)
-            for i in np.flatnonzero(local_mat):
-                r = owner[i]
-                mat_rank[r] += ns_time[i]
-                tpc_rank[r] += sync_ag[i]
-            for r in range(dp):
-                groups = plan.micro_groups[r] if plan.micro_groups else ()
-                n_groups += len(groups)
-                pipe, comm, comp = _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup, ew_rank[r] + mat_rank[r] + tpc_rank[r])
-                tpc_rank[r] += comm
-                mat_rank[r] += comp
-                total_rank[r] = pipe
-            if plan.param_return == "broadcast":
-                # Megatron LayerWiseDistributedOptimizer.broadcast_params: after the step, a loop
-                # of one broadcast per parameter from its owner (bf16 model weights), serialized.
-                dp_comm_step = float(sum(broadcast_time(dp_link, dp, ln * setup.param_bytes) for ln in local_numel))
+        return _StepLoads(ew_rank, mat_rank, tpc_rank, ew_rank.copy(), 0.0, 0)
+    local_numel = np.array([p.spec.local_numel for p in params], dtype=np.float64)
+    is_matrix = np.array([p.spec.kind == "matrix" for p in params])
+    tp_split = np.array([p.spec.tp_split for p in params])
+    ns_time = _matrix_times(plan, hw, setup, matrix_opt)
+    adamw_local = ADAMW_BYTES_PER_ELEMENT * local_numel / hbm  # element-wise update of the local shard
+    # per-parameter TP all-gather of the gradient (sync schedule)
+    sync_ag = np.array([all_gather_time(tp_link, tp, local_numel[i] * tp * setup.grad_bytes)
+                        if is_matrix[i] and tp_split[i] and matrix_opt != "adamw" else 0.0 for i in range(n)])
+    if plan.every_rank_updates:
+        # every DP rank all-reduced the gradients and updates everything, every TP rank the full matrix
+        e = float(adamw_local[~is_matrix].sum())
+        m = float(ns_time[is_matrix].sum())
+        c = float(sync_ag.sum())
+        ew_rank[:] = e
+        mat_rank[:] = m
+        tpc_rank[:] = c
+        return _StepLoads(ew_rank, mat_rank, tpc_rank, np.full(dp, e + m + c), 0.0, 0)
+    total_rank = np.zeros(dp)
+    _add_elementwise(ew_rank, params, is_matrix & (matrix_opt != "adamw"), adamw_local, hbm)
+    grouped = np.array([p.tp_host is not None for p in params])
+    # matrices handled without micro-groups: replicated ones (every TP rank updates its replica)
+    # and TP-split ones under the sync schedule (all-gather, redundant compute)
+    for i in np.flatnonzero(is_matrix & ~grouped & (matrix_opt != "adamw")):
+        r = params[i].dp_owner if params[i].dp_owner is not None else -1
+        mat_rank[r] += ns_time[i]
+        tpc_rank[r] += sync_ag[i]
+    apply_local = APPLY_BYTES_PER_ELEMENT * local_numel / hbm
+    index = {p.name: i for i, p in enumerate(params)}
+    n_groups = 0
+    for r in range(dp):
+        groups = plan.micro_groups[r] if plan.micro_groups else ()
+        n_groups += len(groups)
+        pipe, comm, comp = _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup, ew_rank[r] + mat_rank[r] + tpc_rank[r])
+        tpc_rank[r] += comm
+        mat_rank[r] += comp
+        total_rank[r] = pipe
+    dp_comm = 0.0
+    if plan.param_return == "broadcast":
+        # Megatron LayerWiseDistributedOptimizer.broadcast_params: after the step, a loop of one
+        # broadcast per parameter from its owner (bf16 model weights), serialized.
+        dp_comm = float(sum(broadcast_time(dp_link, dp, ln * setup.param_bytes) for ln in local_numel))
+    return _StepLoads(ew_rank, mat_rank, tpc_rank, total_rank, dp_comm, n_groups)
+
+
+def simulate_plan(
+    plan: Plan, cfg: ModelConfig, hw: HardwareProfile, setup: Setup = Setup(), *, whole_model: bool = True
+) -> StepBreakdown:
+    """Predict one iteration of ``plan`` (see the module docstring for the model): the
+    forward-backward span (:func:`_fwd_bwd`) plus the optimizer step of the slowest DP rank
+    (:func:`_step_loads`).
+
+    ``whole_model=False``: ``plan`` holds one pipeline stage; its forward work is that of its own
+    parameters (their matmuls and their layers' attention) and its TP activation collectives those
+    of its own layers (see :func:`simulate_pipeline`).
+    """
+    inp = plan.inputs
+    dp, tp, strategy, opt = inp.dp, inp.tp, inp.strategy, inp.optimizer
+    elementwise_only = plan.strategy.elementwise_only
+    if elementwise_only and opt != ELEMENTWISE_DEFAULT:
+        raise ValueError(
+            f"{strategy} equal-chunk partitioning is exact only for element-wise optimizers; simulate it with optimizer {ELEMENTWISE_DEFAULT}"
+        )
+    dp_link, tp_link = _links(hw, dp, tp)
+    fb = _fwd_bwd(plan, cfg, hw, setup, dp_link, tp_link, whole_model)
+    matrix_opt = ELEMENTWISE_DEFAULT if elementwise_only else opt
+    step = _step_loads(plan, hw, setup, matrix_opt, dp_link, tp_link)
     mem = _memory_bytes(plan, matrix_opt, setup) / 1e9
+    total_rank = step.total
     crit = int(np.argmax(total_rank))
-    optimizer_s = float(total_rank[crit]) + dp_comm_step
+    optimizer_s = float(total_rank[crit]) + step.dp_comm
     mean = float(total_rank.mean())
+    ga = setup.grad_accum
     return StepBreakdown(
         strategy=strategy,
         optimizer=matrix_opt,
         dp=dp,
         tp=tp,
         alpha=float(inp.alpha),
-        fwd_bwd_s=float(fwd_bwd),
+        fwd_bwd_s=float(fb.total),
         optimizer_s=optimizer_s,
-        iteration_s=float(fwd_bwd) + optimizer_s,
-        fwd_compute_s=ga * t_fwd,
-        bwd_compute_s=ga * t_bwd,
-        tp_activation_comm_s=ga * (t_tp_fwd + t_tp_bwd),
-        dp_grad_comm_s=float(sum(grad_comm)),
-        dp_grad_exposed_s=float(grad_exposed),
-        dp_param_comm_s=float(sum(param_comm)),
-        dp_param_exposed_s=float(param_exposed),
-        opt_elementwise_s=float(ew_rank[crit]),
-        opt_matrix_compute_s=float(mat_rank[crit]),
-        opt_tp_comm_s=float(tpc_rank[crit]),
-        opt_dp_comm_s=dp_comm_step,
+        iteration_s=float(fb.total) + optimizer_s,
+        fwd_compute_s=ga * fb.t_fwd,
+        bwd_compute_s=ga * fb.t_bwd,
+        tp_activation_comm_s=ga * (fb.t_tp_fwd + fb.t_tp_bwd),
+        dp_grad_comm_s=float(sum(fb.grad_comm)),
+        dp_grad_exposed_s=float(fb.grad_exposed),
+        dp_param_comm_s=float(sum(fb.param_comm)),
+        dp_param_exposed_s=float(fb.param_exposed),
+        opt_elementwise_s=float(step.elementwise[crit]),
+        opt_matrix_compute_s=float(step.matrix[crit]),
+        opt_tp_comm_s=float(step.tp_comm[crit]),
+        opt_dp_comm_s=step.dp_comm,
         opt_critical_rank=crit,
         opt_rank_mean_s=mean,
         opt_rank_imbalance=float(total_rank[crit] / mean) if mean > 0 else 1.0,
         memory_gb=mem,
         memory_fits=bool(mem <= hw.hbm_gb.value),
         n_buckets=len(plan.buckets),
-        n_micro_groups=n_groups,
+        n_micro_groups=step.n_groups,
         per_rank_optimizer_s=tuple(float(x) for x in total_rank),
     )
 

@@ -1,4 +1,4 @@
-"""The optimizer load of every GPU of the mesh, with the atomic lower bound (issue 19).
+"""The optimizer load of every GPU of the mesh, with the atomic lower bound.
 
 Companion to the micro-group Gantt (:mod:`canzona.viz.microgroups`): the Gantt shows one DP
 rank's TP group; this view shows all ``dp x tp`` GPUs, so a reader sees whether one group's

@@ -395,6 +395,10 @@ PHASE_COLORS: dict[str, str] = {
     "canzona/tp/compute": "#e6550d",
     "canzona/tp/scatter": "#17becf",
     "canzona/tp/apply": "#8c6d31",
+    "canzona/shard/gather": "#f7b6d2",
+    "canzona/shard/compute": "#fd8d3c",
+    "canzona/shard/scatter": "#9edae5",
+    "canzona/shard/apply": "#c49c94",
     "canzona/dp/all_gather": "#7f7f7f",
     "canzona/layerwise/broadcast": "#bcbd22",
 }

@@ -1,4 +1,5 @@
-"""Exactness checks for the FSDP2 path, callable from any spawned rank (tests, ``canzona validate``).
+"""The FSDP2 exactness case: a model, its injected gradients, one run and its reference, callable
+from any spawned rank (the tests and ``canzona validate``'s FSDP2 cells).
 
 Importing this module has no side effects. :func:`run_fsdp_case` runs on every rank of an
 initialized process group:
@@ -11,11 +12,11 @@ initialized process group:
    injected through a real FSDP2 backward (``sum(p * g)``), so FSDP2's reduce-scatter and HSDP's
    all-reduce are exact;
 3. on world rank 0, replays the same steps with the single-device optimizers on full tensors
-   (:class:`canzona.testing.ReferenceRunner`) and compares parameters, fp32 masters and every
+   (:class:`validation.harness.ReferenceRunner`) and compares parameters, fp32 masters and every
    optimizer-state entry with ``torch.equal``.
 
 It returns, on every rank, a :class:`FSDPCaseResult`; on rank 0 ``mismatches`` lists what
-differs (empty: bitwise equal). Meshes: :data:`FSDP_MESHES` (the four the issue names); any
+differs (empty: bitwise equal). Meshes: :data:`FSDP_MESHES` (the four the suite runs); any
 mesh with dimensions from ``("dp_replicate", "dp_shard", "tp")`` works.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from canzona.testing import ReferenceRunner, integer_grads, mean_grads, tensors_equal
+from validation.harness import ReferenceRunner, integer_grads, mean_grads, tensors_equal
 
 __all__ = [
     "FSDP_MESHES",
@@ -44,7 +45,7 @@ __all__ = [
     "run_fsdp_case",
 ]
 
-#: the meshes of issue 12: name -> (shape, dimension names)
+#: the FSDP2 meshes of the suite: name -> (shape, dimension names)
 FSDP_MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "dp_shard2": ((2,), ("dp_shard",)),
     "dp_shard4": ((4,), ("dp_shard",)),
@@ -270,7 +271,7 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     :data:`FSDP_MESHES` on ``world`` spawned ranks. A case is a dict with ``label``, ``optimizer``
     (name), ``strategy`` and optionally ``optimizer_kwargs``, ``dtype`` (``"float32"``/``"bfloat16"``),
     ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
-    :class:`canzona.runtime.faults.Fault`, registered as an update hook on every rank's optimizer
+    :class:`validation.faults.Fault`, registered as an update hook on every rank's optimizer
     for that case only: a planted defect the comparison must name; the case fails when it never
     fired). Returns, per case, ``{"label", "mismatches"}`` plus ``"params"`` and ``"document"``
     (rank 0's full parameters and consolidated state, for a per-tensor report); all three are
@@ -285,7 +286,7 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     if math.prod(shape) != world:
         raise ValueError(f"mesh {mesh_name} needs {math.prod(shape)} ranks, the world has {world}")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    from canzona.runtime.faults import Fault, FaultHook
+    from validation.faults import Fault, FaultHook
 
     out = []
     for case in cases:

@@ -1,6 +1,8 @@
-"""Helpers shared by the distributed tests and the exactness-validation suite.
+"""The exactness suite's ground truth and its test inputs: a model, gradients and a reference.
 
-Importing this module has no side effects (no process groups, no global seeds, no threads).
+Shared by :mod:`validation.checks`, :mod:`validation.fsdp_harness`, the GPU check
+(:mod:`validation.gpu`) and the repository's tests. Importing this module has no side effects (no
+process groups, no global seeds, no threads).
 
 - :class:`ToyModel`: a small model with awkward, mutually prime shapes (matrices, biases, a norm
   scale, an embedding and an output head), so bucket cuts land everywhere and element-wise
@@ -9,52 +11,35 @@ Importing this module has no side effects (no process groups, no global seeds, n
   power of two, so every partial sum of up to a few hundred ranks is representable and the
   reduction order of a collective cannot change a bit. :func:`mean_grads` is the reference
   reduction (sum, then divide by the DP size).
+- :func:`tp_cut` / :func:`tp_local`: the TP-local piece of a full-shape gradient or tensor.
 - :func:`inject_grads`: drive gradients through a real backward pass (``(p * g).sum()``, whose
   gradient is ``g`` exactly), so backward hooks fire as they do in training.
 - :class:`ReferenceRunner`: the single-process ground truth: the same optimizers on the same
   reduced gradients, matrix parameters to the matrix optimizer, element-wise ones to the
   element-wise optimizer, optional fp32 masters for low-precision models.
-- :func:`held_snapshot` / :func:`load_refused`: what a rank holds of an optimizer (masters, state,
-  model pieces), and whether a refused checkpoint load left all of it untouched.
-- :func:`attempt` / :func:`case_results`: a worker that runs many cases records each outcome, and
-  each test reads its own case (a failure names the case and the rank, not the whole run).
-- :func:`file_init_method` / :func:`process_group` (from :mod:`canzona.runtime.launch`): a
-  ``file://`` rendezvous in a fresh directory and a bounded, self-destroying process group around it.
-- :class:`HostReads`: counts the operations that read tensor values back to the host (``item()``,
-  ``bool(t)``, ``nonzero``, ``tolist()``...), each with the line that asked: on CUDA each is a synchronization,
-  so a test on CPU can check that a step's count does not grow with the model.
+- :func:`tensors_equal`, :func:`pack` / :func:`unpack`: bitwise comparison of named tensors, and
+  tensors as bytes for a worker's return value.
+
+Invariant: every comparison here is ``torch.equal``; nothing takes a tolerance.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import io
-import os
-import time
-import traceback
 import zlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from canzona.runtime.buffer import local_tensor as _local
-from canzona.runtime.launch import file_init_method, process_group  # re-exported: the launcher's rendezvous
 from canzona.specs import is_matrix_param
 
 __all__ = [
-    "HostReads",
     "ReferenceRunner",
     "ToyModel",
-    "attempt",
-    "case_results",
-    "file_init_method",
-    "held_snapshot",
-    "load_refused",
-    "process_group",
-    "raised",
     "inject_grads",
     "integer_grads",
     "mean_grads",
@@ -212,35 +197,6 @@ def tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
     return bad
 
 
-def held_snapshot(opt: Any) -> dict[str, torch.Tensor]:
-    """Copies of every master, optimizer-state tensor and model piece this rank holds of ``opt``
-    (either front end: anything implementing :class:`canzona.runtime.checkpoint.Checkpointable`)."""
-    out: dict[str, torch.Tensor] = {}
-    for i, h in enumerate(opt.held()):
-        if h.master is not None:
-            out[f"{i}.{h.name}.master"] = h.master.detach().clone()
-        for k, v in h.state().items():
-            if torch.is_tensor(v):
-                out[f"{i}.{h.name}.{k}"] = v.detach().clone()
-    for mp in opt.model_pieces():
-        out[f"model.{mp.name}"] = mp.local.detach().clone()
-    return out
-
-
-def load_refused(opt: Any, load: Callable[[Any], Any]) -> dict[str, Any]:
-    """Run ``load(opt)``, which must raise one ``CheckpointError``: returns its message (``"loaded"``
-    when nothing was raised) and whether everything :func:`held_snapshot` sees stayed bit for bit."""
-    from canzona.runtime.checkpoint import CheckpointError
-
-    before = held_snapshot(opt)
-    try:
-        load(opt)
-        msg = "loaded"
-    except CheckpointError as exc:
-        msg = str(exc)
-    return {"error": msg, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
-
-
 class ReferenceRunner:
     """Single-process ground truth: ``matrix_cls`` on matrix parameters, ``elementwise_cls`` on the
     rest (on everything when ``all_elementwise``, as ``zero1`` does), over fp32 (``master_dtype``)
@@ -313,122 +269,3 @@ def pack(obj: Any) -> bytes:
 def unpack(data: bytes) -> Any:
     """Inverse of :func:`pack` (``weights_only=True``: data, not code)."""
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-# ----------------------------------------------------------------------------- harness
-def attempt(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """Run one case inside a worker and record its outcome instead of letting it end the run:
-    ``{"result": value}`` or ``{"error": "<type>: <message>\\n<traceback>"}``. A worker that runs
-    many cases wraps each, so one broken case fails its own test (:func:`case_results`). A case
-    that raises on one rank can leave its peers waiting in a collective until the group's timeout;
-    the cases after it then fail on their own too, each naming itself."""
-    try:
-        return {"result": fn(*args)}
-    except Exception as exc:  # noqa: BLE001 - recorded and re-raised in the parent as a test failure
-        return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-
-
-def raised(fn: Callable[[], Any]) -> tuple[str, str, float] | None:
-    """Call ``fn()`` expecting an error: ``(type name, message, seconds until it was raised)``, or
-    None when nothing was raised (so a test can check which error, its wording, and that no rank
-    hung waiting for it)."""
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the caller inspects whatever was raised
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return None
-
-
-def case_results(per_rank: Sequence[Mapping[str, Any]], section: str, key: object = None) -> list[Any]:
-    """Every rank's result of case ``key`` in ``section`` of a multi-case run (each rank returned
-    ``{section: {key: attempt(...)}}``); AssertionError naming the case and the first failing rank
-    with its traceback when the case raised there."""
-    out = []
-    for rank, res in enumerate(per_rank):
-        outcome = res[section][key]
-        if "error" in outcome:
-            name = section if key is None else f"{section}[{key!r}]"
-            raise AssertionError(f"case {name} failed on rank {rank}: {outcome['error']}")
-        out.append(outcome["result"])
-    return out
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # frames from here are torch's, not the caller's
-
-
-class HostReads:
-    """Context manager counting, on this thread, the tensor operations whose result the host must
-    read: ``aten._local_scalar_dense`` (``item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
-    ``nonzero``, ``equal``, ``is_nonzero`` and ``masked_select`` (their output size depends on
-    the values). On CUDA each of them waits for the device (a host synchronization), so counting
-    them in a CPU run shows where a GPU step would stall, and a test can check that a step's count
-    does not grow with the number of parameters, buckets or micro-groups.
-
-    ``Tensor.tolist()``, ``.cpu()`` and ``.numpy()`` dispatch no operation on a CPU tensor (on a
-    CUDA tensor each copies to the host), so while the block runs those methods are wrapped and
-    counted too (this patches ``torch.Tensor`` for every thread of the process: a test helper).
-
-    ``where`` counts each read by the innermost frame outside torch (``file:function:line``), so a
-    failing check names the line that added a read. Not seen: ``.to("cpu")`` of a CPU tensor (a
-    no-op that dispatches nothing) and reads inside gloo's threads. A read of a tensor that stays
-    on the CPU in a GPU run (the status exchange's vector, ``torch.optim.AdamW``'s step counter) is
-    counted too: it costs no synchronization there.
-    """
-
-    OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-                     "aten.is_nonzero.default", "aten.masked_select.default"})
-    #: tensor methods counted as reads by a patch while the block runs (they dispatch nothing on a
-    #: CPU tensor; on a CUDA tensor each copies to the host)
-    METHODS = ("tolist", "cpu", "numpy")
-
-    def __init__(self) -> None:
-        #: reads per operation name
-        self.ops: collections.Counter[str] = collections.Counter()
-        #: reads per asking line (``file:function:line``, the innermost frame outside torch)
-        self.where: collections.Counter[str] = collections.Counter()
-        self._mode: Any = None
-        self._patched: dict[str, Any] = {}  # method name -> the original, while the block runs
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    def __enter__(self) -> "HostReads":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        reads = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-                name = str(func)
-                if name in HostReads.OPS:
-                    reads._count(name)
-                return func(*args, **(kwargs or {}))
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        # reads that dispatch no operation on a CPU tensor (on a CUDA tensor each copies to the host)
-        for method in HostReads.METHODS:
-            real = getattr(torch.Tensor, method)
-            self._patched[method] = real
-
-            def counted(t: torch.Tensor, *a: Any, _real: Any = real, _name: str = f"Tensor.{method}", **k: Any) -> Any:
-                reads._count(_name)
-                return _real(t, *a, **k)
-
-            setattr(torch.Tensor, method, counted)
-        return self
-
-    def _count(self, name: str) -> None:
-        self.ops[name] += 1
-        frame = next((f for f in reversed(traceback.extract_stack()[:-2])
-                      if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__), None)
-        self.where[f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}" if frame else "?"] += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        for method, real in self._patched.items():
-            setattr(torch.Tensor, method, real)
-        self._patched = {}
-        self._mode.__exit__(*exc)
-        self._mode = None

@@ -63,7 +63,7 @@ def exactness_worker(rank: int, world: int, bucket_numel: int = 40) -> dict[str,
     """Every :data:`EXACTNESS_CASES` strategy on the toy model, integer gradients injected through
     backward hooks, parameters on this rank's GPU; returns the final parameters (on CPU)."""
     import canzona
-    from canzona.testing import ToyModel, inject_grads, integer_grads, params_of
+    from validation.harness import ToyModel, inject_grads, integer_grads, params_of
 
     dev = _device(rank)
     out: dict[str, Any] = {}
@@ -84,7 +84,7 @@ def exactness_worker(rank: int, world: int, bucket_numel: int = 40) -> dict[str,
 
 def reference_params(world: int, device: str | torch.device = "cuda") -> dict[str, dict[str, torch.Tensor]]:
     """The single-device runs the cells must equal bitwise (same device type, one process)."""
-    from canzona.testing import ReferenceRunner, ToyModel, integer_grads, mean_grads
+    from validation.harness import ReferenceRunner, ToyModel, integer_grads, mean_grads
 
     out = {}
     for strategy, optname in EXACTNESS_CASES:
@@ -217,7 +217,7 @@ def host_sync_worker(rank: int, world: int, strategy: str = "lb-asc") -> dict[st
     import warnings
 
     import canzona
-    from canzona.testing import ToyModel, inject_grads, integer_grads
+    from validation.harness import ToyModel, inject_grads, integer_grads
 
     dev = _device(rank)
     model = ToyModel().to(dev)
