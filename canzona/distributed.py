@@ -98,7 +98,7 @@ from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, OptimizerFactory, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer, timing
-from canzona.specs import ParamSpec, specs_from_module
+from canzona.specs import ParamSpec, check_transposed_support, specs_from_module
 
 __all__ = [
     "GROUP_NAMES",
@@ -396,6 +396,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_updates: bool = False,
         param_views: bool = True,
         grad_views: bool = True,
+        roles: Any = None,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
@@ -460,9 +461,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             # frozen parameters (requires_grad=False) are not the optimizer's: no buffer slot, no owner
             trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-            specs = [s for s in specs_from_module(model, tp_dims=tp_dims, tp=self.tp) if s.name in trainable]
+            specs = [s for s in specs_from_module(model, tp_dims=tp_dims, tp=self.tp, roles=roles) if s.name in trainable]
             if not specs:
                 raise ValueError("the model has no trainable parameters")
+            check_transposed_support(specs, matrix_cls, record.elementwise_only)
             if plan is None:
                 plan = self._make_plan(specs, matrix_cls, strategy, tp_schedule, bucket_numel, alpha, cost, cmax_mb, master_dtype)
             else:
@@ -763,7 +765,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------ checkpoint source
     # What canzona.runtime.checkpoint and canzona.runtime.dcp read (their Checkpointable protocol).
     def checkpoint_params(self) -> list[ParamRecord]:
-        return [ParamRecord(s.name, tuple(s.shape), s.kind, s.tp_dim, elementwise_role(self.plan, s.name)) for s in self.plan.specs]
+        return [
+            ParamRecord(s.name, tuple(s.shape), s.kind, s.tp_dim, elementwise_role(self.plan, s.name) or s.kind == "experts")
+            for s in self.plan.specs
+        ]
+
+    def describe(self, *, file: Any = None) -> str:
+        """The table of every parameter's role, shape, matrix tasks, cost and owner under this
+        plan (:func:`canzona.plan.describe.describe_plan`); printed to ``file`` when given."""
+        from canzona.plan.describe import describe_plan
+
+        text = describe_plan(self.plan)
+        if file is not None:
+            print(text, file=file)
+        return text
 
     def checkpoint_describe(self) -> dict[str, Any]:
         from dataclasses import fields
@@ -798,7 +813,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
             # replicated across TP: TP rank 0's copy is canonical
             canonical = not replica and (spec.tp_split or self.tp_rank == 0)
-            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, pc.role == "elementwise", canonical))
+            # an expert's state is shaped like its (M, N) master and re-sliced like the stack
+            sliced = pc.role == "elementwise" or pc.expert is not None
+            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical))
         eng = rt.tp_engine
         if eng is not None:
             # TP hosts hold each task's full state (its full master is re-assembled from the shards);
