@@ -72,13 +72,37 @@ from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.exchange import Block, PieceLayout
 from canzona.runtime.fsdp import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer, timing
-from canzona.specs import is_matrix_param
+from canzona.specs import RoleError, module_roles
 
 __all__ = ["FSDP_MESH_DIMS", "FSDPDistributedOptimizer", "is_fsdp2_model", "fsdp_group_ranks"]
 
 #: mesh dimension names of the FSDP2 path (torchtitan's), outermost first
 FSDP_MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
 GROUP_TIMEOUT_S = 300.0
+
+
+def _fsdp_kind(name: str, p: torch.Tensor, role: str, transposed: bool) -> str:
+    """The FSDP2 path's kind for a decided role; what it cannot run yet is refused in one line."""
+    if role == "matrix" and (transposed or p.dim() != 2):
+        what = "is stored (in, out) (GPT-2's Conv1D)" if transposed else f"is {p.dim()}-D"
+        raise RoleError(
+            f"{name}: {what}, which the FSDP2 path does not update as a matrix yet; use canzona's ZeRO-1 path "
+            f"or roles={{{name!r}: 'elementwise'}}"
+        )
+    return role
+
+
+def _check_whole_experts(layouts: Mapping[str, PieceLayout], experts: Sequence[str]) -> None:
+    """Every rank's block of an expert stack must hold whole experts (``Shard(0)`` over the shard
+    group): a stack cut on another dimension (TP, transformers' packed_colwise) is refused."""
+    for n in experts:
+        lay = layouts[n]
+        for r, b in enumerate(lay.blocks):
+            if b.shape[0] and (tuple(b.shape[1:]) != tuple(lay.full_shape[1:]) or any(b.offset[1:])):
+                raise RoleError(
+                    f"{n}: rank {r} holds block {b.shape} of the expert stack {lay.full_shape}, which cuts experts; "
+                    "shard expert stacks on their expert dimension (Shard(0)) only, or mark them 'elementwise' with roles="
+                )
 
 
 def is_fsdp2_model(model: Any) -> bool:
@@ -186,6 +210,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         cmax_mb: float = 512,
         master_dtype: torch.dtype = torch.float32,
         plan: FSDPPlan | None = None,
+        roles: Any = None,
         **zero1_only: Any,
     ) -> None:
         # ---- checks every rank makes identically, before any collective
@@ -236,10 +261,10 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             if not trainable:
                 raise ValueError("the model has no trainable parameters")
             records = []
+            decided = module_roles(model, roles)
             for n, p in trainable:
                 tp_dim = _check_placements(n, p, mesh)
-                shape = tuple(p.shape)
-                records.append(FSDPParam(n, shape, "matrix" if is_matrix_param(n, shape) else "elementwise", tp_dim))
+                records.append(FSDPParam(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
             inputs = FSDPInputs(
                 model=type(model).__name__,
                 dp_shard=size["dp_shard"],
@@ -288,6 +313,8 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         named = dict(trainable)
         layouts = self._exchange_layouts(plan, named)
         self._layouts = layouts
+        experts = [p.name for p in plan.params if p.kind == "experts"]
+        _check_whole_experts(layouts, experts)  # the same layouts on every rank: all raise together
         self._init_fsdp_param_groups(plan, named)
         self._watch = ParamWatch(model)
         self.runtime = FSDPRuntime(
@@ -299,6 +326,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             elementwise_factory=self._factory(ew_cls, self.elementwise_kwargs),
             master_dtype=master_dtype,
             status_timeout_s=self.status_timeout_s,
+            expert_names=experts,
         )
         self.comm_stats.reset()
 
@@ -349,7 +377,7 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         }
         members: dict[str, list[str]] = {name: [] for name in GROUP_NAMES}
         for p in plan.params:
-            members["matrix" if p.kind == "matrix" else "elementwise"].append(p.name)
+            members["matrix" if p.kind in ("matrix", "experts") else "elementwise"].append(p.name)
         groups = [{"name": name, "params": [named[n] for n in members[name]], **hyper[name]} for name in GROUP_NAMES]
         self._groups_fixed = False
         torch.optim.Optimizer.__init__(self, groups, {})
@@ -416,6 +444,11 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             m = eng.masters[name]
             canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
             out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+        for (name, k), m in rt.expert_masters.items():  # whole local experts: state shaped like the expert
+            lay = rt.layouts[name]
+            b = lay.blocks[self.group_rank]
+            box = ((b.offset[0] + k, 0, 0), (1, *m.shape))
+            out.append(Held(name, (box,), m, rt.expert_optimizer, m, True, first and lay.sources[self.group_rank]))
         return out
 
     def model_pieces(self) -> list[ModelPiece]:

@@ -111,3 +111,54 @@ class TaskReference:
             st = self.opts[0].state.get(t, {})
             out.append(st["momentum_buffer"].clone() if "momentum_buffer" in st else torch.zeros_like(t))
         return out
+
+
+# ------------------------------------------------------------------------------ FSDP2 variants
+def _inject(module: nn.Module, prefix: str, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``sum(p * g)`` over the module's own parameters: their gradients are ``g`` exactly."""
+    total = torch.zeros(())
+    for n, p in module.named_parameters(recurse=False):
+        if f"{prefix}{n}" in grads:
+            total = total + (p * grads[f"{prefix}{n}"]).sum()
+    return total
+
+
+class InjectEmbedding(nn.Embedding):
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return _inject(self, "embed.", grads)
+
+
+class InjectLinear(nn.Linear):
+    def __init__(self, prefix: str, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.prefix = prefix
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return _inject(self, self.prefix, grads)
+
+
+class InjectExperts(Experts):
+    """Three stacks: 4 experts (two per rank on dp_shard 2) and 3 experts (uneven: 2 and 1)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 8, 6)
+        self.odd = nn.Parameter(torch.randn(3, 5, 4) * 0.2)
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _inject(self, "mlp.experts.", grads)
+
+
+class FSDPMoE(nn.Module):
+    """An embedding, a router, stacked experts and a projection whose forward injects gradients."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = InjectEmbedding(16, 8)
+        self.mlp = nn.Module()
+        self.mlp.gate = InjectLinear("mlp.gate.", 8, 4, bias=False)
+        self.mlp.experts = InjectExperts()
+        self.proj = InjectLinear("proj.", 8, 10)
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.embed(grads) + self.mlp.gate(grads) + self.mlp.experts(grads) + self.proj(grads)
