@@ -171,6 +171,8 @@ def param_flops(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> f
     _check(optimizer, flops_shape)
     if spec.kind == "elementwise":
         return float(adamw_flops(spec.local_numel))
+    if not spec.tp_split:  # E tasks of the logical (M, N) shape (one for a matrix); never TP-split
+        return float(spec.n_tasks * matrix_flops(optimizer, spec.task_shape))
     if flops_shape == "local":
         return float(matrix_flops(optimizer, spec.local_shape))
     full = matrix_flops(optimizer, spec.shape)
@@ -187,6 +189,8 @@ def param_memory(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> 
     _check(optimizer, flops_shape)
     if spec.kind == "elementwise":
         return float(state_bytes("adamw", spec.local_shape))
+    if not spec.tp_split:
+        return float(spec.n_tasks * state_bytes(optimizer, spec.task_shape))
     if flops_shape == "local":
         return float(state_bytes(optimizer, spec.local_shape))
     full = state_bytes(optimizer, spec.shape)
@@ -233,13 +237,17 @@ def cost_arrays(specs: Sequence[ParamSpec], optimizer: str, flops_shape: str = "
     _check(optimizer, flops_shape)
     rows = []
     for s in specs:  # tens of thousands of specs: read each attribute once
-        shape, split = s.shape, s.tp_dim is not None and s.tp > 1  # = s.tp_split
-        rows.append((s.kind == "matrix", shape[0], shape[-1] if len(shape) == 2 else 1, s.tp if split else 1,
-                     s.tp_dim if split else -1, math.prod(shape)))
+        shape, split, kind = s.shape, s.tp_dim is not None and s.tp > 1, s.kind  # = s.tp_split
+        if kind == "elementwise":
+            rows.append((False, shape[0], shape[-1] if len(shape) == 2 else 1, s.tp if split else 1,
+                         s.tp_dim if split else -1, math.prod(shape), 1))
+        else:  # experts and reshaped/transposed matrices: n_tasks x the logical (M, N) task (never TP-split)
+            m, n = s.task_shape
+            rows.append((True, m, n, s.tp if split else 1, s.tp_dim if split else -1, math.prod(shape), s.n_tasks))
     if not rows:
         return np.zeros(0), np.zeros(0)
     t = np.array(rows, dtype=np.float64)
-    matrix, m, n, tp, dim, numel = (t[:, j] for j in range(6))
+    matrix, m, n, tp, dim, numel, tasks = (t[:, j] for j in range(7))
     matrix = matrix.astype(bool)
     local_numel = numel / tp
     lm = np.where(dim == 0, m / tp, m)
@@ -247,9 +255,9 @@ def cost_arrays(specs: Sequence[ParamSpec], optimizer: str, flops_shape: str = "
     ew_flops = ADAMW_FLOPS_PER_ELEMENT * local_numel
     ew_mem = 2 * local_numel * STATE_BYTES
     if flops_shape == "local":
-        mf = _matrix_flops_np(optimizer, lm, ln)
-        mm = _state_bytes_np(optimizer, lm, ln)
+        mf = tasks * _matrix_flops_np(optimizer, lm, ln)
+        mm = tasks * _state_bytes_np(optimizer, lm, ln)
     else:
-        mf = _matrix_flops_np(optimizer, m, n) / tp
-        mm = _state_bytes_np(optimizer, m, n) / tp
+        mf = tasks * _matrix_flops_np(optimizer, m, n) / tp
+        mm = tasks * _state_bytes_np(optimizer, m, n) / tp
     return np.where(matrix, mf, ew_flops), np.where(matrix, mm, ew_mem)

@@ -407,6 +407,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_updates: bool = False,
         param_views: bool = True,
         grad_views: bool = True,
+        roles: Any = None,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
         if not isinstance(model, nn.Module):
@@ -415,6 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
             cmax_mb=cmax_mb, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
             status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
+            roles=roles,
         )
         self._set_settings(settings)
         matrix_cls, ew_cls = self._resolve_optimizers(optimizer, optimizer_kwargs, elementwise_optimizer, elementwise_kwargs)
@@ -690,6 +692,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # the layout says what this rank holds; the hyperparameters are the front end's.
     def checkpoint_params(self) -> list[ParamRecord]:
         return self.layout.checkpoint_params()
+
+    def describe(self, *, file: Any = None) -> str:
+        """The table of every parameter's role, shape, matrix tasks, cost and owner under this
+        plan (:func:`canzona.plan.describe.describe_plan`); printed to ``file`` when given."""
+        from canzona.plan.describe import describe_plan
+
+        text = describe_plan(self.plan)
+        if file is not None:
+            print(text, file=file)
+        return text
 
     def checkpoint_describe(self) -> dict[str, Any]:
         return self.layout.checkpoint_describe()

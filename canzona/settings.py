@@ -71,6 +71,10 @@ class OptimizerSettings:
     """ZeRO-1 buffer: make parameters views of the flat parameter buffer the all-gather writes."""
     grad_views: bool = True
     """ZeRO-1 buffer: let autograd accumulate gradients straight into the gradient buffer."""
+    roles: Any = None
+    """Parameter roles the user decides (``matrix``, ``experts``, ``elementwise``): a callable
+    ``(name, param) -> role | None`` or a mapping of glob patterns to roles (first match wins);
+    None, or a None answer: the default rule (:func:`canzona.specs.default_role`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str):
@@ -88,6 +92,10 @@ class OptimizerSettings:
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < math.inf):
             raise ValueError(f"status_timeout_s must be a positive number of seconds, got {t!r}")
         object.__setattr__(self, "status_timeout_s", float(t))
+        if self.roles is not None and not (callable(self.roles) or isinstance(self.roles, Mapping)):
+            raise TypeError(f"roles must be a callable (name, param) -> role or a mapping of patterns to roles, got {type(self.roles).__name__}")
+        if isinstance(self.roles, Mapping):
+            object.__setattr__(self, "roles", dict(self.roles))
         if self.tp_dims is not None:
             if not isinstance(self.tp_dims, Mapping):
                 raise TypeError(f"tp_dims must map parameter names to split dims, got {type(self.tp_dims).__name__}")

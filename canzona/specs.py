@@ -1,9 +1,14 @@
 """Parameter specs: the plain-data view of a model that every planner works on.
 
 A :class:`ParamSpec` says what the planner needs to know about one parameter and nothing more:
-its name, global shape, tensor-parallel split dimension and size, and whether the matrix
-optimizer updates it (``matrix``: atomic) or an element-wise optimizer does (``elementwise``:
-divisible anywhere, as ZeRO-1 assumes). Specs come from a model config (:func:`specs_from_config`,
+its name, global shape, tensor-parallel split dimension and size, and its *role*: the matrix
+optimizer updates it whole (``matrix``: atomic), it is a stack of ``E`` independent expert
+matrices (``experts``: shape ``(E, M, N)``, ``E`` matrix tasks of shape ``(M, N)``), or an
+element-wise optimizer updates it (``elementwise``: divisible anywhere, as ZeRO-1 assumes).
+
+Roles are data the user can see and change: :func:`module_roles` applies the default rule
+(:func:`default_role`: by module type and shape, not only by name) and the user's ``roles=``
+(a callable or a mapping of glob patterns), and :func:`role_table` prints what was decided. Specs come from a model config (:func:`specs_from_config`,
 for the Megatron or the Hugging Face layout) or from a live ``nn.Module``
 (:func:`specs_from_module`, also on the meta device and with DTensor parameters).
 
@@ -13,9 +18,10 @@ ZeRO-1 buffer reverses it (see ``canzona.plan.buckets``).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -26,7 +32,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Kind",
+    "KINDS",
     "Layout",
+    "Roles",
+    "RoleError",
+    "check_transposed_support",
+    "default_role",
+    "module_roles",
     "ParamSpec",
     "LAYOUTS",
     "MATRIX_EXCLUDE_PATTERNS",
@@ -36,7 +48,12 @@ __all__ = [
     "total_numel",
 ]
 
-Kind = Literal["matrix", "elementwise"]
+Kind = Literal["matrix", "elementwise", "experts"]
+KINDS: tuple[str, ...] = ("matrix", "elementwise", "experts")
+#: what ``roles=`` accepts: a callable ``(name, param) -> role`` (None: the default rule) or a
+#: mapping of glob patterns (``fnmatch``, matched against the full parameter name) to roles, the
+#: first matching pattern winning
+Roles = Callable[[str, "torch.Tensor"], "str | None"] | Mapping[str, str]
 Layout = Literal["megatron", "hf"]
 LAYOUTS: tuple[str, ...] = ("megatron", "hf")
 
@@ -50,11 +67,15 @@ MATRIX_EXCLUDE_PATTERNS: tuple[str, ...] = ("embed", "lm_head", "output_layer", 
 
 def is_matrix_param(name: str, shape: Iterable[int]) -> bool:
     """True when the matrix optimizer owns this parameter: 2-D weights except token embeddings,
-    output heads and MoE routers. Everything else (norms, biases, those three) is element-wise.
+    output heads, MoE routers and 1 x N / N x 1 matrices (gates such as Qwen2-MoE's
+    ``shared_expert_gate``). Everything else (norms, biases, those) is element-wise. The name part
+    of the rule; :func:`default_role` adds what only the module knows (embeddings by type, tied
+    weights, expert stacks, GPT-2's ``Conv1D``).
     Pure function of name and shape, shared by the planner and :mod:`canzona.optim`."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if len(tuple(shape)) != 2:
+    dims = tuple(shape)
+    if len(dims) != 2 or 1 in dims:  # 1 x N and N x 1: gates and scalings, not linear maps
         return False
     lowered = name.lower()
     if any(pattern in lowered for pattern in MATRIX_EXCLUDE_PATTERNS):
@@ -69,7 +90,11 @@ class ParamSpec:
 
     ``shape`` is the global (unsplit) shape; ``tp_dim`` the dimension split across ``tp`` tensor-
     parallel ranks (None: replicated on every TP rank). ``kind`` is ``matrix`` (atomic for the
-    matrix optimizer) or ``elementwise``.
+    matrix optimizer), ``experts`` (an ``(E, M, N)`` stack: ``E`` independent ``(M, N)`` matrix
+    tasks) or ``elementwise``. A ``matrix`` of more than two dimensions (a conv weight the user
+    opted in) is updated as the ``(shape[0], prod(shape[1:]))`` matrix it reshapes to.
+    ``transposed``: the weight is stored ``(in, out)`` (GPT-2's ``Conv1D``), so the matrix the
+    optimizer must see, and whose shape scales its learning rate, is the transpose.
     """
 
     name: str
@@ -77,18 +102,23 @@ class ParamSpec:
     kind: Kind
     tp_dim: int | None = None
     tp: int = 1
+    transposed: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a parameter needs a name")
         if not self.shape or any((not isinstance(d, int)) or d < 1 for d in self.shape):
             raise ValueError(f"{self.name}: shape must be a tuple of positive ints, got {self.shape!r}")
-        if self.kind not in ("matrix", "elementwise"):
-            raise ValueError(f"{self.name}: kind must be 'matrix' or 'elementwise', got {self.kind!r}")
-        if self.kind == "matrix" and len(self.shape) != 2:
-            raise ValueError(f"{self.name}: a matrix parameter must be 2-D, got shape {self.shape}")
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "matrix" and len(self.shape) < 2:
+            raise ValueError(f"{self.name}: a matrix parameter needs at least 2 dimensions, got shape {self.shape}")
+        if self.kind == "experts" and len(self.shape) != 3:
+            raise ValueError(f"{self.name}: an expert stack must be 3-D (experts, rows, cols), got shape {self.shape}")
         if self.tp < 1:
             raise ValueError(f"{self.name}: tp must be >= 1, got {self.tp}")
+        if self.transposed and (self.kind != "matrix" or len(self.shape) != 2):
+            raise ValueError(f"{self.name}: only a 2-D matrix parameter can be stored transposed")
         if self.tp_dim is not None:
             if not 0 <= self.tp_dim < len(self.shape):
                 raise ValueError(f"{self.name}: tp_dim {self.tp_dim} out of range for shape {self.shape}")
@@ -96,6 +126,32 @@ class ParamSpec:
                 raise ValueError(
                     f"{self.name}: dimension {self.tp_dim} of shape {self.shape} does not divide by tp={self.tp}"
                 )
+            if self.tp > 1 and (self.kind == "experts" or self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
+                raise ValueError(
+                    f"{self.name}: a tensor-parallel split of a {'stored-transposed ' if self.transposed else ''}"
+                    f"{len(self.shape)}-D {self.kind} parameter is not supported; mark it 'elementwise' with roles= "
+                    "or keep it replicated over TP"
+                )
+
+    @property
+    def n_tasks(self) -> int:
+        """Matrix tasks this parameter is for the matrix optimizer: ``E`` for an expert stack, 1 for a
+        matrix, 0 for an element-wise parameter."""
+        if self.kind == "experts":
+            return self.shape[0]
+        return 1 if self.kind == "matrix" else 0
+
+    @property
+    def task_shape(self) -> tuple[int, ...]:
+        """The shape the matrix optimizer sees for one task (the logical ``(out, in)`` matrix); the
+        stored shape for an element-wise parameter."""
+        if self.kind == "experts":
+            return self.shape[1:]
+        if self.kind == "matrix":
+            if self.transposed:
+                return (self.shape[1], self.shape[0])
+            return (self.shape[0], math.prod(self.shape[1:]))
+        return self.shape
 
     @property
     def tp_split(self) -> bool:
@@ -127,6 +183,104 @@ class ParamSpec:
         """Transformer layer index parsed from the name (``...layers.<i>....``), None outside layers."""
         m = _LAYER_RE.search(self.name)
         return int(m.group(1)) if m else None
+
+
+class RoleError(ValueError):
+    """A parameter's role cannot be decided or is not valid for it (one line naming the parameter
+    and what to pass in ``roles=``)."""
+
+
+def _is_conv1d(module: object) -> bool:
+    """GPT-2's ``transformers.pytorch_utils.Conv1D`` (weight stored ``(in, out)``), recognised by its
+    class name or its ``nf`` attribute without importing transformers."""
+    return type(module).__name__ == "Conv1D" or (isinstance(getattr(module, "nf", None), int) and hasattr(module, "weight"))
+
+
+def default_role(name: str, param: torch.Tensor, owner: object, *, embedding: bool = False) -> tuple[str, bool]:
+    """The default ``(role, transposed)`` of parameter ``name`` held by module ``owner``.
+
+    * ``embedding`` (the parameter belongs to an ``nn.Embedding``, or is the same tensor as one's
+      weight, as a tied output head is): element-wise;
+    * 3-D under a module path containing ``experts``: an expert stack (``experts``);
+    * 2-D: :func:`is_matrix_param`, on the logical ``(out, in)`` shape for GPT-2's ``Conv1D``
+      (``transposed``); 0-D and 1-D: element-wise;
+    * any other rank (3-D elsewhere, 4-D conv weights): refused with a :class:`RoleError` naming
+      the opt-in, so that no such parameter reaches the element-wise optimizer silently.
+    """
+    shape = tuple(param.shape)
+    if embedding:
+        return "elementwise", False
+    if len(shape) == 3 and "experts" in name.lower().split(".")[:-1]:
+        return "experts", False
+    if len(shape) > 2:
+        what = "a conv weight" if len(shape) == 4 else f"a {len(shape)}-D parameter"
+        raise RoleError(
+            f"{name}: {what} of shape {shape} has no default role; pass roles={{{name!r}: 'matrix'}} to update it as the "
+            f"({shape[0]}, {math.prod(shape[1:])}) matrix it reshapes to (as the Muon authors do), 'experts' for a stack of "
+            "3-D expert matrices, or 'elementwise' for the element-wise optimizer"
+        )
+    transposed = len(shape) == 2 and _is_conv1d(owner)
+    logical = shape[::-1] if transposed else shape
+    return ("matrix", transposed) if is_matrix_param(name, logical) else ("elementwise", False)
+
+
+def _user_role(roles: Roles | None, name: str, param: torch.Tensor) -> str | None:
+    if roles is None:
+        return None
+    if callable(roles):
+        got = roles(name, param)
+    elif isinstance(roles, Mapping):
+        got = next((r for pat, r in roles.items() if fnmatch.fnmatchcase(name, pat)), None)
+    else:
+        raise TypeError(f"roles must be a callable (name, param) -> role or a mapping of glob patterns to roles, got {type(roles).__name__}")
+    if got is not None and got not in KINDS:
+        raise RoleError(f"{name}: roles gave {got!r}; a role is one of {', '.join(KINDS)} (or None for the default rule)")
+    return got
+
+
+def module_roles(module: torch.nn.Module, roles: Roles | None = None) -> dict[str, tuple[str, bool]]:
+    """``name -> (role, transposed)`` for every parameter of ``module`` (tied ones once, under the
+    name ``named_parameters`` gives them): the user's ``roles`` first, :func:`default_role` where
+    they give None. Embeddings are found by module type (``nn.Embedding``) and tied weights by
+    tensor identity, not by name. Raises :class:`RoleError` (one line) for a role that cannot
+    apply (``experts`` on a tensor that is not 3-D, ``matrix`` on a vector)."""
+    from torch import nn
+
+    embedding_ids = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding) and m.weight is not None}
+    if isinstance(roles, Mapping):
+        for pat, r in roles.items():
+            if not isinstance(pat, str):
+                raise TypeError(f"roles patterns must be strings, got {pat!r}")
+    out: dict[str, tuple[str, bool]] = {}
+    for name, p in module.named_parameters():
+        prefix = name.rpartition(".")[0]
+        owner = module.get_submodule(prefix) if prefix else module
+        user = _user_role(roles, name, p)
+        if user is None:
+            out[name] = default_role(name, p, owner, embedding=id(p) in embedding_ids)
+            continue
+        ndim = p.dim()
+        if user == "experts" and ndim != 3:
+            raise RoleError(f"{name}: 'experts' needs a 3-D (experts, rows, cols) stack, got shape {tuple(p.shape)}")
+        if user == "matrix" and ndim < 2:
+            raise RoleError(f"{name}: 'matrix' needs at least 2 dimensions, got shape {tuple(p.shape)}")
+        out[name] = (user, user == "matrix" and ndim == 2 and _is_conv1d(owner))
+    return out
+
+
+def check_transposed_support(specs: Iterable[ParamSpec], matrix_cls: type, elementwise_only: bool = False) -> None:
+    """Refuse (one line) stored-transposed matrices for a matrix optimizer that cannot be told to
+    update the transpose: its learning-rate scaling would read the flipped shape. canzona's
+    optimizers say they can with a class attribute ``updates_transposed = True``."""
+    if elementwise_only or getattr(matrix_cls, "updates_transposed", False):
+        return
+    flipped = [s.name for s in specs if s.transposed and s.kind == "matrix"]
+    if flipped:
+        raise RoleError(
+            f"{flipped[0]}{f' and {len(flipped) - 1} more' if len(flipped) > 1 else ''}: stored (in, out) (GPT-2's Conv1D), "
+            f"and {getattr(matrix_cls, '__name__', matrix_cls)} cannot be told to update the (out, in) transpose; use canzona's "
+            "muon, or roles={...: 'elementwise'}"
+        )
 
 
 def _spec(name: str, shape: tuple[int, ...], tp_dim: int | None, tp: int) -> ParamSpec:
@@ -213,13 +367,15 @@ def specs_from_module(
     tp_dims: Mapping[str, int | None] | None = None,
     tp: int = 1,
     kinds: Mapping[str, Kind] | None = None,
+    roles: Roles | None = None,
 ) -> list[ParamSpec]:
     """Parameter specs of a live module (any device, including ``meta``), in registration order.
 
     DTensor parameters report their global shape; a ``Shard(d)`` placement gives the split dim and
     the mesh size gives ``tp``. Plain-tensor parameters hold a local shard when ``tp_dims`` declares
     a split dim for their name (Megatron style): the global shape is the local shape with that dim
-    multiplied by ``tp``. ``kinds`` overrides the matrix/element-wise rule for named parameters.
+    multiplied by ``tp``. Roles come from :func:`module_roles` (the default rule by module type and
+shape, overridden by ``roles``); ``kinds`` overrides them for exactly named parameters.
     Tied parameters appear once (under their first name), as ``named_parameters`` yields them.
     """
     from torch.distributed.tensor import DTensor, Shard
@@ -230,6 +386,7 @@ def specs_from_module(
     for n in list(tp_dims) + list(kinds):
         if n not in names:
             raise ValueError(f"{n!r} is not a parameter of the module")
+    decided = module_roles(module, roles)
     out: list[ParamSpec] = []
     for name, p in module.named_parameters():
         ptp = tp
@@ -252,8 +409,13 @@ def specs_from_module(
                 s = list(shape)
                 s[tp_dim] *= tp
                 shape = tuple(s)
-        kind = kinds.get(name) or ("matrix" if is_matrix_param(name, shape) else "elementwise")
-        out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp))
+        kind, transposed = decided[name]
+        if name in kinds:
+            kind, transposed = kinds[name], transposed and kinds[name] == "matrix"
+        try:
+            out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp, transposed=transposed))
+        except ValueError as exc:
+            raise RoleError(str(exc)) from None
     return out
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -58,13 +58,37 @@ from canzona.runtime.exchange import Block, PieceLayout
 from canzona.runtime.fsdp import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import is_matrix_param
+from canzona.specs import RoleError, module_roles
 
 __all__ = ["FSDP_MESH_DIMS", "FSDP2Layout", "check_fsdp2_mesh", "check_placements", "fsdp_group_ranks", "fsdp_modules", "is_fsdp2_model"]
 
 #: mesh dimension names of the FSDP2 layout (torchtitan's), outermost first
 FSDP_MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
 GROUP_TIMEOUT_S = 300.0
+
+
+def _fsdp_kind(name: str, p: torch.Tensor, role: str, transposed: bool) -> str:
+    """The FSDP2 layout's kind for a decided role; what it cannot run yet is refused in one line."""
+    if role == "matrix" and (transposed or p.dim() != 2):
+        what = "is stored (in, out) (GPT-2's Conv1D)" if transposed else f"is {p.dim()}-D"
+        raise RoleError(
+            f"{name}: {what}, which the FSDP2 path does not update as a matrix yet; use canzona's ZeRO-1 path "
+            f"or roles={{{name!r}: 'elementwise'}}"
+        )
+    return role
+
+
+def _check_whole_experts(layouts: Mapping[str, PieceLayout], experts: Sequence[str]) -> None:
+    """Every rank's block of an expert stack must hold whole experts (``Shard(0)`` over the shard
+    group): a stack cut on another dimension (TP, transformers' packed_colwise) is refused."""
+    for n in experts:
+        lay = layouts[n]
+        for r, b in enumerate(lay.blocks):
+            if b.shape[0] and (tuple(b.shape[1:]) != tuple(lay.full_shape[1:]) or any(b.offset[1:])):
+                raise RoleError(
+                    f"{n}: rank {r} holds block {b.shape} of the expert stack {lay.full_shape}, which cuts experts; "
+                    "shard expert stacks on their expert dimension (Shard(0)) only, or mark them 'elementwise' with roles="
+                )
 
 
 def fsdp_modules(model: Any) -> list[nn.Module]:
@@ -198,10 +222,10 @@ class FSDP2Layout(Layout):
         if not trainable:
             raise ValueError("the model has no trainable parameters")
         records = []
+        decided = module_roles(self.model, s.roles)
         for n, p in trainable:
             tp_dim = check_placements(n, p, self.mesh)
-            shape = tuple(p.shape)
-            records.append(FSDPParam(n, shape, "matrix" if is_matrix_param(n, shape) else "elementwise", tp_dim))
+            records.append(FSDPParam(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
         inputs = FSDPInputs(
             model=type(self.model).__name__,
             dp_shard=self.size["dp_shard"],
@@ -236,7 +260,7 @@ class FSDP2Layout(Layout):
         return frozenset(self._kinds)
 
     def role(self, name: str) -> str:
-        return "matrix" if self._kinds[name] == "matrix" else "elementwise"
+        return "matrix" if self._kinds[name] in ("matrix", "experts") else "elementwise"
 
     # ------------------------------------------------------------------ runtime
     def build(
@@ -247,6 +271,8 @@ class FSDP2Layout(Layout):
         self.group_rank, self.group_size = self.comm.rank, self.comm.size
         named = dict(self.model.named_parameters())
         layouts = self._exchange_layouts(plan, named)
+        experts = [p.name for p in plan.params if p.kind == "experts"]
+        _check_whole_experts(layouts, experts)  # the same layouts on every rank: all raise together
         self.runtime = FSDPRuntime(
             {p.name: named[p.name] for p in plan.params},
             layouts,
@@ -255,6 +281,7 @@ class FSDP2Layout(Layout):
             matrix_factory=matrix_factory,
             elementwise_factory=elementwise_factory,
             settings=self.settings,
+            expert_names=experts,
         )
         return self.runtime
 
@@ -352,6 +379,11 @@ class FSDP2Layout(Layout):
             m = eng.masters[name]
             canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
             out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+        for (name, k), m in rt.expert_masters.items():  # whole local experts: state shaped like the expert
+            lay = rt.layouts[name]
+            b = lay.blocks[self.group_rank]
+            box = ((b.offset[0] + k, 0, 0), (1, *m.shape))
+            out.append(Held(name, (box,), m, rt.expert_optimizer, m, True, first and lay.sources[self.group_rank]))
         return out
 
     def model_pieces(self) -> list[ModelPiece]:

@@ -38,7 +38,7 @@ from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import ParamSpec, specs_from_module
+from canzona.specs import ParamSpec, check_transposed_support, specs_from_module
 
 __all__ = ["Zero1Layout", "check_zero1_mesh"]
 
@@ -108,9 +108,10 @@ class Zero1Layout(Layout):
         s = self.settings
         # frozen parameters (requires_grad=False) are not the optimizer's: no buffer slot, no owner
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        specs = [sp for sp in specs_from_module(self.model, tp_dims=s.tp_dims, tp=self.tp) if sp.name in trainable]
+        specs = [sp for sp in specs_from_module(self.model, tp_dims=s.tp_dims, tp=self.tp, roles=s.roles) if sp.name in trainable]
         if not specs:
             raise ValueError("the model has no trainable parameters")
+        check_transposed_support(specs, matrix_cls, self.strategy_record.elementwise_only)
         if plan is None:
             plan = self._plan(specs, matrix_cls)
         else:
@@ -225,7 +226,10 @@ class Zero1Layout(Layout):
 
     # ------------------------------------------------------------------ checkpoint pieces
     def checkpoint_params(self) -> list[ParamRecord]:
-        return [ParamRecord(sp.name, tuple(sp.shape), sp.kind, sp.tp_dim, elementwise_role(self.plan, sp.name)) for sp in self.plan.specs]
+        return [
+            ParamRecord(sp.name, tuple(sp.shape), sp.kind, sp.tp_dim, elementwise_role(self.plan, sp.name) or sp.kind == "experts")
+            for sp in self.plan.specs
+        ]
 
     def checkpoint_describe(self) -> dict[str, Any]:
         inp = self.plan.inputs
@@ -258,7 +262,9 @@ class Zero1Layout(Layout):
             opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
             # replicated across TP: TP rank 0's copy is canonical
             canonical = not replica and (spec.tp_split or self.tp_rank == 0)
-            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, pc.role == "elementwise", canonical))
+            # an expert's state is shaped like its (M, N) master and re-sliced like the stack
+            sliced = pc.role == "elementwise" or pc.expert is not None
+            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical))
         eng = rt.tp_engine
         if eng is not None:
             # TP hosts hold each task's full state (its full master is re-assembled from the shards);

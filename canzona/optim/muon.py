@@ -254,6 +254,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
       off by default: with it off, a parameter's update never depends on which other parameters
       share its group, which the exactness suite relies on.
 
+    * a param group with ``"transposed": True`` holds weights stored ``(in, out)`` (GPT-2's
+      ``Conv1D``): each is updated as its ``(out, in)`` transpose would be, bit for bit (the momentum
+      is element-wise; Newton-Schulz runs on a contiguous copy of the transposed momentum, exactly
+      the tensor the single-device optimizer would orthogonalize, and the learning rate is scaled
+      on the ``(out, in)`` shape). Canzona's front end puts such weights there.
+
     Parameters may be float32, float64 or bfloat16 (as in torch; with bfloat16 torch divides the
     momentum buffer in place inside Newton-Schulz, we do not). ``step()`` skips parameters without
     a gradient and raises ``ValueError`` on a non-finite gradient before touching any state.
@@ -261,6 +267,8 @@ class Muon(MatrixOptimizerMixin, Optimizer):
 
     _name = "Muon"
     _allowed_dtypes = (torch.float32, torch.float64, torch.bfloat16)
+    #: understands param groups marked ``"transposed": True`` (see the class docstring)
+    updates_transposed = True
 
     def __init__(
         self,
@@ -322,6 +330,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
+    @staticmethod
+    def _apply_transposed(group: dict[str, Any], p: Tensor, ortho: Tensor) -> None:
+        """``_apply`` for a weight stored as the transpose of the ``ortho``-shaped matrix: every
+        operation is element-wise, so each element gets the value the ``(out, in)`` update gives."""
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(ortho.T, alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon step over every parameter that has a gradient."""
@@ -330,6 +346,15 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         for group in self.param_groups:
             ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
             params = [p for p in group["params"] if p.grad is not None]
+            if group.get("transposed", False):
+                abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+                for p in params:
+                    if p.ndim != 2:
+                        raise ValueError(f"a 'transposed' param group holds 2-D weights, got shape {tuple(p.shape)}")
+                    logical = self._momentum_update(group, p).T.contiguous()
+                    ortho = _newton_schulz(logical, group["ns_steps"], abc, group["eps"], group["ns_dtype"])
+                    self._apply_transposed(group, p, ortho)
+                continue
             if not group["batched"]:
                 # checked once for the group (a group may have been edited since it was added)
                 abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])

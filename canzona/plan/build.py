@@ -162,7 +162,7 @@ def _partition(
         for i in np.flatnonzero(a.owner < 0).tolist():
             b = int(layout.bucket[i])
             ranges[i] = dpmod.cut_ranges(a.cuts[b], int(layout.offset[i]), int(layout.numel[i]))
-            if roles[i] != "elementwise":
+            if roles[i] not in ("elementwise", "experts"):  # an expert stack may be cut between experts (validated)
                 raise PlanError(f"{sp[i].name}: {record.name} cut a matrix parameter (planner bug)")
     return a, ranges
 

@@ -341,8 +341,11 @@ def plan_fsdp(params: Sequence[FSDPParam], inputs: FSDPInputs) -> FSDPPlan:
     t0 = time.perf_counter()
     base = [FSDPParam(p.name, tuple(p.shape), p.kind, p.tp_dim) for p in params]
     for p in base:
-        _check(p.kind in ("matrix", "elementwise"), f"{p.name}: kind must be 'matrix' or 'elementwise', got {p.kind!r}")
+        _check(p.kind in ("matrix", "elementwise", "experts"), f"{p.name}: kind must be 'matrix', 'elementwise' or 'experts', got {p.kind!r}")
         _check(p.kind != "matrix" or len(p.shape) == 2, f"{p.name}: a matrix parameter must be 2-D, got {p.shape}")
+        # an expert stack sharded on its expert dim gives each rank whole experts: updated where
+        # they live, no micro-group (the front end refuses stacks cut any other way)
+        _check(p.kind != "experts" or (len(p.shape) == 3 and p.tp_dim is None), f"{p.name}: an expert stack must be 3-D and not TP-split, got {p.shape}")
     matrices = [p for p in base if p.kind == "matrix"]
     if inputs.schedule == "sync":
         groups = _sync_groups(matrices, inputs.cmax_bytes, inputs.grad_bytes)

@@ -71,6 +71,11 @@ def _untimed(m: Metrics) -> tuple:
     return tuple(getattr(m, f.name) for f in fields(m) if f.name != "plan_seconds")
 
 
+def _flag(value: Any) -> bool:
+    _check(isinstance(value, bool), f"'transposed' must be true or false, got {value!r}")
+    return value
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise PlanError(msg)
@@ -400,13 +405,18 @@ class Plan:
             raise PlanError(f"{n}: {record.name} needs one owner per parameter")
         if not p.dp_ranges:
             raise PlanError(f"{n}: no owner and no ranges")
-        if p.role != "elementwise":
+        unit = 1
+        if p.role == "experts":
+            unit = p.spec.local_numel // p.spec.shape[0]  # one expert: cuts only between experts
+        elif p.role != "elementwise":
             raise PlanError(f"{n}: matrix parameters must be atomic under {record.name}")
         c = self.buckets[p.bucket].cuts
         expect = 0
         for r, s, e in p.dp_ranges:
             if not (s == expect and e > s):
                 raise PlanError(f"{n}: ranges {p.dp_ranges} do not tile the parameter")
+            if e % unit:
+                raise PlanError(f"{n}: range {(r, s, e)} cuts an expert (experts hold {unit} elements each)")
             if not 0 <= r < dp:
                 raise PlanError(f"{n}: range owner {r} outside dp={dp}")
             lo, hi = c[r], c[r + 1]
@@ -472,6 +482,7 @@ class Plan:
                     "local_shape": list(p.spec.local_shape),
                     "tp_dim": p.spec.tp_dim,
                     "kind": p.spec.kind,
+                    **({"transposed": True} if p.spec.transposed else {}),
                     "bucket": p.bucket,
                     "offset": p.offset,
                     "numel": p.numel,
@@ -528,6 +539,9 @@ class Plan:
             "buckets": [[b.start, b.numel, list(b.cuts), list(b.params)] for b in self.buckets],
             "groups": [[[list(g.params), list(g.hosts)] for g in gs] for gs in self.micro_groups],
         }
+        transposed = [p.name for p in self.params if p.spec.transposed]
+        if transposed:  # added later: plans without a stored-transposed weight keep their fingerprint
+            doc["transposed"] = transposed
         if version >= 2:
             doc["roles"] = [p.role for p in self.params]
             doc["collectives"] = [[b.collective, b.param_return] for b in self.buckets]
@@ -558,7 +572,10 @@ class Plan:
             inputs = PlanInputs(**doc["inputs"])
             tp = inputs.tp
             record = get_strategy(inputs.strategy)
-            specs = [ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp) for q in doc["params"]]
+            specs = [
+                ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
+                for q in doc["params"]
+            ]
             params = tuple(
                 ParamPlan(
                     spec=spec,

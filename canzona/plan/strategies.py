@@ -53,8 +53,9 @@ GRAD_COLLECTIVES: tuple[str, ...] = ("reduce-scatter", "all-reduce")
 PARAM_RETURNS: tuple[str, ...] = ("all-gather", "broadcast", "none")
 #: a parameter's role in the optimizer step: a matrix updated whole by its DP owner, a TP-split
 #: matrix (a task: gathered to a host, or to every TP rank under the ``sync`` schedule), or an
-#: element-wise parameter (any optimizer that may see a cut piece, AdamW by default)
-ROLES: tuple[str, ...] = ("matrix", "tp-task", "elementwise")
+#: element-wise parameter (any optimizer that may see a cut piece, AdamW by default), or a stack of
+#: expert matrices (``E`` matrix tasks of shape ``(M, N)``, owned whole or cut at expert boundaries)
+ROLES: tuple[str, ...] = ("matrix", "tp-task", "elementwise", "experts")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -130,6 +131,8 @@ def param_role(strategy: Strategy, kind: str, tp_split: bool) -> str:
     """The role (see :data:`ROLES`) a parameter of ``kind`` plays under ``strategy``."""
     if strategy.elementwise_only or kind == "elementwise":
         return "elementwise"
+    if kind == "experts":
+        return "experts"
     return "tp-task" if tp_split else "matrix"
 
 

@@ -156,7 +156,7 @@ __all__ = [
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 #: a plan role (canzona.plan.strategies.ROLES) -> the role of a runtime piece (and of checkpoint entries)
-_PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise"}
+_PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise", "experts": "matrix"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +167,9 @@ class Piece:
     shard's shape (matrix optimizers need it), cut pieces are flat. ``role`` is ``matrix`` (local
     matrix optimizer), ``tp`` (TP micro-group engine) or ``elementwise``. ``src`` is the piece's
     offset in the tensor its gradient arrives in: this rank's reduce-scatter shard of the bucket, or
-    the whole bucket for all-reduce strategies.
+    the whole bucket for all-reduce strategies. ``shape``, when set, is the matrix its master is
+    (a view of the same elements): one ``(M, N)`` expert of an ``(E, M, N)`` stack (``expert`` its
+    index), or the ``(out, in*kh*kw)`` matrix a conv weight reshapes to.
     """
 
     name: str
@@ -177,6 +179,8 @@ class Piece:
     whole: bool
     role: str
     src: int
+    shape: tuple[int, ...] | None = None
+    expert: int | None = None
 
     @property
     def numel(self) -> int:
@@ -196,7 +200,13 @@ def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
         bucket = plan.buckets[pp.bucket]
         base = bucket.cuts[dp_rank] if bucket.reduce_scatter else 0
         role = _PIECE_ROLE[pp.role]
+        if pp.role == "experts":
+            out.extend(_expert_pieces(pp, dp_rank, base))
+            continue
         if pp.replicated or pp.dp_owner == dp_rank:
+            if pp.spec.kind == "matrix" and len(pp.spec.shape) > 2 and role == "matrix":  # an opted-in conv weight
+                out.append(Piece(pp.name, pp.bucket, 0, pp.numel, True, role, pp.offset - base, shape=pp.spec.task_shape))
+                continue
             out.append(Piece(pp.name, pp.bucket, 0, pp.numel, True, role, pp.offset - base))
             continue
         for r, s, e in pp.dp_ranges:
@@ -204,6 +214,20 @@ def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
                 whole = s == 0 and e == pp.numel
                 out.append(Piece(pp.name, pp.bucket, s, e, whole, role, pp.offset + s - base))
     return out
+
+
+def _expert_pieces(pp: Any, dp_rank: int, base: int) -> list[Piece]:
+    """One matrix piece per expert of an ``(E, M, N)`` stack that DP rank ``dp_rank`` updates (the
+    whole stack when it owns it, the experts of its ranges when the plan cut the stack between
+    experts): each its own ``(M, N)`` master, task and optimizer state."""
+    unit = pp.numel // pp.spec.shape[0]
+    mine = [(0, pp.numel)] if pp.replicated or pp.dp_owner == dp_rank else [(s, e) for r, s, e in pp.dp_ranges if r == dp_rank]
+    shape = tuple(pp.spec.task_shape)
+    return [
+        Piece(pp.name, pp.bucket, k * unit, (k + 1) * unit, False, "matrix", pp.offset + k * unit - base, shape=shape, expert=k)
+        for s, e in mine
+        for k in range(s // unit, e // unit)
+    ]
 
 
 def _bound_storage(p: torch.Tensor) -> torch.Tensor:
@@ -307,6 +331,10 @@ class DPRuntime:
         #: plan parameter index of each owned piece (the step's flags are per parameter)
         self._piece_param_index = torch.tensor([self._param_index[pc.name] for pc in self.pieces], dtype=torch.int64, device=self.buffer.data.device)
         self._whole_pieces = {pc.name: pc for pc in self.pieces if pc.whole}
+        #: every owned piece per parameter (experts: one per expert), for writing values back
+        self._owned_pieces: dict[str, list[Piece]] = {}
+        for pc in self.pieces:
+            self._owned_pieces.setdefault(pc.name, []).append(pc)
         self.pieces_by_bucket: list[list[Piece]] = [[] for _ in plan.buckets]
         for pc in self.pieces:
             self.pieces_by_bucket[pc.bucket].append(pc)
@@ -335,7 +363,7 @@ class DPRuntime:
                     m = local.to(master_dtype, copy=True)
                 else:
                     m = local.reshape(-1)[pc.start : pc.end].to(master_dtype, copy=True)
-                self.masters[pc] = m.contiguous()
+                self.masters[pc] = m.contiguous() if pc.shape is None else m.contiguous().view(pc.shape)
 
 
     def _init_optimizers(
@@ -349,7 +377,16 @@ class DPRuntime:
         plan = self.plan
         def build(role: str, factory: OptimizerFactory) -> torch.optim.Optimizer | None:
             ts = [self.masters[pc] for pc in self.pieces if pc.role == role]
-            return factory(ts) if ts else None
+            if not ts:
+                return None
+            flipped = [self.masters[pc] for pc in self.pieces if pc.role == role == "matrix" and self.specs[pc.name].transposed]
+            if not flipped:
+                return factory(ts)
+            # stored (in, out) weights (GPT-2's Conv1D): a param group the matrix optimizer reads
+            # as "update the transpose" (the front end checked that its class understands it)
+            ids = {id(t) for t in flipped}
+            plain = [t for t in ts if id(t) not in ids]
+            return factory(([{"params": plain}] if plain else []) + [{"params": flipped, "transposed": True}])
 
         self.matrix_opt = build("matrix", matrix_factory)
         self.elementwise_opt = build("elementwise", elementwise_factory)
@@ -430,8 +467,8 @@ class DPRuntime:
         # sc (nothing returns): the parameters whose new value is not already in their storage
         # after the update, each with the tensor that holds it (its separate master, or its
         # master slot when the parameter could not become a view of it)
-        self._sc_sources: list[tuple[str, torch.Tensor]] = (
-            [(pc.name, self.masters[pc]) for pc in self.pieces if not (pc in self.aliased_masters and pc.name in self.param_views)]
+        self._sc_sources: list[tuple[Piece, torch.Tensor]] = (
+            [(pc, self.masters[pc]) for pc in self.pieces if not (pc in self.aliased_masters and pc.name in self.param_views)]
             if self.param_return == "none" else []
         )
 
@@ -509,6 +546,8 @@ class DPRuntime:
             return None
         off = self.plan.param(pc.name).offset
         slot = buf[off + pc.start : off + pc.end]
+        if pc.shape is not None:
+            return slot.view(pc.shape)
         return slot.view(local.shape) if pc.whole else slot
 
     @staticmethod
@@ -871,6 +910,14 @@ class DPRuntime:
             skip = frozenset(self.tp_engine.local_masters) | skip
         self.tp_engine.step(grads, skip=skip)
 
+    def _piece_dest(self, pc: Piece) -> torch.Tensor:
+        """The part of the model's parameter (its local tensor) that piece ``pc``'s master holds,
+        shaped like the master: the parameter itself, or one expert's ``(M, N)`` view of its stack."""
+        local = local_tensor(self.params[pc.name].detach())
+        if pc.shape is None:
+            return local
+        return local.view(-1)[pc.start : pc.end].view(pc.shape)
+
     def broadcast_params(self) -> None:
         """Params return by ``broadcast`` (``layerwise``): every owner sends its updated parameters to
         all DP ranks, inside the step."""
@@ -880,7 +927,8 @@ class DPRuntime:
             for pp in self._order:
                 local = local_tensor(self.params[pp.name].detach())
                 if pp.dp_owner == self.dp_rank:
-                    local.copy_(self.masters[self._whole_pieces[pp.name]])
+                    for pc in self._owned_pieces[pp.name]:  # one piece, or one per expert of a stack
+                        self._piece_dest(pc).copy_(self.masters[pc])
                     nbytes += local.numel() * local.element_size()
                 works.append(self.comm.broadcast(local, pp.dp_owner, async_op=True))
         with phase("canzona/layerwise/broadcast/wait", bytes=nbytes, peers=self.dp):
@@ -966,7 +1014,7 @@ class DPRuntime:
                 for i in range(len(self._bucket_views)):
                     self._views_written(i)
                 if self._sc_sources:
-                    torch._foreach_copy_([local_tensor(self.params[n].detach()) for n, _ in self._sc_sources],
+                    torch._foreach_copy_([self._piece_dest(pc) for pc, _ in self._sc_sources],
                                          [src for _, src in self._sc_sources])
                 return
             for i, flat in gathered.items():

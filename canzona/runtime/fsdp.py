@@ -115,6 +115,7 @@ class FSDPRuntime:
         matrix_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         elementwise_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         settings: OptimizerSettings | None = None,
+        expert_names: Sequence[str] = (),
     ) -> None:
         # the options were validated once, when the settings record was built
         settings = settings if settings is not None else OptimizerSettings()
@@ -128,7 +129,8 @@ class FSDPRuntime:
         #: the status exchanges run over the world, counted in ``comm``'s stats
         self.status_comm = Comm(status_group(), comm.stats)
         self.matrix_names = tuple(n for g in groups for n, _ in g)
-        self.elementwise_names = tuple(n for n in self.params if n not in set(self.matrix_names))
+        self.expert_names = tuple(expert_names)
+        self.elementwise_names = tuple(n for n in self.params if n not in set(self.matrix_names) | set(self.expert_names))
         #: every parameter in a fixed order shared by all ranks: the status flags' layout
         self.names = tuple(self.params)
         self._device = local_block(next(iter(self.params.values())).detach()).device if self.params else torch.device("cpu")
@@ -139,6 +141,7 @@ class FSDPRuntime:
             if loc.numel():
                 self.ew_masters[n] = nn.Parameter(loc.to(master_dtype, copy=True))
         self.ew_optimizer = elementwise_factory(list(self.ew_masters.values())) if self.ew_masters else None
+        self._init_experts(matrix_factory)
         tasks = [[ExchangeTask(self.layouts[n], h) for n, h in g] for g in groups]
         initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
         self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype)
@@ -147,6 +150,37 @@ class FSDPRuntime:
         #: masters and state: after an update that failed on some ranks only, steps are refused
         self.replicas = ReplicaGuard(self.engine.sync, "the 'sync' schedule (strategy 'sc')")
         self.steps = 0
+
+    # ---- expert stacks (Shard(0): this rank's block holds whole experts), updated where they live
+    def _init_experts(self, matrix_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        """One ``(M, N)`` master per local expert and one matrix optimizer over them: each expert
+        is its own matrix task, with its own state, and needs no exchange."""
+        self.expert_masters: dict[tuple[str, int], nn.Parameter] = {}
+        for n in self.expert_names:
+            loc = local_block(self.params[n].detach())
+            for k in range(loc.shape[0]):
+                self.expert_masters[(n, k)] = nn.Parameter(loc[k].to(self.master_dtype, copy=True))
+        self.expert_optimizer = matrix_factory(list(self.expert_masters.values())) if self.expert_masters else None
+
+    def _update_experts(self, grads: Mapping[str, torch.Tensor | None], skip: Collection[str]) -> None:
+        """Step every local expert of the stacks not in ``skip`` (an expert no token reached has
+        a zero gradient, which the optimizer steps as the single-device one would)."""
+        live = [((n, k), m) for (n, k), m in self.expert_masters.items() if n not in skip]
+        if self.expert_optimizer is None or not live:
+            return
+        try:
+            for (n, k), m in live:
+                g = grads[n]
+                m.grad = g[k] if g is not None else torch.zeros_like(m)
+            self.expert_optimizer.step()
+        finally:
+            for _, m in live:
+                m.grad = None
+
+    def _write_experts(self, skip: Collection[str]) -> None:
+        for (n, k), m in self.expert_masters.items():
+            if n not in skip:
+                local_block(self.params[n].detach())[k].copy_(m)
 
     def _grad(self, name: str) -> torch.Tensor | None:
         """This rank's gradient piece in the master dtype (None: the parameter has no ``p.grad``)."""
@@ -216,6 +250,7 @@ class FSDPRuntime:
                                 self.update_hooks.step(self.ew_optimizer, whole)
                             else:
                                 self.ew_optimizer.step()
+                        self._update_experts(grads, skip)
                 except Exception as exc:  # noqa: BLE001 - this rank now joins the exchanges without computing
                     ew_error.append(exc)
                     matrix_skip.update(self.matrix_names)
@@ -246,6 +281,7 @@ class FSDPRuntime:
             for n, m in self.ew_masters.items():
                 if n not in skip:
                     local_block(self.params[n].detach()).copy_(m)
+            self._write_experts(skip)
         self.steps += 1
 
     def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
@@ -270,6 +306,9 @@ class FSDPRuntime:
         """Write scheduled values into the inner optimizers of ``role`` (``matrix``/``elementwise``)."""
         if role == "matrix":
             self.engine.set_hyperparams(values)
+            if self.expert_optimizer is not None:
+                for group in self.expert_optimizer.param_groups:
+                    group.update(values)
         elif self.ew_optimizer is not None:
             for group in self.ew_optimizer.param_groups:
                 group.update(values)
@@ -277,8 +316,9 @@ class FSDPRuntime:
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank: hosted full-shape matrix state plus element-wise pieces."""
         ew = 0
-        if self.ew_optimizer is not None:
-            ew = sum(v.numel() * v.element_size() for st in self.ew_optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        for opt in (self.ew_optimizer, self.expert_optimizer):
+            if opt is not None:
+                ew += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         return ew + self.engine.state_bytes()
 
     def refresh_masters(self) -> None:
@@ -286,4 +326,6 @@ class FSDPRuntime:
         with torch.no_grad():
             for n, m in self.ew_masters.items():
                 m.copy_(local_block(self.params[n].detach()))
+            for (n, k), m in self.expert_masters.items():
+                m.copy_(local_block(self.params[n].detach())[k])
         self.engine.refresh_masters({n: local_block(self.params[n].detach()) for n in self.matrix_names})

@@ -1,0 +1,310 @@
+"""Roles the user controls and experts as matrix tasks.
+
+Unit part: the default role rule (embeddings by module type and tied weights, 1 x N gates, GPT-2's
+Conv1D on its (out, in) shape, 3-D expert stacks, conv weights refused with the opt-in named),
+``roles=`` overrides, costs of expert stacks, plan validation of cuts between experts, Muon's
+transposed groups. Distributed part (one world-2 spawn): the ZeRO-1 path under every strategy,
+bitwise against the single-device optimizer applied to each matrix task alone (every expert on its
+own, Conv1D on its transpose, the opted-in conv weight reshaped), including a step where one expert
+got no tokens (a zero gradient), every expert's momentum, and a consolidated checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from canzona.runtime.launch import run_workers
+from canzona.specs import ParamSpec, RoleError, module_roles, specs_from_module
+from canzona.testing import integer_grads, mean_grads, pack, unpack
+from moe_models import TaskReference, ToyMoE
+
+MKW = {"lr": 0.05, "adjust_lr_fn": "spectral"}
+EKW = {"lr": 0.01, "weight_decay": 0.1}
+ROLES = {"conv.weight": "matrix"}
+STRATEGIES = ("lb-asc", "sc", "layerwise", "asc", "lb-asc-joint", "zero1")
+STEPS = 3
+#: the expert of ``experts.gate_up_proj`` / ``experts.down_proj`` that routes no token at step 1
+IDLE_EXPERT = 2
+
+
+# ------------------------------------------------------------------------------ the role rule
+def test_default_rule_by_module_type_and_shape() -> None:
+    got = module_roles(ToyMoE())
+    assert got["wte.weight"] == ("elementwise", False)  # nn.Embedding, tied to the head
+    assert "head.weight" not in got  # tied: one parameter
+    assert got["wpe.weight"] == ("elementwise", False)
+    assert got["c_attn.weight"] == ("matrix", True)  # Conv1D: stored (in, out)
+    assert got["shared_expert_gate.weight"] == ("elementwise", False)  # 1 x N
+    assert got["gate.weight"] == ("elementwise", False)  # router
+    assert got["experts.gate_up_proj"] == ("experts", False)
+    assert got["experts.down_proj"] == ("experts", False)
+    assert got["proj.weight"] == ("matrix", False)
+
+
+def test_embedding_found_by_type_not_name() -> None:
+    m = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))  # names say nothing
+    assert module_roles(m) == {"0.weight": ("elementwise", False), "1.weight": ("matrix", False), "1.bias": ("elementwise", False)}
+
+
+def test_tied_to_an_embedding_registered_first_as_a_head() -> None:
+    class HeadFirst(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = torch.nn.Linear(8, 16, bias=False)
+            self.emb = torch.nn.Embedding(16, 8)
+            self.out.weight = self.emb.weight
+
+    assert module_roles(HeadFirst()) == {"out.weight": ("elementwise", False)}
+
+
+def test_conv_weight_refused_by_default_with_the_opt_in() -> None:
+    with pytest.raises(RoleError, match=r"conv\.weight.*roles=\{'conv\.weight': 'matrix'\}.*\(4, 27\)"):
+        module_roles(ToyMoE(conv=True))
+    assert module_roles(ToyMoE(conv=True), ROLES)["conv.weight"] == ("matrix", False)
+    spec = {s.name: s for s in specs_from_module(ToyMoE(conv=True), roles=ROLES)}["conv.weight"]
+    assert spec.task_shape == (4, 27) and spec.n_tasks == 1
+
+
+def test_three_d_outside_experts_refused() -> None:
+    m = torch.nn.Module()
+    m.stack = torch.nn.Parameter(torch.zeros(2, 3, 4))
+    with pytest.raises(RoleError, match="stack: a 3-D parameter"):
+        module_roles(m)
+    assert module_roles(m, {"stack": "experts"}) == {"stack": ("experts", False)}
+    assert module_roles(m, lambda n, p: "elementwise") == {"stack": ("elementwise", False)}
+
+
+def test_roles_mapping_first_match_wins_and_callable_falls_back() -> None:
+    m = ToyMoE()
+    got = module_roles(m, {"proj.*": "elementwise", "w*.weight": "matrix", "c_attn.weight": "matrix"})
+    assert got["proj.weight"] == ("elementwise", False)
+    assert got["wte.weight"] == ("matrix", False)  # the user said so
+    assert got["c_attn.weight"] == ("matrix", True)  # still stored transposed
+    got = module_roles(m, lambda n, p: "elementwise" if n.startswith("experts.down") else None)
+    assert got["experts.down_proj"] == ("elementwise", False) and got["experts.gate_up_proj"] == ("experts", False)
+
+
+@pytest.mark.parametrize(
+    "roles,match",
+    [({"proj.weight": "muon"}, "a role is one of"), ({"proj.weight": "experts"}, "needs a 3-D"), ({"proj.bias": "matrix"}, "at least 2")],
+)
+def test_bad_roles_one_line(roles: dict, match: str) -> None:
+    with pytest.raises(RoleError, match=match):
+        module_roles(ToyMoE(), roles)
+
+
+def test_expert_costs_are_e_tasks() -> None:
+    from canzona.cost import cost_arrays, matrix_flops, param_flops, param_memory, state_bytes
+
+    s = ParamSpec("experts.w", (4, 12, 8), "experts")
+    assert param_flops(s, "muon") == 4 * matrix_flops("muon", (12, 8))
+    assert param_memory(s, "shampoo") == 4 * state_bytes("shampoo", (12, 8))
+    t = ParamSpec("c.weight", (8, 24), "matrix", transposed=True)
+    assert param_flops(t, "muon") == matrix_flops("muon", (24, 8))
+    f, mem = cost_arrays([s, t], "shampoo")
+    assert f.tolist() == [param_flops(s, "shampoo"), param_flops(t, "shampoo")]
+    assert mem.tolist() == [param_memory(s, "shampoo"), param_memory(t, "shampoo")]
+
+
+def _plan(strategy: str = "lb-asc"):
+    from canzona.plan import make_plan
+    from canzona.plan.plan import PlanInputs
+
+    specs = specs_from_module(ToyMoE(conv=True), roles=ROLES)
+    return make_plan(specs, PlanInputs(model="toy", layout="module", dp=2, tp=1, optimizer="muon", strategy=strategy,
+                                       tp_schedule="sync", bucket_numel=10_000))
+
+
+def test_plan_accepts_cuts_between_experts_only() -> None:
+    from canzona.plan.errors import PlanError
+    from canzona.plan.plan import Plan
+
+    plan = _plan()
+    pp = plan.param("experts.gate_up_proj")
+    assert pp.role == "experts"
+    unit = 12 * 8
+    b = plan.buckets[pp.bucket]
+    mid = pp.offset + 2 * unit
+
+    def cut_at(point: int) -> Plan:
+        cuts = (0, point, b.numel)
+        params = []
+        for q in plan.params:
+            if q.bucket != pp.bucket:
+                params.append(q)
+                continue
+            start, end = q.offset, q.offset + q.numel
+            if end <= point:
+                params.append(dataclasses.replace(q, dp_owner=0, dp_ranges=()))
+            elif start >= point:
+                params.append(dataclasses.replace(q, dp_owner=1, dp_ranges=()))
+            else:
+                params.append(dataclasses.replace(q, dp_owner=None, dp_ranges=((0, 0, point - start), (1, point - start, q.numel))))
+        buckets = tuple(dataclasses.replace(x, cuts=cuts) if x.index == pp.bucket else x for x in plan.buckets)
+        return Plan(inputs=plan.inputs, params=tuple(params), buckets=buckets, micro_groups=plan.micro_groups, metrics=plan.metrics)
+
+    ok = cut_at(mid)
+    assert ok.param("experts.gate_up_proj").dp_ranges == ((0, 0, 2 * unit), (1, 2 * unit, 4 * unit))
+    assert Plan.from_dict(ok.to_dict()) == ok
+    with pytest.raises(PlanError, match="cuts an expert"):
+        cut_at(mid + 5)
+
+
+def test_plan_json_keeps_transposed() -> None:
+    from canzona.plan.plan import Plan
+
+    plan = _plan()
+    doc = plan.to_dict()
+    assert [q.get("transposed", False) for q in doc["params"] if q["name"] == "c_attn.weight"] == [True]
+    back = Plan.from_dict(doc)
+    assert back.param("c_attn.weight").spec.transposed and back.fingerprint == plan.fingerprint
+
+
+def test_describe_table_lists_every_role() -> None:
+    from canzona.plan.describe import describe_plan, role_rows
+
+    plan = _plan()
+    rows = {r.name: r for r in role_rows(plan)}
+    assert rows["experts.gate_up_proj"].tasks == "4 x (12, 8)"
+    assert rows["c_attn.weight"].tasks == "1 x (24, 8) (stored transposed)"
+    assert rows["conv.weight"].tasks == "1 x (4, 27) (reshaped)"
+    assert rows["wte.weight"].role == "elementwise"
+    text = describe_plan(plan)
+    assert len(text.splitlines()) == len(plan.params) + 3 and "2 experts" in text
+
+
+@pytest.mark.parametrize("fn", ["original", "spectral", "match_rms_adamw"])
+def test_muon_transposed_group_is_the_transpose_bitwise(fn: str) -> None:
+    from canzona.optim import Muon
+
+    g = torch.Generator().manual_seed(1)
+    stored = torch.randn(8, 24, generator=g)
+    logical = stored.T.contiguous()
+    a = Muon([{"params": [stored], "transposed": True}], lr=0.05, adjust_lr_fn=fn)
+    b = Muon([logical], lr=0.05, adjust_lr_fn=fn)
+    for _ in range(3):
+        grad = torch.randn(8, 24, generator=g)
+        stored.grad, logical.grad = grad.clone(), grad.T.contiguous()
+        a.step()
+        b.step()
+        assert torch.equal(stored.T, logical)
+    assert torch.equal(a.state[stored]["momentum_buffer"].T, b.state[logical]["momentum_buffer"])
+    if fn != "match_rms_adamw":  # the scaling differs between the two orientations: the flag matters
+        c = torch.randn(8, 24, generator=g)
+        d = c.clone()
+        c.grad = d.grad = torch.randn(8, 24, generator=g)
+        Muon([c], lr=0.05, adjust_lr_fn=fn).step()
+        Muon([{"params": [d], "transposed": True}], lr=0.05, adjust_lr_fn=fn).step()
+        assert not torch.equal(c, d)
+
+
+def test_transposed_refused_for_an_optimizer_that_cannot_flip() -> None:
+    from canzona.specs import check_transposed_support
+
+    specs = specs_from_module(ToyMoE())
+    with pytest.raises(RoleError, match="c_attn.weight: stored \\(in, out\\).*Muon cannot"):
+        check_transposed_support(specs, torch.optim.Muon)
+    check_transposed_support(specs, torch.optim.Muon, elementwise_only=True)
+
+
+# ------------------------------------------------------------------------------ distributed
+def _grads(model: torch.nn.Module, step: int, rank: int) -> dict[str, torch.Tensor]:
+    g = integer_grads(model, step=step, rank=rank)
+    if step == 1:  # one expert routed no token on any rank this step: a zero gradient, not a missing one
+        for n in ("experts.gate_up_proj", "experts.down_proj"):
+            g[n][IDLE_EXPERT].zero_()
+    return g
+
+
+def _cls(strategy: str):
+    from canzona.optim import Muon
+
+    return torch.optim.AdamW if strategy == "zero1" else Muon
+
+
+def _dp_case(rank: int, strategy: str) -> dict:
+    import canzona
+    from canzona.testing import inject_grads
+
+    model = ToyMoE(conv=True)
+    opt = canzona.DistributedOptimizer(model, _cls(strategy), strategy=strategy, optimizer_kwargs=MKW if strategy != "zero1" else EKW,
+                                       elementwise_kwargs=EKW, bucket_numel=700, roles=ROLES)
+    for s in range(STEPS):
+        inject_grads(model, _grads(model, s, rank))
+        opt.step()
+        opt.zero_grad()
+    doc = opt.state_dict()
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "describe": opt.describe(), "ok": True}
+    if rank == 0:
+        out["state"] = {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()}
+    # round trip: a fresh optimizer loads the document and takes the same next step as this one
+    fresh_model = ToyMoE(conv=True)
+    fresh = canzona.DistributedOptimizer(fresh_model, _cls(strategy), strategy=strategy, optimizer_kwargs=MKW if strategy != "zero1" else EKW,
+                                         elementwise_kwargs=EKW, bucket_numel=700, roles=ROLES)
+    import torch.distributed as dist
+
+    objs = [doc if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    fresh.load_state_dict(objs[0])
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        inject_grads(m, _grads(m, STEPS, rank))
+        o.step()
+        o.zero_grad()
+    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    return out
+
+
+def moe_worker(rank: int, world: int) -> bytes:
+    return pack({s: _dp_case(rank, s) for s in STRATEGIES})
+
+
+_RUN: list[dict] = []
+
+
+def _results() -> list[dict]:
+    if not _RUN:
+        _RUN.extend(unpack(r) for r in run_workers(moe_worker, 2, timeout_s=300))
+    return _RUN
+
+
+def _reference(strategy: str) -> TaskReference:
+    from canzona.optim import Muon
+
+    model = ToyMoE(conv=True)
+    roles = module_roles(model, ROLES)
+    if strategy == "zero1":
+        roles = {n: ("elementwise", False) for n in roles}
+    ref = TaskReference(model, roles, Muon, MKW, torch.optim.AdamW, EKW)
+    for s in range(STEPS):
+        ref.step(mean_grads([_grads(model, s, r) for r in range(2)]))
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dp2_experts_bitwise_per_task(strategy: str) -> None:
+    res = [r[strategy] for r in _results()]
+    ref = _reference(strategy)
+    want = ref.params()
+    for r in res:
+        bad = [n for n in want if not torch.equal(r["params"][n], want[n])]
+        assert bad == [], bad
+    assert "experts" in res[0]["describe"]
+    if strategy == "zero1":
+        return
+    state = res[0]["state"]
+    for n in ("experts.gate_up_proj", "experts.down_proj"):
+        mom = state[n]["momentum_buffer"]
+        assert mom.shape == (4, *ref.tasks[n][0].shape)
+        for e, m in enumerate(ref.momentum(n)):
+            assert torch.equal(mom[e], m), (n, e)
+    assert torch.equal(state["c_attn.weight"]["momentum_buffer"].T, ref.momentum("c_attn.weight")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dp2_experts_checkpoint_round_trip(strategy: str) -> None:
+    assert all(r[strategy]["resumed_equal"] for r in _results())
