@@ -18,7 +18,7 @@ import torch
 
 from canzona.runtime.launch import run_workers
 from canzona.specs import ParamSpec, RoleError, module_roles, specs_from_module
-from canzona.testing import integer_grads, mean_grads, pack, unpack
+from validation.harness import integer_grads, mean_grads, pack, unpack
 from moe_models import TaskReference, ToyMoE
 
 MKW = {"lr": 0.05, "adjust_lr_fn": "spectral"}
@@ -227,7 +227,7 @@ def _cls(strategy: str):
 
 def _dp_case(rank: int, strategy: str) -> dict:
     import canzona
-    from canzona.testing import inject_grads
+    from validation.harness import inject_grads
 
     model = ToyMoE(conv=True)
     opt = canzona.DistributedOptimizer(model, _cls(strategy), strategy=strategy, optimizer_kwargs=MKW if strategy != "zero1" else EKW,

@@ -11,7 +11,7 @@ import torch
 
 from canzona.runtime.launch import run_workers
 from canzona.specs import module_roles
-from canzona.testing import integer_grads, mean_grads, pack, unpack
+from validation.harness import integer_grads, mean_grads, pack, unpack
 from moe_models import FSDPMoE, TaskReference
 
 pytestmark = pytest.mark.slow

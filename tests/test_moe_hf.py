@@ -12,7 +12,7 @@ import torch
 
 from canzona.runtime.launch import run_workers
 from canzona.specs import module_roles
-from canzona.testing import inject_grads, integer_grads, mean_grads, pack, unpack
+from validation.harness import inject_grads, integer_grads, mean_grads, pack, unpack
 from moe_models import TaskReference
 
 transformers = pytest.importorskip("transformers")
