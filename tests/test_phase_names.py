@@ -35,12 +35,14 @@ def _strings(tree: ast.AST) -> list[ast.AST]:
 
 def _literals(path: Path) -> list[tuple[int, str]]:
     """(line, text) of every string in ``path`` that names a canzona phase: ``canzona/`` and a
-    literal first segment (``f"canzona/{kind}/..."``, a store key of the agreement, is not one)."""
+    literal first segment (``f"canzona/{kind}/..."``, a store key of the agreement, is not one),
+    no file-name characters."""
     out = []
     for node in _strings(ast.parse(path.read_text(encoding="utf-8"))):
         text = _text(node)
         literal = isinstance(node, ast.Constant) or (isinstance(node.values[0], ast.Constant) and node.values[0].value != "canzona/")
-        if text.startswith("canzona/") and len(text) > len("canzona/") and literal:
+        # a phase name has no dot, star or space (``canzona/*.py``, ``canzona/data/x.json`` are paths)
+        if text.startswith("canzona/") and len(text) > len("canzona/") and literal and not any(c in text for c in ".* "):
             out.append((node.lineno, text))
     return out
 
