@@ -652,6 +652,10 @@ def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
     assert "lower bound" in " ".join(t.name or "" for t in ex.figures[2].data).lower() + (ex.figures[2].layout.title.text or "").lower()
     ex.controls["dp"].value = 4
     assert ex.error is None and "DP4 x TP2" in ex.figures[0].layout.title.text
+    # what the page draws is the Output widgets' state: it carries the new figures
+    shown = [o.outputs[0]["data"][vw.PLOTLY_MIME]["layout"]["title"]["text"] for o in ex.outputs]
+    assert shown == [f.layout.title.text for f in ex.figures] and "DP4 x TP2" in shown[0]
+    assert ex.ui.children[-3:] == tuple(ex.outputs) and vw.EXPLORER_CLASS in ex.ui._dom_classes
     before = ex.figures
     ex.controls["strategy"].value = "sc"  # sc recomputes everything: the planner rejects schedule lpt
     assert ex.error is not None and "sync" in ex.error and "cannot draw" in ex.status.value
@@ -665,6 +669,7 @@ def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
     px = vw.partition_explorer(model="qwen3-tiny", dp=4, tp=2)
     px.controls["strategy"].value = "zero1"
     assert "zero1" in px.figures[0].layout.title.text
+    assert "zero1" in px.outputs[0].outputs[0]["data"][vw.PLOTLY_MIME]["layout"]["title"]["text"]
 
 
 # ------------------------------------------------------------------------------------------ export + CLI
