@@ -220,11 +220,13 @@ return {status: kernel ? kernel.status : 'none', ran: ran, cells: cells.length,
         errors: document.querySelectorAll('[data-mime-type="application/vnd.jupyter.error"]').length};
 """
 
-#: the title text of every plotly figure drawn inside the explorer number ``arguments[0]``
+#: the title text of every plotly figure drawn in the notebook cell of explorer number
+#: ``arguments[0]`` (the cell, not only the widget: the check holds whatever way the explorer shows them)
 _EXPLORER_TITLES = """
 const box = document.querySelectorAll('.canzona-explorer')[arguments[0]];
 if (!box) return null;
-return Array.from(box.querySelectorAll('.js-plotly-plot')).map(p => {
+const cell = box.closest('.jp-Cell') || box;
+return Array.from(cell.querySelectorAll('.js-plotly-plot')).map(p => {
   const t = p.querySelector('.gtitle'); return t ? t.textContent : '';
 });
 """

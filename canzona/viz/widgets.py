@@ -6,13 +6,13 @@ Changing a control to a configuration the planner rejects shows the error beside
 and keeps the last good figures.
 
 Each figure lives in an ``ipywidgets.Output`` whose ``outputs`` the kernel sets directly (the
-figure's full MIME bundle: plotly JSON plus the HTML copy of :mod:`canzona.viz.notebook`). The
-new figure reaches the page as widget state, the one channel every front end syncs from a widget
-callback: JupyterLab, Notebook 7 and VS Code alike. (Display handles updated from a callback, or
-output captured with ``with out:`` there, depend on how the front end routes messages whose
-parent is a comm message; JupyterLab does not draw them.) Plotly's ``FigureWidget`` would do
-the same but needs anywidget and a per-figure diff of traces; a whole new figure is simpler and
-is what a changed plan is.
+figure's full MIME bundle: plotly JSON plus the HTML copy of :mod:`canzona.viz.notebook`), so a
+new figure reaches the page as widget state, which every widget front end syncs from a callback.
+JupyterLab is checked in a browser (tests/test_jupyterlab.py); Notebook 7 runs JupyterLab's
+front end; VS Code's widget renderer draws Output widgets too (not tested here). Display handles
+updated from a widget callback, the earlier way, never reached JupyterLab's page. Plotly's
+``FigureWidget`` would also work but needs anywidget and a per-figure diff of traces; a whole
+new figure is simpler and is what a changed plan is.
 """
 
 from __future__ import annotations
