@@ -36,6 +36,9 @@ from canzona.phase_names import PHASES
 
 __all__ = [
     "PHASE_TABLES",
+    "TRACE_SUFFIXES",
+    "REPORT_JSON",
+    "profile_files",
     "RUN_KINDS",
     "RunChoice",
     "choose_run",
@@ -79,7 +82,8 @@ def runs_roots() -> list[Path]:
 
 #: the file names of a profile's trace summary (a phase table), preferred to its raw traces
 PHASE_TABLES = ("phases.parquet", "phases.csv")
-_TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+#: the file-name endings of a profile's raw torch.profiler traces (one per rank)
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 REPORT_JSON = "report.json"
 
 #: what each kind of run is called in a note and the command that writes one
@@ -97,7 +101,7 @@ def profile_files(d: Path) -> list[Path]:
     except OSError:
         return []
     tables = [p for p in entries if p.name in PHASE_TABLES]
-    return tables or [p for p in entries if p.name.endswith(_TRACE_SUFFIXES)]
+    return tables or [p for p in entries if p.name.endswith(TRACE_SUFFIXES)]
 
 
 def _candidates(kind: str, root: Path) -> Iterator[tuple[Path, list[Path]]]:
@@ -150,7 +154,9 @@ def _where(roots: list[Path] | None) -> str:
 def choose_run(kind: str, path: str | Path | None = None, *, sample: Path, roots: list[Path] | None = None) -> RunChoice:
     """``path`` when given (it must exist), else the newest run of ``kind`` (:func:`find_runs`),
     else ``sample`` with a note that says it is the shipped sample and how to make a run."""
-    what, command = RUN_KINDS[kind] if kind in RUN_KINDS else (kind, "")
+    if kind not in RUN_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(RUN_KINDS)}, got {kind!r}")
+    what, command = RUN_KINDS[kind]
     if path is not None:
         p = Path(path)
         if not p.exists():

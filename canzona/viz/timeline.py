@@ -38,7 +38,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from canzona.config import PACKAGE_DATA
-from canzona.runs import PHASE_TABLES, choose_run, find_runs, profile_files
+from canzona.runs import PHASE_TABLES, TRACE_SUFFIXES, choose_run, find_runs, profile_files
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
 
 __all__ = [
@@ -80,11 +80,7 @@ _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
 #: started in notebooks/ finds the runs of the repository root), or ``$CANZONA_RUNS_DIR``
 RUNS_DIR = Path("runs")
 _TABLES = PHASE_TABLES
-_TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
-
-
-def _profile_files(d: Path) -> list[Path]:
-    return profile_files(d)
+_TRACE_SUFFIXES = TRACE_SUFFIXES
 
 
 def _runs_roots(roots: Any) -> list[Path] | None:
@@ -206,7 +202,7 @@ def load_profile(path: str | Path | None = None) -> Profile:
     wrote one) or a single phase-table file (then the metadata is empty). None: the profile
     :func:`resolve_profile` picks (the newest run, else the shipped sample)."""
     p = resolve_profile(path)[0]
-    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in _profile_files(p)):
+    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in profile_files(p)):
         from canzona.profiling.traces import load_traces
 
         phases = validate_phase_table(load_traces(p), source=str(p))
