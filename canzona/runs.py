@@ -12,8 +12,12 @@ first step, whose time includes building the model and the plan), then ``<phase>
 strategy does not run it).
 
 User runs go under ``runs/`` of the working directory (the environment variable
-``CANZONA_RUNS_DIR`` moves it); the figures and notebooks look there first
-(:func:`canzona.viz.timeline.resolve_profile`, :func:`canzona.viz.training.discover_runs`).
+``CANZONA_RUNS_DIR`` moves it). Every notebook and figure finds the user's newest run the same
+way, :func:`choose_run`: the newest file of the asked kind (:data:`RUN_KINDS`: a profile, a
+validation report, a metrics log) under :func:`runs_roots` (``$CANZONA_RUNS_DIR`` when set, else
+``runs/`` of the working directory and of its parent, so a notebook started in ``notebooks/``
+finds the repository's runs), else the sample shipped inside the package, and always a one-line
+note saying which file is shown and why, for the first output of a notebook or figure.
 """
 
 from __future__ import annotations
@@ -23,13 +27,22 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from canzona.phase_names import PHASES
 
 __all__ = [
+    "PHASE_TABLES",
+    "TRACE_SUFFIXES",
+    "REPORT_JSON",
+    "profile_files",
+    "RUN_KINDS",
+    "RunChoice",
+    "choose_run",
+    "find_runs",
     "METRICS_CSV",
     "METRICS_COLUMNS",
     "RUN_JSON",
@@ -65,6 +78,95 @@ def runs_roots() -> list[Path]:
         if c.is_dir() and c not in out:
             out.append(c)
     return out
+
+
+#: the file names of a profile's trace summary (a phase table), preferred to its raw traces
+PHASE_TABLES = ("phases.parquet", "phases.csv")
+#: the file-name endings of a profile's raw torch.profiler traces (one per rank)
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+REPORT_JSON = "report.json"
+
+#: what each kind of run is called in a note and the command that writes one
+RUN_KINDS: dict[str, tuple[str, str]] = {
+    "profile": ("profile", "canzona profile --tensorboard runs/<name>"),
+    "validation": ("validation report", "canzona validate"),
+    "metrics": ("metrics log", "canzona train"),
+}
+
+
+def profile_files(d: Path) -> list[Path]:
+    """The files that make directory ``d`` a profile: its phase table(s), else its raw traces."""
+    try:
+        entries = [p for p in d.iterdir() if p.is_file()]
+    except OSError:
+        return []
+    tables = [p for p in entries if p.name in PHASE_TABLES]
+    return tables or [p for p in entries if p.name.endswith(TRACE_SUFFIXES)]
+
+
+def _candidates(kind: str, root: Path) -> Iterator[tuple[Path, list[Path]]]:
+    """(what a run of ``kind`` is opened by, the files whose time dates it) under ``root``."""
+    if kind == "profile":
+        for d in (root, *(p for p in root.rglob("*") if p.is_dir())):
+            files = profile_files(d)
+            if files:
+                yield d, files
+    else:
+        name = REPORT_JSON if kind == "validation" else METRICS_CSV
+        for f in root.rglob(name):
+            if f.is_file():
+                yield (f if kind == "validation" else f.parent), [f]
+
+
+def find_runs(kind: str, roots: list[Path] | None = None) -> list[Path]:
+    """Every run of ``kind`` (a key of :data:`RUN_KINDS`) under ``roots`` (default
+    :func:`runs_roots`), oldest first by the modification time of its files (path as tie-break):
+    a profile's directory, a validation report's ``report.json``, a metrics log's directory."""
+    if kind not in RUN_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(RUN_KINDS)}, got {kind!r}")
+    found: dict[Path, float] = {}
+    for root in runs_roots() if roots is None else [Path(r) for r in roots]:
+        if root.is_dir():
+            for target, files in _candidates(kind, root):
+                found[target.resolve()] = max(f.stat().st_mtime for f in files)
+    return sorted(found, key=lambda p: (found[p], str(p)))
+
+
+@dataclass(frozen=True, slots=True)
+class RunChoice:
+    """The run a view shows: its ``path``, whether it is the shipped ``sample``, and ``note``,
+    one line for the view's first output naming the file and why it was chosen."""
+
+    path: Path
+    sample: bool
+    note: str
+
+
+def _where(roots: list[Path] | None) -> str:
+    if roots is not None:
+        return " or ".join(str(r) for r in roots) or "(no folder)"
+    if os.environ.get(RUNS_ENV):
+        return f"${RUNS_ENV} ({runs_dir()})"
+    cwd = Path.cwd()
+    return f"{cwd / 'runs'} or {cwd.parent / 'runs'}"
+
+
+def choose_run(kind: str, path: str | Path | None = None, *, sample: Path, roots: list[Path] | None = None) -> RunChoice:
+    """``path`` when given (it must exist), else the newest run of ``kind`` (:func:`find_runs`),
+    else ``sample`` with a note that says it is the shipped sample and how to make a run."""
+    if kind not in RUN_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(RUN_KINDS)}, got {kind!r}")
+    what, command = RUN_KINDS[kind]
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"{what} not found: {p}")
+        return RunChoice(p, False, f"{what}: {p} (the one asked for)")
+    runs = find_runs(kind, roots)
+    if runs:
+        return RunChoice(runs[-1], False, f"{what}: {runs[-1]} (your newest, of {len(runs)} under {_where(roots)})")
+    return RunChoice(sample, True, f"{what}: NOTE no {what} of yours under {_where(roots)} (`{command}` writes one); "
+                                   f"showing the shipped sample {sample}")
 
 
 def new_run_dir(label: str) -> Path:

@@ -233,13 +233,16 @@ start_us, dur_us, depth) and `meta.json`, written by the profiling scripts from 
 `record_function` ranges (phase names are those of `canzona.phase_names`). By default it opens
 your newest run under `runs/` (written by `canzona profile --tensorboard runs/<name>`; a raw trace
 directory is summarised on the fly) and falls back to the sample shipped inside the package
-(`canzona/data/profiles/sample/`), saying so; set `PROFILE_DIR` to open another run.
+(`canzona/data/profiles/sample/`), saying so. Runs are looked for the way every canzona view looks
+for them: `runs/` of the working directory and of its parent, or `$CANZONA_RUNS_DIR` when set.
+Set `PROFILE_DIR` to open another run.
 
 * **Timeline**: one row per rank, one bar per phase; nested phases are thinner bars inside their
   parents. Pick the step and the nesting depth with the controls.
 * **Critical path**: the optimizer step ends when its slowest rank does; that rank's child phases
   (and the gaps between them) are the path to shorten.
-* **Breakdown per strategy**: phase times of every run found under `PROFILE_ROOT`.
+* **Breakdown per strategy**: phase times of every run found under `PROFILE_ROOT`, each labelled
+  by the strategy its run recorded.
 """),
     code("""
 # Parameters: a trace summary or raw trace directory (None: the newest run under runs/, else the
@@ -258,8 +261,7 @@ from canzona.viz import widgets as vw
 viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbviewer
 pd.set_option("display.precision", 3)
 PROFILE_DIR, note = vt.resolve_profile(PROFILE_DIR)
-if note:
-    print(note)
+print(note)  # which profile this notebook shows, and why (your newest run, or the shipped sample)
 PROFILE_ROOT = PROFILE_DIR.parent if PROFILE_ROOT is None else PROFILE_ROOT
 profile = vt.load_profile(PROFILE_DIR)
 print(profile.label, "|", len(profile.phases), "phase records,", profile.phases["rank"].nunique(), "ranks,",
@@ -282,8 +284,9 @@ vt.phase_breakdown(profile.phases, depth=1)
 """),
     code("""
 cp = vt.optimizer_critical_path(profile.phases)
-print(f"critical rank {cp.attrs['critical_rank']} in step {cp.attrs['step']}: {cp.attrs['total_us'] / 1e3:.3f} ms")
-cp
+print(f"critical rank {cp.attrs['critical_rank']} in step {cp.attrs['step']}: {cp.attrs['total_us'] / 1e3:.3f} ms; "
+      f"{(cp['kind'] == 'gap').sum()} gaps between child phases ({cp.loc[cp['kind'] == 'gap', 'dur_us'].sum() / 1e3:.3f} ms)")
+cp[["segment", "kind", "start_us", "dur_us"]]
 """),
     md("""
 The profiling package's own per-step summaries of the same table (`canzona.profiling.traces`):
@@ -303,7 +306,9 @@ comm_exposure(profile.phases)
     md("""
 ## Phase breakdown per strategy
 
-Every trace summary found under `PROFILE_ROOT`, labelled by the strategy in its `meta.json`.
+Every profile found under `PROFILE_ROOT`, labelled by the strategy its run recorded (`meta.json`
+or `run.json`); folders that recorded none are not strategies and are left out, and a run's raw
+traces beside its own summary count once.
 """),
     code("""
 runs = vt.discover_profiles(PROFILE_ROOT)
@@ -487,17 +492,17 @@ EXACTNESS = [
 
 `canzona validate` runs every (optimizer, strategy, mesh, dtype) cell of the exactness suite and
 compares the distributed update with the single-device optimizer bit for bit (`torch.equal`); the
-report also records the training loss per step of each strategy. This notebook reads the newest
-report under `runs/validation/` when a run wrote one, else the sample shipped inside the package
-(`canzona/data/validation-sample/report.json`); set `REPORT` to read another, or `RUN_VALIDATION = True`
+report also records the training loss per step of each strategy. This notebook reads your newest
+report (`canzona validate` writes `runs/validation/<time>/report.json`; runs are looked for in
+`runs/` of the working directory and of its parent, or `$CANZONA_RUNS_DIR`), else the sample
+shipped inside the package (`canzona/data/validation-sample/report.json`) with a note saying
+so; set `REPORT` to read another, or `RUN_VALIDATION = True`
 to run the suite from here with `validation.run` (the Python API behind `canzona validate`; it
 takes your own optimizer as a class or an import path, and spawns worker processes).
 """),
     code("""
-# Parameters
-from canzona.viz.exactness import default_report_path
-
-REPORT = default_report_path()
+# Parameters: a report.json (None: your newest run's, else the shipped sample)
+REPORT = None
 RUN_VALIDATION = False
 """, parameters=True),
     code("""
@@ -512,9 +517,11 @@ pd.set_option("display.precision", 3)
 if RUN_VALIDATION:
     import validation
 
+    print("validation report: the run just made here (validation.run)")
     report = validation.run("muon", meshes=["dp2"], strategies=["sc", "lb-asc"]).report
 else:
-    print(f"report: {REPORT}")
+    REPORT, note = ve.resolve_report(REPORT)
+    print(note)  # which report this notebook shows, and why (your newest run, or the shipped sample)
     report = ve.load_validation_report(REPORT)
 print(report["summary"])
 viz.fig_validation_matrix(report)

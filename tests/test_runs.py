@@ -83,6 +83,82 @@ def test_runs_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
     assert new_run_dir("train-x") == tmp_path / "train-x-20260101-000000-2"
 
 
+def test_every_view_finds_the_newest_run_the_same_way(tmp_path: Path, monkeypatch) -> None:
+    """A notebook runs in notebooks/; the user's runs are in the repository's runs/ (the parent's):
+    the profile, the validation report and the metrics logs are all found there, each view's note
+    names the file, and the shipped sample is shown only with a note that says so."""
+    import json
+    import os
+
+    from canzona.runs import choose_run, find_runs
+    from canzona.viz import exactness as ve
+    from canzona.viz import timeline as vt
+
+    repo = tmp_path / "repo"
+    (repo / "notebooks").mkdir(parents=True)
+    monkeypatch.delenv("CANZONA_RUNS_DIR", raising=False)
+    monkeypatch.chdir(repo / "notebooks")
+    runs = repo / "runs"
+    path, note = ve.resolve_report()
+    assert path == ve.SAMPLE_REPORT and "NOTE no validation report of yours" in note and str(runs) in note
+    assert vt.resolve_profile()[0] == vt.DEFAULT_PROFILE_DIR
+    old = runs / "validation" / "20260101T000000Z" / "report.json"
+    new = runs / "validation" / "20260102T000000Z" / "report.json"
+    for i, f in enumerate((old, new)):
+        f.parent.mkdir(parents=True)
+        f.write_text(ve.SAMPLE_REPORT.read_text())
+        os.utime(f, (1_000_000 + i, 1_000_000 + i))
+    path, note = ve.resolve_report()
+    assert path == new.resolve() and note == f"validation report: {new.resolve()} (your newest, of 2 under {runs.parent / 'notebooks' / 'runs'} or {runs})"
+    assert ve.default_report_path() == new.resolve()
+    prof = runs / "prof"
+    prof.mkdir()
+    (prof / "phases.csv").write_bytes(vt.DEFAULT_PROFILE_DIR.joinpath("phases.csv").read_bytes())
+    assert vt.resolve_profile() == (prof.resolve(), f"profile: {prof.resolve()} (your newest, of 1 under {runs.parent / 'notebooks' / 'runs'} or {runs})")
+    _log(runs / "train-sc", "sc", [5.0, 4.0])
+    assert find_runs("metrics") == [(runs / "train-sc").resolve()]
+    assert list(discover_runs()) == ["sc dp2xtp2 muon (train-sc)"]
+    # $CANZONA_RUNS_DIR, when set, is where runs are (and the only place looked at)
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path / "elsewhere"))
+    assert ve.resolve_report()[0] == ve.SAMPLE_REPORT and find_runs("metrics") == []
+    with pytest.raises(FileNotFoundError, match="profile not found"):
+        choose_run("profile", tmp_path / "missing", sample=vt.DEFAULT_PROFILE_DIR)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        find_runs("nope")
+    assert json.loads(new.read_text())["summary"]
+
+
+def test_profiles_are_labelled_by_their_recorded_strategy(tmp_path: Path) -> None:
+    """A run's summary/ and traces/ folders are one run labelled by the strategy it recorded;
+    folders without a recorded configuration are not strategies."""
+    import json
+
+    from canzona.viz import timeline as vt
+
+    table = vt.DEFAULT_PROFILE_DIR.joinpath("phases.csv").read_bytes()
+    meta = {"strategy": "lb-asc", "optimizer": "muon", "dp": 2, "tp": 2, "steps": 3, "model": "qwen3-tiny"}
+    run = tmp_path / "lb-asc"
+    (run / "summary").mkdir(parents=True)
+    (run / "summary" / "phases.csv").write_bytes(table)
+    (run / "summary" / "meta.json").write_text(json.dumps(meta))
+    (run / "traces").mkdir()
+    (run / "traces" / "rank0.1.pt.trace.json").write_text("{}")
+    (run / "traces" / "meta.json").write_text(json.dumps(meta))
+    sc = tmp_path / "sc-run"
+    sc.mkdir()
+    (sc / "phases.csv").write_bytes(table)
+    (sc / "run.json").write_text(json.dumps({**meta, "strategy": "sc"}))
+    stray = tmp_path / "scratch"
+    stray.mkdir()
+    (stray / "phases.csv").write_bytes(table)
+    assert vt.discover_profiles(tmp_path) == {"lb-asc": run / "summary", "sc": sc}
+    other = tmp_path / "again"
+    other.mkdir()
+    (other / "phases.csv").write_bytes(table)
+    (other / "meta.json").write_text(json.dumps({**meta, "steps": 4}))
+    assert vt.discover_profiles(tmp_path) == {"lb-asc (summary)": run / "summary", "lb-asc (again)": other, "sc": sc}
+
+
 # ------------------------------------------------------------------------------------ progress display
 
 

@@ -335,7 +335,7 @@ def test_load_profile_csv_parquet_and_meta(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(vt.load_phase_table(other), prof.phases)
     assert vt.load_profile(other / "phases.parquet").meta == {}
     found = vt.discover_profiles(tmp_path / "runs")
-    assert found == {"lb-asc": run, "b": other}
+    assert found == {"lb-asc": run}  # b recorded no configuration: it is not a strategy
     (run / "meta.json").write_text('{"strategy": "x", "dp": NaN}')
     with pytest.raises(ValueError, match="NaN"):
         vt.load_profile(run)
@@ -481,7 +481,8 @@ def test_report_tables_and_figures() -> None:
     fig = ve.fig_validation_matrix(rep)
     _readable(fig)
     z = np.asarray(fig.data[0].z, dtype=float)
-    assert np.nanmin(z) == 0.0 and np.nanmax(z) == 1.0
+    assert np.nanmin(z) == 0.0 and np.nanmax(z) == 2.0  # none passed ... all passed
+    _colour_bar_matches_cells(fig, rep)
     fig = ve.fig_loss_trajectories(rep)
     _readable(fig)
     assert len(fig.data) == 6 and "identical to sc: lb-asc" in fig.layout.title.text and "different: asc" in fig.layout.title.text
@@ -489,6 +490,30 @@ def test_report_tables_and_figures() -> None:
     assert "bitwise identical" in ve.fig_loss_trajectories(same).layout.title.text
     with pytest.raises(ValueError, match="reference"):
         ve.loss_deviation(rep, reference="nope")
+
+
+def _colour_bar_matches_cells(fig, rep: dict) -> None:
+    """Every cell's colour (its z looked up in the colour scale, as plotly does) is the colour the
+    bar shows at the tick that names the cell's state, and green means all passed."""
+    from canzona.viz._style import PASS_STATES
+
+    h = fig.data[0]
+    lo, hi = h.zmin, h.zmax
+    stops = [(float(p), c) for p, c in h.colorscale]
+
+    def colour_at(v: float) -> set[str]:
+        t = (v - lo) / (hi - lo)
+        return {c for p, c in stops if abs(p - t) < 1e-9} or {c for (p0, c), (p1, _) in zip(stops, stops[1:]) if p0 <= t <= p1}
+
+    bar = {label: colour_at(v) for v, label in zip(h.colorbar.tickvals, h.colorbar.ticktext)}
+    assert {k: v for k, v in bar.items()} == {label: {c} for label, c in PASS_STATES}
+    m = ve.validation_matrix(rep)
+    z = np.asarray(h.z, dtype=float)
+    for _, row in m.iterrows():
+        i, j = list(h.y).index(row["strategy"]), list(h.x).index(row["optimizer"])
+        state = "all passed" if row["passed"] == row["total"] else "none passed" if row["passed"] == 0 else "some failed"
+        assert colour_at(z[i, j]) == bar[state], (row["strategy"], row["optimizer"], state)
+    assert bar["all passed"] == {"#2ca02c"}
 
 
 def _suite_report() -> dict:
@@ -627,6 +652,10 @@ def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
     assert "lower bound" in " ".join(t.name or "" for t in ex.figures[2].data).lower() + (ex.figures[2].layout.title.text or "").lower()
     ex.controls["dp"].value = 4
     assert ex.error is None and "DP4 x TP2" in ex.figures[0].layout.title.text
+    # what the page draws is the Output widgets' state: it carries the new figures
+    shown = [o.outputs[0]["data"][vw.PLOTLY_MIME]["layout"]["title"]["text"] for o in ex.outputs]
+    assert shown == [f.layout.title.text for f in ex.figures] and "DP4 x TP2" in shown[0]
+    assert ex.ui.children[-3:] == tuple(ex.outputs) and vw.EXPLORER_CLASS in ex.ui._dom_classes
     before = ex.figures
     ex.controls["strategy"].value = "sc"  # sc recomputes everything: the planner rejects schedule lpt
     assert ex.error is not None and "sync" in ex.error and "cannot draw" in ex.status.value
@@ -640,6 +669,7 @@ def test_explorer_rebuilds_and_reports_bad_configurations() -> None:
     px = vw.partition_explorer(model="qwen3-tiny", dp=4, tp=2)
     px.controls["strategy"].value = "zero1"
     assert "zero1" in px.figures[0].layout.title.text
+    assert "zero1" in px.outputs[0].outputs[0]["data"][vw.PLOTLY_MIME]["layout"]["title"]["text"]
 
 
 # ------------------------------------------------------------------------------------------ export + CLI
@@ -758,10 +788,19 @@ def test_timeline_table_contract_matches_the_trace_summaries() -> None:
 def test_partition_map_many_ranks_tells_neighbours_apart() -> None:
     from canzona.viz._style import rank_colors
 
+    from itertools import combinations
+
+    from canzona.viz._style import DISTINCT_MAX, color_distance
+
     for n in (4, 16, 32, 48, 128):
         cols = rank_colors(n)
         assert len(set(cols)) == n, n  # every rank its own colour
         assert all(a != b for a, b in zip(cols, cols[1:]))
+        if n <= DISTINCT_MAX:
+            # every pair, not only neighbours, is clearly apart (DP32 once had ranks 1 and 6 both red)
+            worst = min(((color_distance(a, b), i, j) for (i, a), (j, b) in combinations(enumerate(cols), 2)))
+            assert worst[0] > 15, f"dp {n}: ranks {worst[1]} and {worst[2]} look alike ({cols[worst[1]]}, {cols[worst[2]]})"
+            assert all(color_distance(c, "#999999") > 15 for c in cols)  # grey means every rank / other ranks
     plan = _plan("qwen3-1.7b", dp=32, tp=2, strategy="zero1")
     fig = vp.fig_partition_map(plan, buckets=range(3))
     _readable(fig)
@@ -824,7 +863,15 @@ def test_critical_path_left_panel_shows_when_each_rank_ends() -> None:
     first = min(b for b, _ in spans.values())
     np.testing.assert_allclose(fig.data[0].base, [(spans[r][0] - first) / 1e3 for r in sorted(spans)])
     # one legend entry per base phase, not per group
-    assert {t.name for t in fig.data[1:]} == {"tp/gather", "tp/compute", "tp/scatter", "(untracked)"}
+    assert {t.name for t in fig.data[1:]} == {"tp/gather", "tp/compute", "tp/scatter", vt.GAP_ROW}
+    # the table names every row: phases by label, gaps by the phase they precede
+    assert all(cp["segment"].str.len() > 0) and not cp["segment"].str.contains("untracked").any()
+    gaps = cp[cp["kind"] == "gap"]
+    assert len(gaps) and all(s.startswith("gap ") for s in gaps["segment"])
+    following = cp["segment"].shift(-1)
+    for i, seg in gaps["segment"].items():
+        if seg.startswith("gap before "):
+            assert seg == "gap before " + following[i].removeprefix("canzona/")
 
 
 def test_sweeps_record_their_flops_accounting() -> None:
@@ -866,12 +913,12 @@ def test_profiles_default_to_the_newest_run_and_read_raw_traces(tmp_path: Path, 
 
     os.utime(old / "phases.csv", (1, 1))  # the summary is older than the raw traces
     path, note = vt.resolve_profile()
-    assert path == raw.resolve() and "newest run" in note
-    assert vt.resolve_profile(old) == (old, "")
+    assert path == raw.resolve() and note == f"profile: {raw.resolve()} (your newest, of 2 under $CANZONA_RUNS_DIR ({runs}))"
+    assert vt.resolve_profile(old) == (old, f"profile: {old} (the one asked for)")
     prof = vt.load_profile()  # no path: the newest run, summarised on the fly
     assert set(prof.phases["rank"]) == {0, 1} and prof.source == str(raw.resolve())
     assert set(prof.phases["part"]) >= {"bucket0/launch", "bucket0/wait"}
-    assert vt.discover_profiles(runs) == {"old": old, "raw": raw}
+    assert vt.discover_profiles(runs) == {}  # neither run recorded its configuration
     vt.fig_timeline(prof.phases)
     # the breakdown keeps a collective's launch (in the backward) and wait (in the step) apart
     b = vt.phase_breakdown(prof.phases, depth=1).set_index("phase")["ms"]
@@ -929,8 +976,16 @@ def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatc
     monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path))
     raw = _raw_traces(tmp_path / "prof")
     figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["timeline"])
-    assert list(figs.figures) == ["timeline"] and figs.notes == [f"profile: the newest run, {raw.resolve()}"]
+    assert list(figs.figures) == ["timeline"] and figs.notes == [f"profile: {raw.resolve()} (your newest, of 1 under $CANZONA_RUNS_DIR ({tmp_path}))"]
     assert export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["partition_map"]).notes == []
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["validation_matrix"])
+    assert figs.notes == [f"validation report: NOTE no validation report of yours under $CANZONA_RUNS_DIR ({tmp_path}) "
+                          f"(`canzona validate` writes one); showing the shipped sample {ve.SAMPLE_REPORT}"]
+    mine = tmp_path / "validation" / "20260101T000000Z" / "report.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text(ve.SAMPLE_REPORT.read_text())
+    figs = export.main_figures(model="qwen3-tiny", dp=2, tp=1, only=["validation_matrix"])
+    assert figs.notes == [f"validation report: {mine.resolve()} (your newest, of 1 under $CANZONA_RUNS_DIR ({tmp_path}))"]
 
 
 def test_gantt_states_why_a_one_host_group_exists_and_explorer_opens_on_an_illustrative_rank() -> None:
@@ -945,11 +1000,42 @@ def test_gantt_states_why_a_one_host_group_exists_and_explorer_opens_on_an_illus
         plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt")
     r = vml.illustrative_dp_rank(plan)
     assert len(plan.micro_groups[r]) > 1
-    lone = [k for k in range(plan.inputs.dp) if vml.one_host_groups(plan, k)]
+    lone = [k for k in range(plan.inputs.dp) if vm.one_host_groups(plan, k)]
     assert lone, "expected one-task groups above C_max at DP32 x TP8 with fp32 gradients"
     title = vm.fig_microgroup_gantt(plan, lone[0]).layout.title.text
     assert "alone is" in title and "C_max" in title
     # a rank without such groups says nothing about them
-    quiet = [k for k in range(plan.inputs.dp) if not vml.one_host_groups(plan, k)]
+    quiet = [k for k in range(plan.inputs.dp) if not vm.one_host_groups(plan, k)]
     if quiet:
         assert "alone is" not in vm.fig_microgroup_gantt(plan, quiet[0]).layout.title.text
+
+
+def test_viz_modules_import_one_way() -> None:
+    """No import cycle among canzona.viz's modules, counting imports inside functions too (a late
+    import hides a cycle from the interpreter, not from a reader)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parent.parent / "canzona" / "viz"
+    graph: dict[str, set[str]] = {}
+    for f in pkg.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("canzona.viz."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[2] for a in node.names if a.name.startswith("canzona.viz."))
+        graph[f.stem] = deps - {f.stem}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            assert state.get(d) != 1, f"import cycle: {' -> '.join([*path, m, d])}"
+            if d not in state:
+                visit(d, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert "meshload" in graph["__init__"] or "microgroups" in graph["__init__"]

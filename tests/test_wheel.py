@@ -184,4 +184,4 @@ def test_installed_wheel_runs_a_notebook_outside_the_checkout(wheel_venv: tuple[
     if name.startswith("03"):
         assert f"showing the shipped sample {pkg / 'data' / 'profiles' / 'sample'}" in stdout, stdout[:2000]
     else:
-        assert f"report: {pkg / 'data' / 'validation-sample' / 'report.json'}\n" in stdout, stdout[:2000]
+        assert f"showing the shipped sample {pkg / 'data' / 'validation-sample' / 'report.json'}\n" in stdout, stdout[:2000]

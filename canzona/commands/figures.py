@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the newest run under runs/, else the shipped sample)")
     parser.add_argument("--no-profile", action="store_true", help="skip the timeline figures")
     parser.add_argument("--report", type=Path, default=None,
-                        help="validation report JSON (default: data/validation/report.json, else the shipped sample)")
+                        help="validation report JSON (default: the newest under runs/, else the shipped sample)")
     parser.add_argument("--only", nargs="+", choices=FIGURE_NAMES, metavar="NAME", help="build only these figures: " + ", ".join(FIGURE_NAMES))
     parser.add_argument("--plotlyjs", choices=tuple(PLOTLYJS_MODES), default="directory",
                         help="HTML only: directory: one plotly.min.js beside the files (offline, small files); "

@@ -21,6 +21,10 @@ __all__ = [
     "RANK_COLORSCALE",
     "LEGEND_MAX_RANKS",
     "rank_colors",
+    "distinct_colors",
+    "color_distance",
+    "DISTINCT_MAX",
+    "PASS_STATES",
     "categorical_colors",
     "strategy_color",
     "line_style",
@@ -45,6 +49,13 @@ STRATEGY_COLORS: dict[str, str] = {
     "lb-asc-joint": "#1f77b4",
 }
 
+#: the validation matrix's cell states, in colour-bar order: (label, colour)
+PASS_STATES: tuple[tuple[str, str], ...] = (
+    ("none passed", "#d62728"),
+    ("some failed", "#ffbf00"),
+    ("all passed", "#2ca02c"),
+)
+
 #: how paper reference values are drawn wherever they appear: open black diamonds
 PAPER_MARKER = dict(symbol="diamond-open", size=12, color="black", line=dict(width=2))
 
@@ -68,21 +79,74 @@ LEGEND_MAX_RANKS = 10
 
 
 def rank_colors(n: int) -> list[str]:
-    """Colour of each of ``n`` ranks (rank r -> element r), chosen so that *neighbouring* ranks
-    differ clearly (a partition map puts rank r next to r + 1): plotly's qualitative palette up to
-    :data:`LEGEND_MAX_RANKS` ranks, Dark24 up to 24, Dark24 and Light24 alternating up to 48
-    (even ranks dark, odd ranks light), beyond that hues stepped by the golden angle with three
-    alternating lightness levels. A continuous scale would give ranks 14 and 15 the same green."""
+    """Colour of each of ``n`` ranks (rank r -> element r), every one far from every other:
+    plotly's qualitative palette up to :data:`LEGEND_MAX_RANKS` ranks, then that palette
+    extended greedily, each next colour the candidate farthest (CIELAB distance) from all colours
+    chosen so far (:func:`distinct_colors`). Greys stay free for "every rank" and "other ranks".
+    Beyond :data:`DISTINCT_MAX` ranks no palette keeps every pair apart; hues then step by the
+    golden angle with alternating lightness, so at least neighbouring ranks differ."""
     if n < 0:
         raise ValueError(f"need a non-negative number of colours, got {n}")
     if n <= LEGEND_MAX_RANKS:
         return categorical_colors(n)
-    if n <= 24:
-        return list(pc.qualitative.Dark24[:n])
-    if n <= 48:
-        dark, light = pc.qualitative.Dark24, pc.qualitative.Light24
-        return [dark[r // 2] if r % 2 == 0 else light[r // 2] for r in range(n)]
+    if n <= DISTINCT_MAX:
+        return distinct_colors(n)
     return [f"hsl({(r * 137.508) % 360:.1f},{70 - 10 * (r % 2)}%,{(38, 58, 48)[r % 3]}%)" for r in range(n)]
+
+
+#: up to this many ranks every pair of rank colours is kept apart (min CIELAB distance > 15)
+DISTINCT_MAX = 48
+
+
+def _srgb_to_lab(rgb):
+    """CIELAB (D65) of sRGB colours in [0, 1], shape (..., 3)."""
+    import numpy as np
+
+    c = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    xyz = c @ np.array([[0.4124, 0.2126, 0.0193], [0.3576, 0.7152, 0.1192], [0.1805, 0.0722, 0.9505]])
+    xyz = xyz / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], axis=-1)
+
+
+def _hex_rgb(color: str):
+    import numpy as np
+
+    h = color.lstrip("#")
+    return np.array([int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)])
+
+
+def color_distance(a: str, b: str) -> float:
+    """CIE76 distance between two ``#rrggbb`` colours (about 2.3: just noticeable; over 15:
+    clearly different at a glance)."""
+    import numpy as np
+
+    la, lb = _srgb_to_lab(np.stack([_hex_rgb(a), _hex_rgb(b)]))
+    return float(np.linalg.norm(la - lb))
+
+
+def distinct_colors(n: int) -> list[str]:
+    """``n`` colours (``#rrggbb``), the first ten plotly's qualitative ones, each further one the
+    sRGB grid point (16 levels per channel) farthest in CIELAB from all chosen so far. Candidates
+    that read as grey (chroma < 20) or that vanish on white (L > 88) or swallow black text
+    (L < 30) are left out. Deterministic; about a millisecond."""
+    import numpy as np
+
+    if n < 0:
+        raise ValueError(f"need a non-negative number of colours, got {n}")
+    chosen = list(pc.qualitative.Plotly[: min(n, 10)])
+    levels = np.linspace(0.0, 1.0, 16)
+    grid = np.stack(np.meshgrid(levels, levels, levels, indexing="ij"), axis=-1).reshape(-1, 3)
+    lab = _srgb_to_lab(grid)
+    keep = (np.hypot(lab[:, 1], lab[:, 2]) >= 20) & (lab[:, 0] <= 88) & (lab[:, 0] >= 30)
+    grid, lab = grid[keep], lab[keep]
+    picked = _srgb_to_lab(np.stack([_hex_rgb(c) for c in chosen])) if chosen else np.zeros((0, 3))
+    nearest = np.min(np.linalg.norm(lab[:, None, :] - picked[None, :, :], axis=-1), axis=1) if len(picked) else np.full(len(lab), np.inf)
+    while len(chosen) < n:
+        k = int(np.argmax(nearest))
+        chosen.append("#" + "".join(f"{round(v * 255):02x}" for v in grid[k]))
+        nearest = np.minimum(nearest, np.linalg.norm(lab - lab[k], axis=1))
+    return chosen
 
 
 _DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")

@@ -1,6 +1,7 @@
 """The exactness-validation report as tables and figures.
 
-A report (``runs/validation/<time>/report.json``, written by ``canzona validate``) is strict JSON::
+A report (``runs/validation/<time>/report.json``, written by ``canzona validate``; the newest one
+is found as every view finds runs, :func:`resolve_report`) is strict JSON::
 
     {"summary": {"cells": int, "passed": int, "failed": int, ...},
      "cells": [{"optimizer", "strategy", "mesh", "dtype", "check", "passed", "max_abs_diff",
@@ -28,13 +29,15 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from canzona.config import DATA_DIR, PACKAGE_DATA
-from canzona.viz._style import finish, strategy_color
+from canzona.runs import choose_run
+from canzona.viz._style import PASS_STATES, finish, strategy_color
 
 __all__ = [
     "DEFAULT_REPORT",
     "SAMPLE_REPORT",
     "CELL_KEYS",
     "default_report_path",
+    "resolve_report",
     "validate_report",
     "load_validation_report",
     "validation_table",
@@ -44,6 +47,7 @@ __all__ = [
     "report_losses",
     "loss_table",
     "loss_deviation",
+    "pass_state",
     "fig_validation_matrix",
     "fig_loss_trajectories",
     "loss_views",
@@ -112,14 +116,24 @@ def validate_report(doc: Any, *, source: str = "validation report") -> dict[str,
     return doc
 
 
+def _report_roots(root: str | Path | None) -> list[Path] | None:
+    return None if root is None else [Path(root) / "runs"]
+
+
+def resolve_report(path: str | Path | None = None, *, root: str | Path | None = None) -> tuple[Path, str]:
+    """The validation report to show and the note naming it (:func:`canzona.runs.choose_run`):
+    ``path``, else the newest ``report.json`` under the runs folders (``root``/runs when given,
+    else :func:`canzona.runs.runs_roots`), else ``data/validation/report.json`` where an older
+    version wrote it, else the shipped sample (the note says so)."""
+    choice = choose_run("validation", path, sample=SAMPLE_REPORT, roots=_report_roots(root))
+    if choice.sample and DEFAULT_REPORT.is_file():
+        return DEFAULT_REPORT, f"validation report: {DEFAULT_REPORT} (an older `canzona validate` wrote it there; no newer run found)"
+    return choice.path, choice.note
+
+
 def default_report_path(root: str | Path | None = None) -> Path:
-    """The newest report ``canzona validate`` wrote under ``runs/validation/`` (of ``root``, default
-    the current directory), else ``data/validation/report.json`` when an older run wrote one there,
-    else the shipped sample."""
-    runs = sorted((Path(root) if root is not None else Path.cwd()).glob("runs/validation/*/report.json"), key=lambda p: (p.stat().st_mtime, p.name))
-    if runs:
-        return runs[-1]
-    return DEFAULT_REPORT if DEFAULT_REPORT.is_file() else SAMPLE_REPORT
+    """The path :func:`resolve_report` picks when given none."""
+    return resolve_report(root=root)[0]
 
 
 def load_validation_report(path: str | Path = DEFAULT_REPORT) -> dict[str, Any]:
@@ -258,7 +272,9 @@ def loss_deviation(report: dict[str, Any], *, reference: str | None = None, grou
 
 
 def fig_validation_matrix(report: dict[str, Any]) -> go.Figure:
-    """Heatmap of passed / total cells per strategy and optimizer (green: all passed)."""
+    """Heatmap of passed / total cells per strategy and optimizer. A cell's colour is its state
+    (:data:`~canzona.viz._style.PASS_STATES`: none passed, some failed, all passed) and the colour
+    bar is those three bands, so bar and cells always agree; the fraction is written in the cell."""
     m = validation_matrix(report)
     s = report["summary"]
     if m.empty:
@@ -269,13 +285,16 @@ def fig_validation_matrix(report: dict[str, Any]) -> go.Figure:
     text = [["" for _ in optimizers] for _ in strategies]
     for _, row in m.iterrows():
         i, j = strategies.index(row["strategy"]), optimizers.index(row["optimizer"])
-        z[i, j] = row["passed"] / row["total"]
+        z[i, j] = pass_state(int(row["passed"]), int(row["total"]))
         text[i][j] = f"{row['passed']}/{row['total']}" + (f" ({row['passed'] - row['bitwise']} bound)" if row["passed"] > row["bitwise"] else "")
+    n = len(PASS_STATES)
+    # one flat band per state: state k covers [k - 0.5, k + 0.5] of the colour axis
+    scale = [[pos, color] for k, (_, color) in enumerate(PASS_STATES) for pos in (k / n, (k + 1) / n)]
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=optimizers, y=strategies, text=text, texttemplate="%{text}", zmin=0, zmax=1,
-            colorscale=[[0, "#d62728"], [0.999, "#ffbf00"], [1, "#2ca02c"]],
-            colorbar=dict(title=dict(text="fraction passed"), tickvals=[0, 0.5, 1], ticktext=["0", "0.5", "1 (all)"]),
+            z=z, x=optimizers, y=strategies, text=text, texttemplate="%{text}", zmin=-0.5, zmax=n - 0.5,
+            colorscale=scale,
+            colorbar=dict(title=dict(text="cells"), tickvals=list(range(n)), ticktext=[label for label, _ in PASS_STATES]),
             name="cells passed", xgap=2, ygap=2,
             hovertemplate="%{y} / %{x}: %{text} passed<extra></extra>",
         )
@@ -292,6 +311,13 @@ def fig_validation_matrix(report: dict[str, Any]) -> go.Figure:
         legend_title="cells passed (passed / total)",
         height=max(300, 45 * len(strategies) + 180),
     )
+
+
+def pass_state(passed: int, total: int) -> int:
+    """Index into :data:`~canzona.viz._style.PASS_STATES`: 0 none passed, 1 some failed, 2 all passed."""
+    if total <= 0 or not 0 <= passed <= total:
+        raise ValueError(f"passed {passed} of {total} cells is not a count")
+    return 2 if passed == total else 0 if passed == 0 else 1
 
 
 def fig_loss_trajectories(report: dict[str, Any], *, reference: str | None = None, group: tuple[str, str, str] | None = None) -> go.Figure:

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
 from canzona.fileio import atomic_write
-from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajectories, fig_validation_matrix, load_validation_report
+from canzona.viz.exactness import DEFAULT_REPORT, SAMPLE_REPORT, fig_loss_trajectories, fig_validation_matrix, load_validation_report, resolve_report
 from canzona.viz.microgroups import cmax_sweep, fig_cmax_sweep, fig_microgroup_gantt, fig_tp_sweep, microgroup_summary, tp_sweep
 from canzona.viz.partition import fig_balance_vs_paper, fig_partition_map, fig_strategy_comparison, strategy_summary
 from canzona.viz.scaling import SCALING_MODELS, fig_alpha_tradeoff, fig_sweep, plan_sweep
@@ -134,7 +134,8 @@ def main_figures(
     ``profile``: a trace summary or raw trace directory, :data:`LATEST` (the default: the newest run
     under ``runs/``, else the shipped sample, with a note in ``notes``) or None (no timeline
     figures); ``report``: a
-    validation report (None: ``data/validation/report.json`` if present, else the shipped sample).
+    validation report (None: the newest run's, found like every view finds runs,
+    :func:`~canzona.viz.exactness.resolve_report`, else the shipped sample; the note says which).
     ``loss_curves`` draws every run with a metrics log under ``runs/`` (skipped when there is none).
     ``only``: names from :data:`FIGURE_NAMES` to build (all by default).
     """
@@ -194,8 +195,11 @@ def main_figures(
     elif profile is None:
         for n in ("timeline", "critical_path"):
             out.skipped[n] = "no profile given"
-    rep_path = Path(report) if report is not None else (DEFAULT_REPORT if DEFAULT_REPORT.is_file() else SAMPLE_REPORT)
+    rep_path = Path(report) if report is not None else SAMPLE_REPORT
     if any(n in wanted for n in ("validation_matrix", "loss_trajectories")):
+        if report is None:
+            rep_path, rep_note = resolve_report()
+            out.notes.append(rep_note)
         if rep_path.is_file():
             rep = load_validation_report(rep_path)
             builders["validation_matrix"] = lambda: fig_validation_matrix(rep)

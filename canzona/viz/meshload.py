@@ -8,7 +8,8 @@ no schedule that keeps matrices whole can bring the busiest GPU below it.
 
 :func:`illustrative_dp_rank` picks the DP rank a Gantt should open on (one that shows the
 schedule's character rather than DP rank 0 by default), and :func:`one_host_groups` lists the
-micro-groups that hold a single task because that task alone exceeds C_max, with the reason.
+micro-groups that hold a single task because that task alone exceeds C_max, with the reason
+(defined in :mod:`canzona.viz.microgroups`, which draws the reason on the Gantt).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import plotly.graph_objects as go
 from canzona.plan import Plan
 from canzona.plan.convention import lower_bound
 from canzona.viz._style import GIB
-from canzona.viz.microgroups import tp_host_loads
+# one_host_groups lives with the micro-group figures (this module builds on them, never the reverse)
+from canzona.viz.microgroups import one_host_groups, tp_host_loads
 from canzona.viz.partition import plan_label
 
-__all__ = ["gpu_loads", "mesh_lower_bound", "illustrative_dp_rank", "one_host_groups", "fig_gpu_loads"]
+__all__ = ["gpu_loads", "mesh_lower_bound", "illustrative_dp_rank", "fig_gpu_loads"]
 
 
 def gpu_loads(plan: Plan, metric: str = "flops") -> pd.DataFrame:
@@ -43,23 +45,6 @@ def mesh_lower_bound(plan: Plan) -> float:
     """max / mean of the GPU loads cannot go below this when matrices stay whole (full shapes)."""
     i = plan.inputs
     return lower_bound(plan.specs, i.dp, i.tp, i.optimizer if i.optimizer != "adamw" else "muon")
-
-
-def one_host_groups(plan: Plan, dp_rank: int) -> list[str]:
-    """Why each one-task micro-group of ``dp_rank`` exists: the task's gathered gradient alone
-    exceeds C_max (``grad_bytes * numel`` of the full matrix), so Algorithm 2 cannot pair it."""
-    i = plan.inputs
-    out = []
-    groups = plan.micro_groups[dp_rank] if plan.micro_groups else ()
-    for g in groups:
-        if len(g.params) != 1:
-            continue
-        p = plan.param(g.params[0])
-        nbytes = i.grad_bytes * p.spec.numel
-        if nbytes > i.cmax_bytes:
-            out.append(f"group {g.index}: {p.name} alone is {nbytes / GIB:.2f} GiB of gathered gradient "
-                       f"> C_max {i.cmax_bytes / GIB:.2f} GiB, so it is a group of its own (host TP {g.hosts[0]})")
-    return out
 
 
 def illustrative_dp_rank(plan: Plan) -> int:

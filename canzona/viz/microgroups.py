@@ -37,6 +37,7 @@ __all__ = [
     "task_work",
     "task_table",
     "tp_host_loads",
+    "one_host_groups",
     "microgroup_summary",
     "cmax_sweep",
     "tp_sweep",
@@ -368,8 +369,6 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     empty = "" if len(t) else " (no micro-groups)"
     if not len(t):
         what = "TP schedule sync or TP 1, every TP rank runs every task this DP rank owns"
-    from canzona.viz.meshload import one_host_groups  # meshload builds on this module
-
     lone = one_host_groups(plan, dp_rank)
     why = ""
     if lone:
@@ -388,6 +387,23 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
         legend_title="micro-group (gK on bars)",
         height=max(360, 40 * inp.tp + 180),
     )
+
+
+def one_host_groups(plan: Plan, dp_rank: int) -> list[str]:
+    """Why each one-task micro-group of ``dp_rank`` exists: the task's gathered gradient alone
+    exceeds C_max (``grad_bytes * numel`` of the full matrix), so Algorithm 2 cannot pair it."""
+    i = plan.inputs
+    out = []
+    groups = plan.micro_groups[dp_rank] if plan.micro_groups else ()
+    for g in groups:
+        if len(g.params) != 1:
+            continue
+        p = plan.param(g.params[0])
+        nbytes = i.grad_bytes * p.spec.numel
+        if nbytes > i.cmax_bytes:
+            out.append(f"group {g.index}: {p.name} alone is {nbytes / GIB:.2f} GiB of gathered gradient "
+                       f"> C_max {i.cmax_bytes / GIB:.2f} GiB, so it is a group of its own (host TP {g.hosts[0]})")
+    return out
 
 
 def fig_tp_host_loads(plan: Plan, dp_rank: int = 0) -> go.Figure:

@@ -38,6 +38,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from canzona.config import PACKAGE_DATA
+from canzona.runs import PHASE_TABLES, TRACE_SUFFIXES, choose_run, find_runs, profile_files
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
 
 __all__ = [
@@ -78,55 +79,30 @@ _META_KEYS = ("strategy", "optimizer", "dp", "tp", "steps", "model")
 #: where user runs live: ``runs/`` of the working directory and of its parent (so that a notebook
 #: started in notebooks/ finds the runs of the repository root), or ``$CANZONA_RUNS_DIR``
 RUNS_DIR = Path("runs")
-_TABLES = ("phases.parquet", "phases.csv")
-_TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+_TABLES = PHASE_TABLES
+_TRACE_SUFFIXES = TRACE_SUFFIXES
 
 
-def _profile_files(d: Path) -> list[Path]:
-    """The files that make ``d`` a profile: its phase table(s), else its raw traces."""
-    try:
-        entries = [p for p in d.iterdir() if p.is_file()]
-    except OSError:
-        return []
-    tables = [p for p in entries if p.name in _TABLES]
-    return tables or [p for p in entries if p.name.endswith(_TRACE_SUFFIXES)]
-
-
-def _runs_roots(roots: Any) -> list[Path]:
+def _runs_roots(roots: Any) -> list[Path] | None:
     if roots is None:
-        from canzona.runs import runs_roots
-
-        return runs_roots()
+        return None
     if isinstance(roots, str | Path):
         roots = [roots]
-    return [Path(r).resolve() for r in roots if Path(r).is_dir()]
+    return [Path(r) for r in roots]
 
 
 def latest_profile(roots: str | Path | list[str | Path] | None = None) -> Path | None:
     """The newest profile (trace summary or raw trace directory) under ``roots`` (default:
-    ``runs/`` of the working directory and of its parent), by the modification time of its
-    files; None when there is none."""
-    best: tuple[float, str] | None = None
-    for root in _runs_roots(roots):
-        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-            files = _profile_files(d)
-            if files:
-                key = (max(f.stat().st_mtime for f in files), str(d))
-                if best is None or key > best:
-                    best = key
-    return Path(best[1]) if best is not None else None
+    :func:`canzona.runs.runs_roots`), by the modification time of its files; None when there is none."""
+    runs = find_runs("profile", _runs_roots(roots))
+    return runs[-1] if runs else None
 
 
 def resolve_profile(path: str | Path | None = None, *, roots: str | Path | list[str | Path] | None = None) -> tuple[Path, str]:
-    """The profile to show and a note for the user ("" when ``path`` was given): ``path`` itself,
-    else the newest run under ``runs/`` (:func:`latest_profile`), else the shipped sample."""
-    if path is not None:
-        return Path(path), ""
-    latest = latest_profile(roots)
-    if latest is not None:
-        return latest, f"profile: the newest run, {latest}"
-    return DEFAULT_PROFILE_DIR, (f"profile: no run under {RUNS_DIR}/ (write one with `canzona profile --tensorboard "
-                                 f"{RUNS_DIR}/<name>`); showing the shipped sample {DEFAULT_PROFILE_DIR}")
+    """The profile to show and the note that says which it is and why (:func:`canzona.runs.choose_run`):
+    ``path`` itself, else the newest run (:func:`latest_profile`), else the shipped sample."""
+    choice = choose_run("profile", path, sample=DEFAULT_PROFILE_DIR, roots=_runs_roots(roots))
+    return choice.path, choice.note
 
 
 def _optimizer_phase() -> str:
@@ -226,7 +202,7 @@ def load_profile(path: str | Path | None = None) -> Profile:
     wrote one) or a single phase-table file (then the metadata is empty). None: the profile
     :func:`resolve_profile` picks (the newest run, else the shipped sample)."""
     p = resolve_profile(path)[0]
-    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in _profile_files(p)):
+    if p.is_dir() and not any((p / t).is_file() for t in _TABLES) and any(f.name.endswith(_TRACE_SUFFIXES) for f in profile_files(p)):
         from canzona.profiling.traces import load_traces
 
         phases = validate_phase_table(load_traces(p), source=str(p))
@@ -245,25 +221,43 @@ def load_profile(path: str | Path | None = None) -> Profile:
     return Profile(phases, meta, str(p))
 
 
+def _recorded_config(d: Path, base: Path) -> dict[str, Any] | None:
+    """The configuration a run recorded (``meta.json`` of ``canzona profile``, else ``run.json``
+    of the metrics log) in ``d`` or the nearest folder above it up to ``base``; None without one."""
+    from canzona.runs import RUN_JSON
+
+    for folder in (d, *d.parents):
+        for name in ("meta.json", RUN_JSON):
+            f = folder / name
+            if f.is_file():
+                doc = _strict_json(f.read_text(encoding="utf-8"), str(f))
+                if isinstance(doc, dict) and isinstance(doc.get("strategy"), str):
+                    return doc
+        if folder == base:
+            break
+    return None
+
+
 def discover_profiles(root: str | Path = DEFAULT_PROFILE_DIR.parent) -> dict[str, Path]:
-    """Trace summary and raw trace directories under ``root`` (any depth), labelled by their metadata's
-    strategy (with the directory name when two runs share a strategy). Sorted by path."""
+    """Profiles under ``root`` (any depth) keyed by the strategy their run recorded (``meta.json``
+    or ``run.json``; ``"<strategy> (<folder>)"`` when two runs share one), sorted by path. A folder
+    whose run recorded no strategy is not a strategy and is left out; the raw traces of a run
+    whose phase table is also there (the same recorded configuration) count once, as the table."""
     base = Path(root)
     if not base.is_dir():
         raise FileNotFoundError(f"profile root not found: {root}")
     dirs = sorted({p.parent for pat in (*_TABLES, *(f"*{s}" for s in _TRACE_SUFFIXES)) for p in base.rglob(pat)})
-    out: dict[str, Path] = {}
+    runs: list[tuple[Path, dict[str, Any], bool]] = []
     for d in dirs:
-        label = d.name
-        meta = d / "meta.json"
-        if meta.is_file():
-            doc = _strict_json(meta.read_text(encoding="utf-8"), str(meta))
-            if isinstance(doc, dict) and isinstance(doc.get("strategy"), str):
-                label = doc["strategy"]
-        if label in out:
-            label = f"{label} ({d.name})"
-        out[label] = d
-    return out
+        cfg = _recorded_config(d, base)
+        if cfg is not None:
+            runs.append((d, cfg, any((d / t).is_file() for t in _TABLES)))
+    tables = [json.dumps(c, sort_keys=True) for _, c, is_table in runs if is_table]
+    runs = [r for r in runs if r[2] or json.dumps(r[1], sort_keys=True) not in tables]
+    count: dict[str, int] = {}
+    for _, c, _ in runs:
+        count[c["strategy"]] = count.get(c["strategy"], 0) + 1
+    return {(c["strategy"] if count[c["strategy"]] == 1 else f"{c['strategy']} ({d.name})"): d for d, c, _ in runs}
 
 
 def phase_label(phase: str, part: str = "") -> str:
@@ -342,7 +336,8 @@ def optimizer_critical_path(phases: pd.DataFrame, *, step: int | None = None, ph
     The step is over when the slowest rank leaves its optimizer phase (``canzona/optimizer/step``
     unless ``phase`` says otherwise), so that rank is the critical one. Its path is the sequence of
     the phase's direct children in time order, with the gaps between them (time the rank spent
-    outside any recorded child: waiting or untracked work) as ``(untracked)`` segments.
+    outside any recorded child: Python between phases, or work no phase records) as ``gap``
+    segments, each named by the child phase it precedes (``gap before tp/compute/group0``).
     Columns: ``rank``, ``segment`` (label), ``phase``, ``part``, ``start_us``, ``dur_us``, ``kind``
     ("phase" or "gap"); ``attrs``: ``critical_rank``, ``step``, ``total_us``, ``per_rank_us``
     (optimizer-phase duration of every rank) and ``per_rank_span_us`` (its start and end).
@@ -362,13 +357,17 @@ def optimizer_critical_path(phases: pd.DataFrame, *, step: int | None = None, ph
     kids = d[(d["rank"] == crit) & (d["depth"] == pdepth + 1) & (d["start_us"] >= lo) & (d["start_us"] < hi)].sort_values("start_us")
     rows = []
     t = lo
+    last = ""
     for _, k in kids.iterrows():
+        label = phase_label(k["phase"], k["part"])
         if k["start_us"] > t:
-            rows.append((crit, "(untracked)", "", "", t, float(k["start_us"]) - t, "gap"))
-        rows.append((crit, phase_label(k["phase"], k["part"]), k["phase"], k["part"], float(k["start_us"]), float(k["dur_us"]), "phase"))
+            rows.append((crit, f"gap before {_short(label)}", "", "", t, float(k["start_us"]) - t, "gap"))
+        rows.append((crit, label, k["phase"], k["part"], float(k["start_us"]), float(k["dur_us"]), "phase"))
         t = max(t, float(k["start_us"] + k["dur_us"]))
+        last = label
     if hi > t:
-        rows.append((crit, "(untracked)", "", "", t, hi - t, "gap"))
+        where = f"gap after {_short(last)}, to the end of the phase" if last else f"{_short(phase)} without child phases"
+        rows.append((crit, where, "", "", t, hi - t, "gap"))
     out = pd.DataFrame(rows, columns=["rank", "segment", "phase", "part", "start_us", "dur_us", "kind"])
     out.attrs.update(
         critical_rank=crit, step=s, total_us=hi - lo, phase=phase,
@@ -509,6 +508,10 @@ def fig_phase_breakdown(breakdown: pd.DataFrame, *, paper: Mapping[str, Mapping[
     )
 
 
+#: the row (and legend entry) of the critical-path figure that holds every gap between child phases
+GAP_ROW = "gaps between child phases"
+
+
 def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: str | None = None) -> go.Figure:
     """Left: each rank's optimizer phase as a bar from its start to its end (ms since the first
     rank entered it), the critical rank -- the one that ends last, not necessarily the longest --
@@ -521,7 +524,8 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     ranks = sorted(per)
     first = min(b for b, _ in spans.values())
     # the right panel's row labels (tp/gather/group0/launch) sit between the panels: leave them room
-    longest = max((len(_short(x)) for x in cp["segment"]), default=10)
+    rows = [GAP_ROW if k == "gap" else _short(x) for x, k in zip(cp["segment"], cp["kind"])]
+    longest = max((len(x) for x in rows), default=10)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.32, 0.68], horizontal_spacing=min(0.3, 0.06 + 0.0075 * longest),
                         subplot_titles=("optimizer phase per rank (red: ends last)", f"critical path: rank {a['critical_rank']}"))
     colors = ["#d62728" if r == a["critical_rank"] else "#7f7f7f" for r in ranks]
@@ -530,23 +534,25 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
                          customdata=[[per[r] / 1e3, (spans[r][1] - first) / 1e3] for r in ranks],
                          hovertemplate="%{x}: %{base:.3f} .. %{customdata[1]:.3f} ms (lasts %{customdata[0]:.3f} ms)<extra></extra>"),
                   row=1, col=1)
-    segs = cp["segment"].tolist()
-    # one colour and legend entry per base phase; the rows name each part (group0, bucket1, ...)
-    base_of = {seg: (ph or "(untracked)") for seg, ph in zip(cp["segment"], cp["phase"])}
-    bases = _phase_order([b for b in dict.fromkeys(base_of.values()) if b != "(untracked)"])
+    segs = rows
+    # one colour and legend entry per base phase; the rows name each part (group0, bucket1, ...);
+    # every gap shares one row (the table names each by the phase it precedes)
+    base_of = {seg: (ph or GAP_ROW) for seg, ph in zip(cp["segment"], cp["phase"])}
+    bases = _phase_order([b for b in dict.fromkeys(base_of.values()) if b != GAP_ROW])
     col = _phase_colors(bases)
-    col["(untracked)"] = "#cccccc"
-    if "(untracked)" in base_of.values():
-        bases.append("(untracked)")
+    col[GAP_ROW] = "#cccccc"
+    if GAP_ROW in base_of.values():
+        bases.append(GAP_ROW)
     t0 = float(cp["start_us"].min()) if len(cp) else 0.0
     for b in bases:
-        g = cp[cp["segment"].map(base_of) == b]
+        sel = (cp["segment"].map(base_of) == b).to_numpy()
+        g = cp[sel]
         start = ((g["start_us"] - t0) / 1e3).to_numpy()
-        fig.add_trace(go.Bar(orientation="h", y=[_short(x) for x in g["segment"]], x=(g["dur_us"] / 1e3).to_numpy(), base=start,
+        fig.add_trace(go.Bar(orientation="h", y=[r for r, keep in zip(rows, sel) if keep], x=(g["dur_us"] / 1e3).to_numpy(), base=start,
                              customdata=start, name=_short(b), marker_color=col[b],
                              hovertemplate="%{y}: %{x:.3f} ms from %{customdata:.3f} ms<extra></extra>"), row=1, col=2)
     fig.update_layout(barmode="overlay")
-    fig.update_yaxes(categoryorder="array", categoryarray=[_short(x) for x in dict.fromkeys(segs)][::-1], row=1, col=2)
+    fig.update_yaxes(categoryorder="array", categoryarray=list(dict.fromkeys(segs))[::-1], row=1, col=2)
     fig.update_xaxes(title_text="rank", row=1, col=1)
     fig.update_yaxes(title_text="ms since the first rank entered the phase", row=1, col=1)
     fig.update_xaxes(title_text="time since the rank entered the optimizer phase (ms)", row=1, col=2)
@@ -554,7 +560,7 @@ def fig_critical_path(phases: pd.DataFrame, *, step: int | None = None, phase: s
     return finish(
         fig,
         title=(f"Optimizer critical path, step {a['step']}: {a['total_us'] / 1e3:.3f} ms on rank {a['critical_rank']} ({_short(a['phase'])})"
-               "<br><sup>the step ends when the last rank leaves its optimizer phase; gaps between child phases are (untracked)</sup>"),
+               "<br><sup>the step ends when the last rank leaves its optimizer phase; grey: gaps between child phases (Python, unrecorded work)</sup>"),
         legend_title="phase (canzona/...)",
         height=max(400, 24 * len(set(segs)) + 240),
     )

@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, runs_roots
+from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, find_runs
 from canzona.viz._style import categorical_colors, finish, line_style
 
 __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
@@ -63,9 +63,7 @@ def run_label(directory: str | Path) -> str:
 def discover_runs(root: str | Path | None = None) -> dict[str, Path]:
     """Runs with a metrics log under ``root`` (default: :func:`canzona.runs.runs_roots`), any
     depth, oldest first, labelled by :func:`run_label`. Empty when there are none."""
-    roots = [Path(root)] if root is not None else runs_roots()
-    found = sorted({(p.stat().st_mtime, p.parent) for base in roots if base.is_dir() for p in base.rglob(METRICS_CSV)})
-    return {run_label(d): d for _, d in found}
+    return {run_label(d): d for d in find_runs("metrics", None if root is None else [Path(root)])}
 
 
 def fig_loss_curves(runs: Mapping[str, pd.DataFrame | str | Path], *, time: bool = True) -> go.Figure:

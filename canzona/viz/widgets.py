@@ -1,14 +1,24 @@
 """Interactive explorers for the notebooks: ipywidgets controls over canzona's figure functions.
 
 An :class:`Explorer` builds its figures once, eagerly, when it is created (so a headless run
-fails loudly on a bad configuration), shows them as ordinary notebook outputs with display ids,
-and replaces them in place whenever a control changes. Changing a control to a configuration
-the planner rejects shows the error beside the controls and keeps the last good figures.
+fails loudly on a bad configuration) and replaces them in place whenever a control changes.
+Changing a control to a configuration the planner rejects shows the error beside the controls
+and keeps the last good figures.
+
+Each figure lives in an ``ipywidgets.Output`` whose ``outputs`` the kernel sets directly (the
+figure's full MIME bundle: plotly JSON plus the HTML copy of :mod:`canzona.viz.notebook`), so a
+new figure reaches the page as widget state, which every widget front end syncs from a callback.
+JupyterLab is checked in a browser (tests/test_jupyterlab.py); Notebook 7 runs JupyterLab's
+front end; VS Code's widget renderer draws Output widgets too (not tested here). Display handles
+updated from a widget callback, the earlier way, never reached JupyterLab's page. Plotly's
+``FigureWidget`` would also work but needs anywidget and a per-figure diff of traces; a whole
+new figure is simpler and is what a changed plan is.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +31,9 @@ from canzona.optimizers import optimizer_names
 from canzona.plan.plan import COSTS, DEFAULT_FLOPS_SHAPE, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
 
 __all__ = [
+    "EXPLORER_CLASS",
     "Explorer",
+    "figure_output",
     "model_control",
     "partition_explorer",
     "strategy_explorer",
@@ -30,6 +42,10 @@ __all__ = [
 ]
 
 Figures = Sequence[go.Figure]
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+#: CSS class of every explorer's outer box on the page
+EXPLORER_CLASS = "canzona-explorer"
 
 _LAYOUT = W.Layout(width="260px")
 _STYLE = {"description_width": "90px"}
@@ -51,11 +67,15 @@ class Explorer:
         self.status = W.HTML(value="")
         self.error: str | None = None
         self.figures: list[go.Figure] = self._build()
-        self._handles: list[Any] = []
+        self.outputs: list[W.Output] = [W.Output() for _ in self.figures]
+        self._show()
         for w in self.controls.values():
             w.observe(self._on_change, names="value")
         boxes = list(self.controls.values())
-        self.ui = W.VBox([W.GridBox(boxes, layout=W.Layout(grid_template_columns=f"repeat({columns}, 270px)")), self.status])
+        grid = W.GridBox(boxes, layout=W.Layout(grid_template_columns=f"repeat({columns}, 270px)"))
+        self.ui = W.VBox([grid, self.status, *self.outputs])
+        # a stable hook for styling and for the browser test that drives an explorer
+        self.ui.add_class(EXPLORER_CLASS)
 
     def values(self) -> dict[str, Any]:
         return {k: w.value for k, w in self.controls.items()}
@@ -71,14 +91,18 @@ class Explorer:
         """Rebuild from the current control values and update the shown figures in place.
         Raises what the build raises (the control callback catches it and shows it instead)."""
         figs = self._build()
-        if self._handles and len(figs) != len(self._handles):
+        if len(figs) != len(self.outputs):
             raise RuntimeError("the build function changed its number of figures")
         self.figures = figs
         self.error = None
         self.status.value = ""
-        for h, f in zip(self._handles, figs):
-            h.update(f)
+        self._show()
         return figs
+
+    def _show(self) -> None:
+        """Put each figure's MIME bundle into its Output widget (one state change per figure)."""
+        for out, fig in zip(self.outputs, self.figures):
+            out.outputs = (figure_output(fig),)
 
     def _on_change(self, _change: Mapping[str, Any]) -> None:
         try:
@@ -92,7 +116,19 @@ class Explorer:
         from IPython.display import display
 
         display(self.ui)
-        self._handles = [display(f, display_id=True) for f in self.figures]
+
+
+def figure_output(fig: go.Figure) -> dict[str, Any]:
+    """``fig`` as one nbformat ``display_data`` output: the MIME bundle plotly's current default
+    renderer makes (with :func:`canzona.viz.notebook.use_notebook_renderer`: the plotly JSON and
+    an HTML copy). Not ``IPython.display``'s formatter: a plotly figure displays itself
+    (``_ipython_display_``), so the formatter hands back nothing and would publish the figure
+    as a side effect."""
+    data = dict(fig._repr_mimebundle_())
+    # a renderer that is no MIME type (browser, png files) adds nothing: the page still needs the JSON
+    data.setdefault(PLOTLY_MIME, json.loads(fig.to_json()))
+    data.setdefault("text/plain", f"<plotly figure: {fig.layout.title.text or 'untitled'}>")
+    return {"output_type": "display_data", "data": data, "metadata": {}}
 
 
 # ------------------------------------------------------------------------------------------ controls
