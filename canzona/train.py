@@ -452,15 +452,44 @@ def _short(name: str) -> str:
     return _SHORT[name][0] if name in _SHORT else name
 
 
+#: the per-step line's columns: (name, meaning, phases summed into it). Communication phases are
+#: summed over their launch and wait parts (``<phase>/launch``, ``<phase>/wait``) and over DP and
+#: TP: ``comm`` is time spent inside the collectives, part of ``bwd`` (bucket reduce-scatters)
+#: and ``opt`` (everything else), so the columns do not add up to the step.
+_COLUMNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("fwd", "forward", (P.FORWARD,)),
+    ("bwd", "backward", (P.BACKWARD,)),
+    ("opt", "optimizer", (P.OPTIMIZER_STEP,)),
+    ("comm", "collectives", (P.DP_REDUCE_SCATTER, P.DP_ALL_REDUCE, P.DP_ALL_GATHER, P.TP_GATHER,
+                                            P.TP_SCATTER, P.LAYERWISE_BROADCAST)),
+    ("stat", "status", (P.STATUS,)),
+)
+
+
+def _phase_ms(phases: dict[str, float], base: str) -> float:
+    """Milliseconds of ``base``: its own entry, or else the sum of its sub-phases."""
+    if base in phases:
+        return phases[base] * 1e3
+    return sum(v for k, v in phases.items() if k.startswith(base + "/")) * 1e3
+
+
+def _column_ms(phases: dict[str, float]) -> dict[str, float]:
+    return {name: sum(_phase_ms(phases, b) for b in bases) for name, _, bases in _COLUMNS}
+
+
 def step_legend(phases: Sequence[str]) -> str:
-    """The legend of the per-step line's columns for these phases (base names)."""
-    cols = ["loss = mean training loss over DP ranks", *(f"{_short(k)} = {_SHORT[k][1]}" for k in phases if k in _SHORT)]
-    return "per step (rank 0, wall ms): " + "; ".join(cols)
+    """The legend of the per-step line (one line under 100 characters): the columns the line
+    shows for these phases (base or ``/launch``, ``/wait`` names)."""
+    shown = _column_ms(dict.fromkeys(phases, 1.0))
+    cols = [f"{name} {meaning}" for name, meaning, _ in _COLUMNS if shown[name] > 0]
+    return "per step (rank 0, ms): " + ", ".join(cols)
 
 
 def _step_line(step: int, steps: int, loss: float, phases: dict[str, float]) -> str:
-    parts = [f"{_short(k)} {v * 1e3:.1f}" for k, v in phases.items() if v > 0]
-    return f"step {step + 1}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
+    width = len(str(steps))
+    ms = _column_ms(phases)
+    parts = [f"{name} {ms[name]:6.1f}" for name, _, _ in _COLUMNS if ms[name] > 0]
+    return f"step {step + 1:>{width}}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
 
 
 class Progress:
