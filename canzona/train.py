@@ -488,7 +488,8 @@ def step_legend(phases: Sequence[str]) -> str:
 def _step_line(step: int, steps: int, loss: float, phases: dict[str, float]) -> str:
     width = len(str(steps))
     ms = _column_ms(phases)
-    parts = [f"{name} {ms[name]:6.1f}" for name, _, _ in _COLUMNS if ms[name] > 0]
+    # one decimal below a second, whole milliseconds above: a column stays 6 characters wide
+    parts = [f"{name} {ms[name]:6.1f}" if ms[name] < 1000 else f"{name} {ms[name]:6.0f}" for name, _, _ in _COLUMNS if ms[name] > 0]
     return f"step {step + 1:>{width}}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
 
 
