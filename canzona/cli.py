@@ -51,6 +51,7 @@ def command_parser(name: str) -> tuple[object, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog=f"canzona {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelpFormatter)
     one_line_errors(parser)
     module.add_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="on a failure, also print its traceback (or set CANZONA_DEBUG=1)")
     return module, parser
 
 
@@ -77,18 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     module, parser = command_parser(name)
     args = parser.parse_args(argv[1:])
-    try:
-        return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print("canzona: interrupted", file=sys.stderr)
-        return 130
-    except (UserError, ValueError) as exc:
-        print(f"canzona {name}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a file the user named (or an output folder): one line naming the path
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"canzona {name}: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 2
+    from canzona.commands._run import run_command
+
+    return run_command(name, module, args)  # every failure: one line and an exit code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,7 @@ strictly (unknown keys, wrong types and non-positive sizes are errors), never ex
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -104,8 +104,8 @@ class ModelConfig:
             raise ConfigError(f"{self.name}: tie_word_embeddings must be true or false")
         for key in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"{self.name}: {key} must be a positive number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ConfigError(f"{self.name}: {key} must be a finite positive number, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{self.name}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -218,8 +218,12 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
         path = candidate
     if not path.is_file():
         raise ConfigError(f"model config file not found: {path}")
+    from canzona.fileio import JSONLimitError, read_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        data = read_json(path, max_bytes=1 << 20)
+    except JSONLimitError as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
     return ModelConfig.from_dict(data, origin=str(path))

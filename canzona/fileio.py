@@ -1,4 +1,4 @@
-"""Atomic file writes for everything canzona writes (torch-free).
+"""Atomic file writes and strict JSON reads for every file canzona handles (torch-free).
 
 :func:`atomic_write` writes a file so that a reader sees either the old file or the complete new
 one, never a truncated mix: the bytes go to a temporary file in the same folder (same file system,
@@ -7,18 +7,55 @@ the folder is fsync'ed. If anything fails (full disk, read-only folder, an excep
 writer) the temporary file is removed, the old file is left as it was, and the ``OSError`` names
 the path. Every file a canzona command, plan document or checkpoint writes goes through it.
 :func:`check_writable` lets a command refuse an unwritable output before doing the work.
+
+:func:`loads_json` / :func:`read_json` parse every JSON document a user hands in (model configs,
+hardware profiles, reports, trace summaries, plans, keyword arguments) with bounded work: a size
+limit checked before parsing, a nesting limit (a 200k-deep array would otherwise end in a
+``RecursionError``), no ``NaN``/``Infinity`` constants, no number that overflows a float
+(``1e999``), no integer longer than 40 digits. Every refusal is a :class:`JSONLimitError`, a
+``json.JSONDecodeError`` (so a ``ValueError``), whose message is one line naming the source.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "atomic_writer", "check_writable"]
+__all__ = [
+    "JSONLimitError",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "atomic_write",
+    "atomic_writer",
+    "check_writable",
+    "loads_json",
+    "read_json",
+]
+
+#: nesting a canzona document never needs (plans and reports are 4-5 levels deep)
+MAX_JSON_DEPTH = 64
+#: default size limit of a JSON file read from disk (configs, profiles, plans, reports); trace
+#: readers pass a larger one
+MAX_JSON_BYTES = 64 << 20
+#: digits of the longest integer accepted (2^64 has 20; anything longer is a typo or an attack)
+MAX_INT_DIGITS = 40
+
+
+class JSONLimitError(json.JSONDecodeError):
+    """A JSON document refused by :func:`loads_json`; ``str()`` is one line naming the source."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "", 0)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.msg
 
 
 def _target_mode(path: Path) -> int:
@@ -101,3 +138,77 @@ def check_writable(path: str | os.PathLike[str], what: str = "output") -> Path:
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PermissionError(13, f"{what} is not writable", str(path))
     return path
+
+
+class _Refused(ValueError):
+    """Raised from inside a json hook; turned into a JSONLimitError naming the source."""
+
+
+def _parse_constant(token: str) -> Any:
+    raise _Refused(f"{token} is not a finite number")
+
+
+def _parse_float(token: str) -> float:
+    v = float(token)
+    if not math.isfinite(v):
+        raise _Refused(f"number {token[:40]} overflows a float")
+    return v
+
+
+def _parse_int(token: str) -> int:
+    if len(token.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"integer of {len(token.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(token)
+
+
+def _depth(doc: Any, limit: int) -> int:
+    """Nesting depth of a parsed document, walked without recursion; stops above ``limit``."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def loads_json(text: str | bytes, source: str = "JSON", *, max_depth: int = MAX_JSON_DEPTH, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse ``text`` strictly (see the module docstring); :class:`JSONLimitError` naming
+    ``source`` for a document over the limits, with a non-finite or huge number, or malformed."""
+    if len(text) > max_bytes:
+        raise JSONLimitError(f"{source}: {len(text)} bytes of JSON, above the limit of {max_bytes}")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JSONLimitError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        doc = json.loads(text, parse_constant=_parse_constant, parse_float=_parse_float, parse_int=_parse_int)
+    except _Refused as exc:
+        raise JSONLimitError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise JSONLimitError(f"{source}: JSON nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise JSONLimitError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if _depth(doc, max_depth) > max_depth:
+        raise JSONLimitError(f"{source}: JSON nested deeper than {max_depth} levels")
+    return doc
+
+
+def read_json(path: str | os.PathLike[str], *, max_depth: int = MAX_JSON_DEPTH, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Read and parse a JSON file strictly, its size checked before it is read. ``OSError`` for
+    a file that cannot be read (naming it), :class:`JSONLimitError` for its content."""
+    path = Path(path)
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise JSONLimitError(f"{path}: {size} bytes of JSON, above the limit of {max_bytes}")
+        raw = f.read(max_bytes + 1)
+    return loads_json(raw, str(path), max_depth=max_depth, max_bytes=max_bytes)

@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LR",
     "DEFAULT_ELEMENTWISE_LR",
+    "MAX_LR",
+    "MemoryEstimate",
+    "available_memory_bytes",
+    "check_memory",
+    "memory_estimate",
     "OPTIMIZERS",
     "TP_STYLES",
     "TrainConfig",
@@ -74,6 +79,9 @@ OPTIMIZERS: tuple[str, ...] = optimizer_names()
 DEFAULT_LR: dict[str, float] = {n: float(get_optimizer(n).defaults["lr"]) for n in OPTIMIZERS if "lr" in get_optimizer(n).defaults}
 #: AdamW learning rate of the element-wise parameters (embedding, head, norms).
 DEFAULT_ELEMENTWISE_LR = 1e-2
+#: the largest learning rate a run accepts: far above any schedule's peak, low enough that a typo
+#: (1e308) is refused at once instead of overflowing inside an optimizer mid-run
+MAX_LR = 1e3
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 #: ``dtensor``: PyTorch DTensor TP (placements tell the optimizer the split dims); ``megatron``:
@@ -122,10 +130,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.batch_size % self.dp:
             raise ValueError(f"the global batch size {self.batch_size} must be a multiple of dp={self.dp}")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if not (isinstance(self.elementwise_lr, (int, float)) and math.isfinite(self.elementwise_lr) and self.elementwise_lr > 0):
-            raise ValueError(f"elementwise_lr must be a positive number, got {self.elementwise_lr!r}")
+        for name in ("lr", "elementwise_lr"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_LR):
+                raise ValueError(f"{name} must be a number in (0, {MAX_LR:g}], got {v!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tp_style not in TP_STYLES:
@@ -231,6 +239,81 @@ def check_model(config: TrainConfig) -> ModelConfig:
         raise ValueError(f"{cfg.name} is a mixture-of-experts config; canzona train runs dense Qwen3 models")
     check_tp(cfg, config.tp)
     return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """A lower bound on the host memory a run needs over all its local ranks, in bytes: model
+    parameters and their gradients (TP-local, on every rank), and the activations of one step
+    (hidden states kept for the backward, the logits and their gradient, one layer's attention
+    scores, the token ids). Real use is higher (optimizer state, masters, temporaries), so a run
+    refused on this bound could never fit."""
+
+    params: int
+    activations: int
+    ranks: int
+
+    @property
+    def total(self) -> int:
+        return self.ranks * (self.params + self.activations)
+
+
+def memory_estimate(config: TrainConfig, cfg: ModelConfig) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of ``config`` training ``cfg`` (arithmetic only: nothing is
+    allocated)."""
+    h, hd, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    # attention (q, k, v, o), MLP (gate, up, down) and norms per layer; embedding, head, final norm
+    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h + 2 * hd
+    n_params = cfg.num_hidden_layers * per_layer + vocab * h * (1 if cfg.tie_word_embeddings else 2) + h
+    elem = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
+    params = 2 * n_params * elem // config.tp  # parameters and gradients
+    local_batch = config.batch_size // config.dp
+    tokens = local_batch * config.seq_len
+    acts = (
+        cfg.num_hidden_layers * tokens * h * 4 * elem  # residual stream, two norms, attention output
+        + 2 * tokens * (vocab // config.tp) * 4  # fp32 logits and their gradient
+        + local_batch * (heads // config.tp) * config.seq_len**2 * 4  # one layer's attention scores
+        + 2 * tokens * 8  # int64 ids and labels
+    )
+    return MemoryEstimate(params=params, activations=acts, ranks=config.world_size)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can give a new run now (Linux ``MemAvailable``; the physical memory
+    elsewhere; None when neither is known)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(config: TrainConfig, cfg: ModelConfig, available: int | None = None) -> MemoryEstimate:
+    """Raise ValueError, saying how much is needed, when ``config`` cannot fit in this machine's
+    memory (before anything is allocated or any worker starts). Only host memory is checked: with
+    CUDA the model lives on the GPUs, and their allocator reports its own errors."""
+    est = memory_estimate(config, cfg)
+    if config.resolved_backend == "nccl":
+        return est
+    free = available_memory_bytes() if available is None else available
+    if free is not None and est.total > free:
+        raise ValueError(
+            f"{cfg.name} with batch {config.batch_size} x {config.seq_len} tokens needs at least {_gib(est.total)} of memory "
+            f"({_gib(est.params)} of parameters and gradients and {_gib(est.activations)} of activations per rank, "
+            f"{est.ranks} rank(s)); this machine has {_gib(free)} available: use a smaller model, --batch-size or --seq-len"
+        )
+    return est
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
 
 
 def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float]], None] | None = None) -> TrainResult:
@@ -369,15 +452,45 @@ def _short(name: str) -> str:
     return _SHORT[name][0] if name in _SHORT else name
 
 
+#: the per-step line's columns: (name, meaning, phases summed into it). Communication phases are
+#: summed over their launch and wait parts (``<phase>/launch``, ``<phase>/wait``) and over DP and
+#: TP: ``comm`` is time spent inside the collectives, part of ``bwd`` (bucket reduce-scatters)
+#: and ``opt`` (everything else), so the columns do not add up to the step.
+_COLUMNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("fwd", "forward", (P.FORWARD,)),
+    ("bwd", "backward", (P.BACKWARD,)),
+    ("opt", "optimizer", (P.OPTIMIZER_STEP,)),
+    ("comm", "collectives", (P.DP_REDUCE_SCATTER, P.DP_ALL_REDUCE, P.DP_ALL_GATHER, P.TP_GATHER,
+                                            P.TP_SCATTER, P.LAYERWISE_BROADCAST)),
+    ("stat", "status", (P.STATUS,)),
+)
+
+
+def _phase_ms(phases: dict[str, float], base: str) -> float:
+    """Milliseconds of ``base``: its own entry, or else the sum of its sub-phases."""
+    if base in phases:
+        return phases[base] * 1e3
+    return sum(v for k, v in phases.items() if k.startswith(base + "/")) * 1e3
+
+
+def _column_ms(phases: dict[str, float]) -> dict[str, float]:
+    return {name: sum(_phase_ms(phases, b) for b in bases) for name, _, bases in _COLUMNS}
+
+
 def step_legend(phases: Sequence[str]) -> str:
-    """The legend of the per-step line's columns for these phases (base names)."""
-    cols = ["loss = mean training loss over DP ranks", *(f"{_short(k)} = {_SHORT[k][1]}" for k in phases if k in _SHORT)]
-    return "per step (rank 0, wall ms): " + "; ".join(cols)
+    """The legend of the per-step line (one line under 100 characters): the columns the line
+    shows for these phases (base or ``/launch``, ``/wait`` names)."""
+    shown = _column_ms(dict.fromkeys(phases, 1.0))
+    cols = [f"{name} {meaning}" for name, meaning, _ in _COLUMNS if shown[name] > 0]
+    return "per step (rank 0, ms): " + ", ".join(cols)
 
 
 def _step_line(step: int, steps: int, loss: float, phases: dict[str, float]) -> str:
-    parts = [f"{_short(k)} {v * 1e3:.1f}" for k, v in phases.items() if v > 0]
-    return f"step {step + 1}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
+    width = len(str(steps))
+    ms = _column_ms(phases)
+    # one decimal below a second, whole milliseconds above: a column stays 6 characters wide
+    parts = [f"{name} {ms[name]:6.1f}" if ms[name] < 1000 else f"{name} {ms[name]:6.0f}" for name, _, _ in _COLUMNS if ms[name] > 0]
+    return f"step {step + 1:>{width}}/{steps}  loss {loss:.4f}  " + "  ".join(parts)
 
 
 class Progress:

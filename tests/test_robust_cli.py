@@ -194,3 +194,165 @@ def test_output_folders_checked_before_the_work(capsys, tmp_path: Path, command:
     out, line, _ = _one_line(capsys, argv)
     assert f"cannot create {blocker / ('figs' if command == 'figures' else 's')}: {blocker} is not a folder" in line, line
     assert out == "" and not (tmp_path / "tb").exists()
+
+
+# ----------------------------------------------------------------------------- strict JSON everywhere
+
+DEEP = "[" * 200_000 + "]" * 200_000  # a RecursionError in json.loads without the depth limit
+DEEP_ARG = "[" * 60_000 + "]" * 60_000  # fits in one command-line argument
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["plan --model", "simulate --model", "train --model", "simulate --hardware", "figures --report", "figures --profile",
+     "validate --optimizer-kwargs", "validate --model-kwargs"],
+)
+def test_deep_json_is_one_line_at_every_parse(capsys, tmp_path: Path, where: str) -> None:
+    command, flag = where.split()
+    if flag.endswith("kwargs"):
+        value = DEEP_ARG
+    elif flag == "--profile":
+        d = tmp_path / "prof"
+        d.mkdir()
+        (d / "rank0.1.pt.trace.json").write_text(DEEP)  # a raw trace directory
+        value = str(d)
+    else:
+        value = _write(tmp_path, "deep.json", DEEP)
+    argv = [command, flag, value]
+    if command == "figures":
+        argv += ["--out", str(tmp_path / "figs"), "--only", "validation_matrix" if flag == "--report" else "timeline"]
+    if flag == "--model-kwargs":
+        argv += ["--model", "examples.tiny_mlp:tiny_mlp"]
+    if command == "plan":
+        argv += ["--dp", "2"]
+    _, line, _ = _one_line(capsys, argv)
+    assert "nested deeper than 64 levels" in line, line
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (DEEP, "nested deeper than 64 levels"),
+        ('{"version": 1e999}', "overflows a float"),
+        ('{"version": NaN}', "NaN is not a finite number"),
+        ('{"version": ' + "9" * 5000 + "}", "integer of 5000 digits"),
+    ],
+)
+def test_plan_from_json_refuses_in_one_error(tmp_path: Path, text: str, needle: str) -> None:
+    from canzona.plan import PlanError
+    from canzona.plan.plan import Plan
+
+    with pytest.raises(PlanError, match=needle):
+        Plan.from_json(_write(tmp_path, "plan.json", text))
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ('"rms_norm_eps": NaN', "NaN is not a finite number"),
+        ('"rms_norm_eps": Infinity', "Infinity is not a finite number"),
+        ('"rope_theta": 1e999', "number 1e999 overflows a float"),
+        ('"rope_theta": -Infinity', "-Infinity is not a finite number"),
+    ],
+)
+def test_non_finite_config_values_refused(capsys, tmp_path: Path, raw: str, needle: str) -> None:
+    base = json.loads(Path(_config(tmp_path)).read_text())
+    text = json.dumps(base)[:-1] + ", " + raw + "}"
+    _, line, _ = _one_line(capsys, ["plan", "--model", _write(tmp_path, "c.json", text), "--dp", "2"])
+    assert needle in line, line
+    # and from Python: the dataclass itself refuses a non-finite value
+    from canzona.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="finite positive number"):
+        ModelConfig.from_dict({**base, "rms_norm_eps": float("nan")})
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "--model", "qwen3-tiny", "--fsdp", "1000000000"], "1 x 1000000000 data-parallel ranks, above canzona's bound 131072"),
+        (["plan", "--model", "qwen3-tiny", "--fsdp", "1024", "--dp-replicate", "1024"], "above canzona's bound 131072"),
+        (["simulate", "--model", "qwen3-tiny", "--fsdp", "1000000000"], "above canzona's bound 131072"),
+        (["simulate", "--model", "qwen3-tiny", "--fsdp", "2", "--tp", "100000"], "--tp 100000 is above canzona's bound 4096"),
+        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--json", ""], "--json: expected a file path, got an empty string"),
+        (["simulate", "--model", "qwen3-tiny", "--json", ""], "--json: expected a file path"),
+        (["reproduce", "fig3", "--json", ""], "--json: expected a file path"),
+        (["simulate", "--model", "qwen3-tiny", "--sweep-dp", ""], "--sweep-dp must list integers >= 1, got ''"),
+        (["simulate", "--model", "qwen3-tiny", "--sweep-alpha", ""], "--sweep-alpha"),
+        (["train", "--lr", "1e308"], "lr must be a number in (0, 1000], got 1e+308"),
+        (["train", "--elementwise-lr", "1e308"], "elementwise_lr must be a number in (0, 1000]"),
+        (["validate", "--quick", "--optimizer-kwargs", '{"lr": 1e308}'], "lr = 1e+308 is above canzona's bound 1000"),
+        (["validate", "--quick", "--optimizer-kwargs", '{"lr": 1e999}'], "overflows a float"),
+        (["train", "--dp", "2", "--log-dir", "/proc/canzona-no-such-dir"], "/proc/canzona-no-such-dir: cannot create --log-dir"),
+    ],
+)
+def test_bounds_and_empty_values_one_line(capsys, argv: list[str], needle: str) -> None:
+    _, line, _ = _one_line(capsys, argv)
+    assert needle in line, line
+
+
+def test_named_inputs_that_are_missing(capsys, tmp_path: Path) -> None:
+    for flag in ("--profile", "--report"):
+        out, line, _ = _one_line(capsys, ["figures", "--out", str(tmp_path / "f"), flag, str(tmp_path / "MISSING")])
+        assert f"{flag} {tmp_path / 'MISSING'}: no such file or directory" in line, line
+        assert not (tmp_path / "f").exists()
+
+
+def test_validate_report_folder_holding_a_report(capsys, tmp_path: Path) -> None:
+    (tmp_path / "report.json").write_text("{}")
+    _, line, _ = _one_line(capsys, ["validate", "--quick", "--report", str(tmp_path)])
+    assert "already holds report.json" in line, line
+    assert (tmp_path / "report.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--batch-size", "1000000000"], "batch 1000000000 x 64 tokens needs at least"),
+        (["--seq-len", "1000000000"], "batch 8 x 1000000000 tokens needs at least"),
+        (["--model", "qwen3-32b"], "qwen3-32b with batch 8 x 64 tokens needs at least 2"),
+    ],
+)
+def test_train_refuses_what_cannot_fit_in_memory(capsys, monkeypatch, argv: list[str], needle: str) -> None:
+    """The estimate is arithmetic (nothing allocated): a 16 GiB machine refuses these at once."""
+    import canzona.train
+
+    monkeypatch.setattr(canzona.train, "available_memory_bytes", lambda: 16 << 30)
+    _, line, took = _one_line(capsys, ["train", "--backend", "gloo", *argv])
+    assert needle in line and "this machine has 16.0 GiB available" in line, line
+    assert took < 5.0, took
+
+
+def test_memory_estimate_accepts_the_default_run() -> None:
+    from canzona.train import TrainConfig, check_memory, check_model
+
+    cfg = TrainConfig(backend="gloo")
+    est = check_memory(cfg, check_model(cfg), available=1 << 30)  # the default run fits in 1 GiB
+    assert 0 < est.total < 1 << 28
+
+
+def test_worker_error_summary_is_the_first_line() -> None:
+    from canzona.runtime.launch import WorkerError
+
+    exc = WorkerError("rank 1: ValueError: planted\nTraceback (most recent call last):\n  File ...")
+    assert exc.summary == "rank 1: ValueError: planted"
+    assert "Traceback" in str(exc)  # the whole text is still there for --debug and the run's log
+
+
+def test_kineto_status_lines_are_dropped() -> None:
+    from canzona.profiling.run import drop_kineto_lines
+
+    raw = (
+        b"USDT:2026-12-02 03:41:13 17603:17603 SyncActivityProfilerHandler.cpp:52] profiler_start"
+        b"USDT:2026-12-02 03:41:13 17603:17603 SyncActivityProfilerHandler.cpp:59] profiler_stop\n"
+        b"a line of ours\n"
+        b"STAGE:2026-12-02 03:42:19 18322:18322 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n"
+        b"another"
+    )
+    assert drop_kineto_lines(raw) == b"a line of ours\nanother"

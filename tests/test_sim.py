@@ -163,7 +163,7 @@ def test_load_hardware_errors(tmp_path):
         load_hardware("tpu-v9")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(HardwareError, match="invalid JSON"):
+    with pytest.raises(HardwareError, match="not valid JSON"):
         load_hardware(bad)
     nan = tmp_path / "nan.json"
     nan.write_text(json.dumps(_profile_doc()).replace('"value": 50.0', '"value": NaN'))

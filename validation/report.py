@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from canzona.fileio import read_json
 
 __all__ = [
     "SCHEMA",
@@ -332,16 +333,13 @@ def write_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> tup
     return js, cs
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
 
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a JSON report strictly (no NaN/Infinity) and check its schema, version and cell fields."""
     p = Path(path)
     if p.suffix.lower() != ".json":
         p = report_paths(p)[0]
-    doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+    doc = read_json(p)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise ValueError(f"{p}: not a canzona validation report (schema {doc.get('schema') if isinstance(doc, dict) else None!r})")
     if doc.get("version") != VERSION:

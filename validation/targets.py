@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from canzona.optimizers import optimizer_names
+from canzona.fileio import loads_json
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -89,9 +90,9 @@ def parse_kwargs(text: str | Mapping[str, Any] | None, what: str) -> dict[str, A
     if isinstance(text, Mapping):
         return dict(text)
     try:
-        value = json.loads(text)
+        value = loads_json(text, what, max_bytes=1 << 20)
     except json.JSONDecodeError as exc:
-        raise TargetError(f"{what}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+        raise TargetError(str(exc)) from None
     if not isinstance(value, dict):
         raise TargetError(f"{what}: expected a JSON object like '{{\"lr\": 0.01}}', got {type(value).__name__}")
     return value

@@ -12,7 +12,7 @@ from typing import IO, NoReturn
 
 from canzona.errors import UserError
 
-__all__ = ["one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
+__all__ = ["file_path", "one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,13 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return v
+
+
+def file_path(text: str) -> str:
+    """A non-empty path (``--json ''`` would otherwise be taken as "no output" in silence)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path, got an empty string")
+    return text
 
 
 def _say(exc: OSError, path: str | os.PathLike[str]) -> str:

@@ -62,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"canzona figures: error: cannot write {args.fmt}: {problem}", file=sys.stderr)
         return 2
     output_dir(args.out, "--out")  # before building the figures: a bad folder fails at once
+    for flag, given in (("--profile", args.profile), ("--report", args.report)):
+        if given is not None and not given.exists():
+            # a named input that is missing is a mistake, not a figure to skip
+            print(f"canzona figures: error: {flag} {given}: no such file or directory", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     profile = None if args.no_profile else (args.profile or LATEST)
     figs = main_figures(

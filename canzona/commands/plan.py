@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from canzona.cli import UserError
+from canzona.errors import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
-from canzona.commands._args import output_path, positive_float, write_output
+from canzona.commands._args import file_path, output_path, positive_float, write_output
 from canzona.config import available_models, check_tp_degree
 from canzona.cost import COST_MODELS
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--convention", choices=("canzona", "paper"), default="canzona",
                         help="'paper': the authors' planning and measuring rules (matrix-only buffer, Megatron-Core "
                              "order, 400M-element buckets, C_max in cost units, DP rank 0's TP ratios); default canzona")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the plan document (docs/plan-format.md) to PATH")
+    parser.add_argument("--json", metavar="PATH", type=file_path, default=None, help="write the plan document (docs/plan-format.md) to PATH")
     parser.add_argument("--compare", action="store_true", help="plan every strategy and print one row each")
     parser.add_argument("--list-strategies", action="store_true", help="print the DP strategy names, one per line")
 
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fsdp is not None:
         from canzona.commands.plan_fsdp import run_fsdp
 
-        return run_fsdp(args, output_path(args.json, "--json") if args.json else None)
+        return run_fsdp(args, output_path(args.json, "--json") if args.json is not None else None)
     if args.strategy not in strategy_names():
         raise UserError(f"strategy {args.strategy!r} runs on FSDP2 only (--fsdp); choose one of {', '.join(strategy_names())}")
     args.layout = args.layout or "megatron"
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
     if args.pp < 1:
         raise UserError(f"--pp must be >= 1, got {args.pp}")
-    json_path = output_path(args.json, "--json") if args.json else None
+    json_path = output_path(args.json, "--json") if args.json is not None else None
     if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
         raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
     if args.convention == "paper":

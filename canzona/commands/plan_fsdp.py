@@ -16,10 +16,25 @@ from __future__ import annotations
 
 import argparse
 
-from canzona.cli import UserError
+from canzona.errors import UserError
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPPlan, plan_fsdp_model
 
-__all__ = ["format_fsdp_plan", "run_fsdp"]
+__all__ = ["check_fsdp_ranks", "format_fsdp_plan", "run_fsdp"]
+
+
+def check_fsdp_ranks(fsdp: int, dp_replicate: int, tp: int) -> None:
+    """The ZeRO-1 planner's bounds, for FSDP2: ``dp_replicate x fsdp`` data-parallel ranks at most
+    :data:`~canzona.plan.build.MAX_DP`, ``tp`` at most :data:`~canzona.plan.build.MAX_TP` (a
+    larger figure is a typo, and planning it would take minutes and gigabytes)."""
+    from canzona.plan.build import MAX_DP, MAX_TP
+
+    for flag, v in (("--fsdp", fsdp), ("--dp-replicate", dp_replicate), ("--tp", tp)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1, got {v}")
+    if fsdp * dp_replicate > MAX_DP:
+        raise UserError(f"--dp-replicate x --fsdp = {dp_replicate} x {fsdp} data-parallel ranks, above canzona's bound {MAX_DP}")
+    if tp > MAX_TP:
+        raise UserError(f"--tp {tp} is above canzona's bound {MAX_TP}")
 
 
 def format_fsdp_plan(plan: FSDPPlan, notes: list[str] = ()) -> str:  # type: ignore[assignment]
@@ -48,8 +63,7 @@ def run_fsdp(args: argparse.Namespace, json_path: object = None) -> int:
     """The ``--fsdp`` branch of ``canzona plan`` (arguments checked by the caller)."""
     if args.dp is not None:
         raise UserError("--dp plans canzona's own ZeRO-1 path and --fsdp plans FSDP2; give one of them")
-    if args.fsdp < 1 or args.dp_replicate < 1:
-        raise UserError(f"--fsdp and --dp-replicate must be >= 1, got {args.fsdp} and {args.dp_replicate}")
+    check_fsdp_ranks(args.fsdp, args.dp_replicate, args.tp)
     if args.strategy not in FSDP_STRATEGIES:
         raise UserError(f"strategy {args.strategy!r} needs canzona's ZeRO-1 buffer; on FSDP2 choose one of {', '.join(FSDP_STRATEGIES)}")
     if args.compare:

@@ -118,7 +118,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         prof = profile_run(spec, overwrite=args.force, timeout_s=float(args.timeout_s))
     except WorkerError as exc:
-        print(f"canzona profile: a worker failed: {exc}", file=sys.stderr)
+        from canzona.commands._run import debug_enabled
+
+        if debug_enabled(args):
+            detail = f"\n{exc}"
+        else:
+            detail = " (--debug prints the worker's traceback)" if "\n" in str(exc).strip() else ""
+        print(f"canzona profile: a worker failed: {exc.summary}{detail}", file=sys.stderr)
         return 1
     meta = {"strategy": cfg.strategy, "optimizer": cfg.optimizer, "dp": cfg.dp, "tp": cfg.tp, "steps": spec.schedule.active, "model": cfg.model}
     if spec.tensorboard_dir is None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
+from canzona.commands._args import file_path, output_path, write_output
 from canzona.commands.plan import one_line_errors
 from canzona.paper import paper_value
 from canzona.reproduce import FIGURES, NOT_REPRODUCED, OURS_ONLY, Figure, Row, fig3, reproduce
@@ -71,10 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     keys = list(FIGURES) + ["all"]
     parser.add_argument("figure", choices=keys, metavar="FIG",
                         help="one of " + ", ".join(keys) + "; " + "; ".join(f"{k}: {v[0]}" for k, v in FIGURES.items()))
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH ('-': stdout only)")
+    parser.add_argument("--json", metavar="PATH", type=file_path, default=None, help="also write the rows as JSON to PATH ('-': stdout only)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json is not None and args.json != "-":
+        output_path(args.json, "--json")  # before the work: an unwritable output fails at once
     keys = list(FIGURES) if args.figure == "all" else [args.figure]
     figs = [reproduce(k) for k in keys]
     doc = {"schema": "canzona.reproduce", "version": 1, "figures": [f.to_dict() for f in figs]}
@@ -89,10 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 tally[k] = tally.get(k, 0) + v
         text += "\n\nall figures: " + ", ".join(f"{v} {k}" for k, v in sorted(tally.items()))
     print(text)
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print(f"canzona reproduce: error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+    if args.json is not None:
+        # atomic: a failed write (full disk) keeps the old file and names the path, exit 2
+        write_output(args.json, json.dumps(doc, indent=1) + "\n")
     return 0

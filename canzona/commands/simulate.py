@@ -16,7 +16,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from canzona.commands._args import output_path, positive_float, write_output
+from canzona.commands._args import file_path, output_path, positive_float, write_output
 from canzona.config import check_tp_degree
 from canzona.paper import paper_value
 from canzona.plan.strategies import get_strategy
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-sensitivity", action="store_true", help="skip the assumption sensitivities of the paper comparison")
     o.add_argument("--sweep-dp", default=None, metavar="LIST", help="also simulate these DP sizes, e.g. 32,64,128,256,512,1024")
     o.add_argument("--sweep-alpha", default=None, metavar="LIST", help="also sweep lb-asc's alpha, e.g. 0,0.25,0.5,0.75,1")
-    o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    o.add_argument("--json", type=file_path, default=None, metavar="PATH", help="write all results as JSON")
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -383,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_fsdp_sim(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
     strategies = _strategies(args)
-    sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp else None
-    sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha else None
+    sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp is not None else None
+    sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha is not None else None
     setup = _setup(args)
     hw = _hardware(args)
     cfg = resolve_sim_model(args.model)
@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pp != 1 or args.microbatches is not None:
         if args.pp < 1 or (args.microbatches is not None and args.microbatches < 1):
             raise ValueError("--pp and --microbatches must be >= 1")
-        if args.paper or args.fit_fwd_bwd or args.sweep_dp or args.sweep_alpha:
+        if args.paper or args.fit_fwd_bwd or args.sweep_dp is not None or args.sweep_alpha is not None:
             raise ValueError("--pp simulates one pipeline configuration; drop --paper, --fit-fwd-bwd and the sweeps")
         return _run_pipeline(cfg, args, hw, setup, strategies, plan_kw)
     is_paper = (cfg.name == PAPER_CONFIG["model"] and args.dp == PAPER_CONFIG["dp"] and args.tp == PAPER_CONFIG["tp"]

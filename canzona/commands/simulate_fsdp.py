@@ -16,7 +16,9 @@ import dataclasses
 import json
 from typing import Any
 
-from canzona.cli import UserError
+from canzona.errors import UserError
+from canzona.commands._args import write_output
+from canzona.commands.plan_fsdp import check_fsdp_ranks
 
 __all__ = ["run_fsdp_sim"]
 
@@ -26,9 +28,8 @@ def run_fsdp_sim(args: argparse.Namespace, setup: Any, hw: Any, default_strategi
     from canzona.plan.fsdp import FSDP_STRATEGIES, plan_fsdp_model
     from canzona.sim.fsdp import simulate_fsdp
 
-    if args.fsdp < 1 or args.tp < 1 or args.dp_replicate < 1:
-        raise UserError("--fsdp, --tp and --dp-replicate must be >= 1")
-    if args.paper or args.sweep_dp or args.sweep_alpha:
+    check_fsdp_ranks(args.fsdp, args.dp_replicate, args.tp)
+    if args.paper or args.sweep_dp is not None or args.sweep_alpha is not None:
         raise UserError("--paper, --sweep-dp and --sweep-alpha simulate canzona's ZeRO-1 path; drop them with --fsdp")
     if args.strategies == default_strategies:
         strategies = list(FSDP_STRATEGIES)
@@ -69,10 +70,6 @@ def run_fsdp_sim(args: argparse.Namespace, setup: Any, hw: Any, default_strategi
     if args.json:
         doc: dict[str, Any] = {"schema": "canzona.fsdp_simulation", "version": 1, "hardware": hw.name,
                                "results": {r.strategy: r.summary() for _, r in rows}}
-        try:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh, indent=1)
-        except OSError as exc:
-            raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+        write_output(args.json, json.dumps(doc, indent=1) + "\n")  # atomic, names the path on failure
         print(f"note: results written to {args.json}")
     return 0

@@ -111,16 +111,40 @@ def _log_dir(args: argparse.Namespace) -> str | None:
     if args.no_log:
         return None
     if args.log_dir:
+        from pathlib import Path
+
+        from canzona.commands._args import output_dir
+
+        output_dir(args.log_dir, "--log-dir")  # before any worker starts: one line naming the folder
+        try:  # permission checks cannot see every refusal (/proc, a read-only mount): try it
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create --log-dir: {exc.strerror or exc}", str(args.log_dir)) from None
         return str(args.log_dir)
     from canzona.runs import new_run_dir
 
     return str(new_run_dir(f"train-{args.strategy}-dp{args.dp}xtp{args.tp}"))
 
 
+def _log_failure(log_dir: str | None, text: str) -> str | None:
+    """Keep a worker's traceback in the run's folder (``error.log``); the path, or None."""
+    if log_dir is None:
+        return None
+    from pathlib import Path
+
+    from canzona.fileio import atomic_write
+
+    try:
+        return str(atomic_write(Path(log_dir) / "error.log", text.rstrip() + "\n"))
+    except OSError:
+        return None
+
+
 def _check_model(config: TrainConfig) -> None:
-    from canzona.train import check_model
+    from canzona.train import check_memory, check_model
 
     cfg = check_model(config)
+    check_memory(config, cfg)  # a run that cannot fit is refused before anything is allocated
     # Plan once here (milliseconds for the models train runs): a combination the planner refuses
     # (e.g. --strategy sc with --tp-schedule lpt) is one line before any worker starts.
     import warnings
@@ -156,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
             return 128 + exc.signum
         except WorkerError as exc:
             # The worker's traceback is in the message; the first line names the rank and the error.
-            first = str(exc).splitlines()[0]
+            log = _log_failure(config.log_dir, str(exc))
+            first = exc.summary
             if "ValueError" in first:
                 raise ValueError(first.split("ValueError: ", 1)[-1]) from None
-            raise
+            raise WorkerError(f"{first}{f' (traceback in {log})' if log else ''}\n{exc}") from None
         return 0
     if world_env is not None:
         train_from_env(config)  # under torchrun: this process is one rank

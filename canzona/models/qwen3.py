@@ -196,7 +196,11 @@ class Qwen3(nn.Module):
                 p.copy_(w.to(device=p.device, dtype=p.dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+        logits = self.lm_head(self.model(input_ids))
+        # The logits of a 3-D linear (and of DTensor TP's Replicate output) are a view; FSDP2 hooks
+        # the root module's output for its pre-backward all-gather and warns that an in-place op
+        # on a view would drop that hook. A copy (bitwise equal) gives it a tensor of its own.
+        return logits.clone() if logits._is_view() else logits
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy of ``forward(input_ids)`` against ``labels``."""

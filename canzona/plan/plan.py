@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from canzona.fileio import atomic_write
+from canzona.fileio import atomic_write, read_json
 from canzona.plan.errors import PlanError
 from canzona.plan.strategies import GRAD_COLLECTIVES, PARAM_RETURNS, ROLES, Strategy, get_strategy, param_role, paper_strategy_names, strategy_names
 from canzona.specs import ParamSpec
@@ -628,9 +628,11 @@ class Plan:
     @classmethod
     def from_json(cls, path: str | Path) -> Plan:
         try:
-            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+            doc = read_json(path)
         except FileNotFoundError:
             raise PlanError(f"plan file not found: {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{path}: not valid JSON ({exc})") from None
+        except OSError as exc:
+            raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(str(exc)) from None
         return cls.from_dict(doc)

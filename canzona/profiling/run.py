@@ -2,8 +2,13 @@
 
 A profile is :func:`canzona.train.train` (the ordinary training loop, whose phases are annotated
 by :mod:`canzona.runtime.phases`) run on every rank under ``torch.profiler.profile`` with a
-wait / warmup / active schedule and the TensorBoard trace handler, so each rank leaves one
-``rank<r>.<id>.pt.trace.json`` in the output directory. The profiler is entered before ``train``
+wait / warmup / active schedule, so each rank leaves one ``rank<r>.<id>.pt.trace.json`` in the
+output directory (the TensorBoard plugin's naming). Each trace is exported to a private file,
+its process renamed ``rank <r>`` (torch names every process "python"), and written atomically
+(:func:`canzona.fileio.atomic_write`): a failed export (full disk) leaves no partial or temporary
+file and raises an ``OSError`` naming the trace. While the profiler runs, kineto's status lines
+(``USDT:... profiler_start``, ``STAGE:...``), which it prints on the process's stderr whatever
+its log level, are filtered out of that stream; every other line passes. The profiler is entered before ``train``
 and advanced by its per-step hook, so ``ProfilerStep#k`` is training step ``k``; with ``wait >= 1``
 step 0 (plan, fingerprint exchange, lazy optimizer state) is never recorded.
 
@@ -17,6 +22,14 @@ records exactly the active steps (:mod:`canzona.profiling.nsys`).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +62,10 @@ __all__ = [
     "expected_phases",
     "profile_run",
     "profile_worker",
+    "drop_kineto_lines",
+    "name_processes",
+    "quiet_kineto",
+    "trace_writer",
 ]
 
 
@@ -215,15 +232,101 @@ def _metrics_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file() and (p.name in (METRICS_CSV, RUN_JSON) or p.name.startswith("events.out.tfevents.")))
 
 
+#: one kineto status message: ``USDT:2026-01-02 03:04:05 123:456 SyncActivityProfilerHandler.cpp:52] profiler_start``
+#: (two can share a line: kineto does not always end them with a newline)
+_KINETO_LINE = re.compile(rb"(?:USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] (?:(?!USDT:|STAGE:)[^\n])*")
+
+
+def drop_kineto_lines(data: bytes) -> bytes:
+    """``data`` (whole lines) without kineto's status messages; other lines unchanged."""
+    out = []
+    for line in data.split(b"\n"):
+        kept = _KINETO_LINE.sub(b"", line)
+        if kept.strip() or not line.strip():
+            out.append(kept)
+    return b"\n".join(out)
+
+
+@contextlib.contextmanager
+def quiet_kineto() -> Iterator[None]:
+    """Filter kineto's status lines out of this process's stderr (file descriptor 2, where its C++
+    code prints them) for the duration of the block."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+
+    def pump() -> None:
+        pending = b""
+        with os.fdopen(r, "rb", buffering=0) as f:
+            while chunk := f.read(65536):
+                pending += chunk
+                head, sep, pending = pending.rpartition(b"\n")
+                kept = drop_kineto_lines(head)
+                if sep and (kept or not head):
+                    os.write(saved, kept + b"\n")
+        if pending:
+            os.write(saved, drop_kineto_lines(pending))
+
+    thread = threading.Thread(target=pump, name="canzona-kineto-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        import sys
+
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees end of file
+        thread.join(timeout=5)
+        os.close(saved)
+
+
+def trace_writer(directory: str | Path, rank: int) -> Callable[[Any], None]:
+    """The profiler's ``on_trace_ready``: export this rank's trace to a private file, name its
+    process ``rank <rank>``, and write ``rank<rank>.<ms>.pt.trace.json`` atomically."""
+    folder = Path(directory)
+
+    def write(prof: Any) -> None:
+        from canzona.fileio import atomic_write
+
+        target = folder / f"rank{rank}.{int(time.time() * 1000)}.pt.trace.json"
+        fd, scratch = tempfile.mkstemp(prefix=f".rank{rank}.", suffix=".export", dir=folder)
+        os.close(fd)
+        try:
+            try:
+                prof.export_chrome_trace(scratch)
+                with open(scratch, encoding="utf-8") as f:
+                    doc = json.load(f)  # our own profiler's output, not a user's file
+            except (OSError, RuntimeError) as exc:
+                raise OSError(getattr(exc, "errno", None), f"cannot export the trace: {exc}", str(target)) from None
+            name_processes(doc, rank)
+            atomic_write(target, json.dumps(doc))
+        finally:
+            for leftover in folder.glob(Path(scratch).name + "*"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+
+    return write
+
+
+def name_processes(doc: dict[str, Any], rank: int) -> None:
+    """Rename every process of a Chrome trace ``rank <rank>`` and sort it by rank (in place)."""
+    for ev in doc.get("traceEvents", ()):
+        if isinstance(ev, dict) and ev.get("ph") == "M" and isinstance(ev.get("args"), dict):
+            if ev.get("name") == "process_name":
+                ev["args"]["name"] = f"rank {rank}"
+            elif ev.get("name") == "process_sort_index":
+                ev["args"]["sort_index"] = rank
+
+
 def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
     """Worker body (:func:`canzona.runtime.launch.run_workers`): train under the profiler on this
     rank; returns this rank's :class:`canzona.train.TrainResult`."""
-    from torch.profiler import (
-        ProfilerActivity,
-        profile,
-        schedule,
-        tensorboard_trace_handler,
-    )
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     from canzona.train import MetricsHook, train
 
@@ -258,8 +361,8 @@ def profile_worker(rank: int, world_size: int, spec: ProfileSpec) -> Any:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and spec.train.resolved_backend == "nccl":
         activities.append(ProfilerActivity.CUDA)
-    handler = tensorboard_trace_handler(spec.tensorboard_dir, worker_name=f"rank{rank}", use_gzip=False)
-    with profile(
+    handler = trace_writer(spec.tensorboard_dir, rank)
+    with quiet_kineto(), profile(
         activities=activities,
         schedule=schedule(wait=sch.wait, warmup=sch.warmup, active=sch.active, repeat=1),
         on_trace_ready=handler,

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from canzona.fileio import atomic_write
+from canzona.fileio import atomic_write, loads_json, read_json
 from canzona.phase_names import (
     BACKWARD,
     COMM_PHASES,
@@ -124,9 +124,6 @@ def trace_files(directory: str | Path) -> list[Path]:
     return files
 
 
-def _reject_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not valid JSON")
-
 
 def read_trace(path: str | Path) -> dict[str, Any]:
     """Parse one Chrome-trace file strictly (no NaN/Infinity); ValueError when it is not a trace."""
@@ -138,7 +135,7 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         except (OSError, EOFError) as exc:
             raise ValueError(f"{p}: not a gzip file ({exc})") from None
     try:
-        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        doc = loads_json(raw, str(p), max_bytes=1 << 34)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise ValueError(f"{p}: not a valid Chrome-trace JSON file ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
@@ -596,7 +593,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "meta.json"
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+        doc = read_json(p)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"{p}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or set(doc) != set(META_KEYS):

@@ -67,7 +67,14 @@ GRACE_S = 3.0
 
 
 class WorkerError(RuntimeError):
-    """A worker failed or the run timed out; the message names the rank(s) and the cause."""
+    """A worker failed or the run timed out; the message names the rank(s) and the cause, and
+    carries the failing worker's traceback. :attr:`summary` is the first line alone (rank and
+    cause), what a command prints; the whole message is for ``--debug`` and the run's log."""
+
+    @property
+    def summary(self) -> str:
+        text = str(self).strip()
+        return text.splitlines()[0] if text else "a worker failed"
 
 
 class LaunchInterrupted(RuntimeError):

@@ -22,6 +22,7 @@ from typing import Any
 from canzona.config import PACKAGE_DATA
 from canzona.cost import matrix_flops
 from canzona.optimizers import get_optimizer, optimizer_names
+from canzona.fileio import loads_json
 
 __all__ = [
     "HARDWARE_DIR",
@@ -201,17 +202,14 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     except OSError as exc:
         raise HardwareError(f"cannot read hardware profile {path}: {exc.strerror or exc}") from None
     try:
-        doc = json.loads(raw, parse_constant=_reject_constant)
+        doc = loads_json(raw, str(path), max_bytes=1 << 20)
     except json.JSONDecodeError as exc:
-        raise HardwareError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise HardwareError(str(exc)) from None
     prof = parse_hardware(doc, str(path))
     if path.parent == HARDWARE_DIR and prof.name != path.stem:
         raise HardwareError(f"{path}: name {prof.name!r} differs from the file name")
     return prof
 
-
-def _reject_constant(token: str) -> float:
-    raise HardwareError(f"non-standard JSON number {token!r}")
 
 
 # --------------------------------------------------------------------------- throughput model

@@ -31,6 +31,7 @@ from plotly.subplots import make_subplots
 from canzona.config import DATA_DIR, PACKAGE_DATA
 from canzona.runs import choose_run
 from canzona.viz._style import PASS_STATES, finish, strategy_color
+from canzona.fileio import read_json
 
 __all__ = [
     "DEFAULT_REPORT",
@@ -142,13 +143,10 @@ def load_validation_report(path: str | Path = DEFAULT_REPORT) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"validation report not found: {p} (run `canzona validate`, or open {SAMPLE_REPORT})")
 
-    def reject(token: str) -> Any:
-        raise ValueError(f"{p}: {token} is not valid JSON")
-
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=reject)
+        doc = read_json(p)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        raise ValueError(str(exc)) from None
     return validate_report(doc, source=str(p))
 
 

@@ -15,6 +15,7 @@ skipped and why, so the command can say so instead of failing or silently leavin
 from __future__ import annotations
 
 import html
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -235,6 +236,34 @@ def _time_components(model: str, dp: int, tp: int, optimizer: str) -> go.Figure:
     return fig_time_components(simulate_components(model, dp=dp, tp=tp, optimizer=optimizer))
 
 
+def _write_static(figs: dict[str, go.Figure], paths: list[Path], fmt: str) -> None:
+    """Export static pictures into a private folder beside the targets, then rename each into
+    place (a failed export leaves the old files and nothing half-written)."""
+    import shutil
+    import tempfile
+
+    import plotly.io as pio
+
+    out = paths[0].parent
+    tmp = Path(tempfile.mkdtemp(prefix=".figures.", dir=out))
+    try:
+        staged = [tmp / p.name for p in paths]
+        # one call for all figures: kaleido starts its browser once
+        pio.write_images(
+            list(figs.values()), staged, format=fmt,
+            width=[f.layout.width or STATIC_WIDTH for f in figs.values()],
+            height=[f.layout.height or STATIC_HEIGHT for f in figs.values()],
+            scale=PNG_SCALE if fmt == "png" else 1,
+        )
+        for src, dst in zip(staged, paths):
+            try:
+                os.replace(src, dst)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), str(dst)) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_figures(
     figures: FigureSet | dict[str, go.Figure], out_dir: str | Path, *, fmt: str = "html", plotlyjs: str = "directory",
 ) -> list[Path]:
@@ -257,18 +286,15 @@ def write_figures(
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.{fmt}" for name in figs]
     if fmt == "html":
-        for p, fig in zip(paths, figs.values()):
-            fig.write_html(p, include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True)
-    elif figs:
-        import plotly.io as pio
+        if plotlyjs == "directory":
+            from plotly.offline import get_plotlyjs
 
-        # one call for all figures: kaleido starts its browser once
-        pio.write_images(
-            list(figs.values()), paths, format=fmt,
-            width=[f.layout.width or STATIC_WIDTH for f in figs.values()],
-            height=[f.layout.height or STATIC_HEIGHT for f in figs.values()],
-            scale=PNG_SCALE if fmt == "png" else 1,
-        )
+            atomic_write(out / "plotly.min.js", get_plotlyjs())
+        for p, fig in zip(paths, figs.values()):
+            # the page is built in memory and renamed into place: never a half-written page
+            atomic_write(p, fig.to_html(include_plotlyjs=PLOTLYJS_MODES[plotlyjs], full_html=True))
+    elif figs:
+        _write_static(figs, paths, fmt)
     items = []
     for name, fig in figs.items():
         title = html.escape((fig.layout.title.text or name).split("<br>")[0])

@@ -40,6 +40,7 @@ from plotly.subplots import make_subplots
 from canzona.config import PACKAGE_DATA
 from canzona.runs import PHASE_TABLES, TRACE_SUFFIXES, choose_run, find_runs, profile_files
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish
+from canzona.fileio import loads_json
 
 __all__ = [
     "PHASE_COLUMNS",
@@ -187,13 +188,10 @@ def load_phase_table(path: str | Path) -> pd.DataFrame:
 
 
 def _strict_json(text: str, source: str) -> Any:
-    def reject(token: str) -> Any:
-        raise ValueError(f"{source}: {token} is not valid JSON")
-
     try:
-        return json.loads(text, parse_constant=reject)
+        return loads_json(text, source)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{source}: not valid JSON ({exc})") from None
+        raise ValueError(str(exc)) from None
 
 
 def load_profile(path: str | Path | None = None) -> Profile:

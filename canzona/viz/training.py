@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 
 from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, find_runs
 from canzona.viz._style import categorical_colors, finish, line_style
+from canzona.fileio import read_json
 
 __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
 
@@ -52,8 +53,8 @@ def run_label(directory: str | Path) -> str:
         f = d / name
         if f.is_file():
             try:
-                doc = json.loads(f.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                doc = read_json(f)
+            except (OSError, json.JSONDecodeError):
                 break
             if isinstance(doc, dict) and {"strategy", "dp", "tp", "optimizer"} <= set(doc):
                 return f"{doc['strategy']} dp{doc['dp']}xtp{doc['tp']} {doc['optimizer']} ({d.name})"
