@@ -335,6 +335,186 @@ def _bounded_load(folder: str) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ hostile and damaged directories
+
+
+class _Shell:
+    """Unpickles into running ``touch <marker>`` (``os.system``): the planted payload."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _ShellThenMetadata:
+    """Runs the payload, then unpickles into the real metadata: a load that does not refuse it
+    goes on as if nothing happened."""
+
+    def __init__(self, marker: str, md) -> None:
+        self.marker, self.md = marker, md
+
+    def __reduce__(self):
+        import operator
+
+        return (operator.getitem, ((_Shell(self.marker), self.md), 1))
+
+
+def _copy(folder: str, src: str, name: str, change) -> Path:
+    """A copy of checkpoint directory ``src`` changed by ``change(dir)`` on rank 0; every rank waits."""
+    out = Path(folder) / name
+    if torch.distributed.get_rank() == 0:
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(Path(folder) / src, out)
+        change(out)
+    torch.distributed.barrier()
+    return out
+
+
+def _plant(folder: str, how: str) -> tuple[Path, Path]:
+    """``zero1-toy`` with a ``.metadata`` that runs ``touch``: ``shell`` (the bare payload, the seal
+    left as it was), ``resealed`` (the same with the seal rewritten to match), ``then_metadata``
+    (payload, then the real metadata, resealed)."""
+    import pickle
+
+    from canzona.runtime import dcp_files
+
+    marker = Path(folder) / f"pwned-{how}"
+
+    def change(d: Path) -> None:
+        md = dcp_files.read_metadata(d)
+        payload = _Shell(str(marker)) if how != "then_metadata" else _ShellThenMetadata(str(marker), md)
+        (d / ".metadata").write_bytes(pickle.dumps(payload))
+        if how != "shell":  # a forger who also rewrites the seal
+            dcp_files.write_manifest(d, dcp_files.hash_files(d, dcp_files.data_files(d), 0, 1))
+
+    return _copy(folder, "zero1-toy", f"planted-{how}", change), marker
+
+
+#: one stored item of each kind: a matrix master, a model entry, an AdamW ``exp_avg``
+FLIPS = {"master": "optim.layers.1.up.master", "model": "model.layers.1.up", "exp_avg": "optim.embed.weight.state.exp_avg"}
+
+
+def _trained_zero1():
+    """The FSDPToy on the ZeRO-1 path two steps in, so a refused load would visibly change it."""
+    model, opt, run = _zero1_toy()
+    run(range(2))
+    return opt
+
+
+def _flip_entry(folder: str, src: str, prefix: str) -> Path:
+    """Checkpoint ``src`` with one byte flipped inside the tensor bytes of the first stored item whose
+    key starts with ``prefix`` (a master, a model entry, an AdamW ``exp_avg``)."""
+    import io
+
+    from canzona.runtime import dcp_files
+
+    def change(d: Path) -> None:
+        md = dcp_files.read_metadata(d)
+        idx, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn) if i.fqn.startswith(prefix))
+        f = d / info.relative_path
+        data = bytearray(f.read_bytes())
+        item = bytes(data[info.offset : info.offset + info.length])
+        t = torch.load(io.BytesIO(item), weights_only=True)
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        at = info.offset + item.index(raw) + len(raw) // 2
+        data[at] ^= 0x10
+        f.write_bytes(bytes(data))
+
+    return _copy(folder, src, f"flip-{src}-" + prefix.replace(".", "-"), change)
+
+
+def _dcp_attacks(folder: str) -> dict:
+    """Planted code and damaged directories: refused on both ranks, nothing changed, nothing run."""
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    out: dict = {}
+    for how in ("shell", "resealed", "then_metadata"):
+        d, marker = _plant(folder, how)
+        r = load_refused(_trained_zero1(), lambda o, d=d: load_sharded(o, d))
+        torch.distributed.barrier()
+        out[f"planted_{how}"] = {**r, "ran": marker.exists()}
+    for key, prefix in FLIPS.items():
+        d = _flip_entry(folder, "zero1-toy", prefix)
+        out[f"flip_{key}"] = load_refused(_trained_zero1(), lambda o, d=d: load_sharded(o, d))
+    d = _flip_entry(folder, "fsdp2", FLIPS["master"])
+    out["fsdp_flip_master"] = load_refused(_trained_fsdp(), lambda o: load_sharded(o, d, chunk_bytes=CHUNK))
+
+    def extra(d: Path) -> None:
+        shutil.copy(d / "__0_0.distcp", d / "__2_0.distcp")
+
+    def missing(d: Path) -> None:
+        (d / "__1_0.distcp").unlink()
+
+    out["extra_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "extra", extra)))
+    out["missing_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "missing", missing)))
+    # a data file of another save of the same model (one step further): same names, same sizes
+    model, opt, run = _zero1_toy()
+    run(range(SAVE_STEPS + 1))
+    save_sharded(opt, Path(folder) / "zero1-toy-later", chunk_bytes=CHUNK)
+
+    def other_save(d: Path) -> None:
+        shutil.copy(Path(folder) / "zero1-toy-later" / "__1_0.distcp", d / "__1_0.distcp")
+
+    out["other_save_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "mixed", other_save)))
+    return out
+
+
+def _save_error(opt, path: Path) -> dict:
+    from canzona.runtime.checkpoint import CheckpointError
+    from canzona.runtime.dcp import save_sharded
+
+    try:
+        save_sharded(opt, path)
+        msg = "saved"
+    except CheckpointError as exc:
+        msg = str(exc)
+    torch.distributed.barrier()
+    return {"error": msg, "tmp_left": path.with_name(path.name + ".tmp").exists()}
+
+
+def _failed_saves(folder: str) -> dict:
+    """save_sharded where rank 0 cannot make the folder (its parent is a regular file), and with
+    rank 1's files limited to 2 KiB (``RLIMIT_FSIZE``, SIGXFSZ ignored: a full disk's EFBIG) over an
+    existing checkpoint: one CheckpointError on both ranks naming the path and the first failing
+    rank's cause, no ``.tmp`` left, the existing checkpoint intact and loadable."""
+    import resource
+    import signal
+
+    from canzona.runtime import dcp_files
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    rank = torch.distributed.get_rank()
+    model, opt, run = _zero1_toy()
+    run(range(1))
+    blocker = Path(folder) / "a-plain-file"
+    if rank == 0:
+        blocker.write_text("not a folder")
+    torch.distributed.barrier()
+    out = {"not_a_folder": _save_error(opt, blocker / "ckpt")}
+    path = Path(folder) / "full"
+    save_sharded(opt, path)
+    seal = (path / dcp_files.MANIFEST).read_bytes()
+    run(range(1, 2))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+        out["full"] = _save_error(opt, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    out["full"]["old_intact"] = (path / dcp_files.MANIFEST).read_bytes() == seal
+    load_sharded(opt, path)  # the previous checkpoint still loads
+    out["full"]["old_loads"] = opt.steps == 1
+    return out
+
+
 # ------------------------------------------------------------------------------ workers
 
 
@@ -428,14 +608,35 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     for key in FSDP_REFUSALS:
         cases[key] = {"result": refusals["result"][key]} if "result" in refusals else refusals
     cases["bounded"] = attempt(_bounded_load, folder)
+    attacks = attempt(_dcp_attacks, folder)
+    for key in DCP_ATTACKS:
+        cases[key] = {"result": attacks["result"][key]} if "result" in attacks else attacks
+    saves = attempt(_failed_saves, folder)
+    for key in ("not_a_folder", "full"):
+        cases[f"save_{key}"] = {"result": saves["result"][key]} if "result" in saves else saves
     return pack({"cases": cases})
+
+
+#: planted code and damaged directories -> what the one-line refusal says
+DCP_ATTACKS = {
+    "planted_shell": ".metadata holds",
+    "planted_resealed": "refers to posix.system, which DCP metadata never holds",
+    "planted_then_metadata": "refers to operator.getitem, which DCP metadata never holds",
+    "flip_master": "fails its checksum",
+    "flip_model": "fails its checksum",
+    "flip_exp_avg": "fails its checksum",
+    "fsdp_flip_master": "fails its checksum",
+    "extra_file": "__2_0.distcp is not one of the sealed files",
+    "missing_file": "sealed file __1_0.distcp is missing",
+    "other_save_file": "__1_0.distcp fails its checksum",
+}
 
 
 FSDP_REFUSALS = {
     "fsdp_wrong_optimizer": "written by matrix_optimizer 'Muon'",
     "fsdp_other_model": "checkpoint parameters differ from the model's",
-    "fsdp_truncated": "is truncated",
-    "fsdp_corrupt": "reading the checkpoint failed",
+    "fsdp_truncated": "(truncated, or from another save)",
+    "fsdp_corrupt": "fails its checksum",
     "fsdp_single_wrong_optimizer": "written by matrix_optimizer 'Muon'",
     "fsdp_single_other_model": "checkpoint parameters differ from the model's",
     "fsdp_single_truncated": "not a readable checkpoint",
@@ -544,8 +745,8 @@ def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
         ("wrong_optimizer", "written by matrix_optimizer 'SOAP'"),
         ("other_model", "checkpoint holds shape"),
         ("not_a_checkpoint", "not a sharded checkpoint directory"),
-        ("truncated", "is truncated"),
-        ("corrupt", "reading the checkpoint failed"),
+        ("truncated", "(truncated, or from another save)"),
+        ("corrupt", "fails its checksum"),
         ("single_truncated", "not a readable checkpoint"),
         *FSDP_REFUSALS.items(),
     ],
@@ -639,3 +840,28 @@ def test_sharded_load_is_bounded_by_the_chunk_size(folder: Path) -> None:
         assert r["trained"]["new_state_bytes"] == 0, r["trained"]
         assert 0 < r["fresh"]["new_state_bytes"] <= owned, r["fresh"]
         assert r["control"]["largest_item"] > 4 * cap, r["control"]
+
+
+@pytest.mark.parametrize("case,expect", list(DCP_ATTACKS.items()))
+def test_planted_code_and_damaged_files_are_refused_on_every_rank(folder: Path, case: str, expect: str) -> None:
+    """A ``.metadata`` whose unpickling runs ``os.system`` (with the seal left alone, with the seal
+    rewritten to match, and a variant that then yields the real metadata), a flipped byte in a
+    master, a model entry and an AdamW ``exp_avg`` (ZeRO-1 and FSDP2), an extra file, a missing
+    file and a data file of another save: one line on both ranks, nothing changed, nothing run."""
+    for rank, r in enumerate(_case(2, folder, case)):
+        assert expect in r["error"], f"rank {rank}: {r['error']}"
+        assert "\n" not in r["error"], "one line"
+        assert r["untouched"], f"{case}: rank {rank} changed its masters, state or model"
+        if case.startswith("planted"):
+            assert not r["ran"], f"{case}: the planted command ran on rank {rank}"
+
+
+@pytest.mark.parametrize("case", ["save_not_a_folder", "save_full"])
+def test_a_failed_sharded_save_names_the_path_and_cause_and_leaves_nothing(folder: Path, case: str) -> None:
+    cause = {"save_not_a_folder": "rank 0 failed writing: ", "save_full": "rank 1 failed writing: OSError: [Errno 27] File too large"}[case]
+    for rank, r in enumerate(_case(2, folder, case)):
+        assert r["error"].startswith("saving the sharded checkpoint ") and cause in r["error"], f"rank {rank}: {r['error']}"
+        assert ("a-plain-file/ckpt" if case == "save_not_a_folder" else "/full ") in r["error"], r["error"]
+        assert "\n" not in r["error"] and not r["tmp_left"], r
+        if case == "save_full":
+            assert r["old_intact"] and r["old_loads"], r

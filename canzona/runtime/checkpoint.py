@@ -9,7 +9,7 @@ canzona's ZeRO-1 path and for FSDP2 models, so both formats serve both engines a
 of one engine loads into the other. Saved hyperparameters come back in one place,
 :func:`restore_hyperparams`.
 
-Format (``format = "canzona.optimizer_state"``, ``version = 2``): one ``torch.save`` document
+Format (``format = "canzona.optimizer_state"``, ``version = 3``): one ``torch.save`` document
 holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so it loads with
 ``torch.load(..., weights_only=True)``::
 
@@ -26,11 +26,18 @@ holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so
                                                  # shards reassembled, matrix state full-shape
       "hyper":  {"matrix": {...}, "elementwise": {...}},   # the inner optimizers' hyperparameters
       "checksums": {"params": {name: int}, "state": {name: {key: int}}},   # 62-bit, per tensor
+      "digest": str,                             # BLAKE2b-256 of everything above
     }
 
-Integrity: every tensor of ``params`` and ``state`` has a checksum
-(:func:`canzona.runtime.integrity.tensor_checksum`) that loading verifies, so a flipped byte is
-refused with an error naming the tensor; files are written atomically
+Integrity: ``digest`` (:func:`document_digest`) covers the whole document but itself, in a
+canonical type-tagged encoding: hyperparameters, step counts, key names, container structure and
+every tensor's dtype, shape and bytes. Loading checks it (:func:`verify_document`) before anything
+else, so a file that unpickles to anything but what was saved is refused (the fuzz test in
+tests/test_checkpoint.py flips every byte outside the tensor data of a saved file: each flip is
+refused or loads the original document); where the cause is one tensor, the per-tensor
+``checksums`` (:func:`canzona.runtime.integrity.tensor_checksum`) name it. Version-2 documents
+(written before the digest) still load, with the weaker check they carry: their tensors are
+verified, their numbers and names are not. Files are written atomically
 (:func:`canzona.runtime.integrity.atomic_write`: the old file survives a failed save). Before
 anything is written, loading also refuses: masters whose dtype is not the optimizer's
 ``master_dtype`` (a float64 master in an fp32 run), non-finite values in masters or state, and
@@ -60,6 +67,7 @@ shape on a sliced region cannot be re-sliced and is refused with an error naming
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -79,6 +87,7 @@ __all__ = [
     "FORMAT",
     "GROUP_NAMES",
     "SCHEDULED_KEYS",
+    "READS",
     "VERSION",
     "Box",
     "CheckpointError",
@@ -89,16 +98,20 @@ __all__ = [
     "check_hyperparams",
     "checksums",
     "consolidated_state_dict",
+    "document_digest",
     "flat_range_boxes",
     "load_checkpoint",
     "load_consolidated_state_dict",
     "restore_hyperparams",
     "save_checkpoint",
+    "verify_document",
     "whole_box",
 ]
 
 FORMAT = "canzona.optimizer_state"
-VERSION = 2
+VERSION = 3
+#: document versions :func:`load_consolidated_state_dict` reads (2: per-tensor checksums only)
+READS: tuple[int, ...] = (2, 3)
 
 #: the front ends' parameter groups, in ``param_groups`` order (one per inner-optimizer role)
 GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
@@ -404,7 +417,99 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
         "hyper": src.hyperparams(),
     }
     doc["checksums"] = checksums(doc)
+    doc["digest"] = document_digest(doc)
     return doc
+
+
+def _feed(h: Any, v: Any, depth: int = 0) -> None:
+    """Feed a canonical, type-tagged encoding of ``v`` into the hash ``h``: every key, number,
+    string, container kind and tensor (dtype, shape, bytes) counts; dict entries in sorted order."""
+    if depth > 64:
+        raise CheckpointError("checkpoint document is nested deeper than any canzona writes")
+    if torch.is_tensor(v):
+        t = v.detach().to("cpu").contiguous()
+        h.update(f"x{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(v, Mapping):
+        items = sorted(v.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
+        h.update(f"d{len(items)}|".encode())
+        for k, x in items:
+            _feed(h, k, depth + 1)
+            _feed(h, x, depth + 1)
+    elif isinstance(v, (list, tuple)):
+        h.update(f"{'l' if isinstance(v, list) else 't'}{len(v)}|".encode())
+        for x in v:
+            _feed(h, x, depth + 1)
+    elif isinstance(v, bool) or v is None:
+        h.update({True: b"T", False: b"F", None: b"N"}[v])
+    elif isinstance(v, int):
+        h.update(f"i{v}|".encode())
+    elif isinstance(v, float):
+        h.update(f"f{v.hex()}|".encode())
+    elif isinstance(v, str):
+        raw = v.encode("utf-8", "surrogatepass")
+        h.update(f"s{len(raw)}|".encode() + raw)
+    else:
+        raise CheckpointError(f"checkpoint document holds a {type(v).__name__}, which canzona never writes")
+
+
+def document_digest(doc: Mapping[str, Any]) -> str:
+    """BLAKE2b-256 (hex) of everything in ``doc`` but its ``"digest"`` entry: hyperparameters,
+    step counts, key names, structure and every tensor's bytes, in a canonical encoding
+    (:func:`_feed`), so a document that loads with any difference from what was saved fails it."""
+    h = hashlib.blake2b(digest_size=32)
+    _feed(h, {k: v for k, v in doc.items() if k != "digest"})
+    return h.hexdigest()
+
+
+def _name_bad_tensor(doc: Mapping[str, Any]) -> None:
+    """Raise naming the first tensor that fails its own checksum, if one does (a better message
+    than the document digest's)."""
+    sums = doc.get("checksums")
+    if not isinstance(sums, Mapping):
+        return
+    for section, label in (("params", "parameter value"), ("state", "optimizer state")):
+        table, saved = doc.get(section), sums.get(section)
+        if not isinstance(table, Mapping) or not isinstance(saved, Mapping):
+            continue
+        for name, v in table.items():
+            if section == "params":
+                if torch.is_tensor(v) and saved.get(name) != tensor_checksum(v):
+                    raise CheckpointError(f"{name}: {label} fails its checksum (the file is corrupt)")
+                continue
+            want = saved.get(name)
+            for k, t in (v.items() if isinstance(v, Mapping) else ()):
+                if torch.is_tensor(t) and (not isinstance(want, Mapping) or want.get(k) != tensor_checksum(t)):
+                    raise CheckpointError(f"{name}: {label} {k!r} fails its checksum (the file is corrupt)")
+
+
+def _check_format(doc: Any) -> int:
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"not a canzona optimizer checkpoint (format {doc.get('format') if isinstance(doc, Mapping) else type(doc).__name__!r})")
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:
+        raise CheckpointError(f"unsupported checkpoint version {version!r} (this canzona reads {', '.join(map(str, READS))})")
+    return version
+
+
+def verify_document(doc: Any) -> None:
+    """The integrity checks that need no optimizer: the format, the version and, for a version-3
+    document, its digest over the whole document (CheckpointError otherwise). A version-2 document
+    (canzona before the whole-document digest) has only per-tensor checksums: its tensors are
+    checked, its numbers, names and structure cannot be, and it must carry no ``"digest"`` entry
+    (a version-3 document whose version a corruption turned into 2 is refused)."""
+    version = _check_format(doc)
+    if version == 2:
+        if "digest" in doc:
+            raise CheckpointError("checkpoint says version 2 but carries a version-3 digest (the file is corrupt)")
+        return
+    if not isinstance(doc.get("digest"), str):
+        raise CheckpointError("checkpoint carries no document digest; it cannot be verified")
+    if document_digest(doc) != doc["digest"]:
+        _name_bad_tensor(doc)
+        raise CheckpointError(
+            "checkpoint fails its document digest: a hyperparameter, step count, key or value differs from what was saved (the file is corrupt)"
+        )
 
 
 def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -473,10 +578,9 @@ def check_hyperparams(where: str, values: Mapping[str, Any]) -> None:
 
 
 def _check_document(src: Checkpointable, doc: Any) -> None:
-    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"not a canzona optimizer checkpoint (format {doc.get('format') if isinstance(doc, Mapping) else type(doc).__name__!r})")
-    if doc.get("version") != VERSION:
-        raise CheckpointError(f"unsupported checkpoint version {doc.get('version')!r} (this canzona reads {VERSION})")
+    """Everything a document must pass before a rank writes any of it; the checks that name a
+    parameter first (they only read), the whole-document digest before the values are trusted."""
+    _check_format(doc)
     for key in ("meta", "params", "state", "hyper"):
         if not isinstance(doc.get(key), Mapping):
             raise CheckpointError(f"checkpoint lacks its {key!r} section")
@@ -512,6 +616,7 @@ def _check_document(src: Checkpointable, doc: Any) -> None:
     check_hyper_section(doc["hyper"])
     if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool) or meta.get("steps", 0) < 0:
         raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not a non-negative integer")
+    verify_document(doc)
     _check_integrity(src, doc)
 
 
