@@ -353,6 +353,9 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
         groups = [{"name": name, "params": [named[n] for n in members[name]], **hyper[name]} for name in GROUP_NAMES]
         self._groups_fixed = False
         torch.optim.Optimizer.__init__(self, groups, {})
+        from canzona.runtime.stateful import OptimizerStateNotice
+
+        self.state = OptimizerStateNotice()  # state lives in the inner optimizers (see its docstring)
         self._groups_fixed = True
         for group in self.param_groups:
             group["param_names"] = list(members[group["name"]])

@@ -78,7 +78,7 @@ def _resume_case(rank: int, folder: str, strategy: str, optname: str) -> dict:
     assert opt.steps == SAVE_STEPS
     out: dict = {}
     # a round trip through the new layout's owners reproduces the saved document
-    again = opt.state_dict()
+    again = opt.consolidated_state_dict()
     if rank == 0:
         saved = torch.load(Path(folder) / f"{strategy}.pt", weights_only=True)
         out["roundtrip"] = tensors_equal(saved["params"], again["params"]) + [
@@ -301,7 +301,7 @@ def test_every_flipped_byte_outside_the_tensor_data_is_refused_or_changes_nothin
             inject_grads(model, integer_grads(model, step=s, rank=0))
             opt.step()
             opt.zero_grad()
-        doc = opt.state_dict()
+        doc = opt.consolidated_state_dict()
     buf = io.BytesIO()
     torch.save(doc, buf)
     raw = buf.getvalue()

@@ -25,6 +25,7 @@ from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import run_workers
 from canzona.testing import (
     ReferenceRunner,
+    held_snapshot,
     ToyModel,
     attempt,
     case_results,
@@ -199,7 +200,7 @@ def _outcome(model, opt) -> dict:
     from canzona.testing_fsdp import _full_params
 
     params = _full_params(model)
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     return {"params": params, "doc": doc, "steps": opt.steps}
 
 
@@ -212,6 +213,10 @@ def _save_then(build, folder: str, name: str) -> None:
     run(range(SAVE_STEPS))
     if name.endswith(".pt"):
         save_checkpoint(opt, Path(folder) / name)
+    elif name.startswith("dcp-"):  # torch's own DCP, the optimizer as a Stateful
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=str(Path(folder) / name))
     else:
         save_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
 
@@ -223,10 +228,71 @@ def _resume(build, folder: str, name: str) -> dict:
     model, opt, run = build()
     if name.endswith(".pt"):
         load_checkpoint(opt, Path(folder) / name)
+    elif name.startswith("dcp-"):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"model": model.state_dict(), "optim": opt}, checkpoint_id=str(Path(folder) / name))
     else:
         load_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
     run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
     return _outcome(model, opt)
+
+
+def _roundtrip(build) -> dict:
+    """What ``accelerate.prepare`` does on every rank (``load_state_dict(state_dict())`` with the
+    tensors moved to the device), on a fresh optimizer and again after SAVE_STEPS steps; the run
+    must go on as if nothing happened."""
+    model, opt, run = build()
+    opt.load_state_dict({k: v.to("cpu") for k, v in opt.state_dict().items()})
+    run(range(SAVE_STEPS))
+    opt.load_state_dict({k: v.to("cpu") for k, v in opt.state_dict().items()})
+    run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+    return _outcome(model, opt)
+
+
+def _one_rank_calls(build) -> dict:
+    """Rank 0 calls state_dict() alone: it raises within status_timeout_s (3 s here) naming rank 1;
+    rank 1, arriving at that call later, raises at once; the process group still works and the
+    next state_dict() on both ranks succeeds."""
+    import time
+
+    from canzona.runtime.checkpoint import CollectiveMismatch
+
+    model, opt, run = build()
+    run(range(1))
+    opt.status_timeout_s = 3.0
+    rank = torch.distributed.get_rank()
+    if rank == 1:
+        time.sleep(5.0)
+    start = time.monotonic()
+    try:
+        opt.state_dict()
+        msg = "returned"
+    except CollectiveMismatch as exc:
+        msg = str(exc)
+    elapsed = time.monotonic() - start
+    torch.distributed.barrier()
+    after = sorted(opt.state_dict())[:1]
+    return {"error": msg, "elapsed": elapsed, "after": after}
+
+
+def _torch_state_api(build) -> dict:
+    """torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict on canzona's optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt, run = build()
+    run(range(1))
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    before = held_snapshot(opt)
+    out = {}
+    for key, call in (("get", lambda: get_optimizer_state_dict(model, opt)), ("set", lambda: set_optimizer_state_dict(model, opt, {"state": {}, "param_groups": []}))):
+        try:
+            call()
+            out[key] = "returned"
+        except Exception as exc:  # noqa: BLE001 - the test reads what it says
+            out[key] = str(exc)
+    return {**out, "steps": opt.steps, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
 
 
 def _fsdp_reference(dps: tuple[int, int]) -> object:
@@ -611,6 +677,18 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     attacks = attempt(_dcp_attacks, folder)
     for key in DCP_ATTACKS:
         cases[key] = {"result": attacks["result"][key]} if "result" in attacks else attacks
+    # torch's DCP with the optimizer as a Stateful, across the engines; accelerate's round trip
+    cases["dcp_zero1_save"] = attempt(_save_then, _zero1_toy, folder, "dcp-zero1")
+    cases["dcp_fsdp2_save"] = attempt(_save_then, lambda: _fsdp("dp_shard2"), folder, "dcp-fsdp2")
+    cases["stateful_zero1_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "dcp-zero1")
+    cases["stateful_fsdp2_to_zero1"] = attempt(_resume, _zero1_toy, folder, "dcp-fsdp2")
+    cases["stateful_fsdp2_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "dcp-fsdp2")
+    cases["roundtrip_zero1"] = attempt(_roundtrip, _zero1_toy)
+    cases["roundtrip_fsdp2"] = attempt(_roundtrip, lambda: _fsdp("dp_shard2"))
+    cases["one_rank_zero1"] = attempt(_one_rank_calls, _zero1_toy)
+    cases["one_rank_fsdp2"] = attempt(_one_rank_calls, lambda: _fsdp("dp_shard2"))
+    cases["torch_api_zero1"] = attempt(_torch_state_api, _zero1_toy)
+    cases["torch_api_fsdp2"] = attempt(_torch_state_api, lambda: _fsdp("dp_shard2"))
     saves = attempt(_failed_saves, folder)
     for key in ("not_a_folder", "full"):
         cases[f"save_{key}"] = {"result": saves["result"][key]} if "result" in saves else saves
@@ -768,6 +846,12 @@ FSDP_RESUMES = {
     "fsdp22_to_fsdp2": (2, (2, 2)),
     "fsdp4_to_fsdp22": (4, (4, 2)),
     "fsdp22_to_fsdp4": (4, (2, 4)),
+    # dcp.save / dcp.load with the optimizer as a Stateful; load_state_dict(state_dict()) round trips
+    "stateful_zero1_to_fsdp2": (2, (2, 2)),
+    "stateful_fsdp2_to_zero1": (2, (2, 2)),
+    "stateful_fsdp2_to_fsdp2": (2, (2, 2)),
+    "roundtrip_zero1": (2, (2, 2)),
+    "roundtrip_fsdp2": (2, (2, 2)),
 }
 
 
@@ -865,3 +949,20 @@ def test_a_failed_sharded_save_names_the_path_and_cause_and_leaves_nothing(folde
         assert "\n" not in r["error"] and not r["tmp_left"], r
         if case == "save_full":
             assert r["old_intact"] and r["old_loads"], r
+
+
+@pytest.mark.parametrize("engine", ["zero1", "fsdp2"])
+def test_a_collective_called_on_one_rank_raises_there_in_bounded_time_and_tells_the_other(folder: Path, engine: str) -> None:
+    first, second = _case(2, folder, f"one_rank_{engine}")
+    assert "rank(s) [1] did not call it within 3 s" in first["error"] and first["elapsed"] < 3.0 + 2.0, first
+    assert "rank 0 (in state_dict()) stopped waiting for this call" in second["error"] and second["elapsed"] < 1.0, second
+    assert first["after"] == second["after"] == ["canzona.format"], "the process group works afterwards"
+
+
+@pytest.mark.parametrize("engine", ["zero1", "fsdp2"])
+def test_torch_optimizer_state_dict_api_is_refused_with_the_working_path_and_changes_nothing(folder: Path, engine: str) -> None:
+    for rank, r in enumerate(_case(2, folder, f"torch_api_{engine}")):
+        for key in ("get", "set"):
+            assert "cannot serve it" in r[key] and "dcp.save({'model': model_sd, 'optim': opt})" in r[key], f"rank {rank} {key}: {r[key]}"
+            assert "\n" not in r[key]
+        assert r["steps"] == 1 and r["untouched"], "torch's zero-gradient initialization step must not run"

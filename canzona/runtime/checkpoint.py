@@ -68,11 +68,13 @@ shape on a sliced region cannot be re-sliced and is refused with an error naming
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,6 +94,7 @@ __all__ = [
     "Box",
     "CheckpointError",
     "Checkpointable",
+    "CollectiveMismatch",
     "Held",
     "ModelPiece",
     "ParamRecord",
@@ -100,6 +103,7 @@ __all__ = [
     "consolidated_state_dict",
     "document_digest",
     "flat_range_boxes",
+    "join_collective",
     "load_checkpoint",
     "load_consolidated_state_dict",
     "restore_hyperparams",
@@ -224,11 +228,59 @@ class Checkpointable(Protocol):
         (collective where hosts hold full masters built from shards), set the step count and
         discard pending gradients."""
 
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The consolidated document (:func:`consolidated_state_dict`) on world rank 0, ``{}``
+        elsewhere (collective)."""
+
     def state_dict(self) -> dict[str, Any]:
-        """The consolidated document (:func:`consolidated_state_dict`) on world rank 0."""
+        """This rank's state in DCP's shape (:func:`canzona.runtime.stateful.sharded_state_dict`;
+        collective)."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a consolidated document (:func:`load_consolidated_state_dict`)."""
+        """Load either form (:func:`canzona.runtime.stateful.load_state`; collective)."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """A collective method (``state_dict()``, a checkpoint save or load) was not called on every rank."""
+
+
+# ---------------------------------------------------------------------------------- collective guard
+
+_collective_calls = itertools.count()  # every rank numbers its collective calls alike while they agree
+
+
+def join_collective(src: Checkpointable, what: str) -> None:
+    """Wait (at most ``src.status_timeout_s``) in the default store until every rank has entered
+    the collective method ``what`` at the same call number; raise :class:`CollectiveMismatch` on
+    a timeout (naming the missing ranks, and leaving a mark that makes them raise when they come),
+    when another rank gave up on this call already, or when another rank entered another method."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the rendezvous needs no collective
+    except Exception:  # noqa: BLE001 - without a store there is nothing to wait in
+        return
+    rank, world, n = dist.get_rank(), dist.get_world_size(), next(_collective_calls)
+    base = f"canzona/collective/{n}"
+    store.set(f"{base}/{rank}", what)
+    rule = f"{what} is collective: every rank must call it at the same point"
+    if store.check([f"{base}/abandoned"]):
+        raise CollectiveMismatch(f"{rule}; {store.get(f'{base}/abandoned').decode()} stopped waiting for this call")
+    timeout = float(src.status_timeout_s)
+    try:
+        store.wait([f"{base}/{r}" for r in range(world)], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError on a timeout
+        missing = [r for r in range(world) if not store.check([f"{base}/{r}"])]
+        store.set(f"{base}/abandoned", f"rank {rank} (in {what})")
+        raise CollectiveMismatch(f"{rule}; rank(s) {missing} did not call it within {timeout:g} s") from None
+    if store.check([f"{base}/abandoned"]):  # it gave up just as this rank arrived
+        raise CollectiveMismatch(f"{rule}; {store.get(f'{base}/abandoned').decode()} stopped waiting for this call")
+    others = {r: store.get(f"{base}/{r}").decode() for r in range(world)}
+    odd = {r: w for r, w in others.items() if w != what}
+    if odd:
+        r, w = sorted(odd.items())[0]
+        raise CollectiveMismatch(f"{rule}; rank {r} called {w} instead")
+
 
 
 def restore_hyperparams(src: Checkpointable, hyper: Mapping[str, Any]) -> None:
@@ -371,8 +423,10 @@ def _meta(src: Checkpointable) -> dict[str, Any]:
 def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
     """Gather the optimizer's state into one layout-independent document on world rank 0.
 
-    Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
+    Collective over the world group (:func:`join_collective` first). Rank 0 returns the
+    document, other ranks an empty dict.
     """
+    join_collective(src, "consolidated_state_dict()")
     src.runtime.replicas.check("saving the optimizer state")  # the same flag on every rank: all raise
     mine: list[dict[str, Any]] = []
     error: BaseException | None = None
@@ -644,6 +698,7 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
     the step count and the model's parameter values. Collective: the status exchange, and the
     re-assembly of full masters where hosts build them from shards.
     """
+    join_collective(src, "load_state_dict()")
     error: BaseException | None = None
     try:
         _check_document(src, doc)
@@ -682,8 +737,8 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
 
 def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename).
-    Goes through ``src.state_dict()``, so a scheduler's latest lr is what is saved."""
-    doc = src.state_dict()
+    Goes through ``src.consolidated_state_dict()``, so a scheduler's latest lr is what is saved."""
+    doc = src.consolidated_state_dict()
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
@@ -696,6 +751,7 @@ def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
 def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Read ``path`` on every rank (``weights_only=True``: data, not code) and load it. A rank that
     cannot read it raises its :class:`CheckpointError`, the others a ``RankFailure`` naming it."""
+    join_collective(src, "load_checkpoint()")
     error: CheckpointError | None = None
     doc: Any = None
     try:
@@ -704,6 +760,11 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
         error = CheckpointError(f"checkpoint not found: {path}")
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {_first_line(exc)})")
+    if error is None:
+        try:
+            _check_format(doc)
+        except CheckpointError as exc:
+            error = exc
     try:
         agree(error, f"reading the checkpoint {path}", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:

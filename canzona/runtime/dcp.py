@@ -72,6 +72,7 @@ from canzona.runtime.checkpoint import (
     check_hyper_section,
     check_optimizers,
     flat_range_boxes,
+    join_collective,
     restore_hyperparams,
     whole_box,
 )
@@ -271,6 +272,7 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     and leaves neither ``<path>.tmp`` nor a changed ``path`` behind."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    join_collective(src, "save_sharded()")
     src.runtime.replicas.check("saving the sharded checkpoint")  # the same flag on every rank: all raise
     src.finish_param_sync()
     path = Path(path)
@@ -596,6 +598,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = Path(path)
+    join_collective(src, "load_sharded()")
     src.finish_param_sync()
     error: BaseException | None = None
     meta: dict[str, Any] = {}
