@@ -272,7 +272,10 @@ def _same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if torch.is_tensor(a):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        flat = [torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8) for t in (a, b)]
+        return torch.equal(*flat)
     if isinstance(a, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

@@ -543,13 +543,32 @@ def _save_error(opt, path: Path) -> dict:
     return {"error": msg, "tmp_left": path.with_name(path.name + ".tmp").exists()}
 
 
+def _small_filesystem(where: Path, size_kib: int) -> bool:
+    """Mount a tmpfs of ``size_kib`` at ``where`` on rank 0 (root can; CI may not): whether it did,
+    the same answer on every rank."""
+    import subprocess
+
+    ok = torch.zeros(1)
+    if torch.distributed.get_rank() == 0:
+        where.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)], capture_output=True, check=False)
+        ok[0] = float(done.returncode == 0)
+    torch.distributed.broadcast(ok, 0)
+    return bool(ok[0])
+
+
 def _failed_saves(folder: str) -> dict:
-    """save_sharded where rank 0 cannot make the folder (its parent is a regular file), and with
-    rank 1's files limited to 2 KiB (``RLIMIT_FSIZE``, SIGXFSZ ignored: a full disk's EFBIG) over an
-    existing checkpoint: one CheckpointError on both ranks naming the path and the first failing
-    rank's cause, no ``.tmp`` left, the existing checkpoint intact and loadable."""
-    import resource
-    import signal
+    """save_sharded where rank 0 cannot make the folder (its parent is a regular file), and onto a
+    full disk over an existing checkpoint: a 160 KiB tmpfs holding one ~110 KiB checkpoint, so the
+    next save's temporary copy runs out of space (ENOSPC); where no tmpfs can be mounted, rank 1's
+    DCP writes raise that ENOSPC instead. One CheckpointError on both ranks naming the path and
+    the first failing rank's cause, no ``.tmp`` left, the existing checkpoint intact and loadable."""
+    import errno
+    import os
+    import subprocess
+    from unittest import mock
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
 
     from canzona.runtime import dcp_files
     from canzona.runtime.dcp import load_sharded, save_sharded
@@ -562,22 +581,34 @@ def _failed_saves(folder: str) -> dict:
         blocker.write_text("not a folder")
     torch.distributed.barrier()
     out = {"not_a_folder": _save_error(opt, blocker / "ckpt")}
-    path = Path(folder) / "full"
-    save_sharded(opt, path)
-    seal = (path / dcp_files.MANIFEST).read_bytes()
-    run(range(1, 2))
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    disk = Path(folder) / "small-disk"
+    mounted = _small_filesystem(disk, 160)
+    path = disk / "full"
     try:
-        if rank == 1:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
-        out["full"] = _save_error(opt, path)
+        save_sharded(opt, path, chunk_bytes=CHUNK)
+        seal = (path / dcp_files.MANIFEST).read_bytes()
+        run(range(1, 2))
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        inject = rank == 1 and not mounted
+        with mock.patch.object(dcp_fs, "_write_item", no_space) if inject else mock.patch.object(dcp_fs, "_write_item", dcp_fs._write_item):
+            out["full"] = _save_error(opt, path)
+        out["full"]["old_intact"] = (path / dcp_files.MANIFEST).read_bytes() == seal
+        load_sharded(opt, path, chunk_bytes=CHUNK)  # the previous checkpoint still loads
+        out["full"]["old_loads"] = opt.steps == 1
+        out["full"]["tmpfs"] = mounted
+        out["read_only"] = {"tmpfs": mounted}
+        if mounted:  # read-only for root too
+            if rank == 0:
+                subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, check=True)
+            torch.distributed.barrier()
+            out["read_only"].update(_save_error(opt, disk / "ro"), made=(disk / "ro").exists())
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
-    out["full"]["old_intact"] = (path / dcp_files.MANIFEST).read_bytes() == seal
-    load_sharded(opt, path)  # the previous checkpoint still loads
-    out["full"]["old_loads"] = opt.steps == 1
+        torch.distributed.barrier()
+        if mounted and rank == 0:
+            subprocess.run(["umount", str(disk)], capture_output=True, check=False)
     return out
 
 
@@ -690,7 +721,7 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     cases["torch_api_zero1"] = attempt(_torch_state_api, _zero1_toy)
     cases["torch_api_fsdp2"] = attempt(_torch_state_api, lambda: _fsdp("dp_shard2"))
     saves = attempt(_failed_saves, folder)
-    for key in ("not_a_folder", "full"):
+    for key in ("not_a_folder", "full", "read_only"):
         cases[f"save_{key}"] = {"result": saves["result"][key]} if "result" in saves else saves
     return pack({"cases": cases})
 
@@ -699,7 +730,7 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
 DCP_ATTACKS = {
     "planted_shell": ".metadata holds",
     "planted_resealed": "refers to posix.system, which DCP metadata never holds",
-    "planted_then_metadata": "refers to operator.getitem, which DCP metadata never holds",
+    "planted_then_metadata": "operator.getitem, which DCP metadata never holds",
     "flip_master": "fails its checksum",
     "flip_model": "fails its checksum",
     "flip_exp_avg": "fails its checksum",
@@ -755,7 +786,7 @@ def _case(world: int, folder: Path, case: str) -> list:
 
 def test_each_rank_writes_its_own_file(folder: Path) -> None:
     res = _case(4, folder, "files")
-    assert res[0] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    assert res[0] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "canzona.checksums.json"]
     sizes = [(folder / "tiny" / f"__{r}_0.distcp").stat().st_size for r in range(4)]
     # nothing is gathered: no rank's file holds (nearly) everything
     assert max(sizes) < 0.6 * sum(sizes), sizes
@@ -940,9 +971,18 @@ def test_planted_code_and_damaged_files_are_refused_on_every_rank(folder: Path, 
             assert not r["ran"], f"{case}: the planted command ran on rank {rank}"
 
 
+def test_a_sharded_save_to_a_read_only_folder_names_the_path_and_cause(folder: Path) -> None:
+    res = _case(2, folder, "save_read_only")
+    if not res[0]["tmpfs"]:
+        pytest.skip("no tmpfs could be mounted here (needs root); the folder and full-disk cases still ran")
+    for rank, r in enumerate(res):
+        assert "small-disk/ro failed: rank 0 failed writing: " in r["error"] and "Read-only file system" in r["error"], f"rank {rank}: {r['error']}"
+        assert not r["tmp_left"] and not r["made"], r
+
+
 @pytest.mark.parametrize("case", ["save_not_a_folder", "save_full"])
 def test_a_failed_sharded_save_names_the_path_and_cause_and_leaves_nothing(folder: Path, case: str) -> None:
-    cause = {"save_not_a_folder": "rank 0 failed writing: ", "save_full": "rank 1 failed writing: OSError: [Errno 27] File too large"}[case]
+    cause = {"save_not_a_folder": "rank 0 failed writing: NotADirectoryError", "save_full": "failed writing: OSError: [Errno 28] No space left on device"}[case]
     for rank, r in enumerate(_case(2, folder, case)):
         assert r["error"].startswith("saving the sharded checkpoint ") and cause in r["error"], f"rank {rank}: {r['error']}"
         assert ("a-plain-file/ckpt" if case == "save_not_a_folder" else "/full ") in r["error"], r["error"]

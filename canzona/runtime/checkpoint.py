@@ -49,7 +49,11 @@ param groups; to change one after resuming, set it in ``opt.param_groups`` after
 
 Errors reach every rank: saving and loading each join a status exchange
 (:func:`canzona.runtime.agree.agree`), so a rank that cannot read the file, a document refused on
-one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank.
+one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank. Before
+that, every collective checkpoint entry point (here, in :mod:`canzona.runtime.dcp` and
+:mod:`canzona.runtime.stateful`) meets the other ranks in the process group's store
+(:func:`join_collective`): one called on some ranks only raises there within ``status_timeout_s``
+and on the others when they reach it, with no collective left in flight.
 
 The document is *consolidated per parameter name* and independent of the layout it was written
 under: :func:`consolidated_state_dict` gathers every canonical held region to world rank 0 (one
@@ -481,7 +485,9 @@ def _feed(h: Any, v: Any, depth: int = 0) -> None:
     if depth > 64:
         raise CheckpointError("checkpoint document is nested deeper than any canzona writes")
     if torch.is_tensor(v):
-        t = v.detach().to("cpu").contiguous()
+        # a fresh row-major copy: values count, not the strides the file gave them (a size-1 dim
+        # may carry any stride, which .contiguous() keeps and a byte view refuses)
+        t = torch.empty(v.shape, dtype=v.dtype).copy_(v.detach())
         h.update(f"x{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(v, Mapping):

@@ -28,11 +28,19 @@ The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors
 directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
 .dcp_to_torch_save`` converts it to one ``torch.save`` file of full tensors.
 
+The directory is sealed (:mod:`canzona.runtime.dcp_files`): after DCP wrote every data file and
+``.metadata``, the ranks hash their share of the files and rank 0 writes
+``canzona.checksums.json`` before the directory is renamed into place. A save that fails on any
+rank raises one :class:`~canzona.runtime.checkpoint.CheckpointError` on every rank naming the
+path and the first failing rank's cause, and removes what it wrote.
+
 :func:`load_sharded` reads it at *any* layout (another DP size, another TP size, another strategy,
 the other engine): every rank asks DCP for exactly the regions it holds, and DCP reads the
-overlapping parts of the saved chunks. It first reads ``canzona.meta`` and the directory's
-metadata and refuses a checkpoint of another model or optimizer, a missing key, a wrongly shaped
-tensor or a missing or truncated data file with one
+overlapping parts of the saved chunks. It first checks the seal (every file present, none extra,
+sizes and digests: a flipped byte or a file of another save is refused), reads ``.metadata``
+through an allow-list unpickler (a pickle that names anything but DCP's metadata classes is
+refused before any object is built) and ``canzona.meta``, and refuses a checkpoint of another
+model or optimizer, a missing key or a wrongly shaped tensor with one
 :class:`~canzona.runtime.checkpoint.CheckpointError` on every rank. Then two passes:
 
 1. *verify*: every requested region is read into one scratch buffer of at most ``chunk_bytes``
