@@ -84,3 +84,59 @@ def test_the_seal_covers_every_file_and_itself(tmp_path: Path) -> None:
     seal.unlink()
     with pytest.raises(ValueError, match="no canzona.checksums.json"):
         dcp_files.read_manifest(d)
+
+
+def _document() -> dict:
+    from canzona.runtime.checkpoint import FORMAT, checksums, document_digest
+
+    doc = {
+        "format": FORMAT,
+        "version": 3,
+        "meta": {"steps": 3, "params": {"w": {"shape": [2, 2], "kind": "matrix", "tp_dim": None}}},
+        "params": {"w": torch.arange(4.0).view(2, 2)},
+        "state": {"w": {"momentum_buffer": torch.ones(2, 2)}},
+        "hyper": {"matrix": {"lr": 0.02, "ns_steps": 5, "nesterov": True, "betas": (0.9, 0.95)}, "elementwise": {}},
+    }
+    doc["checksums"] = checksums(doc)
+    doc["digest"] = document_digest(doc)
+    return doc
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["meta"].update(steps=2),
+        lambda d: d["hyper"]["matrix"].update(lr=3e-7),
+        lambda d: d["hyper"]["matrix"].update(ns_steps=4),
+        lambda d: d["hyper"]["matrix"].update(nesterov=False),
+        lambda d: d["hyper"]["matrix"].update(betas=[0.9, 0.95]),  # a list where a tuple was
+        lambda d: d["state"].update(w={"momentum_bufffer": d["state"]["w"]["momentum_buffer"]}),
+        lambda d: d["params"].update(w=d["params"]["w"].t()),
+    ],
+)
+def test_the_document_digest_covers_numbers_names_and_structure(change) -> None:
+    from canzona.runtime.checkpoint import CheckpointError, verify_document
+
+    doc = _document()
+    verify_document(doc)
+    change(doc)
+    with pytest.raises(CheckpointError):
+        verify_document(doc)
+
+
+def test_version_2_documents_keep_their_weaker_check_and_a_downgraded_version_3_is_refused() -> None:
+    from canzona.runtime.checkpoint import CheckpointError, verify_document
+
+    old = _document()
+    del old["digest"]
+    old["version"] = 2
+    verify_document(old)  # loads as before: per-tensor checksums only (checked by the loader)
+    downgraded = _document()
+    downgraded["version"] = 2
+    with pytest.raises(CheckpointError, match="says version 2 but carries a version-3 digest"):
+        verify_document(downgraded)
+    for bad in (3.0, True, 4):
+        doc = _document()
+        doc["version"] = bad
+        with pytest.raises(CheckpointError, match="unsupported checkpoint version"):
+            verify_document(doc)
