@@ -65,8 +65,9 @@ and element-wise optimizers and the TP hosts' matrix optimizer. Other hyperparam
 momentum ...) are fixed at construction (schedulers that cycle momentum refuse this optimizer,
 since its ``defaults`` name none). ``zero1`` runs the element-wise optimizer on every parameter, so
 its ``"matrix"`` group is empty and its values reach no optimizer. The scheduler's own state
-(``sched.state_dict()``) is the user's to save; ``opt.state_dict()`` holds the groups' current
-``lr``/``weight_decay`` (in its ``"hyper"`` section) and ``opt.load_state_dict`` restores them.
+(``sched.state_dict()``) is the user's to save; ``opt.state_dict()`` and
+``opt.consolidated_state_dict()`` hold the groups' current ``lr``/``weight_decay`` and
+``opt.load_state_dict`` restores them.
 
 ``optimizer`` is a name (``muon``, ``shampoo``, ``soap``: :mod:`canzona.optim`; ``adamw``) or any
 per-parameter ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Muon``); element-wise
