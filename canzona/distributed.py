@@ -76,8 +76,9 @@ and element-wise optimizers and the TP hosts' matrix optimizer. Other hyperparam
 momentum ...) are fixed at construction (schedulers that cycle momentum refuse this optimizer,
 since its ``defaults`` name none). ``zero1`` runs the element-wise optimizer on every parameter, so
 its ``"matrix"`` group is empty and its values reach no optimizer. The scheduler's own state
-(``sched.state_dict()``) is the user's to save; ``opt.state_dict()`` holds the groups' current
-``lr``/``weight_decay`` (in its ``"hyper"`` section) and ``opt.load_state_dict`` restores them.
+(``sched.state_dict()``) is the user's to save; ``opt.state_dict()`` and
+``opt.consolidated_state_dict()`` hold the groups' current ``lr``/``weight_decay`` and
+``opt.load_state_dict`` restores them.
 
 ``optimizer`` is a name (``muon``, ``shampoo``, ``soap``: :mod:`canzona.optim`; ``adamw``) or any
 per-parameter ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Muon``); element-wise
@@ -535,6 +536,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._groups_fixed = False
         super().__init__(groups, {})
         self._groups_fixed = True
+        from canzona.runtime.stateful import OptimizerStateNotice
+
+        self.state = OptimizerStateNotice()  # state lives in the inner optimizers (see its docstring)
         # set here, not through (name, tensor) pairs: Optimizer refuses to mix a named group with an
         # empty (hence unnamed) one, and zero1's matrix group is empty
         for group in self.param_groups:
@@ -662,30 +666,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.runtime.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """The consolidated optimizer state (collective: call on every rank; rank 0 gets it, other
-        ranks an empty dict). Format: :mod:`canzona.runtime.checkpoint`.
+        """This rank's optimizer state in the shape ``torch.distributed.checkpoint`` saves and
+        loads (a ``Stateful``: ``dcp.save({"optim": opt})``, ``dcp.load(...)``, re-sharded to any
+        layout). Collective: every rank calls it (one that calls it alone raises within
+        ``status_timeout_s``). Format: :mod:`canzona.runtime.stateful`. For one consolidated
+        document (export, small models) use :meth:`consolidated_state_dict`.
 
-        The groups' current ``lr``/``weight_decay`` (a scheduler may have changed them since the last
-        ``step()``) are pushed into the inner optimizers first, so the document's ``"hyper"`` section
-        holds them. A scheduler's own state is not included: save ``sched.state_dict()`` beside it.
-        ``canzona.runtime.checkpoint.save_checkpoint`` / ``load_checkpoint`` go through these methods."""
+        The groups' current ``lr``/``weight_decay`` (a scheduler may have changed them since the
+        last ``step()``) are pushed into the inner optimizers first, so the state holds them. A
+        scheduler's own state is not included: save ``sched.state_dict()`` beside it."""
+        from canzona.runtime.stateful import sharded_state_dict
+
+        self.finish_param_sync()
+        self._push_hyperparams()
+        return sharded_state_dict(self)
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The consolidated optimizer state (collective: call on every rank; rank 0 gets it, other
+        ranks an empty dict). Format: :mod:`canzona.runtime.checkpoint`;
+        ``canzona.runtime.checkpoint.save_checkpoint`` writes it to one file."""
         from canzona.runtime.checkpoint import consolidated_state_dict
 
         self.finish_param_sync()
         self._push_hyperparams()
         return consolidated_state_dict(self)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a consolidated state (every rank passes the whole document); re-shards to this layout.
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned on this rank (after ``dcp.load`` read into it) or
+        a consolidated document (every rank passes the whole document); collective, re-shards to
+        this layout (:func:`canzona.runtime.stateful.load_state`).
 
         The groups' ``lr``/``weight_decay`` and the inner optimizers' other hyperparameters are
-        restored from the document's ``"hyper"`` section
-        (:func:`canzona.runtime.checkpoint.restore_hyperparams`); a group the document has no values
-        for keeps its own. Load a scheduler's state after this."""
-        from canzona.runtime.checkpoint import load_consolidated_state_dict
+        restored from the state (:func:`canzona.runtime.checkpoint.restore_hyperparams`); a group
+        it has no values for keeps its own. Load a scheduler's state after this."""
+        from canzona.runtime.stateful import load_state
 
         self.finish_param_sync()
-        load_consolidated_state_dict(self, state)
+        load_state(self, state_dict)
 
     # ------------------------------------------------------------------------------ checkpoint source
     # What canzona.runtime.checkpoint and canzona.runtime.dcp read (their Checkpointable protocol):

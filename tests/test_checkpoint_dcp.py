@@ -23,7 +23,7 @@ import torch
 
 from canzona.optimizers import get_optimizer
 from canzona.runtime.launch import run_workers
-from harness import attempt, case_results, load_refused
+from harness import attempt, case_results, held_snapshot, load_refused
 from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, params_of, tensors_equal, unpack
 
 from tiny_qwen3 import EW_KW, MATRIX_KW, MORE_STEPS, SAVE_STEPS, full_params, qk_norms, tiny_opt, tiny_reference, tiny_run
@@ -187,7 +187,7 @@ def _outcome(model, opt) -> dict:
     from validation.fsdp_harness import _full_params
 
     params = _full_params(model)
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     return {"params": params, "doc": doc, "steps": opt.steps}
 
 
@@ -200,6 +200,10 @@ def _save_then(build, folder: str, name: str) -> None:
     run(range(SAVE_STEPS))
     if name.endswith(".pt"):
         save_checkpoint(opt, Path(folder) / name)
+    elif name.startswith("dcp-"):  # torch's own DCP, the optimizer as a Stateful
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=str(Path(folder) / name))
     else:
         save_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
 
@@ -211,10 +215,71 @@ def _resume(build, folder: str, name: str) -> dict:
     model, opt, run = build()
     if name.endswith(".pt"):
         load_checkpoint(opt, Path(folder) / name)
+    elif name.startswith("dcp-"):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"model": model.state_dict(), "optim": opt}, checkpoint_id=str(Path(folder) / name))
     else:
         load_sharded(opt, Path(folder) / name, chunk_bytes=CHUNK)
     run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
     return _outcome(model, opt)
+
+
+def _roundtrip(build) -> dict:
+    """What ``accelerate.prepare`` does on every rank (``load_state_dict(state_dict())`` with the
+    tensors moved to the device), on a fresh optimizer and again after SAVE_STEPS steps; the run
+    must go on as if nothing happened."""
+    model, opt, run = build()
+    opt.load_state_dict({k: v.to("cpu") for k, v in opt.state_dict().items()})
+    run(range(SAVE_STEPS))
+    opt.load_state_dict({k: v.to("cpu") for k, v in opt.state_dict().items()})
+    run(range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+    return _outcome(model, opt)
+
+
+def _one_rank_calls(build) -> dict:
+    """Rank 0 calls state_dict() alone: it raises within status_timeout_s (3 s here) naming rank 1;
+    rank 1, arriving at that call later, raises at once; the process group still works and the
+    next state_dict() on both ranks succeeds."""
+    import time
+
+    from canzona.runtime.checkpoint import CollectiveMismatch
+
+    model, opt, run = build()
+    run(range(1))
+    opt.status_timeout_s = 3.0
+    rank = torch.distributed.get_rank()
+    if rank == 1:
+        time.sleep(5.0)
+    start = time.monotonic()
+    try:
+        opt.state_dict()
+        msg = "returned"
+    except CollectiveMismatch as exc:
+        msg = str(exc)
+    elapsed = time.monotonic() - start
+    torch.distributed.barrier()
+    after = sorted(opt.state_dict())[:1]
+    return {"error": msg, "elapsed": elapsed, "after": after}
+
+
+def _torch_state_api(build) -> dict:
+    """torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict on canzona's optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt, run = build()
+    run(range(1))
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    before = held_snapshot(opt)
+    out = {}
+    for key, call in (("get", lambda: get_optimizer_state_dict(model, opt)), ("set", lambda: set_optimizer_state_dict(model, opt, {"state": {}, "param_groups": []}))):
+        try:
+            call()
+            out[key] = "returned"
+        except Exception as exc:  # noqa: BLE001 - the test reads what it says
+            out[key] = str(exc)
+    return {**out, "steps": opt.steps, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
 
 
 def _fsdp_reference(dps: tuple[int, int]) -> object:
@@ -323,6 +388,217 @@ def _bounded_load(folder: str) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ hostile and damaged directories
+
+
+class _Shell:
+    """Unpickles into running ``touch <marker>`` (``os.system``): the planted payload."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _ShellThenMetadata:
+    """Runs the payload, then unpickles into the real metadata: a load that does not refuse it
+    goes on as if nothing happened."""
+
+    def __init__(self, marker: str, md) -> None:
+        self.marker, self.md = marker, md
+
+    def __reduce__(self):
+        import operator
+
+        return (operator.getitem, ((_Shell(self.marker), self.md), 1))
+
+
+def _copy(folder: str, src: str, name: str, change) -> Path:
+    """A copy of checkpoint directory ``src`` changed by ``change(dir)`` on rank 0; every rank waits."""
+    out = Path(folder) / name
+    if torch.distributed.get_rank() == 0:
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(Path(folder) / src, out)
+        change(out)
+    torch.distributed.barrier()
+    return out
+
+
+def _plant(folder: str, how: str) -> tuple[Path, Path]:
+    """``zero1-toy`` with a ``.metadata`` that runs ``touch``: ``shell`` (the bare payload, the seal
+    left as it was), ``resealed`` (the same with the seal rewritten to match), ``then_metadata``
+    (payload, then the real metadata, resealed)."""
+    import pickle
+
+    from canzona.runtime import dcp_files
+
+    marker = Path(folder) / f"pwned-{how}"
+
+    def change(d: Path) -> None:
+        md = dcp_files.read_metadata(d)
+        payload = _Shell(str(marker)) if how != "then_metadata" else _ShellThenMetadata(str(marker), md)
+        (d / ".metadata").write_bytes(pickle.dumps(payload))
+        if how != "shell":  # a forger who also rewrites the seal
+            dcp_files.write_manifest(d, dcp_files.hash_files(d, dcp_files.data_files(d), 0, 1))
+
+    return _copy(folder, "zero1-toy", f"planted-{how}", change), marker
+
+
+#: one stored item of each kind: a matrix master, a model entry, an AdamW ``exp_avg``
+FLIPS = {"master": "optim.layers.1.up.master", "model": "model.layers.1.up", "exp_avg": "optim.embed.weight.state.exp_avg"}
+
+
+def _trained_zero1():
+    """The FSDPToy on the ZeRO-1 path two steps in, so a refused load would visibly change it."""
+    model, opt, run = _zero1_toy()
+    run(range(2))
+    return opt
+
+
+def _flip_entry(folder: str, src: str, prefix: str) -> Path:
+    """Checkpoint ``src`` with one byte flipped inside the tensor bytes of the first stored item whose
+    key starts with ``prefix`` (a master, a model entry, an AdamW ``exp_avg``)."""
+    import io
+
+    from canzona.runtime import dcp_files
+
+    def change(d: Path) -> None:
+        md = dcp_files.read_metadata(d)
+        idx, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn) if i.fqn.startswith(prefix))
+        f = d / info.relative_path
+        data = bytearray(f.read_bytes())
+        item = bytes(data[info.offset : info.offset + info.length])
+        t = torch.load(io.BytesIO(item), weights_only=True)
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        at = info.offset + item.index(raw) + len(raw) // 2
+        data[at] ^= 0x10
+        f.write_bytes(bytes(data))
+
+    return _copy(folder, src, f"flip-{src}-" + prefix.replace(".", "-"), change)
+
+
+def _dcp_attacks(folder: str) -> dict:
+    """Planted code and damaged directories: refused on both ranks, nothing changed, nothing run."""
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    out: dict = {}
+    for how in ("shell", "resealed", "then_metadata"):
+        d, marker = _plant(folder, how)
+        r = load_refused(_trained_zero1(), lambda o, d=d: load_sharded(o, d))
+        torch.distributed.barrier()
+        out[f"planted_{how}"] = {**r, "ran": marker.exists()}
+    for key, prefix in FLIPS.items():
+        d = _flip_entry(folder, "zero1-toy", prefix)
+        out[f"flip_{key}"] = load_refused(_trained_zero1(), lambda o, d=d: load_sharded(o, d))
+    d = _flip_entry(folder, "fsdp2", FLIPS["master"])
+    out["fsdp_flip_master"] = load_refused(_trained_fsdp(), lambda o: load_sharded(o, d, chunk_bytes=CHUNK))
+
+    def extra(d: Path) -> None:
+        shutil.copy(d / "__0_0.distcp", d / "__2_0.distcp")
+
+    def missing(d: Path) -> None:
+        (d / "__1_0.distcp").unlink()
+
+    out["extra_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "extra", extra)))
+    out["missing_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "missing", missing)))
+    # a data file of another save of the same model (one step further): same names, same sizes
+    model, opt, run = _zero1_toy()
+    run(range(SAVE_STEPS + 1))
+    save_sharded(opt, Path(folder) / "zero1-toy-later", chunk_bytes=CHUNK)
+
+    def other_save(d: Path) -> None:
+        shutil.copy(Path(folder) / "zero1-toy-later" / "__1_0.distcp", d / "__1_0.distcp")
+
+    out["other_save_file"] = load_refused(_trained_zero1(), lambda o: load_sharded(o, _copy(folder, "zero1-toy", "mixed", other_save)))
+    return out
+
+
+def _save_error(opt, path: Path) -> dict:
+    from canzona.runtime.checkpoint import CheckpointError
+    from canzona.runtime.dcp import save_sharded
+
+    try:
+        save_sharded(opt, path)
+        msg = "saved"
+    except CheckpointError as exc:
+        msg = str(exc)
+    torch.distributed.barrier()
+    return {"error": msg, "tmp_left": path.with_name(path.name + ".tmp").exists()}
+
+
+def _small_filesystem(where: Path, size_kib: int) -> bool:
+    """Mount a tmpfs of ``size_kib`` at ``where`` on rank 0 (root can; CI may not): whether it did,
+    the same answer on every rank."""
+    import subprocess
+
+    ok = torch.zeros(1)
+    if torch.distributed.get_rank() == 0:
+        where.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)], capture_output=True, check=False)
+        ok[0] = float(done.returncode == 0)
+    torch.distributed.broadcast(ok, 0)
+    return bool(ok[0])
+
+
+def _failed_saves(folder: str) -> dict:
+    """save_sharded where rank 0 cannot make the folder (its parent is a regular file), and onto a
+    full disk over an existing checkpoint: a 160 KiB tmpfs holding one ~110 KiB checkpoint, so the
+    next save's temporary copy runs out of space (ENOSPC); where no tmpfs can be mounted, rank 1's
+    DCP writes raise that ENOSPC instead. One CheckpointError on both ranks naming the path and
+    the first failing rank's cause, no ``.tmp`` left, the existing checkpoint intact and loadable."""
+    import errno
+    import os
+    import subprocess
+    from unittest import mock
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from canzona.runtime import dcp_files
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    rank = torch.distributed.get_rank()
+    model, opt, run = _zero1_toy()
+    run(range(1))
+    blocker = Path(folder) / "a-plain-file"
+    if rank == 0:
+        blocker.write_text("not a folder")
+    torch.distributed.barrier()
+    out = {"not_a_folder": _save_error(opt, blocker / "ckpt")}
+    disk = Path(folder) / "small-disk"
+    mounted = _small_filesystem(disk, 160)
+    path = disk / "full"
+    try:
+        save_sharded(opt, path, chunk_bytes=CHUNK)
+        seal = (path / dcp_files.MANIFEST).read_bytes()
+        run(range(1, 2))
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        inject = rank == 1 and not mounted
+        with mock.patch.object(dcp_fs, "_write_item", no_space) if inject else mock.patch.object(dcp_fs, "_write_item", dcp_fs._write_item):
+            out["full"] = _save_error(opt, path)
+        out["full"]["old_intact"] = (path / dcp_files.MANIFEST).read_bytes() == seal
+        load_sharded(opt, path, chunk_bytes=CHUNK)  # the previous checkpoint still loads
+        out["full"]["old_loads"] = opt.steps == 1
+        out["full"]["tmpfs"] = mounted
+        out["read_only"] = {"tmpfs": mounted}
+        if mounted:  # read-only for root too
+            if rank == 0:
+                subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, check=True)
+            torch.distributed.barrier()
+            out["read_only"].update(_save_error(opt, disk / "ro"), made=(disk / "ro").exists())
+    finally:
+        torch.distributed.barrier()
+        if mounted and rank == 0:
+            subprocess.run(["umount", str(disk)], capture_output=True, check=False)
+    return out
+
+
 # ------------------------------------------------------------------------------ workers
 
 
@@ -416,14 +692,47 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     for key in FSDP_REFUSALS:
         cases[key] = {"result": refusals["result"][key]} if "result" in refusals else refusals
     cases["bounded"] = attempt(_bounded_load, folder)
+    attacks = attempt(_dcp_attacks, folder)
+    for key in DCP_ATTACKS:
+        cases[key] = {"result": attacks["result"][key]} if "result" in attacks else attacks
+    # torch's DCP with the optimizer as a Stateful, across the engines; accelerate's round trip
+    cases["dcp_zero1_save"] = attempt(_save_then, _zero1_toy, folder, "dcp-zero1")
+    cases["dcp_fsdp2_save"] = attempt(_save_then, lambda: _fsdp("dp_shard2"), folder, "dcp-fsdp2")
+    cases["stateful_zero1_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "dcp-zero1")
+    cases["stateful_fsdp2_to_zero1"] = attempt(_resume, _zero1_toy, folder, "dcp-fsdp2")
+    cases["stateful_fsdp2_to_fsdp2"] = attempt(_resume, lambda: _fsdp("dp_shard2"), folder, "dcp-fsdp2")
+    cases["roundtrip_zero1"] = attempt(_roundtrip, _zero1_toy)
+    cases["roundtrip_fsdp2"] = attempt(_roundtrip, lambda: _fsdp("dp_shard2"))
+    cases["one_rank_zero1"] = attempt(_one_rank_calls, _zero1_toy)
+    cases["one_rank_fsdp2"] = attempt(_one_rank_calls, lambda: _fsdp("dp_shard2"))
+    cases["torch_api_zero1"] = attempt(_torch_state_api, _zero1_toy)
+    cases["torch_api_fsdp2"] = attempt(_torch_state_api, lambda: _fsdp("dp_shard2"))
+    saves = attempt(_failed_saves, folder)
+    for key in ("not_a_folder", "full", "read_only"):
+        cases[f"save_{key}"] = {"result": saves["result"][key]} if "result" in saves else saves
     return pack({"cases": cases})
+
+
+#: planted code and damaged directories -> what the one-line refusal says
+DCP_ATTACKS = {
+    "planted_shell": ".metadata holds",
+    "planted_resealed": "refers to posix.system, which DCP metadata never holds",
+    "planted_then_metadata": "operator.getitem, which DCP metadata never holds",
+    "flip_master": "fails its checksum",
+    "flip_model": "fails its checksum",
+    "flip_exp_avg": "fails its checksum",
+    "fsdp_flip_master": "fails its checksum",
+    "extra_file": "__2_0.distcp is not one of the sealed files",
+    "missing_file": "sealed file __1_0.distcp is missing",
+    "other_save_file": "__1_0.distcp fails its checksum",
+}
 
 
 FSDP_REFUSALS = {
     "fsdp_wrong_optimizer": "written by matrix_optimizer 'Muon'",
     "fsdp_other_model": "checkpoint parameters differ from the model's",
-    "fsdp_truncated": "is truncated",
-    "fsdp_corrupt": "reading the checkpoint failed",
+    "fsdp_truncated": "(truncated, or from another save)",
+    "fsdp_corrupt": "fails its checksum",
     "fsdp_single_wrong_optimizer": "written by matrix_optimizer 'Muon'",
     "fsdp_single_other_model": "checkpoint parameters differ from the model's",
     "fsdp_single_truncated": "not a readable checkpoint",
@@ -464,7 +773,7 @@ def _case(world: int, folder: Path, case: str) -> list:
 
 def test_each_rank_writes_its_own_file(folder: Path) -> None:
     res = _case(4, folder, "files")
-    assert res[0] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    assert res[0] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "canzona.checksums.json"]
     sizes = [(folder / "tiny" / f"__{r}_0.distcp").stat().st_size for r in range(4)]
     # nothing is gathered: no rank's file holds (nearly) everything
     assert max(sizes) < 0.6 * sum(sizes), sizes
@@ -532,8 +841,8 @@ def test_hf_model_dp2xtp2_with_a_sharded_resume_bitwise(folder: Path) -> None:
         ("wrong_optimizer", "written by matrix_optimizer 'SOAP'"),
         ("other_model", "checkpoint holds shape"),
         ("not_a_checkpoint", "not a sharded checkpoint directory"),
-        ("truncated", "is truncated"),
-        ("corrupt", "reading the checkpoint failed"),
+        ("truncated", "(truncated, or from another save)"),
+        ("corrupt", "fails its checksum"),
         ("single_truncated", "not a readable checkpoint"),
         *FSDP_REFUSALS.items(),
     ],
@@ -555,6 +864,12 @@ FSDP_RESUMES = {
     "fsdp22_to_fsdp2": (2, (2, 2)),
     "fsdp4_to_fsdp22": (4, (4, 2)),
     "fsdp22_to_fsdp4": (4, (2, 4)),
+    # dcp.save / dcp.load with the optimizer as a Stateful; load_state_dict(state_dict()) round trips
+    "stateful_zero1_to_fsdp2": (2, (2, 2)),
+    "stateful_fsdp2_to_zero1": (2, (2, 2)),
+    "stateful_fsdp2_to_fsdp2": (2, (2, 2)),
+    "roundtrip_zero1": (2, (2, 2)),
+    "roundtrip_fsdp2": (2, (2, 2)),
 }
 
 
@@ -627,3 +942,54 @@ def test_sharded_load_is_bounded_by_the_chunk_size(folder: Path) -> None:
         assert r["trained"]["new_state_bytes"] == 0, r["trained"]
         assert 0 < r["fresh"]["new_state_bytes"] <= owned, r["fresh"]
         assert r["control"]["largest_item"] > 4 * cap, r["control"]
+
+
+@pytest.mark.parametrize("case,expect", list(DCP_ATTACKS.items()))
+def test_planted_code_and_damaged_files_are_refused_on_every_rank(folder: Path, case: str, expect: str) -> None:
+    """A ``.metadata`` whose unpickling runs ``os.system`` (with the seal left alone, with the seal
+    rewritten to match, and a variant that then yields the real metadata), a flipped byte in a
+    master, a model entry and an AdamW ``exp_avg`` (ZeRO-1 and FSDP2), an extra file, a missing
+    file and a data file of another save: one line on both ranks, nothing changed, nothing run."""
+    for rank, r in enumerate(_case(2, folder, case)):
+        assert expect in r["error"], f"rank {rank}: {r['error']}"
+        assert "\n" not in r["error"], "one line"
+        assert r["untouched"], f"{case}: rank {rank} changed its masters, state or model"
+        if case.startswith("planted"):
+            assert not r["ran"], f"{case}: the planted command ran on rank {rank}"
+
+
+def test_a_sharded_save_to_a_read_only_folder_names_the_path_and_cause(folder: Path) -> None:
+    res = _case(2, folder, "save_read_only")
+    if not res[0]["tmpfs"]:
+        pytest.skip("no tmpfs could be mounted here (needs root); the folder and full-disk cases still ran")
+    for rank, r in enumerate(res):
+        assert "small-disk/ro failed: rank 0 failed writing: " in r["error"] and "Read-only file system" in r["error"], f"rank {rank}: {r['error']}"
+        assert not r["tmp_left"] and not r["made"], r
+
+
+@pytest.mark.parametrize("case", ["save_not_a_folder", "save_full"])
+def test_a_failed_sharded_save_names_the_path_and_cause_and_leaves_nothing(folder: Path, case: str) -> None:
+    cause = {"save_not_a_folder": "rank 0 failed writing: NotADirectoryError", "save_full": "failed writing: OSError: [Errno 28] No space left on device"}[case]
+    for rank, r in enumerate(_case(2, folder, case)):
+        assert r["error"].startswith("saving the sharded checkpoint ") and cause in r["error"], f"rank {rank}: {r['error']}"
+        assert ("a-plain-file/ckpt" if case == "save_not_a_folder" else "/full ") in r["error"], r["error"]
+        assert "\n" not in r["error"] and not r["tmp_left"], r
+        if case == "save_full":
+            assert r["old_intact"] and r["old_loads"], r
+
+
+@pytest.mark.parametrize("engine", ["zero1", "fsdp2"])
+def test_a_collective_called_on_one_rank_raises_there_in_bounded_time_and_tells_the_other(folder: Path, engine: str) -> None:
+    first, second = _case(2, folder, f"one_rank_{engine}")
+    assert "rank(s) [1] did not call it within 3 s" in first["error"] and first["elapsed"] < 3.0 + 2.0, first
+    assert "rank 0 (in state_dict()) stopped waiting for this call" in second["error"] and second["elapsed"] < 1.0, second
+    assert first["after"] == second["after"] == ["canzona.format"], "the process group works afterwards"
+
+
+@pytest.mark.parametrize("engine", ["zero1", "fsdp2"])
+def test_torch_optimizer_state_dict_api_is_refused_with_the_working_path_and_changes_nothing(folder: Path, engine: str) -> None:
+    for rank, r in enumerate(_case(2, folder, f"torch_api_{engine}")):
+        for key in ("get", "set"):
+            assert "cannot serve it" in r[key] and "dcp.save({'model': model_sd, 'optim': opt})" in r[key], f"rank {rank} {key}: {r[key]}"
+            assert "\n" not in r[key]
+        assert r["steps"] == 1 and r["untouched"], "torch's zero-gradient initialization step must not run"

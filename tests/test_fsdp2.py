@@ -343,7 +343,7 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
         os.unlink(path[0])
         os.rmdir(os.path.dirname(path[0]))
     _run(fresh, opt2, mesh, range(2, STEPS))
-    out["resume"] = {"params": _full_params(fresh), "state": opt2.state_dict(), "steps": opt2.steps}
+    out["resume"] = {"params": _full_params(fresh), "state": opt2.consolidated_state_dict(), "steps": opt2.steps}
     # refusals (same on every rank, before any collective)
     errors = {}
     for key, kwargs in {"zero1": {"strategy": "zero1"}, "zero1_option": {"bucket_numel": 10}, "no_mesh": {"mesh": None}}.items():
@@ -477,7 +477,7 @@ def _robust_cases(rank: int, mesh) -> dict:
                 res = {"raised": got, "changed": _changed(before, _local_snapshot(opt)),
                        "grads_dropped": all(p.grad is None for p in model.parameters())}
                 _run(model, opt, mesh, range(1, STEPS))
-                params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+                params, doc = _full_params(model), opt.consolidated_state_dict()  # collectives: every rank
                 if rank == 0:
                     ref = fsdp_reference(Muon, kw, EW_KWARGS, dtype=torch.float32, dp=2, steps=STEPS)
                     res["mismatches"] = compare_with_reference(params, doc, ref)
@@ -496,7 +496,7 @@ def _robust_cases(rank: int, mesh) -> dict:
                         named[n].grad = None
                 opt.step()
                 opt.zero_grad()
-            params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+            params, doc = _full_params(model), opt.consolidated_state_dict()  # collectives: every rank
             if rank != 0:
                 return {}
             ref = ReferenceRunner(FSDPToy(torch.float32), Muon, kw, torch.optim.AdamW, EW_KWARGS)
@@ -630,7 +630,7 @@ def _robust_cases(rank: int, mesh) -> dict:
         flaky = _flaky(Muon, "sync")
         model = build_fsdp_toy(mesh, torch.float32)
         opt = canzona.DistributedOptimizer(model, flaky, strategy="sc", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
-        doc = opt.state_dict()  # before the failure (rank 0 holds it; every rank loads it)
+        doc = opt.consolidated_state_dict()  # before the failure (rank 0 holds it; every rank loads it)
         shared = [doc]
         dist.broadcast_object_list(shared, src=0)
         backward(model, 0)

@@ -111,7 +111,7 @@ def case_checkpoint(rank: int) -> dict:
     model, opt = _lb_asc()
     sched = _lambda(opt)
     _train(model, opt, sched, range(STEPS), rank)
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     box = [doc, sched.state_dict(), [g["lr"] for g in opt.param_groups]]
     torch.distributed.broadcast_object_list(box, src=0)
     doc, sched_state, lrs_at_save = box

@@ -109,7 +109,7 @@ def _dp_case(rank: int, strategy: str, optname: str) -> dict:
         inject_grads(model, _grads(model, 5, rank))
     opt.step()
     opt.zero_grad()
-    sd = opt.state_dict()
+    sd = opt.consolidated_state_dict()
     return {
         "params": params_of(model),
         "unused_state": {n: sd["state"][n] for n in UNUSED} if rank == 0 else None,

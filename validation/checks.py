@@ -213,7 +213,7 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     finally:
         if handle is not None:
             handle.remove()
-    sd = dopt.state_dict()
+    sd = dopt.consolidated_state_dict()
     local = params_of(model)
     copies = {**local_params(model, tp_dims, tp_rank), **local_replicas(dopt, tp_rank)}
     shares: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None

@@ -231,7 +231,7 @@ def run_fsdp_case(
         for handle in handles:
             handle.remove()
     params = _full_params(model)
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     res = FSDPCaseResult(
         hosted=list(opt.runtime.engine.hosted),
         group_rank=opt.group_rank,

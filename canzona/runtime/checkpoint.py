@@ -9,7 +9,7 @@ canzona's ZeRO-1 path and for FSDP2 models, so both formats serve both engines a
 of one engine loads into the other. Saved hyperparameters come back in one place,
 :func:`restore_hyperparams`.
 
-Format (``format = "canzona.optimizer_state"``, ``version = 2``): one ``torch.save`` document
+Format (``format = "canzona.optimizer_state"``, ``version = 3``): one ``torch.save`` document
 holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so it loads with
 ``torch.load(..., weights_only=True)``::
 
@@ -26,11 +26,18 @@ holding only tensors, numbers, strings, bools, None, lists, tuples and dicts, so
                                                  # shards reassembled, matrix state full-shape
       "hyper":  {"matrix": {...}, "elementwise": {...}},   # the inner optimizers' hyperparameters
       "checksums": {"params": {name: int}, "state": {name: {key: int}}},   # 62-bit, per tensor
+      "digest": str,                             # BLAKE2b-256 of everything above
     }
 
-Integrity: every tensor of ``params`` and ``state`` has a checksum
-(:func:`canzona.runtime.integrity.tensor_checksum`) that loading verifies, so a flipped byte is
-refused with an error naming the tensor; files are written atomically
+Integrity: ``digest`` (:func:`document_digest`) covers the whole document but itself, in a
+canonical type-tagged encoding: hyperparameters, step counts, key names, container structure and
+every tensor's dtype, shape and bytes. Loading checks it (:func:`verify_document`) before anything
+else, so a file that unpickles to anything but what was saved is refused (the fuzz test in
+tests/test_checkpoint.py flips every byte outside the tensor data of a saved file: each flip is
+refused or loads the original document); where the cause is one tensor, the per-tensor
+``checksums`` (:func:`canzona.runtime.integrity.tensor_checksum`) name it. Version-2 documents
+(written before the digest) still load, with the weaker check they carry: their tensors are
+verified, their numbers and names are not. Files are written atomically
 (:func:`canzona.runtime.integrity.atomic_write`: the old file survives a failed save). Before
 anything is written, loading also refuses: masters whose dtype is not the optimizer's
 ``master_dtype`` (a float64 master in an fp32 run), non-finite values in masters or state, and
@@ -42,7 +49,11 @@ param groups; to change one after resuming, set it in ``opt.param_groups`` after
 
 Errors reach every rank: saving and loading each join a status exchange
 (:func:`canzona.runtime.agree.agree`), so a rank that cannot read the file, a document refused on
-one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank.
+one rank, or a failed write on rank 0 raises on every rank within seconds, naming the rank. Before
+that, every collective checkpoint entry point (here, in :mod:`canzona.runtime.dcp` and
+:mod:`canzona.runtime.stateful`) meets the other ranks in the process group's store
+(:func:`join_collective`): one called on some ranks only raises there within ``status_timeout_s``
+and on the others when they reach it, with no collective left in flight.
 
 The document is *consolidated per parameter name* and independent of the layout it was written
 under: :func:`consolidated_state_dict` gathers every canonical held region to world rank 0 (one
@@ -60,11 +71,14 @@ shape on a sliced region cannot be re-sliced and is refused with an error naming
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -79,26 +93,33 @@ __all__ = [
     "FORMAT",
     "GROUP_NAMES",
     "SCHEDULED_KEYS",
+    "READS",
     "VERSION",
     "Box",
     "CheckpointError",
     "Checkpointable",
+    "CollectiveMismatch",
     "Held",
     "ModelPiece",
     "ParamRecord",
     "check_hyperparams",
     "checksums",
     "consolidated_state_dict",
+    "document_digest",
     "flat_range_boxes",
+    "join_collective",
     "load_checkpoint",
     "load_consolidated_state_dict",
     "restore_hyperparams",
     "save_checkpoint",
+    "verify_document",
     "whole_box",
 ]
 
 FORMAT = "canzona.optimizer_state"
-VERSION = 2
+VERSION = 3
+#: document versions :func:`load_consolidated_state_dict` reads (2: per-tensor checksums only)
+READS: tuple[int, ...] = (2, 3)
 
 #: the front ends' parameter groups, in ``param_groups`` order (one per inner-optimizer role)
 GROUP_NAMES: tuple[str, ...] = ("matrix", "elementwise")
@@ -211,11 +232,59 @@ class Checkpointable(Protocol):
         (collective where hosts hold full masters built from shards), set the step count and
         discard pending gradients."""
 
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The consolidated document (:func:`consolidated_state_dict`) on world rank 0, ``{}``
+        elsewhere (collective)."""
+
     def state_dict(self) -> dict[str, Any]:
-        """The consolidated document (:func:`consolidated_state_dict`) on world rank 0."""
+        """This rank's state in DCP's shape (:func:`canzona.runtime.stateful.sharded_state_dict`;
+        collective)."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a consolidated document (:func:`load_consolidated_state_dict`)."""
+        """Load either form (:func:`canzona.runtime.stateful.load_state`; collective)."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """A collective method (``state_dict()``, a checkpoint save or load) was not called on every rank."""
+
+
+# ---------------------------------------------------------------------------------- collective guard
+
+_collective_calls = itertools.count()  # every rank numbers its collective calls alike while they agree
+
+
+def join_collective(src: Checkpointable, what: str) -> None:
+    """Wait (at most ``src.status_timeout_s``) in the default store until every rank has entered
+    the collective method ``what`` at the same call number; raise :class:`CollectiveMismatch` on
+    a timeout (naming the missing ranks, and leaving a mark that makes them raise when they come),
+    when another rank gave up on this call already, or when another rank entered another method."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the rendezvous needs no collective
+    except Exception:  # noqa: BLE001 - without a store there is nothing to wait in
+        return
+    rank, world, n = dist.get_rank(), dist.get_world_size(), next(_collective_calls)
+    base = f"canzona/collective/{n}"
+    store.set(f"{base}/{rank}", what)
+    rule = f"{what} is collective: every rank must call it at the same point"
+    if store.check([f"{base}/abandoned"]):
+        raise CollectiveMismatch(f"{rule}; {store.get(f'{base}/abandoned').decode()} stopped waiting for this call")
+    timeout = float(src.status_timeout_s)
+    try:
+        store.wait([f"{base}/{r}" for r in range(world)], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError on a timeout
+        missing = [r for r in range(world) if not store.check([f"{base}/{r}"])]
+        store.set(f"{base}/abandoned", f"rank {rank} (in {what})")
+        raise CollectiveMismatch(f"{rule}; rank(s) {missing} did not call it within {timeout:g} s") from None
+    if store.check([f"{base}/abandoned"]):  # it gave up just as this rank arrived
+        raise CollectiveMismatch(f"{rule}; {store.get(f'{base}/abandoned').decode()} stopped waiting for this call")
+    others = {r: store.get(f"{base}/{r}").decode() for r in range(world)}
+    odd = {r: w for r, w in others.items() if w != what}
+    if odd:
+        r, w = sorted(odd.items())[0]
+        raise CollectiveMismatch(f"{rule}; rank {r} called {w} instead")
+
 
 
 def restore_hyperparams(src: Checkpointable, hyper: Mapping[str, Any]) -> None:
@@ -358,8 +427,10 @@ def _meta(src: Checkpointable) -> dict[str, Any]:
 def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
     """Gather the optimizer's state into one layout-independent document on world rank 0.
 
-    Collective over the world group. Rank 0 returns the document, other ranks an empty dict.
+    Collective over the world group (:func:`join_collective` first). Rank 0 returns the
+    document, other ranks an empty dict.
     """
+    join_collective(src, "consolidated_state_dict()")
     src.runtime.replicas.check("saving the optimizer state")  # the same flag on every rank: all raise
     mine: list[dict[str, Any]] = []
     error: BaseException | None = None
@@ -404,7 +475,101 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
         "hyper": src.hyperparams(),
     }
     doc["checksums"] = checksums(doc)
+    doc["digest"] = document_digest(doc)
     return doc
+
+
+def _feed(h: Any, v: Any, depth: int = 0) -> None:
+    """Feed a canonical, type-tagged encoding of ``v`` into the hash ``h``: every key, number,
+    string, container kind and tensor (dtype, shape, bytes) counts; dict entries in sorted order."""
+    if depth > 64:
+        raise CheckpointError("checkpoint document is nested deeper than any canzona writes")
+    if torch.is_tensor(v):
+        # a fresh row-major copy: values count, not the strides the file gave them (a size-1 dim
+        # may carry any stride, which .contiguous() keeps and a byte view refuses)
+        t = torch.empty(v.shape, dtype=v.dtype).copy_(v.detach())
+        h.update(f"x{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(v, Mapping):
+        items = sorted(v.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
+        h.update(f"d{len(items)}|".encode())
+        for k, x in items:
+            _feed(h, k, depth + 1)
+            _feed(h, x, depth + 1)
+    elif isinstance(v, (list, tuple)):
+        h.update(f"{'l' if isinstance(v, list) else 't'}{len(v)}|".encode())
+        for x in v:
+            _feed(h, x, depth + 1)
+    elif isinstance(v, bool) or v is None:
+        h.update({True: b"T", False: b"F", None: b"N"}[v])
+    elif isinstance(v, int):
+        h.update(f"i{v}|".encode())
+    elif isinstance(v, float):
+        h.update(f"f{v.hex()}|".encode())
+    elif isinstance(v, str):
+        raw = v.encode("utf-8", "surrogatepass")
+        h.update(f"s{len(raw)}|".encode() + raw)
+    else:
+        raise CheckpointError(f"checkpoint document holds a {type(v).__name__}, which canzona never writes")
+
+
+def document_digest(doc: Mapping[str, Any]) -> str:
+    """BLAKE2b-256 (hex) of everything in ``doc`` but its ``"digest"`` entry: hyperparameters,
+    step counts, key names, structure and every tensor's bytes, in a canonical encoding
+    (:func:`_feed`), so a document that loads with any difference from what was saved fails it."""
+    h = hashlib.blake2b(digest_size=32)
+    _feed(h, {k: v for k, v in doc.items() if k != "digest"})
+    return h.hexdigest()
+
+
+def _name_bad_tensor(doc: Mapping[str, Any]) -> None:
+    """Raise naming the first tensor that fails its own checksum, if one does (a better message
+    than the document digest's)."""
+    sums = doc.get("checksums")
+    if not isinstance(sums, Mapping):
+        return
+    for section, label in (("params", "parameter value"), ("state", "optimizer state")):
+        table, saved = doc.get(section), sums.get(section)
+        if not isinstance(table, Mapping) or not isinstance(saved, Mapping):
+            continue
+        for name, v in table.items():
+            if section == "params":
+                if torch.is_tensor(v) and saved.get(name) != tensor_checksum(v):
+                    raise CheckpointError(f"{name}: {label} fails its checksum (the file is corrupt)")
+                continue
+            want = saved.get(name)
+            for k, t in (v.items() if isinstance(v, Mapping) else ()):
+                if torch.is_tensor(t) and (not isinstance(want, Mapping) or want.get(k) != tensor_checksum(t)):
+                    raise CheckpointError(f"{name}: {label} {k!r} fails its checksum (the file is corrupt)")
+
+
+def _check_format(doc: Any) -> int:
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"not a canzona optimizer checkpoint (format {doc.get('format') if isinstance(doc, Mapping) else type(doc).__name__!r})")
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:
+        raise CheckpointError(f"unsupported checkpoint version {version!r} (this canzona reads {', '.join(map(str, READS))})")
+    return version
+
+
+def verify_document(doc: Any) -> None:
+    """The integrity checks that need no optimizer: the format, the version and, for a version-3
+    document, its digest over the whole document (CheckpointError otherwise). A version-2 document
+    (canzona before the whole-document digest) has only per-tensor checksums: its tensors are
+    checked, its numbers, names and structure cannot be, and it must carry no ``"digest"`` entry
+    (a version-3 document whose version a corruption turned into 2 is refused)."""
+    version = _check_format(doc)
+    if version == 2:
+        if "digest" in doc:
+            raise CheckpointError("checkpoint says version 2 but carries a version-3 digest (the file is corrupt)")
+        return
+    if not isinstance(doc.get("digest"), str):
+        raise CheckpointError("checkpoint carries no document digest; it cannot be verified")
+    if document_digest(doc) != doc["digest"]:
+        _name_bad_tensor(doc)
+        raise CheckpointError(
+            "checkpoint fails its document digest: a hyperparameter, step count, key or value differs from what was saved (the file is corrupt)"
+        )
 
 
 def checksums(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -473,10 +638,9 @@ def check_hyperparams(where: str, values: Mapping[str, Any]) -> None:
 
 
 def _check_document(src: Checkpointable, doc: Any) -> None:
-    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"not a canzona optimizer checkpoint (format {doc.get('format') if isinstance(doc, Mapping) else type(doc).__name__!r})")
-    if doc.get("version") != VERSION:
-        raise CheckpointError(f"unsupported checkpoint version {doc.get('version')!r} (this canzona reads {VERSION})")
+    """Everything a document must pass before a rank writes any of it; the checks that name a
+    parameter first (they only read), the whole-document digest before the values are trusted."""
+    _check_format(doc)
     for key in ("meta", "params", "state", "hyper"):
         if not isinstance(doc.get(key), Mapping):
             raise CheckpointError(f"checkpoint lacks its {key!r} section")
@@ -512,6 +676,7 @@ def _check_document(src: Checkpointable, doc: Any) -> None:
     check_hyper_section(doc["hyper"])
     if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool) or meta.get("steps", 0) < 0:
         raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not a non-negative integer")
+    verify_document(doc)
     _check_integrity(src, doc)
 
 
@@ -539,6 +704,7 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
     the step count and the model's parameter values. Collective: the status exchange, and the
     re-assembly of full masters where hosts build them from shards.
     """
+    join_collective(src, "load_state_dict()")
     error: BaseException | None = None
     try:
         _check_document(src, doc)
@@ -577,8 +743,8 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
 
 def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Write the consolidated document to ``path`` from world rank 0 (collective; atomic rename).
-    Goes through ``src.state_dict()``, so a scheduler's latest lr is what is saved."""
-    doc = src.state_dict()
+    Goes through ``src.consolidated_state_dict()``, so a scheduler's latest lr is what is saved."""
+    doc = src.consolidated_state_dict()
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
@@ -591,6 +757,7 @@ def save_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
 def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
     """Read ``path`` on every rank (``weights_only=True``: data, not code) and load it. A rank that
     cannot read it raises its :class:`CheckpointError`, the others a ``RankFailure`` naming it."""
+    join_collective(src, "load_checkpoint()")
     error: CheckpointError | None = None
     doc: Any = None
     try:
@@ -599,6 +766,11 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
         error = CheckpointError(f"checkpoint not found: {path}")
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file must say so, not crash obscurely
         error = CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {_first_line(exc)})")
+    if error is None:
+        try:
+            _check_format(doc)
+        except CheckpointError as exc:
+            error = exc
     try:
         agree(error, f"reading the checkpoint {path}", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
     except RankFailure:

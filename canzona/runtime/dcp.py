@@ -28,11 +28,19 @@ The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors
 directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
 .dcp_to_torch_save`` converts it to one ``torch.save`` file of full tensors.
 
+The directory is sealed (:mod:`canzona.runtime.dcp_files`): after DCP wrote every data file and
+``.metadata``, the ranks hash their share of the files and rank 0 writes
+``canzona.checksums.json`` before the directory is renamed into place. A save that fails on any
+rank raises one :class:`~canzona.runtime.checkpoint.CheckpointError` on every rank naming the
+path and the first failing rank's cause, and removes what it wrote.
+
 :func:`load_sharded` reads it at *any* layout (another DP size, another TP size, another strategy,
 the other engine): every rank asks DCP for exactly the regions it holds, and DCP reads the
-overlapping parts of the saved chunks. It first reads ``canzona.meta`` and the directory's
-metadata and refuses a checkpoint of another model or optimizer, a missing key, a wrongly shaped
-tensor or a missing or truncated data file with one
+overlapping parts of the saved chunks. It first checks the seal (every file present, none extra,
+sizes and digests: a flipped byte or a file of another save is refused), reads ``.metadata``
+through an allow-list unpickler (a pickle that names anything but DCP's metadata classes is
+refused before any object is built) and ``canzona.meta``, and refuses a checkpoint of another
+model or optimizer, a missing key or a wrongly shaped tensor with one
 :class:`~canzona.runtime.checkpoint.CheckpointError` on every rank. Then two passes:
 
 1. *verify*: every requested region is read into one scratch buffer of at most ``chunk_bytes``
@@ -50,6 +58,7 @@ a second copy of the state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,6 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.runtime import dcp_files
 from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.checkpoint import (
     Box,
@@ -70,9 +80,11 @@ from canzona.runtime.checkpoint import (
     check_hyper_section,
     check_optimizers,
     flat_range_boxes,
+    join_collective,
     restore_hyperparams,
     whole_box,
 )
+from canzona.runtime.comm import Comm
 
 __all__ = [
     "CHUNK_BYTES",
@@ -261,12 +273,14 @@ def _meta_tensor(meta: Mapping[str, Any]) -> torch.Tensor:
 def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write the model's and the optimizer's state to the DCP directory ``path`` (collective over
     the world group). Each rank writes only what it holds, in chunks of at most ``chunk_bytes``;
-    the directory is written under ``<path>.tmp`` and renamed into place by rank 0 once every rank
-    has finished."""
-    import torch.distributed.checkpoint as dcp
-
+    the directory is written under ``<path>.tmp``, sealed (:func:`canzona.runtime.dcp_files.seal`:
+    every file's digest, written last) and renamed into place by rank 0 once every rank has
+    finished. A failed save (a full or read-only folder, a rank that cannot write) raises one
+    :class:`CheckpointError` on every rank naming ``path`` and the first failing rank's cause,
+    and leaves neither ``<path>.tmp`` nor a changed ``path`` behind."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    join_collective(src, "save_sharded()")
     src.runtime.replicas.check("saving the sharded checkpoint")  # the same flag on every rank: all raise
     src.finish_param_sync()
     path = Path(path)
@@ -274,34 +288,105 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     sd: dict[str, Any] = {}
     error: BaseException | None = None
     try:
-        shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
-        chunks = _Chunks(chunk_bytes)
-        for k, (shape, box, local) in _model_boxes(src).items():
-            chunks.add_box(f"model.{k}", shape, box, local)
-        for h in src.held():
-            if h.master is not None:
-                chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
-            _add_state(chunks, h, shapes[h.name])
-        sd = chunks.state_dict(src.mesh)
-        sd[META_KEY] = _meta_tensor(_meta(src, chunk_bytes))
+        sd = _save_items(src, chunk_bytes)
     except Exception as exc:  # noqa: BLE001 - every rank must learn that this rank cannot save
         error = exc
     _agree(src, error, f"preparing the sharded checkpoint {path}")
-    if dist.get_rank() == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    dist.barrier()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    dist.barrier()
+    steps = (("clearing", _clear_tmp), ("writing", _write), ("hashing", _hash), ("sealing", _seal), ("renaming", _rename))
+    for what, fn in steps:
+        error = None
+        try:
+            fn(src, sd, path, tmp)
+        except (Exception, _checkpoint_exception()) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            rank, cause = _cause(exc)
+            error = CheckpointError(f"rank {rank} failed {what}: {cause}")
+        try:
+            agree(error, f"saving the sharded checkpoint {path}", comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
+        except RankFailure as failure:
+            _discard(tmp)
+            first = min(failure.failures.values(), key=lambda m: (_rank_of(m), m)).removeprefix("CheckpointError: ")
+            raise CheckpointError(f"saving the sharded checkpoint {path} failed: {first}; nothing was written") from None
+
+
+def _save_items(src: Checkpointable, cap: int) -> dict[str, Any]:
+    shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
+    chunks = _Chunks(cap)
+    for k, (shape, box, local) in _model_boxes(src).items():
+        chunks.add_box(f"model.{k}", shape, box, local)
+    for h in src.held():
+        if h.master is not None:
+            chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
+        _add_state(chunks, h, shapes[h.name])
+    sd = chunks.state_dict(src.mesh)
+    sd[META_KEY] = _meta_tensor(_meta(src, cap))
+    return sd
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0 removes what a failed save wrote (best effort: the error that caused it is what the
+    user needs to see)."""
+    if dist.get_rank() == 0 and (tmp.exists() or tmp.is_symlink()):
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _clear_tmp(src: Checkpointable, sd: Mapping[str, Any], path: Path, tmp: Path) -> None:
     if dist.get_rank() == 0:
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            os.replace(path, old)
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"{path} exists and is not a directory")
+
+
+def _write(src: Checkpointable, sd: Mapping[str, Any], path: Path, tmp: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({k: v for k, v in sd.items() if k != _DIGESTS}, storage_writer=dcp.FileSystemWriter(str(tmp)))
+
+
+_DIGESTS = "\0digests"  # where _hash leaves this rank's file digests for _seal (never saved)
+
+
+def _hash(src: Checkpointable, sd: dict[str, Any], path: Path, tmp: Path) -> None:
+    """Every rank hashes its share of the files (kept in ``sd`` for :func:`_seal`)."""
+    sd[_DIGESTS] = dcp_files.hash_files(tmp, dcp_files.data_files(tmp), dist.get_rank(), dist.get_world_size())
+
+
+def _seal(src: Checkpointable, sd: dict[str, Any], path: Path, tmp: Path) -> None:
+    """Rank 0 gathers the digests and writes the seal, the directory's last file."""
+    got = Comm(None, src.comm_stats).gather_object(sd[_DIGESTS], dst=0)
+    if dist.get_rank() == 0:
+        assert got is not None
+        dcp_files.write_manifest(tmp, {k: v for share in got for k, v in share.items()})
+
+
+def _rename(src: Checkpointable, sd: Mapping[str, Any], path: Path, tmp: Path) -> None:
+    if dist.get_rank() != 0:
+        return
+    old = path.with_name(path.name + ".old")
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
+    if path.exists():
+        os.replace(path, old)
+    try:
         os.replace(tmp, path)
-        if old.is_dir():
-            shutil.rmtree(old)
-        elif old.exists():
-            old.unlink()
-    dist.barrier()
+    except OSError:
+        if old.exists() and not path.exists():
+            os.replace(old, path)  # put the previous checkpoint back
+        raise
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- load
@@ -521,16 +606,20 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = Path(path)
+    join_collective(src, "load_sharded()")
     src.finish_param_sync()
     error: BaseException | None = None
     meta: dict[str, Any] = {}
     strides: dict[str, tuple[int, ...]] = {}
     md: Any = None
+    files: Mapping[str, Any] = {}
     try:
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"not a sharded checkpoint directory (no .metadata): {path}")
+        files = _verified_files(path)
         try:
-            md = dcp.FileSystemReader(str(path)).read_metadata()
+            md = dcp_files.read_metadata(path)
+            dcp_files.check_metadata(md, files)
+        except dcp_files.MetadataRefused as exc:
+            raise CheckpointError(f"{path}/.metadata {exc}; refused without loading anything") from None
         except Exception as exc:  # noqa: BLE001 - a corrupt directory must say so, not crash obscurely
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {_first_line(exc)})") from None
         _check_files(path, md)
@@ -538,7 +627,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
         error = exc
     _agree(src, error, f"reading the sharded checkpoint {path}")
     try:
-        meta, strides = _read_meta(dcp.FileSystemReader(str(path)), md)
+        meta, strides = _read_meta(dcp_files.SafeFileSystemReader(path, files), md)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -561,7 +650,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
     )
     for stage, target in (("verify", scratch), ("commit", None)):
         try:
-            dcp.load(plan.state_dict(scratch=target), storage_reader=dcp.FileSystemReader(str(path)))
+            dcp.load(plan.state_dict(scratch=target), storage_reader=dcp_files.SafeFileSystemReader(path, files))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP reports any rank's read failure on every rank
             where = "" if stage == "verify" else " after verifying it; the in-memory state is partly overwritten"
             raise CheckpointError(f"{path}: reading the checkpoint failed{where} ({type(exc).__name__}: {_first_line(exc)})") from None
@@ -572,13 +661,28 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
 
 
 def _agree(src: Checkpointable, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed; this rank's own error says it best."""
+    """Every rank learns whether any rank failed; this rank's own error says it best, the others
+    raise a CheckpointError carrying the failing ranks' (each rank checks a share of the files,
+    so one rank may be the only one to see the damage)."""
     try:
         agree(error, what, comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
-    except RankFailure:
+    except RankFailure as failure:
         if error is not None:
             raise error from None
-        raise
+        raise CheckpointError(str(failure)) from failure
+
+
+def _verified_files(path: Path) -> Mapping[str, Any]:
+    """The sealed files of ``path`` after this rank checked the seal, ``.metadata`` and its share
+    of the data files (:mod:`canzona.runtime.dcp_files`); CheckpointError naming what is wrong."""
+    if not path.is_dir() or not (path / ".metadata").is_file():
+        raise CheckpointError(f"not a sharded checkpoint directory (no .metadata): {path}")
+    try:
+        files = dcp_files.read_manifest(path)
+        dcp_files.verify(path, files, dist.get_rank(), dist.get_world_size())
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: {_first_line(exc)}; refused without loading anything") from None
+    return files
 
 
 def _check_files(path: Path, md: Any) -> None:
@@ -597,6 +701,25 @@ def _check_files(path: Path, md: Any) -> None:
         have = f.stat().st_size
         if have < size:
             raise CheckpointError(f"{path}: data file {rel} is truncated ({have} bytes, the metadata needs {size})")
+
+
+def _cause(exc: BaseException) -> tuple[int, str]:
+    """The first failing rank and its cause, one line: for DCP's CheckpointException (one entry per
+    failed rank) its lowest rank's exception, otherwise this rank and ``exc``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and getattr(exc, "failures", None):
+        rank, cause = sorted(exc.failures.items(), key=lambda kv: kv[0])[0]
+        if isinstance(cause, tuple):  # (exception, traceback frames)
+            cause = cause[0]
+        return int(rank), f"{type(cause).__name__}: {_first_line(cause)}".rstrip(": ")
+    return dist.get_rank(), f"{type(exc).__name__}: {_first_line(exc)}".rstrip(": ")
+
+
+def _rank_of(message: str) -> int:
+    """The rank a save step's message names first (``rank R failed ...``)."""
+    head = message.removeprefix("CheckpointError: ").split(" ", 2)
+    return int(head[1]) if len(head) > 1 and head[0] == "rank" and head[1].isdigit() else 1 << 30
 
 
 def _first_line(exc: BaseException) -> str:
