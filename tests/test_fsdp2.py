@@ -539,7 +539,7 @@ def _robust_cases(rank: int, mesh) -> dict:
             backward(model, 2 * s + 1)
             opt.step()
             opt.zero_grad()
-        params, doc = _full_params(model), opt.state_dict()  # collectives: every rank
+        params, doc = _full_params(model), opt.consolidated_state_dict()  # collectives: every rank
         res = {"reduced_inside": reduced_inside}
         if rank == 0:
             ref = ReferenceRunner(FSDPToy(torch.float32), Muon, kw, torch.optim.AdamW, EW_KWARGS)
@@ -578,7 +578,7 @@ def _robust_cases(rank: int, mesh) -> dict:
         opt.step()
         opt.zero_grad()
         _run(model, opt, mesh, range(2, STEPS))
-        params, doc = _full_params(model), opt.state_dict()
+        params, doc = _full_params(model), opt.consolidated_state_dict()
         if rank == 0:
             ref = fsdp_reference(Muon, kw, EW_KWARGS, dtype=torch.float32, dp=2, steps=STEPS)
             got["mismatches"] = compare_with_reference(params, doc, ref)

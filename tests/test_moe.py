@@ -236,7 +236,7 @@ def _dp_case(rank: int, strategy: str) -> dict:
         inject_grads(model, _grads(model, s, rank))
         opt.step()
         opt.zero_grad()
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "describe": opt.describe(), "ok": True}
     if rank == 0:
         out["state"] = {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()}

@@ -59,7 +59,7 @@ def _case(rank: int, strategy: str) -> dict:
         opt.step()
         opt.zero_grad()
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    doc = opt.state_dict()
+    doc = opt.consolidated_state_dict()
     out = {"params": params, "local": local, "experts_local": len(opt.runtime.expert_masters), "exchanged": list(opt.runtime.engine.hosted)}
     if rank == 0:
         out["state"] = {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()}
