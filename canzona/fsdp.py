@@ -379,6 +379,13 @@ class FSDPDistributedOptimizer(DistributedOptimizer):
             self.runtime.step(self._digest())
         return None
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over FSDP2's ``p.grad`` with one exchange (collective)."""
+        from canzona.runtime.clip import clip_fsdp
+
+        return clip_fsdp(self.runtime, self.replica, max_norm, norm_type, error_if_nonfinite, foreach)
+
     def refresh_masters(self) -> None:
         """Re-read the fp32 masters from the model (collective): call after overwriting parameters."""
         self.runtime.refresh_masters()
