@@ -12,9 +12,10 @@ any per-parameter ``torch.optim.Optimizer`` class), ``strategy=``, ``optimizer_k
 - **no DDP**: canzona reduces the gradients itself (its buffer hooks take them and reduce-scatter
   per bucket); a ``DistributedDataParallel`` wrapper would all-reduce them again and write
   ``p.grad`` after canzona took it. The Trainer's accelerator prepares the model in its
-  evaluation mode (mixed-precision autocast and compilation as configured, no DDP wrapper), and
-  wraps the optimizer without accelerate's state round trip at prepare time (``state_dict()``
-  is a collective in canzona).
+  evaluation mode (mixed-precision autocast and compilation as configured; no DDP wrapper, and
+  no second device placement: the Trainer placed the model when it was constructed), and wraps
+  the optimizer without accelerate's state round trip at prepare time (``state_dict()`` is a
+  collective in canzona).
 - **clipping**: ``max_grad_norm`` goes to ``opt.clip_grad_norm_`` (:mod:`canzona.runtime.clip`),
   so the logged ``grad_norm`` is the true norm of the reduced gradients (``torch.nn.utils.clip_grad_norm_``
   finds no ``p.grad`` on the ZeRO-1 path); with ``max_grad_norm=0`` the norm is still logged,
@@ -90,7 +91,10 @@ class Trainer(transformers.Trainer):
         prepare_model, prepare_optimizer = acc.prepare_model, acc.prepare_optimizer
 
         def model_without_ddp(model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
-            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+            # The Trainer placed the model on its device at construction, before the optimizer was
+            # built; a second model.to() here would replace some parameters' storage (transformers'
+            # .to re-assigns lm_head's), which the optimizer's parameter views are bound to.
+            return prepare_model(model, device_placement=False, evaluation_mode=True)
 
         def optimizer_as_is(optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
             return prepare_optimizer(optimizer, device_placement=False)

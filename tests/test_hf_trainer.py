@@ -261,7 +261,14 @@ def run(tmp_path_factory) -> dict:
         if path.exists():
             per_rank[rank] = json.loads(path.read_text(encoding="utf-8"))
     assert sorted(per_rank) == [0, 1], f"torchrun exited {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    per_rank["stderr"] = res.stderr
     return per_rank
+
+
+def test_parameters_stay_bound_to_the_optimizer(run) -> None:
+    """Nothing in the Trainer's preparation replaces a parameter's storage after the optimizer
+    bound it to its parameter buffer (canzona would rebind it, with this warning)."""
+    assert "no longer uses the optimizer's parameter buffer" not in run["stderr"]
 
 
 def _case(run: dict, name: str) -> list[dict]:
