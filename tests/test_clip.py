@@ -47,6 +47,9 @@ def _cases(world: int) -> list[dict]:
     fsdp = "dp_shard2" if world == 2 else "dp_shard2_tp2"
     for norm, clip in ((2.0, "active"), (math.inf, "active"), (2.0, "inactive")):
         cases.append({"label": f"{fsdp}/{norm}/{clip}", "kind": "fsdp", "layout": fsdp, "norm": norm, "clip": clip})
+    if world == 4:  # HSDP: replica 0 alone fills the slots, every replica clips
+        cases.append({"label": "dp_replicate2_dp_shard2/2.0/active", "kind": "fsdp", "layout": "dp_replicate2_dp_shard2",
+                      "norm": 2.0, "clip": "active"})
     return cases
 
 
@@ -140,12 +143,12 @@ def _fsdp_case(case: dict, mesh) -> dict:
     import canzona
     from canzona.optim import Muon
     from canzona.runtime.clip import split_bound
-    from canzona.testing_fsdp import FSDP_TOY_SHAPES, FSDPToy, _full_params, build_fsdp_toy, fsdp_local_grads
+    from canzona.testing_fsdp import FSDP_TOY_SHAPES, FSDPToy, _dp, _full_params, build_fsdp_toy, fsdp_local_grads
 
     model = build_fsdp_toy(mesh)
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=KW, elementwise_kwargs=EW)
     ref = ReferenceRunner(FSDPToy(), Muon, KW, torch.optim.AdamW, EW)
-    dp = mesh.size(mesh.mesh_dim_names.index("dp_shard"))
+    _, dp = _dp(mesh)  # dp_replicate x dp_shard
     shapes = {n: s for n, (s, _) in FSDP_TOY_SHAPES.items()}
     max_norm, norm = MAX_NORM[case["clip"], case["norm"]], case["norm"]
     bound = split_bound(max(math.prod(s) for s in shapes.values()), mesh.size(), len(shapes))
@@ -203,12 +206,15 @@ def worker(rank: int, world: int) -> bytes:
     mesh2d = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if world == 4 else None
     fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)) if world == 2 else init_device_mesh(
         "cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    meshes = {"dp_shard2": fsdp, "dp_shard2_tp2": fsdp}
+    if world == 4:
+        meshes["dp_replicate2_dp_shard2"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     out = {}
     for case in _cases(world):
         if case["kind"] == "zero1":
             out[case["label"]] = attempt(_zero1_case, case, world, mesh2d)
         else:
-            out[case["label"]] = attempt(_fsdp_case, case, fsdp)
+            out[case["label"]] = attempt(_fsdp_case, case, meshes[case["layout"]])
         dist.barrier()
     return pack({"cases": out})
 
