@@ -624,6 +624,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.requires_grad_(False)
             p.grad.zero_()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients (collective: every rank,
+        between ``backward()`` and ``step()``); returns the total norm. See :mod:`canzona.runtime.clip`."""
+        with timing(self.phase_times):
+            return self.layout.clip_grad_norm(max_norm, norm_type, error_if_nonfinite, foreach)
+
     def finish_param_sync(self) -> None:
         """``param_sync="lazy"``: wait for the pending parameter all-gathers now (the forward does it
         bucket by bucket otherwise); call before reading parameters outside a forward pass. Nothing

@@ -13,6 +13,10 @@ registers its gradient all-reduce hook at the *first forward*, i.e. after canzon
 takes each gradient only after every other hook on the parameter has run
 (:mod:`canzona.runtime.buffer`, "Other code's hooks"), so that order is exact.
 
+:class:`Trainer` (``canzona.hf.Trainer``, defined in :mod:`canzona.hf_trainer`) is
+``transformers.Trainer`` running canzona's optimizer under torchrun: no DDP wrapper, clipping
+through ``opt.clip_grad_norm_``, gradient accumulation through ``no_sync``, collective checkpoints.
+
 This module imports ``transformers`` lazily; it is a test (``dev``) dependency of canzona, not a
 runtime one.
 """
@@ -26,7 +30,15 @@ from torch import nn
 
 from canzona.config import ModelConfig
 
-__all__ = ["apply_tp_plan", "expand_tp_plan", "hf_config"]
+__all__ = ["Trainer", "apply_tp_plan", "expand_tp_plan", "hf_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":  # imports transformers (and accelerate) only when asked for
+        from canzona.hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'canzona.hf' has no attribute {name!r}")
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 

@@ -107,6 +107,11 @@ class Layout(ABC):
     ) -> Any:
         """Make :attr:`runtime`, the step engine (collective); returns it."""
 
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients this layout holds
+        (collective; :mod:`canzona.runtime.clip`); returns the total norm."""
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients over micro-batches without launching gradient collectives."""

@@ -327,6 +327,11 @@ class FSDP2Layout(Layout):
             layouts[pp.name] = PieceLayout(pp.name, tuple(pp.shape), blocks)
         return layouts
 
+    def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
+        from canzona.runtime.clip import clip_fsdp
+
+        return clip_fsdp(self.runtime, self.replica, max_norm, norm_type, error_if_nonfinite, foreach)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """FSDP2's gradient sync off on every ``fully_shard`` module while inside: each backward

@@ -216,6 +216,11 @@ class Zero1Layout(Layout):
         plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
         return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
 
+    def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
+        from canzona.runtime.clip import clip_zero1
+
+        return clip_zero1(self.runtime, self.tp_rank, max_norm, norm_type, error_if_nonfinite, foreach)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self.runtime.buffer.no_sync():

@@ -292,7 +292,9 @@ class GradBuffer:
         if self.launched(self.bucket_of[name]):
             raise GradSyncError(
                 f"gradient of {name} arrived after its bucket's collective was launched: call step() or "
-                "zero_grad() between backward passes, or wrap all but the last micro-batch in no_sync()"
+                "zero_grad() between backward passes, or wrap all but the last micro-batch in no_sync(); "
+                "a DistributedDataParallel wrapper writes gradients after canzona took them: do not wrap the "
+                "model in DDP (with transformers use canzona.hf.Trainer)"
             )
         slot, view = self.slots[name], self._views.get(name)
         if view is not None and (grad is view or same_view(grad, view)):

@@ -320,6 +320,9 @@ class DPRuntime:
         self.lazy = param_sync == "lazy" and self.reduce_scatter
         self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
         self._hooks: list[Any] = []
+        #: clip_grad_norm_ already finished and averaged every bucket (finish_grad_syncs): the next
+        #: step() reuses them, as it reuses retained gradients
+        self._grads_final = False
         self.steps = 0
 
     def _init_pieces(self, master_dtype: torch.dtype) -> None:
@@ -641,6 +644,7 @@ class DPRuntime:
         self._launched.clear()
         self._tp_grads.clear()
         self._piece_grads.clear()
+        self._grads_final = False
         for m in self.masters.values():
             m.grad = None
         self.buffer.reset()
@@ -681,7 +685,10 @@ class DPRuntime:
         checkpoint is loaded (:class:`~canzona.runtime.agree.ReplicaGuard`)."""
         self.replicas.check("optimizer step")
         self.finish_param_sync()
-        reuse = self.buffer.retained and not any(p.grad is not None for p in self.params.values())
+        # reuse: the reduced gradients are final already (retained from a step, or finished by
+        # clip_grad_norm_); a p.grad set since then takes the normal path (and its GradSyncError)
+        reuse = (self.buffer.retained or self._grads_final) and not any(p.grad is not None for p in self.params.values())
+        self._grads_final = False
         self.bucket_wait_s = {}
         n = len(self._param_index)
         error: BaseException | None = None
@@ -846,6 +853,32 @@ class DPRuntime:
             if advance is not None:
                 with phase(f"canzona/dp/reduce_scatter/bucket{i}/wait" if self.reduce_scatter else f"canzona/dp/all_reduce/bucket{i}/wait", bucket=i, peers=self.dp):
                     advance()
+
+    def finish_grad_syncs(self) -> None:
+        """Finish every bucket's gradient collective now (take pending gradients, launch what is
+        left, wait, average), before ``step()``, which then reuses them: what
+        ``clip_grad_norm_`` (:mod:`canzona.runtime.clip`) needs to see the reduced gradients.
+        Retained gradients (a second call, or after a step without a new backward) are final already."""
+        if (self._grads_final or self.buffer.retained) and not any(p.grad is not None for p in self.params.values()):
+            return
+        if self.buffer.retained:
+            self._release()  # p.grad set directly after a step: a new gradient
+        self.buffer.flush()
+        order = self.launch_order()
+        self._advance_grad_syncs(order)
+        for i in order:
+            self.finish_grad_sync(i)
+        self._grads_final = True
+
+    def reduced_grads(self) -> list[tuple[Piece, torch.Tensor]]:
+        """Every owned piece with its reduced gradient (a view into its bucket's reduced region;
+        TP-split pieces: this rank's TP shard), valid after :meth:`finish_grad_syncs`."""
+        return [pg for views in self._grad_views for pg in views]
+
+    def reduced_regions(self) -> list[torch.Tensor]:
+        """The reduced gradient regions this rank holds: its shard of every bucket (the whole
+        bucket under all-reduce strategies); scaling them scales every gradient the step uses."""
+        return [self._grad_source(i) for i in range(len(self.plan.buckets))]
 
     def finish_grad_sync(self, i: int, *, reuse: bool = False) -> None:
         """Wait for bucket ``i``'s collective (only that one), average it, and keep each owned piece's
