@@ -3,7 +3,8 @@
 One JupyterLab server for the file (module fixture): on 127.0.0.1, a free port, a random token,
 its own config, data, runtime, settings and workspace folders, serving a temporary copy of
 ``notebooks/`` (so Lab's autosave can never write outputs into the tracked files). The test opens
-a notebook, runs every cell, changes explorer controls the way a user does (the ``<select>`` of
+a notebook, runs its cells through the explorers (the rest of each notebook is
+tests/test_notebooks.py's business), changes explorer controls the way a user does (the ``<select>`` of
 an ipywidgets dropdown) and reads the title of the figure *drawn on the page* (plotly's SVG), so
 it fails when the kernel rebuilds a figure that the browser never receives.
 
@@ -210,14 +211,26 @@ def _wait(what: str, timeout: float, probe: Callable[[], Any]) -> Any:
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last seen: {last!r})")
 
 
+#: the kernel's state and how many code cells, up to the one holding ``arguments[0]``, have run
 _NOTEBOOK_DONE = """
 const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
 if (!w || !w.content || !w.sessionContext || !w.sessionContext.session) return null;
 const kernel = w.sessionContext.session.kernel;
-const cells = w.content.widgets.filter(c => c.model.type === 'code');
+const all = w.content.widgets;
+const last = all.findIndex(c => c.model.sharedModel.getSource().includes(arguments[0]));
+const cells = all.slice(0, last + 1).filter(c => c.model.type === 'code');
 const ran = cells.filter(c => c.model.executionCount !== null).length;
-return {status: kernel ? kernel.status : 'none', ran: ran, cells: cells.length,
+return {status: kernel ? kernel.status : 'none', ran: ran, cells: cells.length, last: last,
         errors: document.querySelectorAll('[data-mime-type="application/vnd.jupyter.error"]').length};
+"""
+
+#: select the cell holding ``arguments[0]``, run every cell above it, then it (what a user does
+#: to reach the explorers without waiting for the rest of the notebook)
+_RUN_THROUGH = """
+const app = window.jupyterapp;
+const nb = app.shell.currentWidget.content;
+nb.activeCellIndex = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes(arguments[0]));
+app.commands.execute('notebook:run-all-above').then(() => app.commands.execute('notebook:run-cell'));
 """
 
 #: the title text of every plotly figure drawn in the notebook cell of explorer number
@@ -232,12 +245,16 @@ return Array.from(cell.querySelectorAll('.js-plotly-plot')).map(p => {
 """
 
 
-def _run_notebook(drv: Any, lab: Lab, name: str) -> None:
+def _run_notebook(drv: Any, lab: Lab, name: str, through: str) -> None:
+    """Open ``name`` and run its cells up to and including the one whose source holds ``through``."""
     drv.get(f"{lab.url}/lab/tree/{name}?token={lab.token}")
-    _wait("the notebook and its kernel", SERVER_START_S, lambda: (drv.execute_script(_NOTEBOOK_DONE) or {}).get("status") == "idle")
-    drv.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells');")
-    # run-all stops at a cell that raises: an error ends the wait too
-    state = _wait("every cell to run", RUN_ALL_S, lambda: (s := drv.execute_script(_NOTEBOOK_DONE)) and s["status"] == "idle"
+    opened = _wait("the notebook and its kernel", SERVER_START_S,
+                   lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through)) and s["status"] == "idle" and s)
+    assert opened["last"] >= 0, f"{name}: no cell holds {through!r}"
+    drv.execute_script(_RUN_THROUGH, through)
+    # running stops at a cell that raises: an error ends the wait too
+    state = _wait(f"the cells through {through!r} to run", RUN_ALL_S,
+                  lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through)) and s["status"] == "idle"
                   and (s["ran"] == s["cells"] or s["errors"]) and s)
     if state["errors"]:
         _shot(drv, f"error-{name}")
@@ -272,7 +289,7 @@ def _shot(drv: Any, name: str) -> None:
 
 # ------------------------------------------------------------------------------------------ tests
 def test_partition_explorer_redraws_on_the_page(lab: Lab, browser: Any) -> None:
-    _run_notebook(browser, lab, "01_partition_maps.ipynb")
+    _run_notebook(browser, lab, "01_partition_maps.ipynb", through="vw.strategy_explorer(")
     first = _titles(browser, 0, 2)
     assert "DP32 x TP8, lb-asc" in first[0], first
     _shot(browser, "01-start")
@@ -287,7 +304,7 @@ def test_partition_explorer_redraws_on_the_page(lab: Lab, browser: Any) -> None:
 
 
 def test_timeline_explorer_follows_the_step_control(lab: Lab, browser: Any) -> None:
-    _run_notebook(browser, lab, "03_profiler_timelines.ipynb")
+    _run_notebook(browser, lab, "03_profiler_timelines.ipynb", through="vw.timeline_explorer(")
     start = _titles(browser, 0, 2)
     assert start[0].startswith("Phase timeline per rank, step 4"), start
     _choose(browser, 0, "step", "2")
