@@ -26,13 +26,6 @@ TESTS = ROOT / "tests"
 #: the one module of the product that may reach the exactness suite (lazily, by name)
 LAB_DOOR = "canzona.lab"
 
-#: Import cycles other branches of this round are removing (the front end's ``distributed`` /
-#: ``fsdp`` pair and the figures' ``meshload`` / ``microgroups`` pair). Temporary: delete this list
-#: once those branches have landed; no other cycle is tolerated.
-KNOWN_CYCLES_BEING_REMOVED: tuple[frozenset[str], ...] = (
-    frozenset({"canzona.viz.meshload", "canzona.viz.microgroups"}),
-)
-
 #: module prefix -> import prefixes it must never name
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # the planner is pure: shapes and ints in, a frozen plan out
@@ -304,15 +297,8 @@ def _cycle_in(comp: set[str], graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_cycle_among_product_and_suite_modules() -> None:
     graph = import_graph(_modules(PACKAGE, SUITE))
-    cycles = [c for c in find_cycles(graph) if frozenset(c) not in KNOWN_CYCLES_BEING_REMOVED]
+    cycles = find_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
-
-
-def test_known_cycles_are_still_there() -> None:
-    """A known cycle that has gone must leave the list, so the list cannot hide a new one."""
-    found = {frozenset(c) for c in find_cycles(import_graph(_modules(PACKAGE, SUITE)))}
-    gone = [sorted(c) for c in KNOWN_CYCLES_BEING_REMOVED if c not in found]
-    assert not gone, f"{gone} no longer form a cycle: delete them from KNOWN_CYCLES_BEING_REMOVED"
 
 
 def test_cycle_finder_reports_the_cycle() -> None:

@@ -2,7 +2,7 @@
 
 Every strategy of the ZeRO-1 path (1-D DP at world 2 and 4, dp2 x tp2 with Megatron-style plain TP
 shards) and FSDP2 (dp_shard 2, dp_shard 2 x tp 2), norm types 2 and inf, clipping active and
-inactive, and non-finite gradients. Gradients are integer-valued (:func:`canzona.testing.integer_grads`),
+inactive, and non-finite gradients. Gradients are integer-valued (:func:`validation.harness.integer_grads`),
 so the DP reduction is exact in any order and the reference's reduced gradients are the ones canzona
 holds. Checked per case and rank: the total norm (bitwise where every parameter's gradient is whole
 on one rank and for inf; within :func:`canzona.runtime.clip.split_bound` where parameters are split),
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from canzona.runtime.launch import run_workers
-from canzona.testing import ReferenceRunner, ToyModel, attempt, case_results, inject_grads, integer_grads, mean_grads, pack, tp_cut, unpack
+from harness import attempt, case_results
+from validation.harness import ReferenceRunner, ToyModel, inject_grads, integer_grads, mean_grads, pack, tp_cut, unpack
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +144,7 @@ def _fsdp_case(case: dict, mesh) -> dict:
     import canzona
     from canzona.optim import Muon
     from canzona.runtime.clip import split_bound
-    from canzona.testing_fsdp import FSDP_TOY_SHAPES, FSDPToy, _dp, _full_params, build_fsdp_toy, fsdp_local_grads
+    from validation.fsdp_harness import FSDP_TOY_SHAPES, FSDPToy, _dp, _full_params, build_fsdp_toy, fsdp_local_grads
 
     model = build_fsdp_toy(mesh)
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs=KW, elementwise_kwargs=EW)

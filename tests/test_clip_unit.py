@@ -13,7 +13,7 @@ import torch
 import canzona
 from canzona.optim import Muon
 from canzona.runtime.buffer import GradSyncError
-from canzona.testing import ReferenceRunner, ToyModel, integer_grads, inject_grads
+from validation.harness import ReferenceRunner, ToyModel, integer_grads, inject_grads
 
 KW = {"lr": 0.02}
 EW = {"lr": 0.01, "weight_decay": 0.1}

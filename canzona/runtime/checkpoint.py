@@ -265,7 +265,7 @@ def join_collective(src: Checkpointable, what: str) -> None:
     except Exception:  # noqa: BLE001 - without a store there is nothing to wait in
         return
     rank, world, n = dist.get_rank(), dist.get_world_size(), next(_collective_calls)
-    base = f"canzona/collective/{n}"
+    base = f"canzona.collective/{n}"  # a store key, not a phase name
     store.set(f"{base}/{rank}", what)
     rule = f"{what} is collective: every rank must call it at the same point"
     if store.check([f"{base}/abandoned"]):
