@@ -54,6 +54,13 @@ __all__ = [
 ]
 
 RUNS_ENV = "CANZONA_RUNS_DIR"
+#: the shorter name, accepted the same (``$CANZONA_RUNS_DIR`` wins when both are set)
+RUNS_ENV_SHORT = "CANZONA_RUNS"
+
+
+def _runs_env() -> str | None:
+    """The runs folder the environment names, if any."""
+    return os.environ.get(RUNS_ENV) or os.environ.get(RUNS_ENV_SHORT) or None
 METRICS_CSV = "metrics.csv"
 RUN_JSON = "run.json"
 #: the header of metrics.csv, fixed so that every run's table has the same columns
@@ -63,7 +70,7 @@ METRICS_COLUMNS: tuple[str, ...] = ("step", "loss", "wall_ms", *(f"{p}_ms" for p
 def runs_dir() -> Path:
     """The folder user runs go into: ``$CANZONA_RUNS_DIR`` or ``runs`` (relative to the working
     directory)."""
-    return Path(os.environ.get(RUNS_ENV) or "runs")
+    return Path(_runs_env() or "runs")
 
 
 def runs_roots() -> list[Path]:
@@ -71,7 +78,7 @@ def runs_roots() -> list[Path]:
     directory and of its parent (a notebook started in ``notebooks/`` finds the repository's
     runs); only folders that exist, each once."""
     cwd = Path.cwd()
-    candidates = [runs_dir()] if os.environ.get(RUNS_ENV) else [cwd / "runs", cwd.parent / "runs"]
+    candidates = [runs_dir()] if _runs_env() else [cwd / "runs", cwd.parent / "runs"]
     out: list[Path] = []
     for c in candidates:
         c = c.resolve()
@@ -145,8 +152,9 @@ class RunChoice:
 def _where(roots: list[Path] | None) -> str:
     if roots is not None:
         return " or ".join(str(r) for r in roots) or "(no folder)"
-    if os.environ.get(RUNS_ENV):
-        return f"${RUNS_ENV} ({runs_dir()})"
+    if _runs_env():
+        name = RUNS_ENV if os.environ.get(RUNS_ENV) else RUNS_ENV_SHORT
+        return f"${name} ({runs_dir()})"
     cwd = Path.cwd()
     return f"{cwd / 'runs'} or {cwd.parent / 'runs'}"
 

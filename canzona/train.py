@@ -442,6 +442,10 @@ _SHORT: dict[str, tuple[str, str]] = {
     P.TP_COMPUTE: ("tp-c", "TP host update of full matrices"),
     P.TP_SCATTER: ("tp-s", "TP scatter of updated shards"),
     P.TP_APPLY: ("tp-a", "TP apply of the received shards"),
+    P.SHARD_GATHER: ("sh-g", "FSDP2 shard-group gather to the hosts"),
+    P.SHARD_COMPUTE: ("sh-c", "FSDP2 host update of full matrices"),
+    P.SHARD_SCATTER: ("sh-s", "FSDP2 scatter of updated pieces"),
+    P.SHARD_APPLY: ("sh-a", "FSDP2 apply of the received pieces"),
     P.DP_ALL_GATHER: ("ag", "DP parameter all-gather"),
     P.LAYERWISE_BROADCAST: ("bcast", "layerwise parameter broadcast"),
     P.STATUS: ("stat", "status exchanges (errors, flags; absorbs rank skew)"),
@@ -460,8 +464,8 @@ _COLUMNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("fwd", "forward", (P.FORWARD,)),
     ("bwd", "backward", (P.BACKWARD,)),
     ("opt", "optimizer", (P.OPTIMIZER_STEP,)),
-    ("comm", "collectives", (P.DP_REDUCE_SCATTER, P.DP_ALL_REDUCE, P.DP_ALL_GATHER, P.TP_GATHER,
-                                            P.TP_SCATTER, P.LAYERWISE_BROADCAST)),
+    # every communication phase but the status exchanges, which have a column of their own
+    ("comm", "collectives", tuple(p for p in P.PHASES if p in P.COMM_PHASES and p != P.STATUS)),
     ("stat", "status", (P.STATUS,)),
 )
 

@@ -121,6 +121,12 @@ def test_every_view_finds_the_newest_run_the_same_way(tmp_path: Path, monkeypatc
     # $CANZONA_RUNS_DIR, when set, is where runs are (and the only place looked at)
     monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path / "elsewhere"))
     assert ve.resolve_report()[0] == ve.SAMPLE_REPORT and find_runs("metrics") == []
+    # $CANZONA_RUNS, the shorter name, is read the same when $CANZONA_RUNS_DIR is not set
+    monkeypatch.delenv("CANZONA_RUNS_DIR")
+    monkeypatch.setenv("CANZONA_RUNS", str(tmp_path / "elsewhere"))
+    assert ve.resolve_report()[0] == ve.SAMPLE_REPORT and find_runs("metrics") == []
+    monkeypatch.delenv("CANZONA_RUNS")
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path / "elsewhere"))
     with pytest.raises(FileNotFoundError, match="profile not found"):
         choose_run("profile", tmp_path / "missing", sample=vt.DEFAULT_PROFILE_DIR)
     with pytest.raises(ValueError, match="kind must be one of"):

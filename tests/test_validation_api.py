@@ -130,6 +130,8 @@ def test_cli_refuses_a_non_separable_optimizer_before_any_process(tmp_path: Path
 
 def test_report_goes_under_runs_by_default_and_into_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    for var in ("CANZONA_RUNS_DIR", "CANZONA_RUNS"):
+        monkeypatch.delenv(var, raising=False)
     p = default_report_path()
     assert p.name == "report.json" and p.parent.parent == tmp_path / "runs" / "validation"
     assert report_dir_paths(tmp_path / "d") == (tmp_path / "d" / "report.json", tmp_path / "d" / "report.csv")
@@ -139,6 +141,9 @@ def test_report_goes_under_runs_by_default_and_into_a_directory(tmp_path: Path, 
     rep = build_report([], level="quick", command="t", seconds=0.0, settings={})
     write_report(rep, p)
     assert latest_report(tmp_path) == p
+    # with $CANZONA_RUNS_DIR the report goes where every results view looks for it
+    monkeypatch.setenv("CANZONA_RUNS_DIR", str(tmp_path / "elsewhere"))
+    assert default_report_path().parent.parent == (tmp_path / "elsewhere" / "validation").resolve()
 
 
 def _cell(**kw: object) -> dict:

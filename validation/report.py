@@ -85,9 +85,13 @@ RUNS_DIR = Path("runs") / "validation"
 
 
 def default_report_path(now: datetime | None = None) -> Path:
-    """``runs/validation/<UTC timestamp>/report.json`` under the current directory."""
+    """``validation/<UTC timestamp>/report.json`` under the user's runs folder
+    (:func:`canzona.runs.runs_dir`: ``$CANZONA_RUNS_DIR``, else ``runs/`` of the current directory),
+    where every results view looks for it."""
+    from canzona.runs import runs_dir
+
     stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
-    base = Path.cwd() / RUNS_DIR / stamp
+    base = runs_dir().resolve() / RUNS_DIR.name / stamp
     p, n = base, 1
     while p.exists():  # two runs in the same second
         n += 1
