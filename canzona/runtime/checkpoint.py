@@ -676,8 +676,8 @@ def _check_document(src: Checkpointable, doc: Any) -> None:
     check_hyper_section(doc["hyper"])
     if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool) or meta.get("steps", 0) < 0:
         raise CheckpointError(f"checkpoint's step count {meta.get('steps')!r} is not a non-negative integer")
+    _check_integrity(src, doc)  # names the tensor, the dtype or the NaN where one is the cause
     verify_document(doc)
-    _check_integrity(src, doc)
 
 
 def check_optimizers(src: Checkpointable, meta: Mapping[str, Any]) -> None:

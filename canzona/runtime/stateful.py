@@ -200,7 +200,7 @@ def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
     from canzona.runtime.dcp import CHUNK_BYTES, _Chunks
 
     join_collective(src, "state_dict()")
-    src.runtime.replicas.check("state_dict()")
+    src.runtime.replicas.check("saving the optimizer state")  # the same flag on every rank: all raise
     chunks, plain = _Chunks(CHUNK_BYTES), {}
     error: BaseException | None = None
     try:
