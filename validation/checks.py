@@ -15,7 +15,7 @@ mean over a power-of-two DP size is exact. The gradients enter through a real ba
 
 - every parameter on every rank (TP shards reassembled per DP replica) equals the reference's
   (cast to the model dtype for bf16 cells);
-- every fp32 master in ``DistributedOptimizer.state_dict()`` equals the reference optimizer's
+- every fp32 master in ``DistributedOptimizer.consolidated_state_dict()`` equals the reference optimizer's
   parameter (fp32 masters of the same initial values);
 - every optimizer state entry, key by key, equals the reference optimizer's state for that
   parameter.
