@@ -20,6 +20,10 @@ from canzona.viz._style import categorical_colors, finish, line_style
 __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
 
 
+#: the metrics-log header before the ``canzona/shard/*`` phases were registered (still read)
+_METRICS_COLUMNS_BEFORE_SHARD: tuple[str, ...] = tuple(c for c in METRICS_COLUMNS if not c.startswith("canzona/shard/"))
+
+
 def load_metrics(path: str | Path) -> pd.DataFrame:
     """Read a run's ``metrics.csv`` (the file or its directory) strictly: the documented header,
     integer steps in increasing order, finite losses. One clear error otherwise."""
@@ -32,6 +36,9 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
         df = pd.read_csv(p)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p}: cannot read the metrics log ({exc})") from None
+    if tuple(df.columns) == _METRICS_COLUMNS_BEFORE_SHARD:
+        # a log written before the FSDP2 shard-group phases had names: they took no time there
+        df = df.reindex(columns=list(METRICS_COLUMNS), fill_value=0.0)
     if tuple(df.columns) != METRICS_COLUMNS:
         raise ValueError(f"{p}: not a canzona metrics log (expected the columns step, loss, wall_ms, <phase>_ms)")
     for col in df.columns:
