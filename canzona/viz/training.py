@@ -14,6 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from canzona.phase_names import SHARD_APPLY, SHARD_COMPUTE, SHARD_GATHER, SHARD_SCATTER
 from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, runs_roots
 from canzona.viz._style import categorical_colors, finish, line_style
 
@@ -21,7 +22,9 @@ __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
 
 
 #: the metrics-log header before the ``canzona/shard/*`` phases were registered (still read)
-_METRICS_COLUMNS_BEFORE_SHARD: tuple[str, ...] = tuple(c for c in METRICS_COLUMNS if not c.startswith("canzona/shard/"))
+_METRICS_COLUMNS_BEFORE_SHARD: tuple[str, ...] = tuple(
+    c for c in METRICS_COLUMNS if c not in {f"{p}_ms" for p in (SHARD_GATHER, SHARD_COMPUTE, SHARD_SCATTER, SHARD_APPLY)}
+)
 
 
 def load_metrics(path: str | Path) -> pd.DataFrame:
