@@ -14,11 +14,18 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from canzona.phase_names import SHARD_APPLY, SHARD_COMPUTE, SHARD_GATHER, SHARD_SCATTER
 from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, find_runs
 from canzona.viz._style import categorical_colors, finish, line_style
 from canzona.fileio import read_json
 
 __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
+
+
+#: the metrics-log header before the ``canzona/shard/*`` phases were registered (still read)
+_METRICS_COLUMNS_BEFORE_SHARD: tuple[str, ...] = tuple(
+    c for c in METRICS_COLUMNS if c not in {f"{p}_ms" for p in (SHARD_GATHER, SHARD_COMPUTE, SHARD_SCATTER, SHARD_APPLY)}
+)
 
 
 def load_metrics(path: str | Path) -> pd.DataFrame:
@@ -33,6 +40,9 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
         df = pd.read_csv(p)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p}: cannot read the metrics log ({exc})") from None
+    if tuple(df.columns) == _METRICS_COLUMNS_BEFORE_SHARD:
+        # a log written before the FSDP2 shard-group phases had names: they took no time there
+        df = df.reindex(columns=list(METRICS_COLUMNS), fill_value=0.0)
     if tuple(df.columns) != METRICS_COLUMNS:
         raise ValueError(f"{p}: not a canzona metrics log (expected the columns step, loss, wall_ms, <phase>_ms)")
     for col in df.columns:
