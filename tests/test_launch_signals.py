@@ -3,7 +3,9 @@ non-zero exit, a dying worker stops the others, a killed launcher leaves no orph
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from canzona.runtime.launch import WorkerError, run_workers
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: rank 0's first per-step line (the step number is right-aligned to the width of the total)
+_FIRST_STEP = re.compile(r"step +1/")
 
 
 def _children(pid: int) -> set[int]:
@@ -70,10 +74,10 @@ def test_signal_to_the_launcher_stops_every_worker(sig: signal.Signals, tmp_path
         assert proc.stdout is not None
         deadline = time.monotonic() + 150
         line = ""
-        while time.monotonic() < deadline and not line.startswith("step 1/"):
+        while time.monotonic() < deadline and not _FIRST_STEP.match(line):
             line = proc.stdout.readline()
             assert line or proc.poll() is None, f"launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
-        assert line.startswith("step 1/"), "training never reached its first step"
+        assert _FIRST_STEP.match(line), "training never reached its first step"
         assert [p.name for p in tmp.iterdir() if p.name.startswith("canzona-rendezvous-")], "no file rendezvous under TMPDIR"
         workers = _children(proc.pid)
         assert len(workers) >= 2, workers
@@ -151,3 +155,109 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+def _wait_for_workers(proc: subprocess.Popen, n: int, timeout_s: float) -> set[int]:
+    """The launcher's spawned workers once ``n`` of them are up (and past their start-up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"command exited early ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}"
+        workers = {p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)}
+        if len(workers) >= n:
+            time.sleep(3.0)  # let them reach their work (past the process-group rendezvous)
+            return workers
+        time.sleep(0.3)
+    raise AssertionError("the workers never started")
+
+
+def _one_line_exit(proc: subprocess.Popen, timeout_s: float = 60) -> tuple[int, list[str], str]:
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err[-3000:]
+    return proc.returncode, err.strip().splitlines(), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "sig", "workers"),
+    [
+        (["validate", "--quick", "-q", "--no-report"], signal.SIGTERM, 2),
+        (["validate", "--quick", "-q", "--no-report"], signal.SIGINT, 2),
+        (["profile", "--dp", "2", "--steps", "100000", "--tensorboard", "TB"], signal.SIGTERM, 2),
+        (["demo", "--skip-verify", "--steps", "100000", "--out", "DEMO"], signal.SIGTERM, 4),
+    ],
+    ids=["validate-TERM", "validate-INT", "profile-TERM", "demo-TERM"],
+)
+def test_every_long_command_stops_on_a_signal_with_one_line(argv: list[str], sig: signal.Signals, workers: int, tmp_path: Path) -> None:
+    argv = [str(tmp_path / a) if a in ("TB", "DEMO") else a for a in argv]
+    proc = subprocess.Popen([sys.executable, "-m", "canzona", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env(tmp_path), cwd=tmp_path)
+    try:
+        running = _wait_for_workers(proc, workers, 240)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        code, lines, err = _one_line_exit(proc)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + sig, (code, err[-2000:])
+    assert lines[-1].startswith(f"canzona {argv[0]}: stopped by {sig.name}: ") and lines[-1].endswith("worker process(es) terminated"), lines[-3:]
+    assert took < 20, f"stopping took {took:.1f} s"
+    assert _wait_gone(running, 10) == set(), "orphaned worker processes"
+
+
+def test_sigterm_to_a_one_process_run(tmp_path: Path) -> None:
+    """``canzona train`` at dp1 (no launcher) also stops with one line and 128 + SIGTERM."""
+    cmd = [sys.executable, "-m", "canzona", "train", "--steps", "100000", "--batch-size", "2", "--seq-len", "8", "--no-log"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 150
+        line = ""
+        while time.monotonic() < deadline and not _FIRST_STEP.match(line):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "train exited early"
+        proc.send_signal(signal.SIGTERM)
+        code, lines, err = _one_line_exit(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGTERM, (code, err[-2000:])
+    assert lines == ["canzona train: stopped by SIGTERM"], lines
+
+
+@pytest.mark.parametrize("how", ["kill", "stop", "timeout"])
+def test_a_worker_failure_is_one_line_naming_the_rank(how: str, tmp_path: Path) -> None:
+    """At dp2, a rank SIGKILLed or SIGSTOPped mid-run, or a run past ``--timeout-s``: exit 1 and
+    one line naming the rank and the cause, no traceback."""
+    cmd = [sys.executable, "-m", "canzona", "train", "--dp", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "8", "--no-log"]
+    if how == "timeout":
+        cmd += ["--timeout-s", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=tmp_path)
+    victim = None
+    try:
+        if how != "timeout":
+            victim = max(_wait_for_workers(proc, 2, 240))
+            assert proc.stdout is not None
+            line, deadline = "", time.monotonic() + 150
+            while not _FIRST_STEP.match(line):  # the heartbeats run once the ranks train
+                line = proc.stdout.readline()
+                assert (line or proc.poll() is None) and time.monotonic() < deadline, "training never reached its first step"
+            os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        code, lines, err = _one_line_exit(proc, timeout_s=120)
+    finally:
+        if victim is not None and how == "stop":
+            with contextlib.suppress(OSError):
+                os.kill(victim, signal.SIGKILL)
+    assert code == 1, (code, err[-2000:])
+    assert len(lines) == 1, lines
+    want = {"kill": r"canzona train: error: rank [01] died: killed by signal SIGKILL",
+            "stop": r"canzona train: error: rank [01] is frozen: (no heartbeat for [\d.]+ s )?\(process stopped",
+            "timeout": r"canzona train: error: distributed run timed out after 1 s"}[how]
+    assert re.match(want, lines[0]), lines[0]

@@ -297,6 +297,19 @@ def run_workers(
             if dead:
                 what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
                 raise WorkerError(f"{what}; then {first}")
+            # ... or of a rank that froze (SIGSTOP): a survivor's status exchange can time out
+            # before the heartbeat limit; a beat several intervals old names the frozen rank
+            now = time.monotonic()
+            stale = [i for i in range(world_size) if i not in reported and i not in got and (
+                (beats[i] > 0 and now - beats[i] > 5 * HEARTBEAT_INTERVAL_S) or _process_state(procs[i].pid).startswith("stopped"))]
+            if stale:
+                what = "; ".join(
+                    f"rank {i} is frozen: "
+                    + (f"no heartbeat for {now - beats[i]:.1f} s " if beats[i] > 0 else "")
+                    + f"(process {_process_state(procs[i].pid)})"
+                    for i in stale
+                )
+                raise WorkerError(f"{what}; then {first}")
             raise WorkerError(first)
         return [got[r] for r in range(world_size)]
     except LaunchInterrupted:
