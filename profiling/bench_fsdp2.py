@@ -269,10 +269,12 @@ def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict
     import canzona
 
     out: dict[str, dict[str, Any]] = {}
-    for s in STRATEGIES:
-        model = _build(args, mesh)
-        opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=args.cmax_mb)
-        out[f"canzona {s}"] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
+    for s in args.strategies:
+        for cmax in args.cmax_mb:
+            model = _build(args, mesh)
+            opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=cmax)
+            label = f"canzona {s}" + (f" (C_max {cmax:g} MiB)" if len(args.cmax_mb) > 1 else "")
+            out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
     for mode in args.ns:
         shared = mode == "shared"
         if "dion" in available and available["dion"]:
@@ -373,7 +375,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _base(labels: list[str], mode: str) -> str:
     dion = f"dion ({mode} NS)"
-    return dion if dion in labels else "canzona lb-asc"
+    return dion if dion in labels else labels[0]
 
 
 def format_table(world: int, mode: str, runs: list[dict[str, dict[str, float]]], ns: dict[str, str]) -> str:
@@ -410,6 +412,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="2,4", help="comma list of world sizes (default 2,4)")
     p.add_argument("--peers", default="dion,muon-fsdp2", help="comma list among dion, muon-fsdp2, or 'none' (default both)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="canzona's strategies, comma list (default lb-asc,asc,sc)")
     p.add_argument("--ns", default="own,shared", help="Newton-Schulz modes for the peers: own, shared or both (default own,shared)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
@@ -420,7 +423,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=7, help="timed steps per contender, interleaved (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (default 2)")
     p.add_argument("--repeat", type=int, default=1, help="whole runs in fresh processes; medians over runs (default 1)")
-    p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8)")
+    p.add_argument("--cmax-mb", default="8", help="canzona's micro-group capacity C_max in MiB, or a comma list (one contender each; default 8)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
     args = p.parse_args(argv)
@@ -433,13 +436,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.peers = [] if args.peers.strip() in ("", "none") else [s.strip() for s in args.peers.split(",")]
     if bad := [s for s in args.peers if s not in PEERS]:
         p.error(f"--peers: unknown peer {bad[0]!r} (known: {', '.join(PEERS)}, or 'none')")
+    args.strategies = [s.strip() for s in args.strategies.split(",")]
+    if not args.strategies or any(s not in STRATEGIES for s in args.strategies):
+        p.error(f"--strategies must be a comma list among {', '.join(STRATEGIES)}, got {','.join(args.strategies)!r}")
     args.ns = [s.strip() for s in args.ns.split(",")]
     if not args.ns or any(s not in NS_MODES for s in args.ns):
         p.error(f"--ns must be a comma list among {', '.join(NS_MODES)}, got {','.join(args.ns)!r}")
     for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "steps", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or not args.cmax_mb > 0 or not args.lr > 0:
+    try:
+        args.cmax_mb = [float(c) for c in str(args.cmax_mb).split(",")]
+    except ValueError:
+        p.error(f"--cmax-mb must be a number or a comma list of numbers, got {args.cmax_mb!r}")
+    if args.warmup < 0 or not all(c > 0 for c in args.cmax_mb) or not args.lr > 0:
         p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden must divide by --heads and --heads by --kv-heads, got {args.hidden}, {args.heads}, {args.kv_heads}")
@@ -462,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     args.available = available
     print(
         f"transformers Llama: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}, "
-        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {args.cmax_mb:g} MiB; {args.steps} interleaved timed steps after "
+        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax_mb)} MiB; {args.steps} interleaved timed steps after "
         f"{args.warmup} warm-up, {args.repeat} run(s); peers: {', '.join(args.peers) or 'none'}"
     )
     for w in args.worlds:
