@@ -478,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.worlds:
         runs, last = [], None
         for _ in range(args.repeat):
-            last = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)
+            # torch.compile of the peers' functions can hold the interpreter for tens of seconds on a
+            # loaded machine, which starves the launcher's heartbeat thread: allow it
+            last = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600, heartbeat_timeout_s=600)
             runs.append(summarize(last))
         assert last is not None
         ns = {lab: last[0][lab]["ns"] for lab in last[0]}

@@ -271,7 +271,8 @@ def agree(
     first, so a timeout can name the ranks that never came (a few store round trips: use it for
     rare operations).
     """
-    return agree_start(error, what, flags=flags, comm=comm, timeout_s=timeout_s, mark=mark).finish()
+    with phase(STATUS):  # one range for the launch and the wait
+        return _launch(error, what, flags, comm, timeout_s, mark)._settle()
 
 
 class PendingAgreement:
@@ -290,20 +291,23 @@ class PendingAgreement:
     def finish(self) -> torch.Tensor | None:
         """Wait (at most ``timeout_s``); the reduced flags when no rank failed, else
         :class:`RankFailure` (after a second exchange of the failing ranks' messages)."""
+        with phase(STATUS):
+            return self._settle()
+
+    def _settle(self) -> torch.Tensor | None:
         comm, error, what, vec = self.comm, self.error, self.what, self.vec
         group = comm.group
-        with phase(STATUS):
-            _wait(self.work, self.timeout_s, what, group, self.tag)
-            if int(vec[0].item()) == 0:
-                return vec[1:]
-            # some rank failed: every rank learns who and why
-            raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
-            msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8)
-            if error is not None:
-                msg[0] = 1
-                msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[1:1]
-            out, work = comm.all_gather_equal(msg, async_op=True)
-            _wait(work, self.timeout_s, what, group, self.tag)
+        _wait(self.work, self.timeout_s, what, group, self.tag)
+        if int(vec[0].item()) == 0:
+            return vec[1:]
+        # some rank failed: every rank learns who and why
+        raw = describe(error).encode("utf-8", "replace")[:MESSAGE_BYTES] if error is not None else b""
+        msg = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8)
+        if error is not None:
+            msg[0] = 1
+            msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[1:1]
+        out, work = comm.all_gather_equal(msg, async_op=True)
+        _wait(work, self.timeout_s, what, group, self.tag)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(comm.size))
         failures: dict[int, str] = {}
         for r, t in zip(ranks, out.view(comm.size, -1)):
@@ -327,7 +331,14 @@ def agree_start(
 ) -> PendingAgreement:
     """Launch :func:`agree`'s exchange without waiting for it (same arguments): the caller overlaps
     it with work that changes nothing (the FSDP2 step's first gather, which only moves gradients)
-    and calls :meth:`PendingAgreement.finish` before anything changes."""
+    and calls :meth:`PendingAgreement.finish` before anything changes. The launch and the wait
+    are two ``canzona/status`` ranges."""
+    with phase(STATUS):
+        return _launch(error, what, flags, comm, timeout_s, mark)
+
+
+def _launch(error: BaseException | None, what: str, flags: torch.Tensor | None, comm: Comm | None, timeout_s: float,
+            mark: bool) -> PendingAgreement:
     comm = comm if comm is not None else Comm(status_group())
     tag = new_tag("agree") if mark else None
     if tag is not None:
@@ -338,8 +349,7 @@ def agree_start(
         vec[0] = 1
     if flags is not None:
         vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
-    with phase(STATUS):
-        work = comm.all_reduce(vec, op="max", async_op=True)
+    work = comm.all_reduce(vec, op="max", async_op=True)
     return PendingAgreement(error, what, comm, timeout_s, tag, vec, work)
 
 
