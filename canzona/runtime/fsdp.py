@@ -241,7 +241,7 @@ class FSDPRuntime:
                     self.engine.step(mgrads, dest, skip=state.matrix_skip, overlap=lambda: self._settle(pending, grads, state))
             except _Refused:
                 self.drop_grads()
-                raise state.refused[0] from None
+                raise state.refused[0]  # keeps its cause (a failing rank's own exception)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
             if state.ew_error:
