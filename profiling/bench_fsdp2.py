@@ -1,115 +1,86 @@
-"""Canzona on FSDP2 versus muon-fsdp2, side by side, in one invocation (gloo, CPU, world 2 and 4).
+"""Canzona on FSDP2 beside microsoft/dion's distributed Muon and muon-fsdp2, in one run (gloo, CPU).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py            # defaults below
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --layers 4 --steps 2 --worlds 2
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion,muon-fsdp2
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion --worlds 2 --repeat 3
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers none --phases   # canzona only
 
-The peer needs its own install (benchmark only, not a canzona dependency)::
+The peers are benchmark-only installs, never canzona dependencies (docs/profiling.md, "Peers"):
+dion is not on the package index (``git clone https://github.com/microsoft/dion`` and
+``pip install --no-deps -e dion``); muon-fsdp2 is (``pip install --no-deps muon-fsdp2``). A
+peer that cannot be imported is reported in one line and the rest still runs; muon-fsdp2 then
+falls back to a labelled re-implementation of its scheme.
 
-    pip install muon-fsdp2
+The model is a transformers ``LlamaForCausalLM`` (default hidden 256, 4 layers, 8 heads of 32
+with 4 KV heads, MLP 768, vocabulary 2048, untied head), sharded with ``fully_shard`` per layer
+and at the root on a 1-D ``dp_shard`` mesh. Every contender is its own copy of the model with the
+same initial weights and gets the same gradients (drawn once per parameter, the same full tensor
+on every rank, each rank given its FSDP2 piece as ``p.grad``). Only ``optimizer.step()`` is timed,
+between two barriers (the wall time is the slowest rank's); contenders alternate step by step in
+a rotating order, so a change of the machine's load hits all of them alike.
 
-One Qwen3-like model (q/k/v/o with grouped KV heads, gate/up/down MLP, norms, untied embedding and
-head; shapes divisible by the world so muon-fsdp2's even-shard gather works), sharded with
-``fully_shard`` per layer and at the root on a 1-D ``dp_shard`` mesh. Every contender gets the same
-injected gradients through a real FSDP2 backward; only ``optimizer.step()`` is timed, between two
-barriers (so the wall time is the slowest rank's); the contenders' steps are interleaved in a
-rotating order, so changes of machine load hit all of them alike. Contenders:
+Contenders: ``canzona lb-asc`` (hosts balanced by Muon FLOPs), ``canzona asc`` (round-robin hosts),
+``canzona sc`` (every rank computes every update); ``dion`` (``dion.Muon`` on the shard mesh:
+momentum on the shards, same-shape matrices stacked into one all-to-all each way in bfloat16,
+a batched orthogonalization on the host; AdamW for the rest) and ``muon-fsdp2`` (per matrix a
+gather to one rank and a scatter back). Each peer runs twice: with its own Newton-Schulz (dion:
+Polar Express, ``torch.compile``d, compiled during the warm-up; muon-fsdp2: its compiled quintic
+loop) and with the *shared* one, canzona's :func:`canzona.optim.muon.newton_schulz` (bfloat16,
+one matrix at a time), which canzona always uses. The two tables (own NS, shared NS) separate
+the schedule from the arithmetic. The peers are configured with canzona's Muon hyperparameters
+where they have them (momentum 0.95 with Nesterov, weight decay 0.1); their momentum convention
+(``m = mu m + g``) and lr scaling differ from canzona's (torch's), which changes no cost.
 
-- ``canzona lb-asc``  hosts balanced by Muon FLOPs (Algorithm 2 micro-groups, loads carried);
-- ``canzona asc``     round-robin hosts (the peers' placement) with canzona's fused exchanges;
-- ``canzona sc``      every rank gathers every gradient and recomputes every update;
-- ``muon-fsdp2``      the PyPI package (``Muon`` with ``use_muon`` groups): per parameter a
-                      blocking-free ``gather`` to rank ``index % world``, the host orthogonalizes,
-                      one ``scatter`` per parameter; its Newton-Schulz loop is ``torch.compile``d
-                      (compiled during the warm-up step, not timed). Falls back to a labelled
-                      re-implementation of the same scheme when the package is missing or cannot
-                      compile here, doing the same Muon math as canzona's defaults (momentum 0.95
-                      with Nesterov, decoupled weight decay 0.1, lr scaled by
-                      ``sqrt(max(1, rows/cols))``, bf16 Newton-Schulz; AdamW with torch's
-                      defaults on the rest), so that the two do the same arithmetic.
-
-Printed per contender: step wall time (median and fastest of the timed steps; each step's time is
-the slowest rank's), optimizer compute per rank (the
-main thread's CPU time during ``step()``: math plus packing, not the gloo worker threads) as max
-(median over steps), min (the least loaded step; per step the slowest rank) and mean, and
-``max / (total / world)``, the whole process's CPU time during ``step()`` (all threads, gloo's
-included; max over ranks), bytes sent per step (all ranks; muon-fsdp2's counted from
-its gather/scatter sizes), peak optimizer-state bytes per rank (max and max/mean), and the step
-time relative to ``canzona lb-asc``. Both Muons run their Newton-Schulz in bfloat16.
-
-With ``--phases``, canzona's contenders also print their phases per step (wall and main-thread CPU,
-max over ranks, and calls): status exchange and element-wise update, gather launch/wait, compute,
-scatter launch/wait, apply.
-
-What canzona does that the peer does not (the rest is the same arithmetic, split differently):
-before anything changes it checks every gradient piece for NaN/inf (one sum per piece, then a
-status all-reduce) so that a bad step is refused on every rank, and canzona's Muon checks its full
-gradients again (one ``aminmax`` per matrix); it packs the blocks of each micro-group into one
-fused all-to-all in the main thread, where the peer's per-parameter ``gather``/``scatter`` copy
-inside gloo's worker threads (outside the ``cpu`` columns, inside ``proc``); and it sends values,
-not deltas, from fp32 masters on the host. At world 2 a host's own half of each matrix it hosts
-never enters the exchange (copied in place; see docs/runtime.md). docs/runtime.md ("CPU against
-the muon-fsdp2 scheme") gives the measured split of the per-rank CPU.
-
-On a machine shared with other jobs the wall times are dominated by scheduling (a rank waits for a
-core, not for data); with more ranks than cores (world 4 on 2 cores) a step costs the total CPU of
-all ranks whatever the balance. The CPU columns are then the comparable quantities: ``cpu max``
-approximates the step on a quiet machine with a core per rank (exposed exchanges and waits come on
-top).
+Printed per contender: step wall time (median and fastest of the timed steps, each the slowest
+rank's), the slowest rank's main-thread CPU during ``step()`` (median over steps), the whole
+process's CPU (gloo's threads included; max over ranks), bytes sent per step summed over ranks
+(canzona's counted by its ``Comm``; the peers' from their collectives' sizes), peak
+optimizer-state bytes per rank, and the step time relative to dion's (or to canzona lb-asc's
+when dion is absent). ``--repeat N`` runs the whole comparison N times in fresh processes and
+prints the median over runs of each figure, with each run's ratio. With ``--phases`` canzona's
+contenders also print their phases per step (wall and main-thread CPU, max over ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 STRATEGIES = ("lb-asc", "asc", "sc")
+PEERS = ("dion", "muon-fsdp2")
+NS_MODES = ("own", "shared")
 
 
-class Block(nn.Module):
-    def __init__(self, h: int, q: int, kv: int, ffn: int, g: torch.Generator) -> None:
-        super().__init__()
-
-        def w(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.randn(*shape, generator=g) * shape[-1] ** -0.5)
-
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = w(q, h), w(kv, h), w(kv, h), w(h, q)
-        self.gate_proj, self.up_proj, self.down_proj = w(ffn, h), w(ffn, h), w(h, ffn)
-        self.input_norm = nn.Parameter(torch.ones(h))
-        self.post_norm = nn.Parameter(torch.ones(h))
-
-    def forward(self, grads: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        return _inject(self, grads, prefix)
+# ============================================================================ model and gradients
 
 
-def _inject(module: nn.Module, grads: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    # sum(p * g): the gradient of p is exactly g; FSDP2 unshards p for this forward as for any other
-    total = torch.zeros(())
-    for n, p in module.named_parameters(recurse=False):
-        loc = p.to_local() if hasattr(p, "to_local") else p
-        total = total + (loc * grads[prefix + n]).sum()
-    return total
+def _config(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        tie_word_embeddings=False, max_position_embeddings=64,
+    )
 
 
-class Model(nn.Module):
-    def __init__(self, layers: int, h: int, q: int, kv: int, ffn: int, vocab: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed_tokens = nn.Parameter(torch.randn(vocab, h, generator=g) * 0.02)
-        self.layers = nn.ModuleList([Block(h, q, kv, ffn, g) for _ in range(layers)])
-        self.norm = nn.Parameter(torch.ones(h))
-        self.lm_head = nn.Parameter(torch.randn(vocab, h, generator=g) * 0.02)
+def _build(args: argparse.Namespace, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
 
-    def forward(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-        total = _inject(self, grads, "")
-        for i, layer in enumerate(self.layers):
-            total = total + layer(grads, f"layers.{i}.")
-        return total
+    torch.manual_seed(0)  # the same initial weights for every contender
+    model = LlamaForCausalLM(_config(args))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _is_matrix(name: str, p: torch.Tensor) -> bool:
@@ -118,19 +89,149 @@ def _is_matrix(name: str, p: torch.Tensor) -> bool:
     return is_matrix_param(name, tuple(p.shape))
 
 
-def _build(args: argparse.Namespace, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    model = Model(args.layers, args.hidden, args.q, args.kv, args.ffn, args.vocab)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + rank)
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """One full gradient per parameter, the same on every rank (seeded by position)."""
+    g = torch.Generator().manual_seed(1234)
     return {n: torch.randn(tuple(p.shape), generator=g) * 1e-2 for n, p in model.named_parameters()}
+
+
+def _pieces(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """This rank's FSDP2 piece of every gradient, as a DTensor with the parameter's placements
+    (``distribute_tensor`` cuts it as FSDP2 cuts the parameter)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return {n: distribute_tensor(full[n], p.device_mesh, p.placements) for n, p in model.named_parameters()}
+
+
+# ============================================================================ the shared Newton-Schulz
+
+
+def shared_newton_schulz(x: torch.Tensor, epsilon: Any = None) -> torch.Tensor:
+    """canzona's Newton-Schulz (bf16, one matrix at a time) behind the peers' signatures: a
+    ``[..., m, n]`` stack is orthogonalized matrix by matrix, as canzona's hosts do."""
+    from canzona.optim.muon import newton_schulz
+
+    if x.ndim == 2:
+        return newton_schulz(x)
+    flat = x.reshape(-1, *x.shape[-2:])
+    return torch.stack([newton_schulz(m) for m in flat.unbind(0)]).reshape(x.shape)
+
+
+def _shared_ns_for_muon_fsdp2(g: torch.Tensor, steps: int) -> torch.Tensor:
+    from canzona.optim.muon import newton_schulz
+
+    return newton_schulz(g, steps)
+
+
+# ============================================================================ peers
+
+
+def _dion(model: nn.Module, mesh: Any, lr: float, shared: bool) -> torch.optim.Optimizer:
+    import dion  # type: ignore[import-not-found]
+
+    mats = [p for n, p in model.named_parameters() if _is_matrix(n, p)]
+    rest = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
+    groups = [dict(params=mats), dict(params=rest, algorithm="adamw", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)]
+    kw: dict[str, Any] = {"newton_schulz_func": shared_newton_schulz} if shared else {}
+    return dion.Muon(groups, distributed_mesh=mesh, lr=lr, mu=0.95, nesterov=True, weight_decay=0.1, **kw)
+
+
+def _dion_bytes(model: nn.Module, world: int) -> int:
+    """Bytes dion's Muon sends per step, all ranks: per group of same-shape matrices (padded to a
+    multiple of the world), two all-to-alls of bf16 shards, each rank keeping 1/world of its own."""
+    shapes: dict[tuple[int, ...], int] = {}
+    for n, p in model.named_parameters():
+        if _is_matrix(n, p):
+            shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
+    total = 0
+    for shape, count in shapes.items():
+        padded = -(-count // world) * world
+        rows = -(-shape[0] // world)  # dion pads every shard to ceil(rows / world)
+        total += 2 * (world - 1) * padded * rows * shape[1] * 2
+    return total
+
+
+def _muon_fsdp2(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, bool]:
+    mats = [p for n, p in model.named_parameters() if _is_matrix(n, p)]
+    rest = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
+    try:
+        import muon_fsdp2  # type: ignore[import-not-found]
+    except ImportError:
+        return _PeerScheme(mats, rest, lr), False
+    opt = muon_fsdp2.Muon(
+        [dict(params=mats, lr=lr, use_muon=True, rms_scale=False, weight_decay=0.1), dict(params=rest, lr=1e-3, use_muon=False)]
+    )
+    return opt, True
+
+
+@contextlib.contextmanager
+def _muon_fsdp2_shared_ns() -> Iterator[None]:
+    """muon-fsdp2 reads its Newton-Schulz from a module global at every call: swap in the shared
+    one for the duration of a step."""
+    import muon_fsdp2  # type: ignore[import-not-found]
+
+    own = muon_fsdp2.zeropower_via_newtonschulz5
+    muon_fsdp2.zeropower_via_newtonschulz5 = _shared_ns_for_muon_fsdp2
+    try:
+        yield
+    finally:
+        muon_fsdp2.zeropower_via_newtonschulz5 = own
+
+
+class _PeerScheme(torch.optim.Optimizer):
+    """Re-implementation of muon-fsdp2's scheme, for when the package is unavailable: momentum on
+    the local shard, per parameter a ``gather`` of the shards to rank ``index % world``, the host
+    runs canzona's Newton-Schulz on the full matrix, one blocking ``scatter`` per parameter; AdamW
+    (torch's defaults) on the local shards of the rest. Canzona's Muon math (momentum 0.95 with
+    Nesterov, decoupled weight decay 0.1, lr scaled by ``sqrt(max(1, rows / cols))``, bf16
+    Newton-Schulz), without canzona's non-finite checks. Not bitwise anything: a timing stand-in."""
+
+    def __init__(self, mats: list[torch.Tensor], rest: list[torch.Tensor], lr: float) -> None:
+        super().__init__([dict(params=mats, muon=True), dict(params=rest, muon=False)], dict(lr=lr, weight_decay=0.1, momentum=0.95))
+        self._adam = torch.optim.AdamW(rest) if rest else None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        import torch.distributed as dist
+
+        from canzona.optim.muon import adjust_lr, newton_schulz
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for group in self.param_groups:
+            if not group["muon"]:
+                continue
+            lr, mu = group["lr"], group["momentum"]
+            for i, p in enumerate(group["params"]):
+                g = p.grad.to_local()
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(g))
+                buf.lerp_(g, 1 - mu)
+                upd = g.lerp(buf, mu)
+                dst = i % world
+                parts = [torch.empty_like(upd) for _ in range(world)] if rank == dst else None
+                dist.gather(upd, parts, dst=dst)
+                out = torch.empty_like(upd)
+                if rank == dst:
+                    assert parts is not None
+                    full = newton_schulz(torch.cat(parts), 5, dtype=torch.bfloat16).to(upd.dtype)
+                    dist.scatter(out, list(full.chunk(world)), src=dst)
+                else:
+                    dist.scatter(out, None, src=dst)
+                local = p.to_local()
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(out, alpha=-adjust_lr(lr, None, p.shape))
+        if self._adam is not None:
+            self._adam.step()  # DTensor parameters and gradients: AdamW runs on the local shards
+
+
+def _muon_fsdp2_bytes(model: nn.Module, world: int) -> int:
+    """Bytes muon-fsdp2 sends per step, all ranks: per matrix, every non-host sends its fp32 shard
+    to the host (gather) and the host sends every other rank its shard back (scatter)."""
+    total = 0
+    for n, p in model.named_parameters():
+        if _is_matrix(n, p):
+            loc = p.to_local()
+            total += 2 * (world - 1) * loc.numel() * loc.element_size()
+    return total
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -143,228 +244,250 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _peer(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, str]:
-    """muon-fsdp2 from PyPI, or a labelled re-implementation of its scheme."""
-    mats = [p for n, p in model.named_parameters() if _is_matrix(n, p)]
-    rest = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
-    try:
-        import muon_fsdp2  # type: ignore[import-not-found]
-
-        opt = muon_fsdp2.Muon(
-            [dict(params=mats, lr=lr, use_muon=True, rms_scale=False, weight_decay=0.1), dict(params=rest, lr=1e-3, use_muon=False)]
-        )
-        return opt, "muon-fsdp2 (PyPI)"
-    except ImportError:
-        return _PeerScheme(mats, rest, lr), "muon-fsdp2 scheme (re-implemented)"
+# ============================================================================ one run
 
 
-class _PeerScheme(torch.optim.Optimizer):
-    """Re-implementation of muon-fsdp2's scheme, for when the package is unavailable: momentum on
-    the local shard, per parameter a ``gather`` of the shards to rank ``index % world``, the host
-    runs canzona's Newton-Schulz on the full matrix, one blocking ``scatter`` per parameter; AdamW
-    (torch's defaults, as canzona's element-wise optimizer) on the local shards of the rest. The
-    Muon math is canzona's defaults (torch's): momentum 0.95 with Nesterov, decoupled weight decay
-    0.1, lr scaled by ``sqrt(max(1, rows / cols))``, Newton-Schulz in bfloat16; what it leaves out
-    is canzona's non-finite checks (no refusal of a NaN step). Not bitwise anything: a timing
-    stand-in."""
-
-    def __init__(self, mats: list[torch.Tensor], rest: list[torch.Tensor], lr: float) -> None:
-        super().__init__([dict(params=mats, muon=True), dict(params=rest, muon=False)], dict(lr=lr, weight_decay=0.1, momentum=0.95))
-        self._adam = torch.optim.AdamW(rest) if rest else None
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        import torch.distributed as dist
-
-        from canzona.optim.muon import adjust_lr, newton_schulz
-
-        for group in self.param_groups:
-            if not group["muon"]:
-                continue
-            lr, mu = group["lr"], group["momentum"]
-            for i, p in enumerate(group["params"]):
-                g = p.grad.to_local()
-                st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros_like(g)
-                buf = st["momentum_buffer"]
-                buf.lerp_(g, 1 - mu)
-                upd = g.lerp(buf, mu)
-                world, rank = dist.get_world_size(), dist.get_rank()
-                dst = i % world
-                parts = [torch.empty_like(upd) for _ in range(world)] if rank == dst else None
-                dist.gather(upd, parts, dst=dst)
-                out = torch.empty_like(upd)
-                if rank == dst:
-                    full = newton_schulz(torch.cat(parts), 5, dtype=torch.bfloat16).to(upd.dtype)
-                    dist.scatter(out, list(full.chunk(world)), src=dst)
-                else:
-                    dist.scatter(out, None, src=dst)
-                local = p.to_local()
-                local.mul_(1 - lr * group["weight_decay"])
-                local.add_(out, alpha=-adjust_lr(lr, None, p.shape))
-        if self._adam is not None:
-            self._adam.step()  # DTensor parameters and gradients: AdamW runs on the local shards
+def peer_status(peers: list[str]) -> tuple[dict[str, bool], list[str]]:
+    """Which peers import here, and one line for each that does not (dion is skipped;
+    muon-fsdp2 falls back to its re-implementation)."""
+    available: dict[str, bool] = {}
+    lines: list[str] = []
+    for peer in peers:
+        module = "dion" if peer == "dion" else "muon_fsdp2"
+        try:
+            __import__(module)
+            available[peer] = True
+        except Exception as exc:  # noqa: BLE001 - any failure to import is "not installed here"
+            available[peer] = False
+            what = "skipped" if peer == "dion" else "using the labelled re-implementation of its scheme"
+            lines.append(f"{peer}: cannot import {module} ({type(exc).__name__}: {exc}); {what} (see docs/profiling.md, 'Peers')")
+    return available, lines
 
 
-def _peer_bytes(model: nn.Module, world: int) -> int:
-    """Bytes muon-fsdp2 sends per step: per matrix, every non-host sends its shard to the host
-    (gather) and the host sends every other rank its shard back (scatter)."""
-    total = 0
-    for n, p in model.named_parameters():
-        if _is_matrix(n, p):
-            shard = p.to_local().numel() * p.to_local().element_size()
-            total += 2 * (world - 1) * shard
-    return total
+def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict[str, bool]) -> dict[str, dict[str, Any]]:
+    """name -> {model, opt, ns ("own"/"shared"/"both"), ctx (a context for each step), sent}."""
+    import canzona
+
+    out: dict[str, dict[str, Any]] = {}
+    for s in args.strategies:
+        for cmax in args.cmax_mb:
+            model = _build(args, mesh)
+            opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=cmax)
+            label = f"canzona {s}" + (f" (C_max {cmax:g} MiB)" if len(args.cmax_mb) > 1 else "")
+            out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
+    for mode in args.ns:
+        shared = mode == "shared"
+        if "dion" in available and available["dion"]:
+            model = _build(args, mesh)
+            out[f"dion ({mode} NS)"] = {"model": model, "opt": _dion(model, mesh, args.lr, shared), "ns": mode,
+                                        "ctx": contextlib.nullcontext, "sent": _dion_bytes(model, world)}
+        if "muon-fsdp2" in available:
+            model = _build(args, mesh)
+            opt, real = _muon_fsdp2(model, args.lr)
+            if not real and not shared:
+                continue  # the re-implementation has only canzona's Newton-Schulz: one row, under "shared"
+            label = f"muon-fsdp2 ({mode} NS)" if real else "muon-fsdp2 scheme, re-implemented (shared NS)"
+            ctx = _muon_fsdp2_shared_ns if real and shared else contextlib.nullcontext
+            out[label] = {"model": model, "opt": opt, "ns": mode, "ctx": ctx, "sent": _muon_fsdp2_bytes(model, world)}
+    return out
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import canzona
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    contenders: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-    for name in [f"canzona {s}" for s in STRATEGIES] + ["peer"]:
-        model = _build(args, mesh)
-        if name == "peer":
-            opt, name = _peer(model, args.lr)
-        else:
-            opt = canzona.DistributedOptimizer(
-                model, "muon", strategy=name.split()[1], mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=args.cmax_mb
-            )
-        contenders[name] = (model, opt)
-    grads = _grads(next(iter(contenders.values()))[0], rank)
+    available = dict(args.available)
+    contenders = _contenders(args, mesh, world, available)
+    pieces = {name: _pieces(c["model"], _full_grads(c["model"])) for name, c in contenders.items()}
     walls: dict[str, list[float]] = {n: [] for n in contenders}
     cpus: dict[str, list[float]] = {n: [] for n in contenders}
     procs: dict[str, list[float]] = {n: [] for n in contenders}
 
     def one_step(name: str) -> tuple[float, float, float]:
-        model, opt = contenders[name]
-        model(grads).backward()
+        c = contenders[name]
+        for (n, p) in c["model"].named_parameters():
+            p.grad = pieces[name][n].clone()  # the optimizers may write into p.grad
         dist.barrier()
-        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        opt.step()
-        c1, p1 = time.thread_time(), time.process_time()
+        with c["ctx"]():
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            c["opt"].step()
+            c1, p1 = time.thread_time(), time.process_time()
         dist.barrier()
         t1 = time.perf_counter()
-        opt.zero_grad()
+        c["opt"].zero_grad()
         return t1 - t0, c1 - c0, p1 - p0
 
     names = list(contenders)
-    for _ in range(args.warmup):  # compiles muon-fsdp2's Newton-Schulz, allocates every state
+    for _ in range(args.warmup):  # compiles the peers' Newton-Schulz, allocates every state
         for name in names:
             one_step(name)
     for name in names:
-        opt = contenders[name][1]
+        opt = contenders[name]["opt"]
         if hasattr(opt, "comm_stats"):
             opt.comm_stats.reset()
             opt.phase_times.reset()
-    # interleaved, in a rotating order, so a change of machine load hits every contender alike
-    for step in range(args.steps):
+    for step in range(args.steps):  # interleaved, in a rotating order
         for j in range(len(names)):
             name = names[(j + step) % len(names)]
             w, c, pc = one_step(name)
             walls[name].append(w)
             cpus[name].append(c)
             procs[name].append(pc)
-    out: dict[str, Any] = {}
-    for name, (model, opt) in contenders.items():
-        if hasattr(opt, "comm_stats"):
-            sent = opt.comm_stats.total_sent() / args.steps
-            state = opt.state_bytes()
-        else:
-            sent = _peer_bytes(model, world) / world  # per rank on average; summed over ranks below
-            state = _state_bytes(opt)
-        out[name] = {"wall": statistics.median(walls[name]), "walls": walls[name], "cpu": statistics.median(cpus[name]), "cpus": cpus[name],
-                     "proc": statistics.median(procs[name]), "sent": sent, "state": state}
-        if hasattr(opt, "phase_times"):
-            pt = opt.phase_times
-            out[name]["phases"] = {k: (pt.wall[k] / args.steps, pt.cpu[k] / args.steps, pt.calls[k] / args.steps) for k in pt.wall}
-            out[name]["groups"] = len(opt.plan.groups)
+    return {name: _record(c, walls[name], cpus[name], procs[name], args.steps, world) for name, c in contenders.items()}
+
+
+def _record(c: dict[str, Any], walls: list[float], cpus: list[float], procs: list[float], steps: int, world: int) -> dict[str, Any]:
+    opt = c["opt"]
+    if hasattr(opt, "comm_stats"):
+        sent, state = opt.comm_stats.total_sent() / steps, opt.state_bytes()
+    else:
+        sent, state = c["sent"] / world, _state_bytes(opt)  # per rank on average; summed over ranks in the report
+    rec: dict[str, Any] = {"walls": walls, "cpus": cpus, "procs": procs, "sent": sent, "state": state, "ns": c["ns"]}
+    if hasattr(opt, "phase_times"):
+        pt = opt.phase_times
+        rec["phases"] = {k: (pt.wall[k] / steps, pt.cpu[k] / steps, pt.calls[k] / steps) for k in pt.wall}
+        rec["groups"] = len(opt.plan.groups)
+    return rec
+
+
+# ============================================================================ report
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per contender: median and fastest step (each step's time is the slowest rank's), the
+    slowest rank's median main-thread CPU, process CPU, MB sent (all ranks), state MB (max rank)."""
+    out: dict[str, dict[str, float]] = {}
+    for lab in per_rank[0]:
+        rows = [r[lab] for r in per_rank]
+        steps = range(len(rows[0]["walls"]))
+        per_step = [max(r["walls"][i] for r in rows) for i in steps]
+        out[lab] = {
+            "step_ms": statistics.median(per_step) * 1e3,
+            "min_ms": min(per_step) * 1e3,
+            "cpu_ms": max(statistics.median(r["cpus"]) for r in rows) * 1e3,
+            "proc_ms": max(statistics.median(r["procs"]) for r in rows) * 1e3,
+            "mb_sent": sum(r["sent"] for r in rows) / 1e6,
+            "state_mb": max(r["state"] for r in rows) / 1e6,
+        }
     return out
 
 
-def _report(world: int, per_rank: list[dict[str, Any]], phases: bool = False) -> None:
-    labels = list(per_rank[0])
-    base = next(lab for lab in labels if lab.endswith("lb-asc"))
-    print(f"\nworld {world} (gloo, one thread per rank)")
-    head = (
-        f"{'contender':<34}{'step ms':>9}{'min ms':>8}{'cpu max ms':>11}{'cpu min':>8}{'cpu mean':>9}{'max/(tot/R)':>12}"
-        f"{'proc max ms':>12}{'MB sent':>9}{'state max MB':>13}{'st max/mean':>12}{'vs lb-asc':>10}"
-    )
-    print(head)
-    print("-" * len(head))
+def _base(labels: list[str], mode: str) -> str:
+    dion = f"dion ({mode} NS)"
+    return dion if dion in labels else labels[0]
+
+
+def format_table(world: int, mode: str, runs: list[dict[str, dict[str, float]]], ns: dict[str, str]) -> str:
+    """One table per NS mode: canzona's rows and the peers' rows of that mode, medians over runs,
+    each run's ratio to the base (dion, else canzona lb-asc) listed at the end of the row."""
+    labels = [lab for lab in runs[0] if ns[lab] in ("both", mode)]
+    base = _base(labels, mode)
+    head = (f"{'contender':<44}{'step ms':>9}{'min ms':>8}{'cpu ms':>8}{'proc ms':>9}{'MB sent':>9}{'state MB':>9}"
+            f"{'vs ' + base.split(' (')[0]:>12}  per run")
+    lines = [f"\nworld {world}, {mode} Newton-Schulz (gloo, one thread per rank; median of {len(runs)} run(s))", head, "-" * len(head)]
     for lab in labels:
-        rows = [r[lab] for r in per_rank]
-        wall = max(r["wall"] for r in rows)
-        # the step's wall time is the slowest rank's (barriers on both sides): per step, max over ranks
-        fastest = min(max(r["walls"][i] for r in rows) for i in range(len(rows[0]["walls"])))
-        # the least loaded step's CPU (max over ranks): the figure least disturbed by other jobs
-        cpu_min = min(max(r["cpus"][i] for r in rows) for i in range(len(rows[0]["cpus"])))
-        cpus = [r["cpu"] for r in rows]
-        states = [r["state"] for r in rows]
-        mean_cpu, mean_state = sum(cpus) / world, sum(states) / world
-        bwall = max(r[base]["wall"] for r in per_rank)
-        print(
-            f"{lab:<34}{wall * 1e3:>9.1f}{fastest * 1e3:>8.1f}{max(cpus) * 1e3:>11.1f}{cpu_min * 1e3:>8.1f}{mean_cpu * 1e3:>9.1f}{max(cpus) / mean_cpu:>12.2f}"
-            f"{max(r['proc'] for r in rows) * 1e3:>12.1f}{sum(r['sent'] for r in rows) / 2**20:>9.2f}{max(states) / 2**20:>13.2f}{max(states) / mean_state:>12.2f}"
-            f"{wall / bwall:>10.2f}"
+        med = {k: statistics.median(r[lab][k] for r in runs) for k in runs[0][lab]}
+        ratios = [r[lab]["step_ms"] / r[base]["step_ms"] for r in runs]
+        lines.append(
+            f"{lab:<44}{med['step_ms']:>9.1f}{med['min_ms']:>8.1f}{med['cpu_ms']:>8.1f}{med['proc_ms']:>9.1f}{med['mb_sent']:>9.2f}"
+            f"{med['state_mb']:>9.2f}{statistics.median(ratios):>12.3f}  {' '.join(f'{x:.3f}' for x in ratios)}"
         )
-    if not phases:
-        return
-    print(f"\nworld {world}: canzona phases per step (wall ms max over ranks / thread-CPU ms max over ranks / calls)")
-    for lab in labels:
+    return "\n".join(lines)
+
+
+def format_phases(world: int, per_rank: list[dict[str, Any]]) -> str:
+    lines = [f"\nworld {world}: canzona phases per step (wall ms max over ranks / thread-CPU ms max over ranks / calls)"]
+    for lab in per_rank[0]:
         if "phases" not in per_rank[0][lab]:
             continue
-        print(f"  {lab} ({per_rank[0][lab]['groups']} micro-groups)")
-        keys = sorted({k for r in per_rank for k in r[lab]["phases"]})
-        for k in keys:
+        lines.append(f"  {lab} ({per_rank[0][lab]['groups']} micro-groups)")
+        for k in sorted({k for r in per_rank for k in r[lab]["phases"]}):
             vals = [r[lab]["phases"].get(k, (0.0, 0.0, 0.0)) for r in per_rank]
-            print(f"    {k:<40}{max(v[0] for v in vals) * 1e3:>9.1f}{max(v[1] for v in vals) * 1e3:>9.1f}{max(v[2] for v in vals):>7.0f}")
+            lines.append(f"    {k:<44}{max(v[0] for v in vals) * 1e3:>9.2f}{max(v[1] for v in vals) * 1e3:>9.2f}{max(v[2] for v in vals):>7.0f}")
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", default="2,4", help="comma list of world sizes (default 2,4)")
+    p.add_argument("--peers", default="dion,muon-fsdp2", help="comma list among dion, muon-fsdp2, or 'none' (default both)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="canzona's strategies, comma list (default lb-asc,asc,sc)")
+    p.add_argument("--ns", default="own,shared", help="Newton-Schulz modes for the peers: own, shared or both (default own,shared)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
+    p.add_argument("--ffn", type=int, default=768, help="MLP width (default 768)")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default 2048)")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per contender, interleaved (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (default 2)")
+    p.add_argument("--repeat", type=int, default=1, help="whole runs in fresh processes; medians over runs (default 1)")
+    p.add_argument("--cmax-mb", default="8", help="canzona's micro-group capacity C_max in MiB, or a comma list (one contender each; default 8)")
+    p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
+    p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
+    args = p.parse_args(argv)
+    try:
+        args.worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        p.error(f"--worlds must be a comma list of integers, got {args.worlds!r}")
+    if any(w < 1 for w in args.worlds):
+        p.error(f"--worlds must be >= 1 each, got {args.worlds}")
+    args.peers = [] if args.peers.strip() in ("", "none") else [s.strip() for s in args.peers.split(",")]
+    if bad := [s for s in args.peers if s not in PEERS]:
+        p.error(f"--peers: unknown peer {bad[0]!r} (known: {', '.join(PEERS)}, or 'none')")
+    args.strategies = [s.strip() for s in args.strategies.split(",")]
+    if not args.strategies or any(s not in STRATEGIES for s in args.strategies):
+        p.error(f"--strategies must be a comma list among {', '.join(STRATEGIES)}, got {','.join(args.strategies)!r}")
+    args.ns = [s.strip() for s in args.ns.split(",")]
+    if not args.ns or any(s not in NS_MODES for s in args.ns):
+        p.error(f"--ns must be a comma list among {', '.join(NS_MODES)}, got {','.join(args.ns)!r}")
+    for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "steps", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        args.cmax_mb = [float(c) for c in str(args.cmax_mb).split(",")]
+    except ValueError:
+        p.error(f"--cmax-mb must be a number or a comma list of numbers, got {args.cmax_mb!r}")
+    if args.warmup < 0 or not all(c > 0 for c in args.cmax_mb) or not args.lr > 0:
+        p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden must divide by --heads and --heads by --kv-heads, got {args.hidden}, {args.heads}, {args.kv_heads}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", default="2,4", help="comma list of world sizes (default 2,4)")
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden width (default 512)")
-    p.add_argument("--q", type=int, default=512, help="query width (heads x head_dim)")
-    p.add_argument("--kv", type=int, default=128, help="key/value width (grouped KV heads)")
-    p.add_argument("--ffn", type=int, default=1536, help="MLP width (default 1536)")
-    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size of the embedding and head (default 2048)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contender (interleaved)")
-    p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8: several groups, so exchanges overlap compute)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first (default 1)")
-    p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
-    p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step (max over ranks)")
-    args = p.parse_args(argv)
+    args = _parse(argv)
     from canzona.runtime.launch import run_workers
 
-    try:
-        worlds = [int(w) for w in args.worlds.split(",")]
-    except ValueError:
-        p.error(f"--worlds must be a comma list of integers, got {args.worlds!r}")
-    if any(w < 1 for w in worlds):
-        p.error(f"--worlds must be >= 1 each, got {args.worlds!r}")
-    for name in ("layers", "hidden", "q", "kv", "ffn", "vocab", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or not args.cmax_mb > 0 or not args.lr > 0:
-        p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
-    for w in worlds:
-        for dim in (args.hidden, args.q, args.kv, args.ffn, args.vocab):
-            if dim % w:
-                print(f"bench_fsdp2: error: every width must divide by the world ({dim} % {w}); muon-fsdp2 needs even shards", file=sys.stderr)
-                return 2
+    head_dim = args.hidden // args.heads
+    widths = (args.hidden, args.heads * head_dim, args.kv_heads * head_dim, args.ffn, args.vocab)
+    for w in args.worlds:
+        if bad := [d for d in widths if d % w]:
+            print(f"bench_fsdp2: error: every width must divide by the world ({bad[0]} % {w}); muon-fsdp2 needs even shards", file=sys.stderr)
+            return 2
+    available, lines = peer_status(args.peers)
+    for line in lines:
+        print(line)
+    args.available = available
     print(
-        f"Qwen3-like model: {args.layers} layers, hidden {args.hidden}, q {args.q}, kv {args.kv}, ffn {args.ffn}, vocab {args.vocab}; "
-        f"Muon lr {args.lr}; canzona C_max {args.cmax_mb:g} MiB; {args.steps} interleaved timed steps after {args.warmup} warm-up"
+        f"transformers Llama: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}, "
+        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax_mb)} MiB; {args.steps} interleaved timed steps after "
+        f"{args.warmup} warm-up, {args.repeat} run(s); peers: {', '.join(args.peers) or 'none'}"
     )
-    for w in worlds:
-        per_rank = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)
-        _report(w, per_rank, args.phases)
+    for w in args.worlds:
+        runs, last = [], None
+        for _ in range(args.repeat):
+            # torch.compile of the peers' functions can hold the interpreter for tens of seconds on a
+            # loaded machine, which starves the launcher's heartbeat thread: allow it
+            last = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600, heartbeat_timeout_s=600)
+            runs.append(summarize(last))
+        assert last is not None
+        ns = {lab: last[0][lab]["ns"] for lab in last[0]}
+        for mode in args.ns if any(v != "both" for v in ns.values()) else args.ns[:1]:
+            print(format_table(w, mode, runs, ns))
+        if args.phases:
+            print(format_phases(w, last))
     return 0
 
 

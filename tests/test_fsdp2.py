@@ -595,6 +595,32 @@ def _robust_cases(rank: int, mesh) -> dict:
     out["plan_fails"] = _attempt(plan_fails)
     dist.barrier()
 
+    def read_error():
+        # rank 1 fails while reading its gradient pieces, before the status exchange: it joins the
+        # first gather (overlapped with the exchange) with zero pieces; every rank raises the same
+        # RankFailure before anything changes, and the next step runs as if nothing had happened
+        model, opt = build("lb-asc")
+        backward(model, 0)
+        rt = opt.runtime
+        if rank == 1:
+            def broken(name):
+                raise OSError(f"cannot read the gradient of {name}")
+            rt._grad = broken
+        before = _local_snapshot(opt)
+        got = raised(opt.step)
+        rt.__dict__.pop("_grad", None)
+        res = {"raised": got, "changed": _changed(before, _local_snapshot(opt)),
+               "grads_dropped": all(p.grad is None for p in model.parameters())}
+        _run(model, opt, mesh, range(STEPS))
+        params, doc = _full_params(model), opt.consolidated_state_dict()  # collectives: every rank
+        if rank == 0:
+            ref = fsdp_reference(Muon, kw, EW_KWARGS, dtype=torch.float32, dp=2, steps=STEPS)
+            res["mismatches"] = compare_with_reference(params, doc, ref)
+        return res
+
+    out["read_error"] = _attempt(read_error)
+    dist.barrier()
+
     def ew_error():
         flaky = _flaky(torch.optim.AdamW, "element-wise")
         model, opt = build("lb-asc", elementwise_optimizer=flaky)
@@ -947,6 +973,21 @@ def test_an_optimizer_error_on_one_rank_is_raised_on_every_rank(label: str, text
         assert r["raised"] is not None and r["raised"][0] == "RankFailure", (rank, r["raised"])
         assert f"optimizer step (update) failed on 1 rank(s); rank 1: {text}" in r["raised"][1]
         assert r["raised"][2] < BOUND_S
+
+
+@pytest.mark.slow
+def test_an_error_before_the_status_exchange_is_raised_everywhere_before_any_change() -> None:
+    """The status exchange overlaps the first gather: a rank that fails before it still joins the
+    gather (with zero pieces), every rank raises the same RankFailure, nothing changes anywhere,
+    and the following steps equal uninterrupted ones (no stale transfer in the slots)."""
+    per_rank = _robust("read_error")
+    for rank, r in enumerate(per_rank):
+        assert r["raised"] is not None and r["raised"][0] == "RankFailure", (rank, r["raised"])
+        assert "optimizer step failed on 1 rank(s); rank 1: OSError: cannot read the gradient of" in r["raised"][1]
+        assert r["raised"][2] < BOUND_S
+        assert r["changed"] == [], f"rank {rank}: a refused step changed {r['changed']}"
+        assert r["grads_dropped"], f"rank {rank}: gradients of the refused step were kept"
+    assert per_rank[0]["mismatches"] == [], per_rank[0]["mismatches"]
 
 
 @pytest.mark.slow

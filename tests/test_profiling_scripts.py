@@ -38,6 +38,10 @@ BAD_ARGS = [
     ("bench_fsdp2", ["--worlds", "0"], "--worlds must be >= 1"),
     ("bench_fsdp2", ["--steps", "0"], "--steps must be >= 1"),
     ("bench_fsdp2", ["--worlds", "3"], "every width must divide by the world"),
+    ("bench_fsdp2", ["--peers", "nope"], "unknown peer 'nope'"),
+    ("bench_fsdp2", ["--ns", "mine"], "--ns must be a comma list among own, shared"),
+    ("bench_fsdp2", ["--strategies", "zero1"], "--strategies must be a comma list among lb-asc, asc, sc"),
+    ("bench_fsdp2", ["--cmax-mb", "8,x"], "--cmax-mb must be a number or a comma list"),
     ("bench_planner", ["--repeat", "0"], "--repeat must be >= 1"),
     ("bench_strategies", ["--dp", "0"], "dp must be a positive integer"),
     ("bench_strategies", ["--tp", "3"], "tp=3 does not divide"),
@@ -65,8 +69,9 @@ RUNS = [
     ("bench_annotation", ["--steps", "3", "--block", "1", "--calls", "10"], ["annotation overhead per training step, no profiler attached: estimate"]),
     ("bench_checkpoint", ["--hidden", "64", "--layers", "1", "--ffn", "64", "--vocab", "64", "--chunk-mib", "0.01"],
      ["sharded chunk cap: 0.01 MiB", "consolidated load"]),
-    ("bench_fsdp2", ["--worlds", "2", "--layers", "1", "--hidden", "64", "--q", "64", "--kv", "32", "--ffn", "128", "--vocab", "64",
-                     "--steps", "1", "--warmup", "0"], ["world 2 (gloo, one thread per rank)", "canzona lb-asc", "muon-fsdp2 scheme"]),
+    ("bench_fsdp2", ["--worlds", "2", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "64",
+                     "--steps", "1", "--warmup", "0", "--peers", "none", "--strategies", "lb-asc,sc"], ["world 2, own Newton-Schulz (gloo, one thread per rank", "canzona lb-asc",
+                                                                           "canzona sc"]),
     ("bench_planner", ["--repeat", "1", "--skip-1t"], ["qwen3-32b DP32 x TP8", "targets (canzona's planner beyond the paper)"]),
     ("bench_views", ["--models", "tiny", "--steps", "1", "--warmup", "0"], ["parameters bitwise equal between the two: True"]),
     ("bench_strategies", ["--steps", "1", "--warmup", "1", "--strategies", "sc,lb-asc", "--dp", "2", "--tp", "1", "--batch-size", "2",
@@ -83,3 +88,32 @@ def test_a_tiny_run_prints_its_figures(name: str, args: list[str], lines: list[s
     assert run.returncode == 0, run.stderr[-2000:]
     for line in lines:
         assert line in run.stdout, (line, run.stdout[-2000:])
+
+
+def test_bench_fsdp2_names_a_peer_that_cannot_be_imported_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing peer is one line each (dion skipped; muon-fsdp2 replaced by its labelled
+    re-implementation), and the run goes on with the others."""
+    mod = _script("bench_fsdp2")
+    monkeypatch.setitem(sys.modules, "dion", None)  # import dion now raises ImportError
+    monkeypatch.setitem(sys.modules, "muon_fsdp2", None)
+    available, lines = mod.peer_status(["dion", "muon-fsdp2"])
+    assert available == {"dion": False, "muon-fsdp2": False}
+    assert len(lines) == 2 and lines[0].startswith("dion: cannot import dion (") and "skipped" in lines[0]
+    assert lines[1].startswith("muon-fsdp2: cannot import muon_fsdp2") and "re-implementation" in lines[1]
+
+
+def test_bench_fsdp2_counts_dion_bytes_from_its_padded_all_to_alls() -> None:
+    """Per group of same-shape matrices, padded to a multiple of the world: two all-to-alls of
+    bf16 shards (ceil(rows / world) rows each), every rank keeping 1/world of its own."""
+    import torch
+
+    mod = _script("bench_fsdp2")
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(6, 5, bias=False)   # 5 x 6: one matrix of its shape
+    model.b = torch.nn.Linear(6, 5, bias=False)
+    model.c = torch.nn.Linear(5, 8, bias=False)   # 8 x 5: alone
+    model.norm = torch.nn.Parameter(torch.ones(5))  # element-wise: not counted
+    # world 2: 5x6 pair -> 2 matrices, rows ceil(5/2)=3: 2*(2-1)*2*3*6*2; 8x5 -> padded to 2, rows 4: 2*1*2*4*5*2
+    assert mod._dion_bytes(model, 2) == 2 * 1 * 2 * 3 * 6 * 2 + 2 * 1 * 2 * 4 * 5 * 2
+    # world 4: each group padded to 4 matrices; rows ceil(5/4)=2 and ceil(8/4)=2
+    assert mod._dion_bytes(model, 4) == 2 * 3 * 4 * 2 * 6 * 2 + 2 * 3 * 4 * 2 * 5 * 2

@@ -63,7 +63,9 @@ __all__ = [
     "RankFailure",
     "ReplicaGuard",
     "ReplicasDiverged",
+    "PendingAgreement",
     "agree",
+    "agree_start",
     "check_step_flags",
     "describe",
     "mark_arrival",
@@ -269,19 +271,33 @@ def agree(
     first, so a timeout can name the ranks that never came (a few store round trips: use it for
     rare operations).
     """
-    comm = comm if comm is not None else Comm(status_group())
-    group = comm.group
-    tag = new_tag("agree") if mark else None
-    if tag is not None:
-        _mark(tag)
-    n = 0 if flags is None else int(flags.numel())
-    vec = torch.zeros(1 + n, dtype=torch.int64)
-    if error is not None:
-        vec[0] = 1
-    if flags is not None:
-        vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
-    with phase("canzona/status"):
-        _wait(comm.all_reduce(vec, op="max", async_op=True), timeout_s, what, group, tag)
+    with phase("canzona/status"):  # one range for the launch and the wait
+        return _launch(error, what, flags, comm, timeout_s, mark)._settle()
+
+
+class PendingAgreement:
+    """A status exchange launched by :func:`agree_start`; :meth:`finish` waits for it and returns
+    or raises exactly what :func:`agree` would. Every rank must call :meth:`finish` once, and
+    issue the same collectives in between (a rank that failed joins them with harmless data), so
+    that the exchange completes on all of them; nothing may change state in between, since the
+    outcome (a refusal) is not known before :meth:`finish`."""
+
+    __slots__ = ("comm", "error", "tag", "timeout_s", "vec", "what", "work")
+
+    def __init__(self, error: BaseException | None, what: str, comm: Comm, timeout_s: float, tag: str | None,
+                 vec: torch.Tensor, work: Any) -> None:
+        self.error, self.what, self.comm, self.timeout_s, self.tag, self.vec, self.work = error, what, comm, timeout_s, tag, vec, work
+
+    def finish(self) -> torch.Tensor | None:
+        """Wait (at most ``timeout_s``); the reduced flags when no rank failed, else
+        :class:`RankFailure` (after a second exchange of the failing ranks' messages)."""
+        with phase("canzona/status"):
+            return self._settle()
+
+    def _settle(self) -> torch.Tensor | None:
+        comm, error, what, vec = self.comm, self.error, self.what, self.vec
+        group = comm.group
+        _wait(self.work, self.timeout_s, what, group, self.tag)
         if int(vec[0].item()) == 0:
             return vec[1:]
         # some rank failed: every rank learns who and why
@@ -291,17 +307,50 @@ def agree(
             msg[0] = 1
             msg[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else msg[1:1]
         out, work = comm.all_gather_equal(msg, async_op=True)
-        _wait(work, timeout_s, what, group, tag)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(comm.size))
-    failures: dict[int, str] = {}
-    for r, t in zip(ranks, out.view(comm.size, -1)):
-        vals = t.cpu()
-        if int(vals[0]) == 1:
-            failures[r] = bytes(vals[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-    failure = RankFailure(what, failures)
+        _wait(work, self.timeout_s, what, group, self.tag)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(comm.size))
+        failures: dict[int, str] = {}
+        for r, t in zip(ranks, out.view(comm.size, -1)):
+            vals = t.cpu()
+            if int(vals[0]) == 1:
+                failures[r] = bytes(vals[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+        failure = RankFailure(what, failures)
+        if error is not None:
+            raise failure from error
+        raise failure
+
+
+def agree_start(
+    error: BaseException | None,
+    what: str,
+    *,
+    flags: torch.Tensor | None = None,
+    comm: Comm | None = None,
+    timeout_s: float = STATUS_TIMEOUT_S,
+    mark: bool = False,
+) -> PendingAgreement:
+    """Launch :func:`agree`'s exchange without waiting for it (same arguments): the caller overlaps
+    it with work that changes nothing (the FSDP2 step's first gather, which only moves gradients)
+    and calls :meth:`PendingAgreement.finish` before anything changes. The launch and the wait
+    are two ``canzona/status`` ranges."""
+    with phase("canzona/status"):
+        return _launch(error, what, flags, comm, timeout_s, mark)
+
+
+def _launch(error: BaseException | None, what: str, flags: torch.Tensor | None, comm: Comm | None, timeout_s: float,
+            mark: bool) -> PendingAgreement:
+    comm = comm if comm is not None else Comm(status_group())
+    tag = new_tag("agree") if mark else None
+    if tag is not None:
+        _mark(tag)
+    n = 0 if flags is None else int(flags.numel())
+    vec = torch.zeros(1 + n, dtype=torch.int64)
     if error is not None:
-        raise failure from error
-    raise failure
+        vec[0] = 1
+    if flags is not None:
+        vec[1:] = flags.reshape(-1).to(device="cpu", dtype=torch.int64)  # device flags: the one host sync
+    work = comm.all_reduce(vec, op="max", async_op=True)
+    return PendingAgreement(error, what, comm, timeout_s, tag, vec, work)
 
 
 # ------------------------------------------------------------------------------ the optimizer step's status

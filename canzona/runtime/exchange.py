@@ -585,7 +585,10 @@ class MicroGroupEngine:
         without a gradient on any rank; hosts do not step them (their values return unchanged);
         it is read at each compute, so a caller may add to a set it passed. ``overlap``: the
         caller's own work (e.g. the element-wise update), run once right after the first gather is
-        launched so that it overlaps the first transfer; it must not raise (the other ranks are
+        launched so that it overlaps the first transfer. If it raises, the step stops there on
+        this rank (in-flight exchanges landed first, unless the exception's ``abandon_exchanges``
+        is true): only for an outcome every rank reaches alike, such as a refusal by a status
+        exchange; a rank-local error must be kept and reported later instead (the other ranks are
         waiting in the exchanges)."""
         self.last_events = events = []
         groups = self.groups
@@ -648,13 +651,16 @@ class MicroGroupEngine:
                                 dest[c.name].copy_(mine[c.name][c.index])
             if overlap is not None:  # no micro-group at all
                 overlap()
-        except BaseException:
+        except BaseException as exc:
             # Exchanges still in flight write into the reserved slots: let them land before the
             # error leaves, so a later step never shares a buffer with a stale collective. Every
             # peer launched them before its own compute, so these waits cannot hang on a live group.
-            for w in works.values():
-                with contextlib.suppress(Exception):
-                    self._wait(w)
+            # An error that marks the group unusable (a status timeout: some rank never came) leaves
+            # at once; the group must be destroyed anyway.
+            if not getattr(exc, "abandon_exchanges", False):
+                for w in works.values():
+                    with contextlib.suppress(Exception):
+                        self._wait(w)
             raise
         if error is not None:
             raise error

@@ -45,13 +45,46 @@ from torch import nn
 from canzona.optim import finite_grads_verified
 from canzona.phase_names import exchange_phases
 from canzona.runtime.hooks import RemovableHandle, UpdateHook
-from canzona.runtime.agree import ReplicaGuard, agree, check_step_flags, nonfinite, status_group, step_flags
+from canzona.runtime.agree import (
+    AgreementTimeout,
+    PendingAgreement,
+    ReplicaGuard,
+    agree,
+    agree_start,
+    check_step_flags,
+    nonfinite,
+    status_group,
+    step_flags,
+)
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
 from canzona.settings import OptimizerSettings
 
 __all__ = ["FSDPEngine", "FSDPRuntime", "local_block"]
+
+
+class _Refused(Exception):
+    """The step's status exchange refused it (the cause is in :class:`_StepState`). After a
+    timeout the process group is unusable, so the engine leaves without landing its gather
+    (``abandon_exchanges``: waiting for a rank that never came would outlast the status bound)."""
+
+    def __init__(self, abandon: bool) -> None:
+        super().__init__("the status exchange refused the step")
+        self.abandon_exchanges = abandon
+
+
+class _StepState:
+    """What one step learns while it runs: the parameters without a gradient anywhere (``skip``),
+    the tasks the engine must not step (read at each compute), a refusal, an element-wise error."""
+
+    __slots__ = ("ew_error", "matrix_skip", "refused", "skip")
+
+    def __init__(self) -> None:
+        self.skip: frozenset[str] = frozenset()
+        self.matrix_skip: set[str] = set()
+        self.refused: list[BaseException] = []
+        self.ew_error: list[Exception] = []
 
 
 class FSDPEngine(MicroGroupEngine):
@@ -210,10 +243,15 @@ class FSDPRuntime:
         before anything changes, errors so far, which parameters have a gradient anywhere,
         non-finite gradients and ``digest`` (the caller's hash of the hyperparameters); then the
         matrix micro-groups, with the element-wise pieces (no communication) updated while the
-        first gather is in flight; a second exchange
-        carries errors raised while updating. A refused step leaves every parameter and optimizer
-        state untouched on every rank and drops the gradients (``p.grad`` becomes None). Under the
-        sync schedule a failed update makes later steps raise
+        first gather is in flight; a second exchange carries errors raised while updating.
+
+        The status exchange is launched before the first gather and waited for right after it is
+        launched, before any update (:meth:`_settle`): the gather only moves gradient pieces into
+        the exchange slot, so the two transfers overlap and the step pays one round trip less,
+        with the same guarantee. A refused step leaves every parameter and optimizer state
+        untouched on every rank and drops the gradients (``p.grad`` becomes None); a rank that
+        failed before the exchange joins the first gather with zero pieces. Under the sync
+        schedule a failed update makes later steps raise
         :class:`~canzona.runtime.agree.ReplicasDiverged` until a checkpoint is loaded."""
         self.replicas.check("optimizer step")
         n = len(self.names)
@@ -226,51 +264,25 @@ class FSDPRuntime:
                 flags = self._local_flags(grads, digest)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
-            try:
-                reduced = agree(error, "optimizer step", flags=flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
-                assert reduced is not None
-                skip = check_step_flags(reduced, self.names)
-            except BaseException:
-                self.drop_grads()
-                raise
-            live = {n: m for n, m in self.ew_masters.items() if n not in skip}
-            matrix_skip = set(skip)  # read by the engine at each compute: an element-wise error adds every task
-            ew_error: list[Exception] = []
-
-            def elementwise() -> None:
-                # runs while the first micro-group's gather is in flight; must not raise (see run)
-                try:
-                    with phase("canzona/dp/local_update"):
-                        for n, m in live.items():
-                            g = grads[n]
-                            m.grad = g if g is not None else self._zeros(n)
-                        if self.ew_optimizer is not None:
-                            if self.update_hooks:  # whole pieces only: a rank holding all of a parameter
-                                whole = [(n, m) for n, m in self.ew_masters.items() if tuple(m.shape) == self.layouts[n].full_shape]
-                                self.update_hooks.step(self.ew_optimizer, whole)
-                            else:
-                                self.ew_optimizer.step()
-                        self._update_experts(grads, skip)
-                except Exception as exc:  # noqa: BLE001 - this rank now joins the exchanges without computing
-                    ew_error.append(exc)
-                    matrix_skip.update(self.matrix_names)
-                finally:
-                    for m in live.values():
-                        m.grad = None
-
+            pending = agree_start(error, "optimizer step", flags=flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
+            state = _StepState()
             try:
                 # Always: the other ranks wait in the engine's exchanges. After an error this rank
                 # joins them without computing (every task it hosts skipped).
                 mgrads = {n: g if (g := grads.get(n)) is not None else self._zeros(n) for n in self.matrix_names}
-                dest = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
-                # the gradients were found finite on every rank in the exchange above: canzona's
-                # optimizers need not test them again (the elementwise() overlap runs in this thread)
+                # (under no_grad a DTensor's to_local() is its local tensor: no detach, no dispatch)
+                dest = {n: local_block(self.params[n]) for n in self.matrix_names}
+                # the gradients were found finite on every rank in the status exchange: canzona's
+                # optimizers need not test them again (the overlap below runs in this thread)
                 with finite_grads_verified():
-                    self.engine.step(mgrads, dest, skip=matrix_skip, overlap=elementwise)
+                    self.engine.step(mgrads, dest, skip=state.matrix_skip, overlap=lambda: self._settle(pending, grads, state))
+            except _Refused:
+                self.drop_grads()
+                raise state.refused[0]  # keeps its cause (a failing rank's own exception)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
-            if ew_error:
-                error = ew_error[0]
+            if state.ew_error:
+                error = state.ew_error[0]
             try:
                 agree(error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
             except BaseException as exc:
@@ -279,10 +291,48 @@ class FSDPRuntime:
                 raise
             # element-wise values reach the model only once every rank has updated without error
             for n, m in self.ew_masters.items():
-                if n not in skip:
-                    local_block(self.params[n].detach()).copy_(m)
-            self._write_experts(skip)
+                if n not in state.skip:
+                    local_block(self.params[n]).copy_(m)
+            self._write_experts(state.skip)
         self.steps += 1
+
+    def _settle(self, pending: PendingAgreement, grads: Mapping[str, torch.Tensor | None], state: _StepState) -> None:
+        """Run by the engine right after the first gather is launched, before any update: finish
+        the status exchange (every rank receives the same reduced flags, so every rank refuses
+        alike, and the engine lands the gather before the refusal leaves), then the element-wise
+        update, which overlaps the rest of that gather."""
+        try:
+            reduced = pending.finish()
+            assert reduced is not None
+            state.skip = check_step_flags(reduced, self.names)
+        except BaseException as exc:
+            state.refused.append(exc)
+            raise _Refused(isinstance(exc, AgreementTimeout)) from exc
+        state.matrix_skip.update(state.skip)
+        self._elementwise(grads, state)
+
+    def _elementwise(self, grads: Mapping[str, torch.Tensor | None], state: _StepState) -> None:
+        """The element-wise optimizer on this rank's pieces; must not raise (the other ranks wait in
+        the engine's exchanges): an error is kept and every task is skipped on this rank."""
+        live = {n: m for n, m in self.ew_masters.items() if n not in state.skip}
+        try:
+            with phase("canzona/dp/local_update"):
+                for n, m in live.items():
+                    g = grads[n]
+                    m.grad = g if g is not None else self._zeros(n)
+                if self.ew_optimizer is not None:
+                    if self.update_hooks:  # whole pieces only: a rank holding all of a parameter
+                        whole = [(n, m) for n, m in self.ew_masters.items() if tuple(m.shape) == self.layouts[n].full_shape]
+                        self.update_hooks.step(self.ew_optimizer, whole)
+                    else:
+                        self.ew_optimizer.step()
+                self._update_experts(grads, state.skip)
+        except Exception as exc:  # noqa: BLE001 - this rank now joins the exchanges without computing
+            state.ew_error.append(exc)
+            state.matrix_skip.update(self.matrix_names)
+        finally:
+            for m in live.values():
+                m.grad = None
 
     def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
         """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
