@@ -147,8 +147,8 @@ def finite_grads_verified() -> Iterator[None]:
 #: max-abs call (``torch._foreach_norm(..., inf)``) with the other small tensors of its device and
 #: dtype; from this size on, a test of its own (``aminmax``; on CPU a sum first). On CUDA the
 #: fused call saves a kernel launch per tensor; on CPU its max-abs costs several times aminmax's
-#: time per element (measured on one thread: equal near 400 elements, 2.5 x slower at 2048 and
-#: 5 x at 65536; 300 tensors of 4096 elements went from 5.2 to 1.7 ms).
+#: time per element above a few hundred elements (``profiling/bench_optimizers.py`` prints the
+#: comparison), hence the lower CPU threshold.
 _FUSED_BELOW_CPU = 1 << 9
 _FUSED_BELOW = 1 << 16
 

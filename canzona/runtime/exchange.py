@@ -18,16 +18,18 @@ Per micro-group ``k`` (the schedule is :func:`pipeline`, executed as listed and 
 ``last_events``):
 
 1. gather   the sources pack their blocks into the gather slot (grouped by destination host) and
-            one fused ``all_to_all_single`` delivers them (``canzona/tp/gather/group<k>``);
-            ``sync`` groups all-gather every block to every rank instead;
+            one fused ``all_to_all_single`` delivers them; ``sync`` groups all-gather every block
+            to every rank instead;
 2. compute  each host writes the blocks into fresh full-shape gradients and runs the ordinary
-            per-parameter optimizer on its full masters (``canzona/tp/compute/group<k>``);
+            per-parameter optimizer on its full masters;
 3. scatter  the host packs each rank's block of every updated value into the scatter slot and one
-            fused ``all_to_all_single`` returns them (values, not deltas;
-            ``canzona/tp/scatter/group<k>``);
-4. apply    every rank copies its blocks into the destination tensors it was given
-            (``canzona/tp/apply/group<k>``), casting to their dtype; ``sync`` groups apply their
-            own blocks straight from the full result.
+            fused ``all_to_all_single`` returns them (values, not deltas);
+4. apply    every rank copies its blocks into the destination tensors it was given, casting to
+            their dtype; ``sync`` groups apply their own blocks straight from the full result.
+
+Each stage opens the phase its owner names (``phases=``, spelled in full by the owner so that a
+grep for the name lands there): ``canzona/tp/{gather,compute,scatter,apply}/group<k>`` from
+:mod:`canzona.runtime.tp`, ``canzona/shard/...`` from :mod:`canzona.runtime.fsdp`.
 
 With ``direct`` (the FSDP2 engine) a host's own blocks of the tasks it hosts skip both
 collectives: they are copied from its piece into the full tensor at unpack, and from the result

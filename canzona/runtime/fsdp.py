@@ -16,7 +16,7 @@ mode: a host's own blocks of the matrices it hosts are copied in place, not exch
 (see :func:`~canzona.runtime.exchange.describe_group`). Per micro-group:
 
 1. gather   one fused ``all_to_all_single``: every source sends its block of every task in the
-            group to the task's host (``canzona/tp/gather/group<k>``, launch and wait stages);
+            group to the task's host (``canzona/shard/gather/group<k>``, launch and wait stages);
 2. compute  the host writes the blocks into a full-shape gradient and runs the ordinary
             per-parameter optimizer on its full master (state lives only there);
 3. scatter  one fused ``all_to_all_single`` returns to every rank its block of each updated
