@@ -268,6 +268,7 @@ def _distributed_optimizer(model: nn.Module, cell: Cell, mesh: Any, cls: type, k
         tp_dims=tp_dims or None,
         bucket_numel=bucket_numel,
         master_dtype=torch.float32,
+        roles=getattr(model, "canzona_roles", None),
     )
 
 

@@ -33,11 +33,15 @@ class AwkwardModel(nn.Module):
     """Parameters (registration order), shape, kind under the default rules:
 
     ``embed.weight`` 22 x 9 element-wise, tied to ``lm_head.weight``; ``row.weight`` 1 x 37
-    matrix; ``tall.weight`` 50 x 3 matrix; ``tall.bias`` 13; ``wide.weight`` 3 x 66 matrix;
+    element-wise (a 1 x n gate); ``tall.weight`` 50 x 3 matrix; ``tall.bias`` 13; ``wide.weight`` 3 x 66 matrix;
     ``big.weight`` 48 x 41 matrix (1968 elements: 72% of all 2738, so at dp >= 2 it is larger
     than any balanced rank share); ``odd.weight`` 7 x 9 matrix; ``norm.weight`` 5;
-    ``kernel.weight`` 3 x 5 x 7 (3-D, element-wise); ``mix.bias`` 1.
+    ``kernel.weight`` 3 x 5 x 7 (3-D: the default rule refuses it, so the model says it is
+    element-wise through :attr:`canzona_roles`, as a user would with ``roles=``); ``mix.bias`` 1.
     """
+
+    #: the roles this model asks for (``DistributedOptimizer(roles=...)``), read by the suite
+    canzona_roles: dict[str, str] = {"kernel.weight": "elementwise"}
 
     def __init__(self, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
