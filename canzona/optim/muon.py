@@ -220,8 +220,8 @@ def batching_is_bitwise(shape: Sequence[int], work_dtype: torch.dtype, device: t
     :data:`AUTO_BATCH_MIN_SIDE`: the regime measured bitwise (see :func:`batched_newton_schulz`)
     with a margin, pinned by ``tests/test_optim_muon.py`` at the expert shapes and over a sweep
     of sides. False elsewhere, CUDA included: cuBLAS picks kernels per problem size and batch
-    count, so equality there is a question ``profiling/gpu_check.py`` asks on the machine
-    (``--only batched-ns``), not a default this module assumes.
+    count, so equality there is a question ``profiling/gpu_check.py`` asks on the machine (its
+    "batched Newton-Schulz" check), not a default this module assumes.
     """
     dev = torch.device(device)
     if dev.type != "cpu" or work_dtype not in _AUTO_BATCH_DTYPES or len(shape) != 2:
