@@ -41,6 +41,7 @@ __all__ = [
     "module_roles",
     "ParamSpec",
     "LAYOUTS",
+    "EXPERT_LAYOUTS",
     "MATRIX_EXCLUDE_PATTERNS",
     "is_matrix_param",
     "specs_from_config",
@@ -56,6 +57,8 @@ KINDS: tuple[str, ...] = ("matrix", "elementwise", "experts")
 Roles = Callable[[str, "torch.Tensor"], "str | None"] | Mapping[str, str]
 Layout = Literal["megatron", "hf"]
 LAYOUTS: tuple[str, ...] = ("megatron", "hf")
+#: how :func:`specs_from_config` lays out a MoE layer's experts
+EXPERT_LAYOUTS: tuple[str, ...] = ("stacked", "separate")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Name fragments (case-insensitive) of 2-D weights that stay with the element-wise optimizer, as in
@@ -288,7 +291,7 @@ def _spec(name: str, shape: tuple[int, ...], tp_dim: int | None, tp: int) -> Par
     return ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=tp)
 
 
-def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron") -> list[ParamSpec]:
+def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron", experts: str = "stacked") -> list[ParamSpec]:
     """Parameter specs of a Qwen3 model in registration order.
 
     ``megatron`` follows Megatron-Core GPT naming: fused ``linear_qkv`` [(q+2kv)*head_dim, hidden]
@@ -296,10 +299,18 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
     ``linear_fc2`` row-parallel (split dim 1), embedding and output layer vocab-parallel (dim 0).
     ``hf`` follows Hugging Face Qwen3 naming with separate q/k/v/o and gate/up/down projections.
     MoE layers replace the MLP with a router (replicated, element-wise) and ``num_experts``
-    experts, each TP-split like a dense MLP (no expert parallelism).
+    experts. ``experts="stacked"`` (default) keeps them as transformers 5.x and
+    :class:`canzona.models.Qwen3MoE` do: two ``experts`` stacks per layer, ``E`` matrix tasks
+    each, replicated over TP (a TP split of a stack is not supported), registered before the
+    router (``hf``: ``mlp.experts.gate_up_proj`` ``(E, 2F, H)``, ``mlp.experts.down_proj``
+    ``(E, H, F)``; ``megatron``: ``mlp.experts.linear_fc1.weight`` ``(E, 2F, H)``,
+    ``mlp.experts.linear_fc2.weight`` ``(E, H, F)``). ``experts="separate"`` is the older form:
+    router first, then every expert as its own dense MLP of 2-D matrices, TP-split like one.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown experts layout {experts!r}; choose one of {', '.join(EXPERT_LAYOUTS)}")
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     h, hd = cfg.hidden_size, cfg.head_dim
@@ -308,6 +319,23 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
 
     def add(name: str, shape: tuple[int, ...], tp_dim: int | None) -> None:
         out.append(_spec(name, shape, tp_dim, tp))
+
+    def stacks(prefix: str) -> None:
+        assert cfg.moe is not None
+        e, f = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+        up, down = ("linear_fc1.weight", "linear_fc2.weight") if layout == "megatron" else ("gate_up_proj", "down_proj")
+        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp=tp))
+        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp=tp))
+
+    def moe(prefix: str, router: str, expert_prefix: str) -> None:
+        assert cfg.moe is not None
+        if experts == "stacked":
+            stacks(prefix)
+            add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
+            return
+        add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
+        for e in range(cfg.moe.num_experts):
+            mlp(f"{prefix}.{expert_prefix}.{e}", cfg.moe.moe_intermediate_size)
 
     def mlp(prefix: str, ffn: int) -> None:
         if layout == "megatron":
@@ -331,9 +359,7 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
             if cfg.moe is None:
                 mlp(f"{p}.mlp", cfg.intermediate_size)
             else:
-                add(f"{p}.mlp.router.weight", (cfg.moe.num_experts, h), None)
-                for e in range(cfg.moe.num_experts):
-                    mlp(f"{p}.mlp.experts.local_experts.{e}", cfg.moe.moe_intermediate_size)
+                moe(f"{p}.mlp", "router.weight", "experts.local_experts")
         add("decoder.final_layernorm.weight", (h,), None)
         if not cfg.tie_word_embeddings:
             add("output_layer.weight", (cfg.vocab_size, h), 0)
@@ -350,9 +376,7 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
             if cfg.moe is None:
                 mlp(f"{p}.mlp", cfg.intermediate_size)
             else:
-                add(f"{p}.mlp.gate.weight", (cfg.moe.num_experts, h), None)
-                for e in range(cfg.moe.num_experts):
-                    mlp(f"{p}.mlp.experts.{e}", cfg.moe.moe_intermediate_size)
+                moe(f"{p}.mlp", "gate.weight", "experts")
             add(f"{p}.input_layernorm.weight", (h,), None)
             add(f"{p}.post_attention_layernorm.weight", (h,), None)
         add("model.norm.weight", (h,), None)

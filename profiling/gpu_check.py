@@ -10,7 +10,10 @@ In order, each check bounded in time, every result in one summary table at the e
    canzona NVTX range the run should open appears in it;
 4. Newton-Schulz (Muon, bf16) step time and TFLOP/s per Qwen3-32B shape, written as the
    simulator's calibration file (``canzona simulate --calibration OUT/ns_calibration.csv``);
-5. the overlap of a training step: share of NCCL kernel time with a compute kernel running.
+5. the overlap of a training step: share of NCCL kernel time with a compute kernel running;
+6. batched Newton-Schulz against one chain per matrix on CUDA at the expert shapes: whether they
+   are bitwise equal (a finding: Muon's ``batched="auto"`` does not batch on CUDA), failing only
+   past the documented bound of 64 roundoffs.
 
 Without a CUDA device it prints one line and exits 0 having done nothing. Exit 1 when a check
 fails. Written without a GPU at hand: it has never run on one.
@@ -165,6 +168,25 @@ def _overlap(out: Path, world: int) -> tuple[bool, str]:
                   f"{100 * min(x['overlap'] for x in res):.0f}% of it under compute (worst rank), host waits {r['exposed_wait_ms']:.2f} ms/step")
 
 
+def _batched_ns() -> tuple[bool, str]:
+    import torch
+
+    from canzona.optim.muon import batched_newton_schulz, newton_schulz
+
+    parts, worst = [], 0.0
+    for shape in ((96, 64), (384, 256), (64, 64), (192, 64)):
+        for name, ns_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            for count in (2, 64):
+                g = torch.randn((count, *shape), generator=torch.Generator().manual_seed(count)).cuda()
+                loop = torch.stack([newton_schulz(m, dtype=ns_dtype) for m in g])
+                diff_u = (loop.double() - batched_newton_schulz(g, dtype=ns_dtype).double()).abs().max().item() / torch.finfo(ns_dtype).eps
+                worst = max(worst, diff_u)
+                if diff_u:
+                    parts.append(f"{count}x{shape[0]}x{shape[1]} {name} {diff_u:.2f} u")
+    found = "bitwise at every shape" if not parts else "differs: " + ", ".join(parts[:6])
+    return worst <= 64, f"{found} (bound 64 u)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -192,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     s.run("nsys NVTX ranges", lambda: _nsys(out, args.nsys, n))
     s.run("Newton-Schulz throughput", lambda: _ns(out))
     s.run("overlap of a step", lambda: _overlap(out, min(n, 2)))
+    s.run("batched Newton-Schulz", _batched_ns)
     print()
     print(s.table())
     return 1 if s.failed else 0

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+import canzona.optim.muon as muon_mod
 from canzona.optim import Muon, adjust_lr, batched_newton_schulz, newton_schulz
+from canzona.optim.muon import AUTO_BATCH_MIN_SIDE, batching_is_bitwise
 
 # _single_thread is an autouse fixture, active here once imported
 from test_optim_common import _single_thread  # noqa: F401
@@ -103,7 +105,7 @@ def test_batched_newton_schulz_bf16_bitwise_on_model_shapes(shape: tuple[int, in
     assert torch.equal(batched_newton_schulz(torch.stack(mats)), loop)
 
 
-@pytest.mark.parametrize("shape", [(33, 2), (1, 40), (40, 1), (7, 5), (24, 24), (12, 40), (40, 12)])
+@pytest.mark.parametrize("shape", [(33, 2), (1, 40), (40, 1), (7, 5), (9, 73), (20, 11), (24, 24), (12, 40), (40, 12)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_batched_newton_schulz_within_bound_of_loop(shape: tuple[int, int], dtype: torch.dtype) -> None:
     """Batched and looped products may sum in different orders (see batched_newton_schulz's
@@ -124,22 +126,105 @@ def test_batched_newton_schulz_rejects_mixed_shapes() -> None:
         batched_newton_schulz([])
 
 
-def test_batched_option_matches_default_on_model_shapes() -> None:
-    """Muon(batched=True) groups same shapes; on bf16 model-size shapes it is bitwise the loop."""
+# The expert shapes of Qwen3-30B-A3B scaled down, a square expert, and Mixtral's tiny (E, 192, 64).
+EXPERT_SHAPES = [(96, 64), (64, 96), (384, 256), (256, 384), (64, 64), (192, 64), (64, 192)]
+NS_DTYPE_CASES = {  # (input dtype, Newton-Schulz compute dtype)
+    "bf16-in-bf16-ns": (torch.bfloat16, torch.bfloat16),
+    "fp32-in-bf16-ns": (torch.float32, torch.bfloat16),
+    "fp32-in-fp32-ns": (torch.float32, None),
+}
+
+
+@pytest.mark.parametrize("shape", EXPERT_SHAPES)
+@pytest.mark.parametrize("case", list(NS_DTYPE_CASES))
+@pytest.mark.parametrize("count", [2, pytest.param(8, marks=pytest.mark.slow)])
+def test_batched_ns_bitwise_at_expert_shapes(shape: tuple[int, int], case: str, count: int) -> None:
+    """The claim behind Muon's ``batched="auto"`` default: at the expert shapes, on CPU, the whole
+    batched Newton-Schulz chain (bmm/baddbmm over a stacked buffer) is bitwise the per-matrix one."""
+    in_dtype, ns_dtype = NS_DTYPE_CASES[case]
+    mats = _grads(shape, count, seed=11, dtype=in_dtype)
+    loop = torch.stack([newton_schulz(m, dtype=ns_dtype) for m in mats])
+    assert batching_is_bitwise(shape, loop.dtype, "cpu")
+    assert torch.equal(batched_newton_schulz(mats, dtype=ns_dtype), loop)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, None], ids=["bf16-ns", "fp32-ns"])
+def test_batched_ns_bitwise_over_the_auto_regime(ns_dtype: torch.dtype | None) -> None:
+    """Every smaller side from AUTO_BATCH_MIN_SIDE to 40 against a random longer side, tall and
+    wide, batches of 2 and 5: where batching_is_bitwise says yes, the chain must be bitwise."""
+    gen = torch.Generator().manual_seed(12)
+    for side in range(AUTO_BATCH_MIN_SIDE, 41):
+        long = int(torch.randint(side, 200, (1,), generator=gen))
+        for shape in ((side, long), (long, side)):
+            mats = [torch.randn(shape, generator=gen) for _ in range(2 + side % 4)]
+            loop = torch.stack([newton_schulz(m, dtype=ns_dtype) for m in mats])
+            assert batching_is_bitwise(shape, loop.dtype, "cpu")
+            assert torch.equal(batched_newton_schulz(mats, dtype=ns_dtype), loop), shape
+
+
+def test_batching_is_bitwise_regime() -> None:
+    assert batching_is_bitwise((96, 64), torch.bfloat16, "cpu")
+    assert batching_is_bitwise((16, 300), torch.float32, torch.device("cpu"))
+    assert not batching_is_bitwise((15, 300), torch.bfloat16, "cpu")  # thin: loops
+    assert not batching_is_bitwise((96, 64), torch.float64, "cpu")  # not measured
+    assert not batching_is_bitwise((96, 64), torch.bfloat16, "meta")  # CUDA and others: not assumed
+
+
+def _run_three(shapes: list[tuple[int, int]], ns_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Step the same parameters under batched=False, "auto" (default) and True; count the matrices
+    of every batched chain the default runs."""
     gen = torch.Generator().manual_seed(7)
-    shapes = [(96, 64), (96, 64), (64, 176), (96, 64), (64, 176), (5, 5)]
     inits = [torch.randn(s, generator=gen) for s in shapes]
-    a = [t.clone().requires_grad_() for t in inits]
-    b = [t.clone().requires_grad_() for t in inits]
-    opt_a, opt_b = Muon(a, lr=0.05), Muon(b, lr=0.05, batched=True)
+    runs = [[t.clone().requires_grad_() for t in inits] for _ in range(3)]
+    opts = [Muon(runs[0], lr=0.05, ns_dtype=ns_dtype, batched=False), Muon(runs[1], lr=0.05, ns_dtype=ns_dtype),
+            Muon(runs[2], lr=0.05, ns_dtype=ns_dtype, batched=True)]
+    chain_sizes: list[int] = []
+    real = muon_mod.batched_newton_schulz
+
+    def counting(grads, *args):  # type: ignore[no-untyped-def]
+        chain_sizes.append(len(grads))
+        return real(grads, *args)
+
     for _ in range(3):
-        for pa, pb in zip(a, b):
-            g = torch.randn(pa.shape, generator=gen)
-            pa.grad, pb.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb)
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for run in runs:
+            for p, g in zip(run, grads):
+                p.grad = g.clone()
+        opts[0].step()
+        with monkeypatch.context() as m:
+            m.setattr(muon_mod, "batched_newton_schulz", counting)
+            opts[1].step()
+        opts[2].step()
+    return runs, chain_sizes
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, None], ids=["bf16-ns", "fp32-ns"])
+def test_auto_batches_same_shape_experts_bitwise(ns_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default runs one chain per same-shape set in the bitwise regime (6 experts of 96 x 64,
+    3 of 64 x 192) and loops the rest (a lone shape, thin 9 x 73 matrices); every parameter ends
+    bitwise equal to the one-at-a-time loop. batched=True also batches the thin ones."""
+    shapes = [(96, 64)] * 4 + [(64, 192), (9, 73), (96, 64), (64, 192), (9, 73), (96, 64), (64, 192), (40, 24)]
+    (loop, auto, forced), chain_sizes = _run_three(shapes, ns_dtype, monkeypatch)
+    assert sorted(chain_sizes) == [3, 3, 3, 6, 6, 6]  # 3 steps x (64 x 192 chain, 96 x 64 chain)
+    for pl, pa in zip(loop, auto):
+        assert torch.equal(pl, pa)
+    for shape, pl, pf in zip(shapes, loop, forced):
+        if batching_is_bitwise(shape, torch.bfloat16 if ns_dtype else torch.float32, "cpu"):
+            assert torch.equal(pl, pf)
+
+
+def test_auto_chains_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(muon_mod, "AUTO_BATCH_MAX", 4)
+    (loop, auto, _), chain_sizes = _run_three([(16, 16)] * 10, torch.bfloat16, monkeypatch)
+    assert sorted(chain_sizes) == [2, 2, 2, 4, 4, 4, 4, 4, 4]
+    for pl, pa in zip(loop, auto):
+        assert torch.equal(pl, pa)
+
+
+def test_batched_option_is_checked() -> None:
+    with pytest.raises(TypeError, match="'auto'"):
+        Muon([torch.zeros(4, 4, requires_grad=True)], batched="yes")
 
 
 @pytest.mark.parametrize("fn", ["original", "match_rms_adamw", "spectral", "unit_rms", "none"])

@@ -37,9 +37,9 @@ def test_hf_layout_and_tied_embeddings():
     assert sum(s.numel for s in hf) == sum(s.numel for s in meg)
 
 
-def test_moe_router_is_elementwise_and_experts_are_matrices():
+def test_moe_router_is_elementwise_and_separate_experts_are_matrices():
     cfg = resolve_model("qwen3-30b-a3b")
-    specs = specs_from_config(cfg, tp=4)
+    specs = specs_from_config(cfg, tp=4, experts="separate")
     router = [s for s in specs if s.name.endswith("mlp.router.weight")]
     assert len(router) == 48 and all(s.kind == "elementwise" and s.tp_dim is None for s in router)
     experts = [s for s in specs if ".local_experts." in s.name]

@@ -164,6 +164,8 @@ def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assig
         *([f"  {'TP FLOPs, all GPUs':<24}{d['tp_flops_ratio_global']:.3f}   (over all {i.dp * i.tp} GPUs; atomic lower bound "
            f"{lower_bound(plan.specs, i.dp, i.tp, i.optimizer):.3f} = largest full-shape task / mean)"]
           if "tp_flops_ratio_global" in d and i.flops_shape == "full" else []),
+        *([f"  {'TP state, all GPUs':<24}{d['tp_memory_ratio_global']:.3f}   (optimizer state max / mean over all {i.dp * i.tp} GPUs)"]
+          if "tp_memory_ratio_global" in d else []),
         f"  {'J_DP':<24}{m.j_dp:.4g}   ({i.cost} units)",
         f"  {'J_Comm':<24}{m.j_comm:.4g}   (elements; worst bucket shard {d['max_bucket_comm_balance']:.2f}x mean)",
         f"  {'TP makespan':<24}groups in step {d['makespan_group_sum']:.4g}, hosts free {d['makespan_host_total']:.4g} ({i.cost} units)",

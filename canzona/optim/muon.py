@@ -48,8 +48,10 @@ __all__ = [
     "DEFAULT_NS_EPS",
     "DEFAULT_NS_STEPS",
     "Muon",
+    "AUTO_BATCH_MIN_SIDE",
     "adjust_lr",
     "batched_newton_schulz",
+    "batching_is_bitwise",
     "newton_schulz",
 ]
 
@@ -60,6 +62,14 @@ DEFAULT_NS_STEPS = 5
 DEFAULT_NS_EPS = 1e-7
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "unit_rms", "none")
+
+#: smallest matrix side at which ``batched="auto"`` batches a same-shape set (see
+#: :func:`batching_is_bitwise`)
+AUTO_BATCH_MIN_SIDE = 16
+#: at most this many matrices per batched chain under ``batched="auto"``: bounds the extra memory
+#: (one stacked copy of the chain's inputs and its temporaries) while keeping the speed-up
+AUTO_BATCH_MAX = 64
+_AUTO_BATCH_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _check_ns_args(
@@ -142,24 +152,29 @@ def batched_newton_schulz(
     updates of identical shape. ``grads`` is a ``[k, m, n]`` tensor or a sequence of ``[m, n]``
     tensors; the result is ``[k, m, n]`` in ``dtype``.
 
-    **Not bitwise equal to a loop of** :func:`newton_schulz` **in general**, which is why
-    :class:`Muon` loops by default and batching is opt-in (``batched=True``). What matches and what
-    does not (torch 2.13, x86 CPU, MKL/oneDNN):
+    **Bitwise equal to a loop of** :func:`newton_schulz` **only in a measured regime**, which
+    :func:`batching_is_bitwise` encodes and :class:`Muon`'s default (``batched="auto"``) uses.
+    What matches and what does not (torch 2.13, x86 CPU, MKL/oneDNN, 1 and 2 threads):
 
     * The per-matrix Frobenius norms are taken one slice at a time on views with the loop's
       strides, so the normalized inputs are identical (a batched ``vector_norm`` may reduce in
       another order).
     * The products can differ. ATen sends a batched product whose ``contraction*rows*cols`` is
       below 400 through its own naive kernel (a different summation order from BLAS ``gemm``), and
-      for float32/float64 the batched BLAS call may block differently from the single one. With the
-      bfloat16 default and matrices of realistic size both paths hit the same oneDNN kernel and
-      the results are bitwise equal (every model shape in ``profiling/bench_optimizers.py``); thin
-      matrices (e.g. 33 x 2 in bf16, 1 x n or 7 x 5 in float32) differ in the last bits.
-    * Bound: each product differs by at most the dot-product rounding bound ``gamma_K |A||B|``
-      (``K`` = contraction length, ``u`` = unit roundoff), and Newton-Schulz is a fixed polynomial
-      applied ``steps`` times to matrices of spectral norm <= ~1.2, so the outputs differ by a
-      modest multiple of ``u``. Measured over 192 random shape/scale cases: <= 23 u in float32 and
-      float64, <= 0.25 u in bfloat16; ``tests/test_optim_muon.py`` asserts <= 64 u.
+      for float32 the batched BLAS call blocks differently from the single one for thin matrices.
+      Measured over random shapes and batches of 2 to 64: the stacks that differed from the loop
+      had a smaller side of at most 6 with the bfloat16 compute dtype (6 x 111, 34 x 3) and at
+      most 11 with float32 (9 x 73, 20 x 11, 7 x 5, 1 x n); none with a smaller side of 12 or
+      more did. :func:`batching_is_bitwise` asks for a smaller side of at least
+      :data:`AUTO_BATCH_MIN_SIDE` (16), a margin over both. Every expert shape that matters
+      here (96 x 64, 384 x 256, 64 x 64, 192 x 64 and their transposes, bf16 or float32 inputs,
+      bf16 or float32 compute) is bitwise equal.
+    * Bound where it differs: each product differs by at most the dot-product rounding bound
+      ``gamma_K |A||B|`` (``K`` = contraction length, ``u`` = unit roundoff), and Newton-Schulz is
+      a fixed polynomial applied ``steps`` times to matrices of spectral norm <= ~1.2, so the
+      outputs differ by a modest multiple of ``u``. Measured over 192 random shape/scale cases:
+      <= 23 u in float32 and float64, <= 0.25 u in bfloat16; ``tests/test_optim_muon.py`` asserts
+      <= 64 u.
     """
     if isinstance(grads, Tensor):
         if grads.ndim != 3:
@@ -196,6 +211,22 @@ def batched_newton_schulz(
     if tall:
         x = x.mT
     return x
+
+
+def batching_is_bitwise(shape: Sequence[int], work_dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether :func:`batched_newton_schulz` over ``shape`` matrices is known to equal the loop.
+
+    True on CPU for bfloat16 and float32 compute dtypes when the smaller side is at least
+    :data:`AUTO_BATCH_MIN_SIDE`: the regime measured bitwise (see :func:`batched_newton_schulz`)
+    with a margin, pinned by ``tests/test_optim_muon.py`` at the expert shapes and over a sweep
+    of sides. False elsewhere, CUDA included: cuBLAS picks kernels per problem size and batch
+    count, so equality there is a question ``profiling/gpu_check.py`` asks on the machine (its
+    "batched Newton-Schulz" check), not a default this module assumes.
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu" or work_dtype not in _AUTO_BATCH_DTYPES or len(shape) != 2:
+        return False
+    return min(int(shape[0]), int(shape[1])) >= AUTO_BATCH_MIN_SIDE
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -248,11 +279,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
       (see :func:`adjust_lr`).
     * ``ns_dtype``: Newton-Schulz compute dtype (bfloat16 like torch; ``None`` = parameter dtype,
       useful for float64 tests).
-    * ``batched``: group same-shape parameters of a param group and orthogonalize them with one
-      :func:`batched_newton_schulz` call. Faster for many small matrices, but not bitwise equal to
-      the loop in general (see :func:`batched_newton_schulz` for when it is and the bound), so
-      off by default: with it off, a parameter's update never depends on which other parameters
-      share its group, which the exactness suite relies on.
+    * ``batched``: ``"auto"`` (default) groups same-shape, same-dtype parameters of a param group
+      and orthogonalizes each group of at least two with one :func:`batched_newton_schulz` chain
+      (at most :data:`AUTO_BATCH_MAX` matrices per chain) where :func:`batching_is_bitwise` holds,
+      and loops elsewhere, so every update stays bitwise equal to that parameter stepped alone
+      (the exactness suite relies on this: an expert's update must not depend on which experts
+      share its owner). ``True`` batches every same-shape set, also outside that regime (faster
+      for many thin matrices, within the documented bound of the loop); ``False`` always loops,
+      one update at a time (lowest peak memory).
 
     * a param group with ``"transposed": True`` holds weights stored ``(in, out)`` (GPT-2's
       ``Conv1D``): each is updated as its ``(out, in)`` transpose would be, bit for bit (the momentum
@@ -283,7 +317,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype | None = torch.bfloat16,
-        batched: bool = False,
+        batched: bool | str = "auto",
     ) -> None:
         defaults = {
             "lr": lr,
@@ -305,8 +339,8 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         check_beta("momentum", group["momentum"])
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"nesterov must be a bool, got {group['nesterov']!r}")
-        if not isinstance(group["batched"], bool):
-            raise TypeError(f"batched must be a bool, got {group['batched']!r}")
+        if not isinstance(group["batched"], bool) and group["batched"] != "auto":
+            raise TypeError(f"batched must be True, False or 'auto', got {group['batched']!r}")
         fn = group["adjust_lr_fn"]
         if fn is not None and fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {fn!r}")
@@ -338,6 +372,26 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(ortho.T, alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
 
+    @staticmethod
+    def _batch_chains(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
+        """Split ``params`` into the lists run as one chain each: same shape, dtype and device;
+        under ``"auto"`` only where :func:`batching_is_bitwise` holds (elsewhere one per chain)
+        and at most :data:`AUTO_BATCH_MAX` per chain."""
+        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Tensor]] = {}
+        for p in params:
+            by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
+        chains: list[list[Tensor]] = []
+        for (shape, dtype, device), same in by_shape.items():
+            if group["batched"] is True:
+                chains.append(same)
+                continue
+            work_dtype = dtype if group["ns_dtype"] is None else group["ns_dtype"]
+            if len(shape) == 2 and batching_is_bitwise(shape, work_dtype, device):
+                chains.extend(same[i : i + AUTO_BATCH_MAX] for i in range(0, len(same), AUTO_BATCH_MAX))
+            else:
+                chains.extend([p] for p in same)
+        return chains
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon step over every parameter that has a gradient."""
@@ -355,23 +409,20 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                     ortho = _newton_schulz(logical, group["ns_steps"], abc, group["eps"], group["ns_dtype"])
                     self._apply_transposed(group, p, ortho)
                 continue
-            if not group["batched"]:
-                # checked once for the group (a group may have been edited since it was added)
-                abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
-                checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
+            # checked once for the group (a group may have been edited since it was added)
+            abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+            checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
+            if group["batched"] is False:
                 # One parameter at a time keeps peak memory at one update, as torch does.
                 for p in params:
                     self._apply(group, p, _newton_schulz(self._momentum_update(group, p), *checked))
                 continue
-            by_shape: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = {}
-            for p in params:
-                by_shape.setdefault((p.shape, p.dtype), []).append(p)
-            for same_shape in by_shape.values():
-                updates = [self._momentum_update(group, p) for p in same_shape]
+            for chain in self._batch_chains(group, params):
+                updates = [self._momentum_update(group, p) for p in chain]
                 if len(updates) == 1:
-                    ortho: Sequence[Tensor] = [newton_schulz(updates[0], *ns_args)]
+                    ortho: Sequence[Tensor] = [_newton_schulz(updates[0], *checked)]
                 else:
                     ortho = batched_newton_schulz(updates, *ns_args).unbind(0)
-                for p, o in zip(same_shape, ortho):
+                for p, o in zip(chain, ortho):
                     self._apply(group, p, o)
         return loss

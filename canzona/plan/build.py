@@ -132,6 +132,53 @@ def _load_vectors(layout: BufferLayout, sp: Sequence[ParamSpec], inp: PlanInputs
     return LoadVectors(cost=cost, flops=flops, memory=memory, numel=numel)
 
 
+def _expert_units(layout: BufferLayout, counts: np.ndarray) -> tuple[BufferLayout, np.ndarray]:
+    """The buffer as a partitioner sees it when expert stacks are E tasks: buffer position ``i``
+    becomes ``counts[i]`` units of ``numel[i] / counts[i]`` elements (one per expert; 1 for every
+    other parameter), same bucket, consecutive offsets. Returns that layout and each unit's
+    buffer position."""
+    unit_of = np.repeat(np.arange(layout.n_params, dtype=np.int64), counts)
+    first = np.concatenate(([0], np.cumsum(counts)))
+    k = np.arange(len(unit_of), dtype=np.int64) - first[unit_of]
+    size = layout.numel[unit_of] // counts[unit_of]
+    units = BufferLayout(
+        order=layout.order[unit_of],
+        numel=size,
+        offset=layout.offset[unit_of] + k * size,
+        bucket=layout.bucket[unit_of],
+        bounds=tuple((int(first[i0]), int(first[i1])) for i0, i1 in layout.bounds),
+        bucket_start=layout.bucket_start,
+        bucket_numel=layout.bucket_numel,
+    )
+    return units, unit_of
+
+
+def _partition_experts(record: Strategy, layout: BufferLayout, pin: PartitionInput, sp: Sequence[ParamSpec], roles: Sequence[str]) -> DPAssignment | None:
+    """Run a cutting partitioner on expert units (:func:`_expert_units`), so that it may place the
+    experts of one stack on different ranks, cutting the stack only between experts. Its answer
+    is kept when the owners it gives are exactly those its cuts imply on the real buffer (a
+    partitioner that interleaves owners without cuts is run on whole stacks instead); None when
+    there is no stack to split or the strategy does not cut."""
+    counts = np.array([s.shape[0] if r == "experts" else 1 for s, r in zip(sp, roles)], dtype=np.int64)
+    if not record.reduce_scatter or record.every_rank_updates or int(counts.max(initial=1)) == 1:
+        return None
+    units, unit_of = _expert_units(layout, counts)
+    share = counts[unit_of].astype(np.float64)
+    a = record.partition(
+        PartitionInput(
+            layout=units, dp=pin.dp, cost=pin.cost[unit_of] / share, flops=pin.flops[unit_of] / share,
+            memory=pin.memory[unit_of] / share, alpha=pin.alpha, names=[pin.names[i] for i in unit_of.tolist()],
+            elementwise=pin.elementwise[unit_of],
+        )
+    )
+    cuts = getattr(a, "cuts", None)
+    if not isinstance(cuts, tuple) or len(cuts) != layout.n_buckets:
+        return None
+    if not np.array_equal(np.asarray(getattr(a, "owner", ())), dpmod.owners_from_cuts(units, cuts)):
+        return None
+    return DPAssignment(cuts, dpmod.owners_from_cuts(layout, cuts))
+
+
 def _partition(
     record: Strategy, layout: BufferLayout, sp: Sequence[ParamSpec], loads: LoadVectors, inp: PlanInputs, roles: Sequence[str]
 ) -> tuple[DPAssignment, dict[int, tuple[tuple[int, int, int], ...]]]:
@@ -139,21 +186,21 @@ def _partition(
     the ``(rank, start, end)`` ranges of each cut parameter (buffer index -> ranges)."""
     elementwise = np.array([s.kind == "elementwise" for s in sp])
     split_geometry = inp.buffers == "split" and record.reduce_scatter
-    a = record.partition(
-        PartitionInput(
-            layout=layout,
-            dp=inp.dp,
-            # split buffers: a geometric partitioner balances the matrix buffer; element-wise loads
-            # leave the planning cost and their buckets are cut into equal chunks below, as the
-            # ordinary distributed optimizer does
-            cost=np.where(elementwise, 0.0, loads.cost) if split_geometry else loads.cost,
-            flops=loads.flops,
-            memory=loads.memory,
-            alpha=float(inp.alpha),
-            names=[s.name for s in sp],
-            elementwise=elementwise,
-        )
+    pin = PartitionInput(
+        layout=layout,
+        dp=inp.dp,
+        # split buffers: a geometric partitioner balances the matrix buffer; element-wise loads
+        # leave the planning cost and their buckets are cut into equal chunks below, as the
+        # ordinary distributed optimizer does
+        cost=np.where(elementwise, 0.0, loads.cost) if split_geometry else loads.cost,
+        flops=loads.flops,
+        memory=loads.memory,
+        alpha=float(inp.alpha),
+        names=[s.name for s in sp],
+        elementwise=elementwise,
     )
+    # expert stacks are E tasks: a cutting partitioner may place a stack's experts on several ranks
+    a = _partition_experts(record, layout, pin, sp, roles) or record.partition(pin)
     if split_geometry:
         a = _equal_elementwise_buckets(layout, a, sp, inp.dp)
     _check_assignment(a, layout, inp.dp, record)
@@ -341,14 +388,18 @@ def plan_model(
     tp_schedule: str | None = None,
     grad_bytes: int = 4,
     buffers: str = "joint",
+    experts: str = "stacked",
 ) -> Plan:
-    """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`."""
+    """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`.
+    ``experts``: a MoE config's experts as ``(E, M, N)`` stacks of E tasks (default; the planner
+    may cut a stack between experts) or as ``separate`` 2-D matrices (see
+    :func:`canzona.specs.specs_from_config`)."""
     cfg = resolve_model(model)
     if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DP:
         raise PlanError(f"dp must be an integer in [1, {MAX_DP}], got {dp!r}")
     if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
         raise PlanError(f"tp must be an integer in [1, {MAX_TP}], got {tp!r}")
-    specs = specs_from_config(cfg, tp=tp, layout=layout)
+    specs = specs_from_config(cfg, tp=tp, layout=layout, experts=experts)
     inputs = PlanInputs(
         model=cfg.name,
         layout=layout,

@@ -268,14 +268,16 @@ def _ratio(a: np.ndarray) -> float:
 
 def lower_bound(specs: Sequence[ParamSpec], dp: int, tp: int, optimizer: str = "muon") -> float:
     """The atomic lower bound on the max / mean optimizer FLOPs over all ``dp * tp`` GPUs when
-    matrices are atomic: the largest single task (full shape) over the mean GPU load. Replicated
-    matrices cost their full shape on every TP rank; only matrix-optimizer parameters count."""
-    mats = [s for s in specs if s.kind == "matrix"]
+    matrices are atomic: the largest single task (full shape; one expert of a stack) over the mean
+    GPU load. Replicated matrices and expert stacks (never TP-split) cost their full shape on every
+    TP rank; only matrix-optimizer parameters count."""
+    mats = [s for s in specs if s.kind in ("matrix", "experts")]
     if not mats:
         return 1.0
-    task = [_flops(optimizer, s.shape) for s in mats]
-    total = sum(t if s.tp_split else t * s.tp for t, s in zip(task, mats))
-    # a replicated matrix (not TP-split) is computed by every TP rank of its owner: tp copies.
+    task = [_flops(optimizer, s.task_shape if s.kind == "experts" else s.shape) for s in mats]
+    # a replicated matrix (not TP-split) is computed by every TP rank of its owner: tp copies;
+    # an expert stack is n_tasks such matrices
+    total = sum(t * s.n_tasks * (1 if s.tp_split else s.tp) for t, s in zip(task, mats))
     # max / mean is at least 1 whatever the tasks
     return max(1.0, max(task) / (total / (dp * tp)))
 

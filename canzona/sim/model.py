@@ -612,6 +612,9 @@ def plan_for(
 ) -> Plan:
     """The plan the simulator uses for ``strategy`` (zero1 with AdamW, the reference), with the
     planner's warnings (oversized micro-group tasks) silenced: they are expected at scale."""
+    # the step model prices 2-D matrices (forward work, Newton-Schulz): a MoE config's experts as
+    # separate matrices, not (E, M, N) stacks
+    plan_kwargs.setdefault("experts", "separate")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return plan_model(

@@ -1,0 +1,146 @@
+"""Batched Newton-Schulz against one chain per matrix: matrices per second, side by side.
+
+A host that owns many same-shape expert tasks (Canzona, arXiv 2602.06079, Sec. 3.3 micro-groups;
+a MoE layer's E experts) can orthogonalize them with one ``bmm``/``baddbmm`` chain over a stacked
+buffer (:func:`canzona.optim.muon.batched_newton_schulz`) instead of E calls of
+:func:`canzona.optim.muon.newton_schulz`. This script times both on the same inputs, interleaved
+repeat by repeat (so both see the same machine load), and reports the median of each as matrices
+per second, plus whether the two results are bitwise equal. The default stacks are 64 experts of
+96 x 64 and of 384 x 256: Qwen3-30B-A3B's expert matrices (128 per layer of 768 x 2048 and
+2048 x 768) scaled down to sizes a CPU times in seconds.
+
+Run from the repository root::
+
+    .venv/bin/python profiling/bench_batched_ns.py                   # 64 x (96x64, 384x256), bf16 NS, 7 repeats
+    .venv/bin/python profiling/bench_batched_ns.py --ns-dtype fp32 --threads 2
+    .venv/bin/python profiling/bench_batched_ns.py --quick           # 8 experts, 3 repeats (smoke test)
+
+On CUDA the bitwise question is a different one (cuBLAS picks kernels per problem size and batch
+count, and the batched and single calls need not agree), which is why Muon's ``batched="auto"``
+never batches on CUDA by itself. ``profiling/gpu_check.py`` asks it on the machine: its
+"batched Newton-Schulz" check runs both chains on the GPU at the expert shapes above (bf16 and
+float32 compute, 2 and 64 matrices per stack), reports per shape whether they are bitwise equal and
+the largest difference in units of the compute dtype's roundoff, and fails only if a difference
+exceeds the documented bound of 64 u (equality is a finding there, not a requirement). Passing
+``--device cuda`` to this script times the two on a GPU as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+__all__ = ["compare_shape", "main"]
+
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        m, sep, n = part.strip().partition("x")
+        if not sep or not m.isdigit() or not n.isdigit() or int(m) < 1 or int(n) < 1:
+            raise ValueError(f"--shapes must be a comma list of MxN with positive sides, got {part.strip()!r}")
+        out.append((int(m), int(n)))
+    return out
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="96x64,384x256", help="comma list of expert shapes MxN (default 96x64,384x256)")
+    p.add_argument("--experts", type=int, default=64, help="matrices per stack (default 64)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats of each variant, interleaved (default 7)")
+    p.add_argument("--ns-dtype", choices=sorted(NS_DTYPES), default="bf16", help="Newton-Schulz compute dtype (default bf16)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--quick", action="store_true", help="8 experts and 3 repeats")
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compare_shape(shape: tuple[int, int], experts: int, repeats: int, ns_dtype: torch.dtype, device: torch.device) -> dict:
+    """Median seconds of the loop and of the batched chain over ``experts`` matrices of ``shape``,
+    timed alternately (one warm-up each first), and whether their results are bitwise equal."""
+    from canzona.optim.muon import batched_newton_schulz, newton_schulz
+
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn((experts, *shape), generator=gen).to(device)
+    mats = list(stack.unbind(0))
+
+    def loop() -> torch.Tensor:
+        return torch.stack([newton_schulz(m, dtype=ns_dtype) for m in mats])
+
+    def batched() -> torch.Tensor:
+        return batched_newton_schulz(stack, dtype=ns_dtype)
+
+    results = {"loop": loop(), "batched": batched()}  # warm-up and the bitwise comparison
+    times: dict[str, list[float]] = {"loop": [], "batched": []}
+    for r in range(repeats):
+        order = ("loop", "batched") if r % 2 == 0 else ("batched", "loop")
+        for name in order:
+            fn = loop if name == "loop" else batched
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    diff = (results["loop"].double() - results["batched"].double()).abs().max().item()
+    return {"shape": shape, "experts": experts, "loop_s": med["loop"], "batched_s": med["batched"],
+            "bitwise": torch.equal(results["loop"], results["batched"]), "max_diff_u": diff / torch.finfo(ns_dtype).eps}
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.quick:
+        args.experts, args.repeats = 8, 3
+    if args.experts < 1:
+        return "--experts must be >= 1"
+    if args.repeats < 1:
+        return "--repeats must be >= 1"
+    if args.threads < 1:
+        return "--threads must be >= 1"
+    if args.device not in ("cpu", "cuda"):
+        return f"--device must be cpu or cuda, got {args.device!r}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device visible"
+    try:
+        args.shapes = _shapes(args.shapes)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    err = _check(args)
+    if err is not None:
+        print(f"bench_batched_ns: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    ns_dtype = NS_DTYPES[args.ns_dtype]
+    print(f"batched vs one-by-one Newton-Schulz ({args.ns_dtype} compute, {args.device}, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}, median of {args.repeats} interleaved repeats)")
+    print(f"{'shape':>9s} {'experts':>7s} {'loop mat/s':>11s} {'batched mat/s':>14s} {'speed-up':>8s}  bitwise")
+    for shape in args.shapes:
+        r = compare_shape(shape, args.experts, args.repeats, ns_dtype, device)
+        loop_rate, batch_rate = r["experts"] / r["loop_s"], r["experts"] / r["batched_s"]
+        same = "yes" if r["bitwise"] else f"no (max {r['max_diff_u']:.2f} u)"
+        print(f"{shape[0]:>4d}x{shape[1]:<4d} {r['experts']:>7d} {loop_rate:>11.1f} {batch_rate:>14.1f} "
+              f"{batch_rate / loop_rate:>7.2f}x  {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
