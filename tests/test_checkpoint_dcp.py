@@ -546,7 +546,7 @@ def _small_filesystem(where: Path, size_kib: int) -> bool:
 
 def _failed_saves(folder: str) -> dict:
     """save_sharded where rank 0 cannot make the folder (its parent is a regular file), and onto a
-    full disk over an existing checkpoint: a 160 KiB tmpfs holding one ~110 KiB checkpoint, so the
+    full disk over an existing checkpoint: a 192 KiB tmpfs holding one ~156 KB checkpoint, so the
     next save's temporary copy runs out of space (ENOSPC); where no tmpfs can be mounted, rank 1's
     DCP writes raise that ENOSPC instead. One CheckpointError on both ranks naming the path and
     the first failing rank's cause, no ``.tmp`` left, the existing checkpoint intact and loadable."""
@@ -569,7 +569,7 @@ def _failed_saves(folder: str) -> dict:
     torch.distributed.barrier()
     out = {"not_a_folder": _save_error(opt, blocker / "ckpt")}
     disk = Path(folder) / "small-disk"
-    mounted = _small_filesystem(disk, 160)
+    mounted = _small_filesystem(disk, 192)  # one checkpoint (~156 KB) fits, a second beside it does not
     path = disk / "full"
     try:
         save_sharded(opt, path, chunk_bytes=CHUNK)
