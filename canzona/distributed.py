@@ -399,7 +399,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_numel: int | None = None,
         alpha: float = 1.0,
         cost: str = "numel",
-        cmax_mb: float = 512,
+        cmax: float = 512.0,
         master_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "mean",
         param_sync: str = "eager",
@@ -415,7 +415,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         settings = OptimizerSettings(
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
-            cmax_mb=cmax_mb, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
+            cmax=cmax, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
             status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
             roles=roles,
         )

@@ -255,8 +255,8 @@ def test_gantt_draws_every_task() -> None:
 
 
 def test_cmax_and_tp_sweeps() -> None:
-    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(16, 256))
-    assert list(df["schedule"]) == ["lpt", "lpt", "no-fuse"]
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(1, 16))  # 16 and 256 MiB of fp32 gradient at TP 4
+    assert list(df["schedule"]) == ["lpt-carry", "lpt-carry", "no-fuse"]
     nofuse = df.iloc[-1]
     plan = _plan("qwen3-1.7b", dp=2, tp=4, strategy="lb-asc", tp_schedule="no-fuse")
     tasks = max(len(g) for g in plan.micro_groups)
@@ -266,7 +266,7 @@ def test_cmax_and_tp_sweeps() -> None:
     _readable(fig)
     assert any(t.name.startswith("paper") for t in fig.data)
     with pytest.raises(ValueError):
-        vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=())
+        vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=())
     tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt", "sync"))
     assert len(tp) == 4
     _readable(vm.fig_tp_sweep(tp))
@@ -875,8 +875,8 @@ def test_critical_path_left_panel_shows_when_each_rank_ends() -> None:
 
 
 def test_sweeps_record_their_flops_accounting() -> None:
-    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False, flops_shape="local")
-    full = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False)
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(16,), include_no_fuse=False, flops_shape="local")
+    full = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(16,), include_no_fuse=False)
     assert df.attrs["flops_shape"] == "local" and full.attrs["flops_shape"] == "full"
     assert df["makespan_sync"].iloc[0] < full["makespan_sync"].iloc[0]
     assert "local shapes" in vm.fig_cmax_sweep(df).layout.title.text
