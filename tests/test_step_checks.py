@@ -260,7 +260,7 @@ def test_host_reads_of_a_step_do_not_grow_with_parameters_or_buckets(reads_run, 
 def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> None:
     """DP1 x TP2, the tiny Qwen3: 12 micro-groups or 1, the same host reads in a step (those of
     the element-wise pieces' AdamW, whose step counter is a CPU tensor, included)."""
-    many, one = case_results(reads_run, "tp", 0.01), case_results(reads_run, "tp", 512.0)
+    many, one = case_results(reads_run, "tp", 0.01 / (4 * 2)), case_results(reads_run, "tp", 512.0)
     assert many[0]["groups"] >= 10 and one[0]["groups"] == 1, (many[0]["groups"], one[0]["groups"])
     for rank, (a, b) in enumerate(zip(many, one)):
         _same_reads(a, b, f"TP rank {rank}")

@@ -991,13 +991,14 @@ def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatc
 def test_gantt_states_why_a_one_host_group_exists_and_explorer_opens_on_an_illustrative_rank() -> None:
     import warnings
 
-    from canzona.plan import plan_model
+    from canzona.plan import cmax_to_bytes, plan_model
     from canzona.viz import meshload as vml
     from canzona.viz import microgroups as vm
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp32 fc1 gradients exceed C_max: the plan warns about it
-        plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt")
+        # C_max 16 = 512 MiB of fp32 gradient at TP 8, below one fc1 (the default 512 holds a whole rank)
+        plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt", cmax_bytes=cmax_to_bytes(16, 8))
     r = vml.illustrative_dp_rank(plan)
     assert len(plan.micro_groups[r]) > 1
     lone = [k for k in range(plan.inputs.dp) if vm.one_host_groups(plan, k)]
