@@ -191,7 +191,8 @@ pd.DataFrame({s: viz.microgroup_summary(p).max() for s, p in schedules.items()})
 
 The paper's fusion ablation ran Qwen3-32B on DP16 x TP8. A larger C_max means fewer, larger
 micro-groups (fewer all-to-alls); `no-fuse` sends every task on its own. The vertical line marks
-where the paper's measured optimizer time plateaus (~512 MB).
+where the paper's measured optimizer time plateaus (~512; the paper's "MB" are canzona's C_max unit,
+2^20 TP-local gradient elements per host). Below ~32 a Qwen3-32B fc1 no longer fits a group.
 """),
     code("""
 cmax = viz.cmax_sweep(MODEL, dp=16, tp=TP, optimizer=OPTIMIZER, cmax=(4, 8, 16, 32, 64, 128, 512, 2048))

@@ -232,7 +232,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             opt, name = _peer(model, args.lr)
         else:
             opt = canzona.DistributedOptimizer(
-                model, "muon", strategy=name.split()[1], mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=args.cmax_mb
+                model, "muon", strategy=name.split()[1], mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax=args.cmax
             )
         contenders[name] = (model, opt)
     grads = _grads(next(iter(contenders.values()))[0], rank)
@@ -335,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", type=int, default=1536, help="MLP width (default 1536)")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size of the embedding and head (default 2048)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per contender (interleaved)")
-    p.add_argument("--cmax-mb", type=float, default=8.0, help="canzona's micro-group capacity C_max in MiB (default 8: several groups, so exchanges overlap compute)")
+    p.add_argument("--cmax", type=float, default=2.0,
+                   help="canzona's micro-group capacity C_max in 2^20 TP-local gradient elements per host (default 2, "
+                        "8 MiB of fp32 gradient: several groups, so exchanges overlap compute)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first (default 1)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step (max over ranks)")
@@ -351,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("layers", "hidden", "q", "kv", "ffn", "vocab", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or not args.cmax_mb > 0 or not args.lr > 0:
-        p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
+    if args.warmup < 0 or not args.cmax > 0 or not args.lr > 0:
+        p.error("--warmup must be >= 0, --cmax and --lr > 0")
     for w in worlds:
         for dim in (args.hidden, args.q, args.kv, args.ffn, args.vocab):
             if dim % w:
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
     print(
         f"Qwen3-like model: {args.layers} layers, hidden {args.hidden}, q {args.q}, kv {args.kv}, ffn {args.ffn}, vocab {args.vocab}; "
-        f"Muon lr {args.lr}; canzona C_max {args.cmax_mb:g} MiB; {args.steps} interleaved timed steps after {args.warmup} warm-up"
+        f"Muon lr {args.lr}; canzona C_max {args.cmax:g} x 2^20 elements; {args.steps} interleaved timed steps after {args.warmup} warm-up"
     )
     for w in worlds:
         per_rank = run_workers(_worker, w, args, timeout_s=1800, pg_timeout_s=600)
