@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")
     parser.add_argument("--grad-bytes", type=_int, choices=(2, 4), default=4,
-                        help="bytes per gradient element that C_max counts (default 4: fp32, as Megatron's bf16 "
+                        help="bytes per gradient element the TP exchanges carry; C_max counts elements, so its byte "
+                             "bound scales with it (default 4: fp32, as Megatron's bf16 "
                              "training holds its main gradients; 2: bf16)")
     parser.add_argument("--buffers", choices=("joint", "split"), default="joint",
                         help="'split': matrix-optimizer and element-wise parameters in buffers of their own (the paper "
