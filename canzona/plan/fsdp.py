@@ -377,12 +377,13 @@ def plan_fsdp_model(
     optimizer: str = "muon",
     strategy: str = "lb-asc",
     cost: str = "numel",
-    cmax_bytes: int = 512 * 2**20,
+    cmax_bytes: int | None = None,
 ) -> FSDPPlan:
     """Plan a shipped model (name), a config file (path) or a ``ModelConfig`` for FSDP2 over
     ``dp_replicate x dp_shard x tp`` ranks. ``layout="hf"`` (separate q/k/v and gate/up, as
-    torchtitan's models) is the FSDP default; ``megatron`` fuses them."""
-    from canzona.plan.build import resolve_model
+    torchtitan's models) is the FSDP default; ``megatron`` fuses them. ``cmax_bytes`` None:
+    the planner's default C_max (:data:`canzona.plan.DEFAULT_CMAX` TP-local elements per host)."""
+    from canzona.plan.build import DEFAULT_CMAX, cmax_to_bytes, resolve_model
     from canzona.specs import specs_from_config
 
     cfg = resolve_model(model)
@@ -390,5 +391,7 @@ def plan_fsdp_model(
         _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
     # ParamSpec checks TP divisibility; FSDP2's own dim-0 chunking may be uneven (any size works)
     specs = specs_from_config(cfg, tp=tp, layout=layout)
+    if cmax_bytes is None:
+        cmax_bytes = cmax_to_bytes(DEFAULT_CMAX, tp)
     inputs = FSDPInputs(cfg.name, dp_shard, tp, dp_replicate, optimizer, strategy, cost, cmax_bytes)
     return plan_fsdp(params_from_specs(specs), inputs)
