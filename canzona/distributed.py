@@ -399,7 +399,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_numel: int | None = None,
         alpha: float = 1.0,
         cost: str = "numel",
-        cmax_mb: float = 512,
+        cmax: float = 512.0,
         master_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "mean",
         param_sync: str = "eager",
@@ -409,13 +409,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param_views: bool = True,
         grad_views: bool = True,
         roles: Any = None,
+        cmax_mb: Any = None,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
+        if cmax_mb is not None:
+            raise TypeError(
+                "cmax_mb is retired: C_max is now cmax=, in 2**20 TP-local gradient elements per host "
+                "(the paper's unit; the old cmax_mb=M of fp32 gathered gradient is cmax=M / (4 * tp))"
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         settings = OptimizerSettings(
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
-            cmax_mb=cmax_mb, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
+            cmax=cmax, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
             status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
             roles=roles,
         )

@@ -52,8 +52,9 @@ class OptimizerSettings:
     """Algorithm 1's balance weight between equal shares and deficits (ZeRO-1 buffer layout)."""
     cost: str = "numel"
     """The cost model that balances hosts and owners (``numel``, ``flops`` ...)."""
-    cmax_mb: float = 512
-    """Algorithm 2's micro-group capacity C_max in MiB."""
+    cmax: float = 512.0
+    """Algorithm 2's micro-group capacity C_max in 2^20 TP-local gradient elements per host (the
+    paper's unit, :data:`canzona.plan.CMAX_UNIT`)."""
     master_dtype: torch.dtype = torch.float32
     """Dtype of the optimizer's master copies and reduced gradients: float32 or float64."""
     grad_reduce: str = "mean"
@@ -88,6 +89,9 @@ class OptimizerSettings:
         for flag in ("overlap_updates", "param_views", "grad_views"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        c = self.cmax
+        if isinstance(c, bool) or not (isinstance(c, (int, float)) and 0 < c < math.inf):
+            raise ValueError(f"cmax must be a positive number of 2^20 TP-local gradient elements per host, got {c!r}")
         t = self.status_timeout_s
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < math.inf):
             raise ValueError(f"status_timeout_s must be a positive number of seconds, got {t!r}")

@@ -109,7 +109,7 @@ class TrainConfig:
     seed: int = 0
     bucket_numel: int | None = None
     tp_schedule: str | None = None
-    cmax_mb: float = 512.0
+    cmax: float = 512.0
     dtype: str = "float32"
     backend: str | None = None
     tp_style: str = "dtensor"
@@ -144,8 +144,8 @@ class TrainConfig:
             raise ValueError("backend nccl needs CUDA, which this machine does not have; use --backend gloo")
         if self.bucket_numel is not None and (not isinstance(self.bucket_numel, int) or self.bucket_numel < 1):
             raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
-        if not (isinstance(self.cmax_mb, (int, float)) and self.cmax_mb > 0):
-            raise ValueError(f"cmax_mb must be positive, got {self.cmax_mb!r}")
+        if isinstance(self.cmax, bool) or not (isinstance(self.cmax, (int, float)) and self.cmax > 0):
+            raise ValueError(f"cmax must be positive (2^20 TP-local gradient elements per host), got {self.cmax!r}")
 
     @property
     def world_size(self) -> int:
@@ -374,7 +374,7 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
         tp_schedule=config.tp_schedule,
         tp_dims=tp_dims,
         bucket_numel=config.bucket_numel,
-        cmax_mb=config.cmax_mb,
+        cmax=config.cmax,
     )
     dp_group = mesh.get_group("dp") if config.tp > 1 else mesh.get_group()
     losses: list[float] = []
@@ -571,7 +571,7 @@ def format_summary(result: TrainResult) -> str:
     if any(result.peak_exchange_bytes_per_rank):
         lines.append(
             "peak TP exchange buffer per rank: " + "  ".join(_bytes(b) for b in result.peak_exchange_bytes_per_rank)
-            + f"  (C_max {c.cmax_mb:g} MiB)"
+            + f"  (C_max {c.cmax:g} x 2^20 TP-local elements per host)"
         )
     lines += [
         "",

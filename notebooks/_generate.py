@@ -169,7 +169,7 @@ viz.use_notebook_renderer()  # figures also as HTML: they survive nbconvert, nbv
 pd.set_option("display.precision", 3)
 """),
     code("""
-vw.microgroup_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategy="lb-asc", tp_schedule="lpt", cmax_mb=512)
+vw.microgroup_explorer(model=MODEL, dp=DP, tp=TP, optimizer=OPTIMIZER, strategy="lb-asc", tp_schedule="lpt-carry", cmax=512)
 """),
     md("""
 ## Makespans and TP ratios of every DP rank
@@ -191,10 +191,11 @@ pd.DataFrame({s: viz.microgroup_summary(p).max() for s, p in schedules.items()})
 
 The paper's fusion ablation ran Qwen3-32B on DP16 x TP8. A larger C_max means fewer, larger
 micro-groups (fewer all-to-alls); `no-fuse` sends every task on its own. The vertical line marks
-where the paper's measured optimizer time plateaus (~512 MB).
+where the paper's measured optimizer time plateaus (~512; the paper's "MB" are canzona's C_max unit,
+2^20 TP-local gradient elements per host). Below ~32 a Qwen3-32B fc1 no longer fits a group.
 """),
     code("""
-cmax = viz.cmax_sweep(MODEL, dp=16, tp=TP, optimizer=OPTIMIZER, cmax_mb=(64, 128, 256, 512, 1024, 2048, 4096))
+cmax = viz.cmax_sweep(MODEL, dp=16, tp=TP, optimizer=OPTIMIZER, cmax=(4, 8, 16, 32, 64, 128, 512, 2048))
 display(cmax)
 viz.fig_cmax_sweep(cmax)
 """),
@@ -218,8 +219,8 @@ measured values are drawn beside the prediction: no-fuse ~0.11 s, fused ~0.073 s
     code("""
 from canzona.viz import simulation as vsim
 
-cmax_time = vsim.simulate_cmax((64, 128, 256, 512, 1024, 2048), model=MODEL, dp=16, tp=TP, optimizer=OPTIMIZER)
-display(cmax_time[["cmax_mb", "tp_schedule", "optimizer_s", "opt_matrix_compute_s", "opt_tp_comm_s", "n_micro_groups"]])
+cmax_time = vsim.simulate_cmax((4, 8, 16, 32, 64, 128, 512, 2048), model=MODEL, dp=16, tp=TP, optimizer=OPTIMIZER)
+display(cmax_time[["cmax", "tp_schedule", "optimizer_s", "opt_matrix_compute_s", "opt_tp_comm_s", "n_micro_groups"]])
 vsim.fig_cmax_time(cmax_time)
 """),
 ]

@@ -270,10 +270,10 @@ def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict
 
     out: dict[str, dict[str, Any]] = {}
     for s in args.strategies:
-        for cmax in args.cmax_mb:
+        for cmax in args.cmax:
             model = _build(args, mesh)
-            opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax_mb=cmax)
-            label = f"canzona {s}" + (f" (C_max {cmax:g} MiB)" if len(args.cmax_mb) > 1 else "")
+            opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax=cmax)
+            label = f"canzona {s}" + (f" (C_max {cmax:g})" if len(args.cmax) > 1 else "")
             out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
     for mode in args.ns:
         shared = mode == "shared"
@@ -423,7 +423,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=7, help="timed steps per contender, interleaved (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (default 2)")
     p.add_argument("--repeat", type=int, default=1, help="whole runs in fresh processes; medians over runs (default 1)")
-    p.add_argument("--cmax-mb", default="8", help="canzona's micro-group capacity C_max in MiB, or a comma list (one contender each; default 8)")
+    p.add_argument("--cmax", default="2", help="canzona's micro-group capacity C_max in 2**20 TP-local gradient elements per host (2 = 8 MiB of fp32 at TP 1), or a comma list (one contender each; default 2)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
     args = p.parse_args(argv)
@@ -446,11 +446,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
-        args.cmax_mb = [float(c) for c in str(args.cmax_mb).split(",")]
+        args.cmax = [float(c) for c in str(args.cmax).split(",")]
     except ValueError:
-        p.error(f"--cmax-mb must be a number or a comma list of numbers, got {args.cmax_mb!r}")
-    if args.warmup < 0 or not all(c > 0 for c in args.cmax_mb) or not args.lr > 0:
-        p.error("--warmup must be >= 0, --cmax-mb and --lr > 0")
+        p.error(f"--cmax must be a number or a comma list of numbers, got {args.cmax!r}")
+    if args.warmup < 0 or not all(c > 0 for c in args.cmax) or not args.lr > 0:
+        p.error("--warmup must be >= 0, --cmax and --lr > 0")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden must divide by --heads and --heads by --kv-heads, got {args.hidden}, {args.heads}, {args.kv_heads}")
     return args
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     args.available = available
     print(
         f"transformers Llama: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}, "
-        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax_mb)} MiB; {args.steps} interleaved timed steps after "
+        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax)} (x 2**20 elements); {args.steps} interleaved timed steps after "
         f"{args.warmup} warm-up, {args.repeat} run(s); peers: {', '.join(args.peers) or 'none'}"
     )
     for w in args.worlds:

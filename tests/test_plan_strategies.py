@@ -77,7 +77,7 @@ def test_shipped_records():
     assert [n for n in STRATEGIES if get_strategy(n).elementwise_only] == ["zero1"]
     assert [n for n in STRATEGIES if not get_strategy(n).atomic_matrices] == ["zero1"]
     assert {n: default_tp_schedule(n) for n in STRATEGIES} == {
-        "zero1": "sync", "sc": "sync", "layerwise": "sync", "asc": "round-robin", "lb-asc": "lpt", "lb-asc-joint": "lpt-carry"
+        "zero1": "sync", "sc": "sync", "layerwise": "sync", "asc": "round-robin", "lb-asc": "lpt-carry", "lb-asc-joint": "lpt-carry"
     }
     assert all(get_strategy(n).description for n in STRATEGIES)
 

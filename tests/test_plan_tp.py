@@ -116,7 +116,7 @@ def _tiny_plan(**kw):
 
 def test_plan_groups_cover_owned_split_matrices():
     plan = _tiny_plan(strategy="lb-asc")
-    assert plan.inputs.tp_schedule == "lpt" and len(plan.micro_groups) == 2
+    assert plan.inputs.tp_schedule == "lpt-carry" and len(plan.micro_groups) == 2
     for p in plan.params:
         if p.spec.kind == "matrix" and p.spec.tp_split:
             g = plan.micro_groups[p.dp_owner][p.micro_group]

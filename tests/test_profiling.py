@@ -66,7 +66,7 @@ def profile(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("prof")
     argv = ["profile", "--tensorboard", str(out), "--steps", "2", "--wait", "1", "--warmup", "0",
-            "--batch-size", "4", "--seq-len", "16", "--bucket-numel", "12000", "--cmax-mb", "0.05"]
+            "--batch-size", "4", "--seq-len", "16", "--bucket-numel", "12000", "--cmax", "0.00625"]  # 0.05 MiB of fp32 gradient at TP 2
     rc = main(argv)
     assert rc == 0
     return out, argv, load_traces(out)

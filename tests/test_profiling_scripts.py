@@ -41,7 +41,7 @@ BAD_ARGS = [
     ("bench_fsdp2", ["--peers", "nope"], "unknown peer 'nope'"),
     ("bench_fsdp2", ["--ns", "mine"], "--ns must be a comma list among own, shared"),
     ("bench_fsdp2", ["--strategies", "zero1"], "--strategies must be a comma list among lb-asc, asc, sc"),
-    ("bench_fsdp2", ["--cmax-mb", "8,x"], "--cmax-mb must be a number or a comma list"),
+    ("bench_fsdp2", ["--cmax", "2,x"], "--cmax must be a number or a comma list"),
     ("bench_planner", ["--repeat", "0"], "--repeat must be >= 1"),
     ("bench_strategies", ["--dp", "0"], "dp must be a positive integer"),
     ("bench_strategies", ["--tp", "3"], "tp=3 does not divide"),

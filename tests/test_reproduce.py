@@ -14,7 +14,7 @@ import pytest
 from canzona import paper
 from canzona.cli import main
 from canzona.plan import plan_model
-from canzona.plan.build import resolve_model
+from canzona.plan.build import cmax_to_bytes, resolve_model
 from canzona.plan.convention import PAPER, authors_plan, lower_bound, megatron_core_order
 from canzona.plan.pipeline import plan_stages, split_stages, stage_layers
 from canzona.plan.plan import PlanError
@@ -344,7 +344,8 @@ def test_gpu_load_view_with_lower_bound():
     from canzona.viz import meshload
     from canzona.viz._style import figure_problems
 
-    plan = plan_model("qwen3-32b", dp=32, tp=8)
+    # Algorithm 2 as written with C_max 16 (512 MiB of fp32 gradient, below one fc1): one-host groups
+    plan = plan_model("qwen3-32b", dp=32, tp=8, tp_schedule="lpt", cmax_bytes=cmax_to_bytes(16, 8))
     df = meshload.gpu_loads(plan)
     assert len(df) == 256
     ratio = df["flops"].max() / df["flops"].mean()
@@ -355,7 +356,10 @@ def test_gpu_load_view_with_lower_bound():
     reasons = meshload.one_host_groups(plan, r)
     assert reasons and "C_max" in reasons[0] and "linear_fc1" in reasons[0]
     assert figure_problems(meshload.fig_gpu_loads(plan)) == []
-    # with lpt-carry the busiest GPU sits at the bound
-    carry = plan_model("qwen3-32b", dp=32, tp=8, tp_schedule="lpt-carry")
+    # with lpt-carry (the default) the busiest GPU sits at the bound, at that C_max and at the default
+    carry = plan_model("qwen3-32b", dp=32, tp=8, tp_schedule="lpt-carry", cmax_bytes=cmax_to_bytes(16, 8))
+    c = meshload.gpu_loads(carry)["flops"]
+    assert c.max() / c.mean() <= meshload.mesh_lower_bound(carry) * 1.01
+    carry = plan_model("qwen3-32b", dp=32, tp=8)
     c = meshload.gpu_loads(carry)["flops"]
     assert c.max() / c.mean() <= meshload.mesh_lower_bound(carry) * 1.01

@@ -54,10 +54,13 @@ def _one_line(capsys, argv: list[str]) -> tuple[str, str, float]:
     [
         (["plan", "--model", "qwen3-tiny", "--dp", "2", "--tp", "16"], "tp=16 does not divide num_key_value_heads=2"),
         (["plan", "--model", "qwen3-32b", "--dp", "2", "--tp", "3"], "tp=3 does not divide"),
-        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--cmax-mb", "inf"], "--cmax-mb: expected a positive number, got inf"),
+        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--cmax", "inf"], "--cmax: expected a positive number, got inf"),
+        (["plan", "--model", "qwen3-tiny", "--dp", "2", "--cmax-mb", "512"], "--cmax-mb: the flag is gone: use --cmax"),
+        (["train", "--cmax-mb", "512"], "--cmax-mb: the flag is gone: use --cmax"),
         (["plan", "--model", "qwen3-tiny", "--dp", "100000000"], "dp must be an integer in [1, 131072]"),
         (["simulate", "--dp", "100000000"], "dp must be an integer in [1, 131072]"),
-        (["simulate", "--cmax-mb", "inf"], "--cmax-mb: expected a positive number"),
+        (["simulate", "--cmax", "inf"], "--cmax: expected a positive number"),
+        (["simulate", "--cmax-mb", "512"], "--cmax-mb: the flag is gone: use --cmax"),
         (["train", "--strategy", "sc", "--tp-schedule", "lpt", "--tp", "2", "--nproc", "2"], "its TP schedule must be 'sync', got 'lpt'"),
     ],
 )

@@ -168,7 +168,7 @@ def _steps_reads(opt, backward: Callable[[int], None]) -> list:
     return per_step[1:]
 
 
-def _reads_tp(rank: int, cmax_mb: float) -> dict:
+def _reads_tp(rank: int, cmax: float) -> dict:
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -184,7 +184,7 @@ def _reads_tp(rank: int, cmax_mb: float) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tasks over a tiny C_max get a micro-group each: wanted here
         opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02},
-                                           elementwise_kwargs={"lr": 1e-3}, bucket_numel=4096, cmax_mb=cmax_mb)
+                                           elementwise_kwargs={"lr": 1e-3}, bucket_numel=4096, cmax=cmax)
     shapes = {sp.name: sp.shape for sp in opt.plan.specs}
 
     def backward(step: int) -> None:
@@ -215,8 +215,8 @@ def reads_worker(rank: int, world: int) -> dict:
     for strategy, optname in READ_CASES:
         for depth in (4, 16):
             out["dp"][(strategy, optname, depth)] = attempt(_reads_dp, rank, strategy, optname, depth)
-    for cmax_mb in (0.01, 512.0):
-        out["tp"][cmax_mb] = attempt(_reads_tp, rank, cmax_mb)
+    for cmax in (0.01 / (4 * 2), 512.0):  # 0.01 MiB of fp32 gradient at TP 2: one task per group
+        out["tp"][cmax] = attempt(_reads_tp, rank, cmax)
     return out
 
 
@@ -260,7 +260,7 @@ def test_host_reads_of_a_step_do_not_grow_with_parameters_or_buckets(reads_run, 
 def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> None:
     """DP1 x TP2, the tiny Qwen3: 12 micro-groups or 1, the same host reads in a step (those of
     the element-wise pieces' AdamW, whose step counter is a CPU tensor, included)."""
-    many, one = case_results(reads_run, "tp", 0.01), case_results(reads_run, "tp", 512.0)
+    many, one = case_results(reads_run, "tp", 0.01 / (4 * 2)), case_results(reads_run, "tp", 512.0)
     assert many[0]["groups"] >= 10 and one[0]["groups"] == 1, (many[0]["groups"], one[0]["groups"])
     for rank, (a, b) in enumerate(zip(many, one)):
         _same_reads(a, b, f"TP rank {rank}")

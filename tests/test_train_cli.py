@@ -40,7 +40,7 @@ def test_dp2_tp2_strategies_train_to_identical_parameters() -> None:
     strategies = ["lb-asc", "sc", "asc", "layerwise", "lb-asc", "lb-asc"]
     runs = [
         # C_max of 50 KiB: several micro-groups per DP rank, gathers prefetched during compute
-        TrainConfig(dp=2, tp=2, strategy="lb-asc", cmax_mb=0.05, **TINY),
+        TrainConfig(dp=2, tp=2, strategy="lb-asc", cmax=0.05 / (4 * 2), **TINY),
         TrainConfig(dp=2, tp=2, strategy="sc", **TINY),
         TrainConfig(dp=2, tp=2, strategy="asc", **TINY),
         TrainConfig(dp=2, tp=2, strategy="layerwise", **TINY),

@@ -255,8 +255,8 @@ def test_gantt_draws_every_task() -> None:
 
 
 def test_cmax_and_tp_sweeps() -> None:
-    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(16, 256))
-    assert list(df["schedule"]) == ["lpt", "lpt", "no-fuse"]
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(1, 16))  # 16 and 256 MiB of fp32 gradient at TP 4
+    assert list(df["schedule"]) == ["lpt-carry", "lpt-carry", "no-fuse"]
     nofuse = df.iloc[-1]
     plan = _plan("qwen3-1.7b", dp=2, tp=4, strategy="lb-asc", tp_schedule="no-fuse")
     tasks = max(len(g) for g in plan.micro_groups)
@@ -266,7 +266,7 @@ def test_cmax_and_tp_sweeps() -> None:
     _readable(fig)
     assert any(t.name.startswith("paper") for t in fig.data)
     with pytest.raises(ValueError):
-        vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=())
+        vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=())
     tp = vm.tp_sweep("qwen3-1.7b", dp=2, tps=(2, 4), schedules=("lpt", "sync"))
     assert len(tp) == 4
     _readable(vm.fig_tp_sweep(tp))
@@ -875,8 +875,8 @@ def test_critical_path_left_panel_shows_when_each_rank_ends() -> None:
 
 
 def test_sweeps_record_their_flops_accounting() -> None:
-    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False, flops_shape="local")
-    full = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax_mb=(256,), include_no_fuse=False)
+    df = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(16,), include_no_fuse=False, flops_shape="local")
+    full = vm.cmax_sweep("qwen3-1.7b", dp=2, tp=4, cmax=(16,), include_no_fuse=False)
     assert df.attrs["flops_shape"] == "local" and full.attrs["flops_shape"] == "full"
     assert df["makespan_sync"].iloc[0] < full["makespan_sync"].iloc[0]
     assert "local shapes" in vm.fig_cmax_sweep(df).layout.title.text
@@ -991,13 +991,14 @@ def test_main_figures_reads_the_newest_run_by_default(tmp_path: Path, monkeypatc
 def test_gantt_states_why_a_one_host_group_exists_and_explorer_opens_on_an_illustrative_rank() -> None:
     import warnings
 
-    from canzona.plan import plan_model
+    from canzona.plan import cmax_to_bytes, plan_model
     from canzona.viz import meshload as vml
     from canzona.viz import microgroups as vm
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp32 fc1 gradients exceed C_max: the plan warns about it
-        plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt")
+        # C_max 16 = 512 MiB of fp32 gradient at TP 8, below one fc1 (the default 512 holds a whole rank)
+        plan = plan_model("qwen3-32b", dp=32, tp=8, strategy="lb-asc", tp_schedule="lpt", cmax_bytes=cmax_to_bytes(16, 8))
     r = vml.illustrative_dp_rank(plan)
     assert len(plan.micro_groups[r]) > 1
     lone = [k for k in range(plan.inputs.dp) if vm.one_host_groups(plan, k)]

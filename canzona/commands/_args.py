@@ -12,7 +12,7 @@ from typing import IO, NoReturn
 
 from canzona.errors import UserError
 
-__all__ = ["file_path", "one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
+__all__ = ["add_cmax_argument", "file_path", "one_line_errors", "output_dir", "output_path", "positive_int", "positive_float", "write_output"]
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -102,3 +102,20 @@ def output_dir(path: str | os.PathLike[str], what: str = "output folder") -> Pat
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"cannot create {p}: {ancestor} is not writable")
     return p
+
+
+def _refuse_cmax_mb(text: str) -> float:
+    raise argparse.ArgumentTypeError(
+        "the flag is gone: use --cmax, counted in 2^20 TP-local gradient elements per host (the paper's unit; "
+        "the old --cmax-mb M of fp32 gathered gradient is --cmax M/(4 x tp))")
+
+
+def add_cmax_argument(parser: argparse.ArgumentParser, default: float | None, default_text: str | None = None) -> None:
+    """``--cmax`` (micro-group capacity C_max in the one unit every command and figure uses) and the
+    retired ``--cmax-mb``, refused with one line naming ``--cmax``."""
+    from canzona.plan.build import CMAX_UNIT
+    shown = default_text or (f"{default:g}" if default is not None else "the planner's")
+    parser.add_argument("--cmax", type=positive_float, default=default,
+                        help=f"micro-group capacity C_max in {CMAX_UNIT}; a host's group gathers at most "
+                             f"C_max x 2^20 x tp x grad-bytes bytes (default {shown})")
+    parser.add_argument("--cmax-mb", type=_refuse_cmax_mb, default=None, help=argparse.SUPPRESS)

@@ -75,6 +75,9 @@ def _act_plan() -> None:
             f"  {strategy:<14}{p.inputs.tp_schedule:<13}{m.dp_flops_ratio:>10.3f}{m.dp_memory_ratio:>11.3f}"
             f"{tp_all:>10.3f}{1e3 * m.plan_seconds:>9.1f}"
         )
+    from canzona.plan.convention import lower_bound
+    print(f"  (TP FLOPs over all 256 GPUs; the atomic lower bound, largest task / mean, is "
+          f"{lower_bound(p.specs, 32, 8, 'muon'):.3f})")
 
 
 def _fmt_bytes(n: float) -> str:

@@ -18,7 +18,7 @@ import warnings
 
 from canzona.errors import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
-from canzona.commands._args import file_path, output_path, positive_float, write_output
+from canzona.commands._args import add_cmax_argument, file_path, output_path, positive_float, write_output
 from canzona.config import available_models, check_tp_degree
 from canzona.cost import COST_MODELS
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE
@@ -26,12 +26,15 @@ from canzona.plan import (
     FLOPS_SHAPES,
     TP_SCHEDULES,
     Plan,
+    DEFAULT_CMAX,
+    cmax_from_bytes,
+    cmax_to_bytes,
     default_tp_schedule,
     plan_model,
 )
 from canzona.optimizers import optimizer_names
 from canzona.plan.build import resolve_model
-from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound
+from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound, worst_tp_group_bound
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
 from canzona.plan.fsdp import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy, strategy_names
@@ -68,11 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", choices=COST_MODELS, default="numel", help="planning cost model W(p) (default numel)")
     parser.add_argument("--flops-shape", choices=FLOPS_SHAPES, default=DEFAULT_FLOPS_SHAPE,
                         help="cost TP-split matrices on their full shape or the TP-local shard (the paper's accounting)")
-    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="micro-group capacity C_max in MiB of gathered gradient (default 512)")
+    add_cmax_argument(parser, DEFAULT_CMAX)
     parser.add_argument("--bucket-numel", type=_int, default=None, help="ZeRO-1 bucket size in elements (default max(4e7, 1e6 * dp))")
     parser.add_argument("--tp-schedule", choices=TP_SCHEDULES, default=None, help="TP schedule (default: the strategy's own)")
     parser.add_argument("--grad-bytes", type=_int, choices=(2, 4), default=4,
-                        help="bytes per gradient element that C_max counts (default 4: fp32, as Megatron's bf16 "
+                        help="bytes per gradient element the TP exchanges carry; C_max counts elements, so its byte "
+                             "bound scales with it (default 4: fp32, as Megatron's bf16 "
                              "training holds its main gradients; 2: bf16)")
     parser.add_argument("--buffers", choices=("joint", "split"), default="joint",
                         help="'split': matrix-optimizer and element-wise parameters in buffers of their own (the paper "
@@ -88,10 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list-strategies", action="store_true", help="print the DP strategy names, one per line")
 
 
-def _cmax_bytes(mb: float) -> int:
-    if not mb > 0:
-        raise UserError(f"--cmax-mb must be > 0, got {mb}")
-    return max(1, int(round(mb * 2**20)))
+def _cmax_bytes(args: argparse.Namespace) -> int:
+    if not args.cmax > 0:
+        raise UserError(f"--cmax must be > 0, got {args.cmax}")
+    return cmax_to_bytes(args.cmax, args.tp, args.grad_bytes)
 
 
 def _plan(args: argparse.Namespace, strategy: str, schedule: str | None) -> tuple[Plan, list[str]]:
@@ -107,7 +111,7 @@ def _plan(args: argparse.Namespace, strategy: str, schedule: str | None) -> tupl
             alpha=args.alpha,
             cost=args.cost,
             flops_shape=args.flops_shape,
-            cmax_bytes=_cmax_bytes(args.cmax_mb),
+            cmax_bytes=_cmax_bytes(args),
             bucket_numel=args.bucket_numel,
             tp_schedule=schedule,
             grad_bytes=args.grad_bytes,
@@ -153,13 +157,16 @@ def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assig
     lines = [
         f"{i.model} ({i.layout} layout), DP {i.dp} x TP {i.tp}, {i.optimizer}, strategy {i.strategy}, TP schedule {i.tp_schedule}",
         f"cost {i.cost}, FLOPs on {i.flops_shape} shapes, alpha {i.alpha:g}, buckets of >= {i.bucket_numel:,} elements, "
-        f"C_max {i.cmax_bytes / 2**20:g} MiB",
+        f"C_max {cmax_from_bytes(i.cmax_bytes, i.tp, i.grad_bytes):g} x 2^20 TP-local elements per host "
+        f"({i.cmax_bytes / 2**20:g} MiB of gathered gradient)",
         "",
         f"  {'buckets':<24}{d['n_buckets']}",
         f"  {'micro-groups':<24}{d['n_micro_groups']} (at most {d['max_micro_groups_per_rank']} per DP rank)",
         f"  {'DP FLOPs ratio':<24}{m.dp_flops_ratio:.3f}",
         f"  {'DP memory ratio':<24}{m.dp_memory_ratio:.3f}   (numel ratio {d['dp_numel_ratio']:.3f})",
-        f"  {'TP FLOPs ratio':<24}{m.tp_flops_ratio:.3f}   (worst DP rank's TP group)",
+        f"  {'TP FLOPs ratio':<24}{m.tp_flops_ratio:.3f}   (worst DP rank's TP group"
+        + (f"; that DP rank's own floor {worst_tp_group_bound(plan):.3f} = its largest task / its host mean)"
+           if i.flops_shape == "full" and d.get("n_micro_groups") else ")"),
         f"  {'TP memory ratio':<24}{m.tp_memory_ratio:.3f}",
         *([f"  {'TP FLOPs, all GPUs':<24}{d['tp_flops_ratio_global']:.3f}   (over all {i.dp * i.tp} GPUs; atomic lower bound "
            f"{lower_bound(plan.specs, i.dp, i.tp, i.optimizer):.3f} = largest full-shape task / mean)"]
@@ -257,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore")
             staged = plan_stages(args.model, pp=args.pp, dp=args.dp, tp=args.tp, layout=args.layout,
                                  optimizer=args.optimizer, strategy=args.strategy, alpha=args.alpha, cost=args.cost,
-                                 flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args.cmax_mb),
+                                 flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args),
                                  bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes,
                                  buffers=args.buffers)
         print(format_stages(staged))

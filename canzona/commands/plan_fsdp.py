@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from canzona.errors import UserError
+from canzona.plan.build import cmax_from_bytes, cmax_to_bytes
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPPlan, plan_fsdp_model
 
 __all__ = ["check_fsdp_ranks", "format_fsdp_plan", "run_fsdp"]
@@ -44,7 +45,8 @@ def format_fsdp_plan(plan: FSDPPlan, notes: list[str] = ()) -> str:  # type: ign
     lines = [
         f"{i.model}, FSDP2: dp_replicate {i.dp_replicate} x dp_shard {i.dp_shard} x tp {i.tp} = {i.world} ranks, "
         f"{i.optimizer}, strategy {i.strategy} (schedule {i.schedule})",
-        f"cost {i.cost}, C_max {i.cmax_bytes / 2**20:g} MiB; shard group of {i.group_size} ranks"
+        f"cost {i.cost}, C_max {cmax_from_bytes(i.cmax_bytes, i.tp, i.grad_bytes):g} x 2^20 TP-local elements per host "
+        f"({i.cmax_bytes / 2**20:g} MiB); shard group of {i.group_size} ranks"
         + (f", {i.dp_replicate} replicas run the same step" if i.dp_replicate > 1 else ""),
         "",
         f"  {'matrix tasks':<26}{m['n_matrix_tasks']} in {m['n_micro_groups']} micro-groups",
@@ -77,7 +79,7 @@ def run_fsdp(args: argparse.Namespace, json_path: object = None) -> int:
         optimizer=args.optimizer,
         strategy=args.strategy,
         cost=args.cost,
-        cmax_bytes=max(1, int(round(args.cmax_mb * 2**20))),
+        **({"cmax_bytes": cmax_to_bytes(args.cmax, args.tp)} if args.cmax is not None else {}),
     )
     notes = []
     if json_path is not None:

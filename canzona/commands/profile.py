@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from canzona.commands._args import positive_float
+from canzona.commands._args import add_cmax_argument, positive_float
 from canzona.plan.plan import TP_SCHEDULES
 from canzona.plan.strategies import strategy_names
 
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=_int_at_least(1), default=64, help="tokens per sequence (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     parser.add_argument("--bucket-numel", type=_int_at_least(1), default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
-    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
+    add_cmax_argument(parser, 512.0)
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="collective backend (default: nccl with CUDA, else gloo)")
     parser.add_argument("--summary", metavar="OUT", default=None, help="also write the phase table + statistics + meta.json here")
     parser.add_argument("--no-parquet", action="store_true", help="--summary writes CSV only (no phases.parquet even with pyarrow)")
@@ -84,7 +84,7 @@ def spec_from_args(args: argparse.Namespace):  # -> canzona.profiling.run.Profil
         seq_len=args.seq_len,
         seed=args.seed,
         bucket_numel=args.bucket_numel,
-        cmax_mb=args.cmax_mb,
+        cmax=args.cmax,
         tp_schedule=args.tp_schedule,
         backend=args.backend,
         progress=False,

@@ -16,7 +16,8 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from canzona.commands._args import file_path, output_path, positive_float, write_output
+from canzona.commands._args import add_cmax_argument, file_path, output_path, positive_float, write_output
+from canzona.plan.build import DEFAULT_CMAX, cmax_to_bytes
 from canzona.config import check_tp_degree
 from canzona.paper import paper_value
 from canzona.plan.strategies import get_strategy
@@ -42,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", default="h800-ib400", help="profile name in canzona/data/hardware or a profile JSON path (default h800-ib400)")
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
     g.add_argument("--alpha", type=float, default=1.0, help="Algorithm 1 balance factor for lb-asc (default 1.0)")
-    g.add_argument("--lb-tp-schedule", default=None, help="TP schedule for lb-asc (default: the planner's, Algorithm 2 'lpt'); e.g. lpt-carry")
-    g.add_argument("--cmax-mb", type=positive_float, default=None, help="micro-group capacity C_max in MiB (default: the planner's 512)")
+    g.add_argument("--lb-tp-schedule", default=None,
+                   help="TP schedule for lb-asc (default: the planner's, lpt-carry); 'lpt' is Algorithm 2 as written")
+    add_cmax_argument(g, None, default_text=f"the planner's {DEFAULT_CMAX:g}")
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
@@ -252,10 +254,10 @@ def _strategies(args: argparse.Namespace) -> list[str]:
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Planner overrides shared by every strategy (C_max, bucket size)."""
     plan_kw: dict[str, Any] = {}
-    if args.cmax_mb is not None:
-        if not args.cmax_mb > 0:
-            raise ValueError("--cmax-mb must be > 0")
-        plan_kw["cmax_bytes"] = int(args.cmax_mb * 2**20)
+    if args.cmax is not None:
+        if not args.cmax > 0:
+            raise ValueError("--cmax must be > 0")
+        plan_kw["cmax_bytes"] = cmax_to_bytes(args.cmax, args.tp)  # the plan counts fp32 gradient (grad_bytes 4)
     if args.bucket_numel is not None:
         plan_kw["bucket_numel"] = args.bucket_numel
     return plan_kw

@@ -19,6 +19,7 @@ from typing import Any
 from canzona.errors import UserError
 from canzona.commands._args import write_output
 from canzona.commands.plan_fsdp import check_fsdp_ranks
+from canzona.plan.build import cmax_to_bytes
 
 __all__ = ["run_fsdp_sim"]
 
@@ -40,14 +41,12 @@ def run_fsdp_sim(args: argparse.Namespace, setup: Any, hw: Any, default_strategi
         raise UserError(f"unknown FSDP2 strategy {', '.join(bad) or '(none)'}; choose from {', '.join(FSDP_STRATEGIES)}")
     if args.tp_overlap is None:
         setup = dataclasses.replace(setup, tp_overlap="pipelined")  # what the runtime does
-    cmax = 512 * 2**20 if args.cmax_mb is None else max(1, int(round(args.cmax_mb * 2**20)))
-    if not cmax > 0:
-        raise UserError("--cmax-mb must be > 0")
+    cmax = {} if args.cmax is None else {"cmax_bytes": cmax_to_bytes(args.cmax, args.tp)}
     rows = []
     for s in strategies:
         plan = plan_fsdp_model(
             args.model, dp_shard=args.fsdp, tp=args.tp, dp_replicate=args.dp_replicate, optimizer=args.optimizer,
-            strategy=s, cost="flops", cmax_bytes=cmax,
+            strategy=s, cost="flops", **cmax,
         )
         rows.append((plan, simulate_fsdp(plan, hw, setup)))
     i = rows[0][0].inputs

@@ -28,7 +28,8 @@ import argparse
 import os
 import sys
 
-from canzona.commands._args import positive_float, positive_int
+from canzona.commands._args import add_cmax_argument, positive_float, positive_int
+from canzona.plan.build import cmax_to_bytes
 from canzona.plan.plan import TP_SCHEDULES
 from canzona.plan.strategies import strategy_names
 from canzona.train import (
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the synthetic data (default: 0)")
     parser.add_argument("--bucket-numel", type=positive_int, default=None, help="ZeRO-1 bucket size in elements (default: planner's)")
-    parser.add_argument("--cmax-mb", type=positive_float, default=512.0, help="C_max of TP micro-groups in MiB (default: 512)")
+    add_cmax_argument(parser, 512.0)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model parameter dtype (masters stay fp32)")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="collective backend (default: nccl with CUDA, else gloo)")
     parser.add_argument(
@@ -98,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         bucket_numel=args.bucket_numel,
         tp_schedule=args.tp_schedule,
-        cmax_mb=args.cmax_mb,
+        cmax=args.cmax,
         dtype=args.dtype,
         backend=args.backend,
         tp_style=args.tp_style,
@@ -155,7 +156,7 @@ def _check_model(config: TrainConfig) -> None:
         warnings.simplefilter("ignore", UserWarning)
         plan_model(
             cfg, dp=config.dp, tp=config.tp, layout="hf", optimizer=config.optimizer, strategy=config.strategy,
-            tp_schedule=config.tp_schedule, bucket_numel=config.bucket_numel, cmax_bytes=max(1, int(config.cmax_mb * 2**20)),
+            tp_schedule=config.tp_schedule, bucket_numel=config.bucket_numel, cmax_bytes=cmax_to_bytes(config.cmax, config.tp),
         )
 
 

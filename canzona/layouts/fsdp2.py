@@ -51,6 +51,7 @@ from torch import nn
 
 from canzona.layouts.base import Layout, OptimizerFactory
 from canzona.optimizers import cost_key_for_class
+from canzona.plan.build import cmax_to_bytes
 from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
 from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
@@ -234,7 +235,7 @@ class FSDP2Layout(Layout):
             optimizer=cost_key_for_class(matrix_cls),  # classes the registry does not know are costed as Muon
             strategy=s.strategy,
             cost=s.cost,
-            cmax_bytes=max(1, int(s.cmax_mb * 2**20)),
+            cmax_bytes=cmax_to_bytes(s.cmax, self.size["tp"], torch.empty((), dtype=s.master_dtype).element_size()),
             grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
         )
         if plan is None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from canzona.layouts.base import Layout, OptimizerFactory
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class
+from canzona.plan.build import cmax_to_bytes
 from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import agree
@@ -137,7 +138,7 @@ class Zero1Layout(Layout):
             bucket_numel=s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp),
             alpha=s.alpha,
             cost=s.cost,
-            cmax_bytes=max(1, int(s.cmax_mb * 2**20)),
+            cmax_bytes=cmax_to_bytes(s.cmax, self.tp, torch.empty((), dtype=s.master_dtype).element_size()),
             grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
         )
         return make_plan(specs, inputs)

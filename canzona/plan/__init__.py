@@ -10,7 +10,10 @@ torch.distributed, no devices, milliseconds for a 32B model.
 from __future__ import annotations
 
 from canzona.plan.build import (
-    DEFAULT_CMAX_BYTES,
+    CMAX_UNIT,
+    DEFAULT_CMAX,
+    cmax_from_bytes,
+    cmax_to_bytes,
     default_bucket_numel,
     default_tp_schedule,
     make_plan,
@@ -55,7 +58,10 @@ __all__ = [
     "TP_SCHEDULES",
     "COSTS",
     "FLOPS_SHAPES",
-    "DEFAULT_CMAX_BYTES",
+    "CMAX_UNIT",
+    "DEFAULT_CMAX",
+    "cmax_from_bytes",
+    "cmax_to_bytes",
     "make_plan",
     "plan_model",
     "default_bucket_numel",

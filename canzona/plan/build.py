@@ -35,9 +35,12 @@ from canzona.plan.tp import Group, Task, schedule_tasks
 from canzona.specs import ParamSpec, specs_from_config
 
 __all__ = [
-    "DEFAULT_CMAX_BYTES",
     "MAX_DP",
     "MAX_TP",
+    "CMAX_UNIT",
+    "DEFAULT_CMAX",
+    "cmax_to_bytes",
+    "cmax_from_bytes",
     "default_bucket_numel",
     "default_tp_schedule",
     "resolve_model",
@@ -45,15 +48,34 @@ __all__ = [
     "plan_model",
 ]
 
-#: Section 4.2 / Appendix C.6: fused all-to-all performance plateaus around C_max = 512 MB
-DEFAULT_CMAX_BYTES = 512 * 2**20
+#: C_max's one unit on every flag, setting and figure: 2^20 TP-local gradient elements per host
+#: per micro-group, the paper's unit (its Figure 14 "MB", the authors' code's cost units with the
+#: numel cost). A task of n TP-local elements brings its host n x tp gradient elements.
+CMAX_UNIT = "2^20 TP-local gradient elements per host (the paper's unit)"
+#: Section 4.2 / Figure 14: fused all-to-all performance plateaus around C_max = 512
+DEFAULT_CMAX = 512.0
+
+
+def cmax_to_bytes(cmax: float, tp: int, grad_bytes: int = 4) -> int:
+    """C_max in :data:`CMAX_UNIT` as the bytes of gathered gradient the planner and runtime bound
+    (``cmax x 2^20 x tp x grad_bytes``): the same capacity test, a task of ``n`` TP-local elements
+    being ``n x tp x grad_bytes`` bytes on its host."""
+    if not (isinstance(cmax, (int, float)) and not isinstance(cmax, bool) and cmax > 0):
+        raise PlanError(f"C_max must be a positive number ({CMAX_UNIT}), got {cmax!r}")
+    return max(1, int(round(float(cmax) * 2**20 * tp * grad_bytes)))
+
+
+def cmax_from_bytes(nbytes: int, tp: int, grad_bytes: int = 4) -> float:
+    """The inverse of :func:`cmax_to_bytes`: a plan's ``cmax_bytes`` in :data:`CMAX_UNIT`."""
+    return nbytes / (2**20 * tp * grad_bytes)
+
 
 def default_tp_schedule(strategy: str) -> str:
     """The TP schedule each DP strategy runs with in the paper's comparison (its record's
-    ``default_tp_schedule``): Canzona (lb-asc) uses Algorithm 2 micro-groups, ASC round-robin hosts,
-    SC / NV-layerwise / ZeRO-1 synchronous TP. canzona's own ``lb-asc-joint`` carries host loads
-    across groups (``lpt-carry``): with Algorithm 2's zero-start heap every one-task group (a matrix
-    larger than C_max) lands on TP rank 0."""
+    ``default_tp_schedule``): Canzona (lb-asc, lb-asc-joint) uses Algorithm 2 micro-groups with host
+    loads carried across groups (``lpt-carry``; Algorithm 2 as written, whose zero-start heap puts
+    every one-task group on TP rank 0, is ``lpt``), ASC round-robin hosts, SC / NV-layerwise /
+    ZeRO-1 synchronous TP."""
     return get_strategy(strategy).default_tp_schedule
 
 
@@ -383,7 +405,7 @@ def plan_model(
     alpha: float = 1.0,
     cost: str = "numel",
     flops_shape: str = DEFAULT_FLOPS_SHAPE,
-    cmax_bytes: int = DEFAULT_CMAX_BYTES,
+    cmax_bytes: int | None = None,
     bucket_numel: int | None = None,
     tp_schedule: str | None = None,
     grad_bytes: int = 4,
@@ -393,7 +415,8 @@ def plan_model(
     """Plan a shipped model (by name), a config file (by path) or a :class:`ModelConfig`.
     ``experts``: a MoE config's experts as ``(E, M, N)`` stacks of E tasks (default; the planner
     may cut a stack between experts) or as ``separate`` 2-D matrices (see
-    :func:`canzona.specs.specs_from_config`)."""
+    :func:`canzona.specs.specs_from_config`).
+    ``cmax_bytes`` defaults to :data:`DEFAULT_CMAX` converted by :func:`cmax_to_bytes`."""
     cfg = resolve_model(model)
     if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DP:
         raise PlanError(f"dp must be an integer in [1, {MAX_DP}], got {dp!r}")
@@ -412,7 +435,7 @@ def plan_model(
         alpha=float(alpha),
         cost=cost,
         flops_shape=flops_shape,
-        cmax_bytes=cmax_bytes,
+        cmax_bytes=cmax_bytes if cmax_bytes is not None else cmax_to_bytes(DEFAULT_CMAX, tp, grad_bytes),
         grad_bytes=grad_bytes,
         buffers=buffers,
     )

@@ -59,6 +59,7 @@ __all__ = [
     "AuthorsPlan",
     "authors_plan",
     "lower_bound",
+    "worst_tp_group_bound",
     "convention_plan",
 ]
 
@@ -79,7 +80,7 @@ class Convention:
     bucket_numel: int | None
     #: Algorithm 1 loads: "elements" (kept only if better by the cost model) or "cost"
     dp_loads: str
-    #: C_max and its unit: "cost" (cost-model units of TP-local tasks) or "grad-bytes"
+    #: C_max and its unit: "cost" (2^20 TP-local elements per host with the numel cost: both conventions)
     cmax: int
     cmax_unit: str
     #: shapes the FLOPs ratios are taken on: "local" (the shard) or "full" (what the host runs)
@@ -98,9 +99,10 @@ PAPER = Convention(
 )
 CANZONA = Convention(
     name="canzona", buffers="joint", registration="canzona", bucket_numel=None, dp_loads="cost",
-    cmax=512 * 2**20, cmax_unit="grad-bytes", flops_shape="full", tp_ratio_scope="all-gpus",
+    cmax=512 * 2**20, cmax_unit="cost", flops_shape="full", tp_ratio_scope="all-gpus",
     description="canzona's defaults: one buffer for every parameter, Megatron-Core's default bucket size, "
-                "C_max = 512 MiB of gathered gradient, full (host) shapes, TP ratios over every GPU next to the bound",
+                "C_max = 512 x 2^20 TP-local elements per host (the paper's unit) with host loads carried across "
+                "micro-groups, full (host) shapes, TP ratios over every GPU next to the bound",
 )
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (PAPER, CANZONA)}
 
@@ -280,6 +282,21 @@ def lower_bound(specs: Sequence[ParamSpec], dp: int, tp: int, optimizer: str = "
     total = sum(t * s.n_tasks * (1 if s.tp_split else s.tp) for t, s in zip(task, mats))
     # max / mean is at least 1 whatever the tasks
     return max(1.0, max(task) / (total / (dp * tp)))
+
+
+def worst_tp_group_bound(plan: Any) -> float:
+    """The floor under the plan's "TP FLOPs ratio" (max / mean over the hosts of the worst DP
+    rank's TP group) whatever the TP schedule: that DP rank's largest micro-group task (full shape,
+    one host computes it) over the mean of its hosts' loads, at least 1. A DP rank that owns one
+    large matrix and little else sits at about ``tp``. Read on a plan with ``flops_shape="full"``."""
+    d = plan.metrics.details
+    rank, hosts = d.get("tp_worst_dp_rank_flops"), np.asarray(d.get("tp_host_flops_loads", ()), dtype=np.float64)
+    names = [n for g in plan.micro_groups[rank] for n in g.params] if rank is not None and rank < len(plan.micro_groups) else []
+    if not names or not hosts.size or hosts.mean() <= 0:
+        return 1.0
+    by = {s.name: s for s in plan.specs}
+    largest = max(float(matrix_flops(plan.inputs.optimizer, by[n].task_shape)) for n in names)
+    return max(1.0, largest / float(hosts.mean()))
 
 
 def _buckets(numel: np.ndarray, bucket_numel: int) -> list[tuple[int, int]]:

@@ -377,15 +377,17 @@ def plan_fsdp_model(
     optimizer: str = "muon",
     strategy: str = "lb-asc",
     cost: str = "numel",
-    cmax_bytes: int = 512 * 2**20,
+    cmax_bytes: int | None = None,
     experts: str = "separate",
 ) -> FSDPPlan:
     """Plan a shipped model (name), a config file (path) or a ``ModelConfig`` for FSDP2 over
     ``dp_replicate x dp_shard x tp`` ranks. ``layout="hf"`` (separate q/k/v and gate/up, as
     torchtitan's models) is the FSDP default; ``megatron`` fuses them. A MoE config's experts are
     planned as ``separate`` 2-D matrices here (the FSDP2 step simulator models 2-D matrices only);
-    ``experts="stacked"`` gives the ``(E, M, N)`` stacks the FSDP2 runtime updates where they live."""
-    from canzona.plan.build import resolve_model
+    ``experts="stacked"`` gives the ``(E, M, N)`` stacks the FSDP2 runtime updates where they live.
+    ``cmax_bytes`` None: the planner's default C_max (:data:`canzona.plan.DEFAULT_CMAX` TP-local
+    elements per host)."""
+    from canzona.plan.build import DEFAULT_CMAX, cmax_to_bytes, resolve_model
     from canzona.specs import specs_from_config
 
     cfg = resolve_model(model)
@@ -393,5 +395,7 @@ def plan_fsdp_model(
         _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
     # ParamSpec checks TP divisibility; FSDP2's own dim-0 chunking may be uneven (any size works)
     specs = specs_from_config(cfg, tp=tp, layout=layout, experts=experts)
+    if cmax_bytes is None:
+        cmax_bytes = cmax_to_bytes(DEFAULT_CMAX, tp)
     inputs = FSDPInputs(cfg.name, dp_shard, tp, dp_replicate, optimizer, strategy, cost, cmax_bytes)
     return plan_fsdp(params_from_specs(specs), inputs)

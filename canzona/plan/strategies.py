@@ -15,9 +15,13 @@ name                    gradients       params return  everyone  atomic    eleme
 ``sc``                  all-reduce      none           yes       yes       no           sync
 ``layerwise``           all-reduce      broadcast      no        yes       no           sync
 ``asc``                 reduce-scatter  all-gather     no        yes       no           round-robin
-``lb-asc``              reduce-scatter  all-gather     no        yes       no           lpt
+``lb-asc``              reduce-scatter  all-gather     no        yes       no           lpt-carry
 ``lb-asc-joint``        reduce-scatter  all-gather     no        yes       no           lpt-carry
 ======================  ==============  =============  ========  ========  ===========  =========
+
+``lb-asc`` runs Algorithm 2 with host loads carried across micro-groups (``lpt-carry``): the
+algorithm as written (``lpt``, still selectable) restarts every group's heap from zero, so each
+one-task group (a matrix larger than C_max) lands on TP rank 0.
 """
 
 from __future__ import annotations
@@ -257,7 +261,7 @@ _SHIPPED = (
         every_rank_updates=False,
         atomic_matrices=True,
         elementwise_only=False,
-        default_tp_schedule="lpt",
+        default_tp_schedule="lpt-carry",
         in_paper=True,
         description="LB-ASC (Canzona): alpha-balanced static partitioning (Algorithm 1) and micro-groups (Algorithm 2)",
         partition=_lb_asc,

@@ -25,7 +25,7 @@ from plotly.subplots import make_subplots
 
 from canzona.cost import matrix_flops, param_flops, param_memory, state_bytes
 from canzona.paper import paper_value
-from canzona.plan.build import plan_model
+from canzona.plan.build import cmax_from_bytes, cmax_to_bytes, plan_model
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE, Plan
 from canzona.specs import ParamSpec
 from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish, line_style, log_ticks
@@ -237,18 +237,19 @@ def cmax_sweep(
     *,
     dp: int = 16,
     tp: int = 8,
-    cmax_mb: Sequence[float] = (64, 128, 256, 512, 1024, 2048, 4096),
+    cmax: Sequence[float] = (4, 8, 16, 32, 64, 128, 512, 2048),
     optimizer: str = "muon",
     strategy: str = "lb-asc",
-    tp_schedule: str = "lpt",
+    tp_schedule: str | None = None,
     include_no_fuse: bool = True,
     metric: str = "flops",
     flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> pd.DataFrame:
     """The fusion-capacity ablation (Appendix C.6, Figure 14) redone with the planner.
 
-    One row per C_max (MiB of full gradient a host may receive per micro-group) plus one for the
-    ``no-fuse`` schedule (one task per group). Columns: ``schedule``, ``cmax_mb`` (NaN for
+    One row per C_max (in :data:`canzona.plan.CMAX_UNIT`, 2^20 TP-local gradient elements a host
+    may receive per micro-group) plus one for the ``no-fuse`` schedule (one task per group);
+    ``tp_schedule`` None: the strategy's default. Columns: ``schedule``, ``cmax`` (NaN for
     no-fuse), ``groups_max`` (micro-groups of the busiest DP rank), ``groups_total``,
     ``all_to_alls`` (2 per group: gather and scatter), ``makespan_sync`` / ``makespan_free`` (worst
     DP rank, raw ``metric`` units), ``tp_flops_ratio``, ``tp_memory_ratio``,
@@ -256,18 +257,18 @@ def cmax_sweep(
     ``flops_shape``: task work on the full matrix a host processes (default) or on the shard
     (``local``, the paper's accounting); it is recorded in ``attrs`` and the figure's title.
     """
-    if not cmax_mb:
-        raise ValueError("cmax_mb needs at least one capacity")
+    if not cmax:
+        raise ValueError("cmax needs at least one capacity")
     rows = []
-    for c in cmax_mb:
+    for c in cmax:
         if not c > 0:
             raise ValueError(f"C_max must be positive, got {c}")
         plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, flops_shape=flops_shape,
-                               tp_schedule=tp_schedule, cmax_bytes=int(round(c * 2**20)))
-        rows.append({"schedule": tp_schedule, "cmax_mb": float(c), **_sweep_row(plan, nw, metric)})
+                               tp_schedule=tp_schedule, cmax_bytes=cmax_to_bytes(c, tp))
+        rows.append({"schedule": plan.inputs.tp_schedule, "cmax": float(c), **_sweep_row(plan, nw, metric)})
     if include_no_fuse:
         plan, nw = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, flops_shape=flops_shape, tp_schedule="no-fuse")
-        rows.append({"schedule": "no-fuse", "cmax_mb": np.nan, **_sweep_row(plan, nw, metric)})
+        rows.append({"schedule": "no-fuse", "cmax": np.nan, **_sweep_row(plan, nw, metric)})
     df = pd.DataFrame(rows)
     df.attrs.update(model=model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, metric=metric, flops_shape=flops_shape)
     return df
@@ -379,7 +380,7 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
         title=(
             f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit}<br>"
             f"<sup>{plan_label(plan)}, FLOPs on {inp.flops_shape} shapes, TP schedule {inp.tp_schedule}, "
-            f"C_max {inp.cmax_bytes / 2**20:.0f} MiB<br>makespan: {what}; this rank's TP R_LB FLOPs "
+            f"C_max {cmax_from_bytes(inp.cmax_bytes, inp.tp, inp.grad_bytes):g} (2^20 TP-local elements per host)<br>makespan: {what}; this rank's TP R_LB FLOPs "
             f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}{why}</sup>"
         ),
         x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
@@ -439,17 +440,17 @@ def fig_cmax_sweep(df: pd.DataFrame) -> go.Figure:
     as dashed horizontal lines; the paper's plateau C_max (Figure 14) as a vertical marker."""
     metric = df.attrs.get("metric", "flops")
     scale, unit = TASK_METRICS[metric]
-    fused = df[df["schedule"] != "no-fuse"].sort_values("cmax_mb")
+    fused = df[df["schedule"] != "no-fuse"].sort_values("cmax")
     nofuse = df[df["schedule"] == "no-fuse"]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("optimizer makespan of the busiest DP rank", "fused all-to-alls per step (busiest DP rank)"))
     for key, dash, label in (("makespan_sync", "solid", "groups in sequence (sync)"), ("makespan_free", "dot", "hosts run free")):
-        fig.add_trace(go.Scatter(x=fused["cmax_mb"], y=fused[key] / scale, mode="lines+markers", line=dict(dash=dash, color="#2ca02c"),
+        fig.add_trace(go.Scatter(x=fused["cmax"], y=fused[key] / scale, mode="lines+markers", line=dict(dash=dash, color="#2ca02c"),
                                  name=f"micro-groups, {label}"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=fused["cmax_mb"], y=fused["all_to_alls"], mode="lines+markers", line=dict(color="#2ca02c"),
+    fig.add_trace(go.Scatter(x=fused["cmax"], y=fused["all_to_alls"], mode="lines+markers", line=dict(color="#2ca02c"),
                              name="micro-groups: all-to-alls"), row=1, col=2)
     if len(nofuse):
         r = nofuse.iloc[0]
-        xs = [fused["cmax_mb"].min(), fused["cmax_mb"].max()] if len(fused) else [1, 2]
+        xs = [fused["cmax"].min(), fused["cmax"].max()] if len(fused) else [1, 2]
         fig.add_trace(go.Scatter(x=xs, y=[r["makespan_sync"] / scale] * 2, mode="lines", line=dict(dash="dash", color="#d62728"),
                                  name="no-fuse (one task per group)"), row=1, col=1)
         fig.add_trace(go.Scatter(x=xs, y=[r["all_to_alls"]] * 2, mode="lines", line=dict(dash="dash", color="#d62728"),
@@ -462,7 +463,8 @@ def fig_cmax_sweep(df: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Scatter(x=[plateau.value] * 2, y=[0.0, top], mode="lines", line=dict(dash="dot", color="black"),
                                  name=f"{plateau.label}: plateau at C_max ~{plateau.value:.0f} MB", legendgroup="paper",
                                  showlegend=c == 1, hoverinfo="skip"), row=1, col=c)
-    fig.update_xaxes(type="log", title_text="C_max (MiB of full gradient per host per micro-group)", **log_ticks([*df["cmax_mb"], plateau.value]))
+    fig.update_xaxes(type="log", title_text="C_max (2^20 TP-local gradient elements per host per micro-group)",
+                     **log_ticks([*df["cmax"], plateau.value]))
     fig.update_yaxes(title_text=f"makespan ({unit})", row=1, col=1)
     fig.update_yaxes(title_text="all-to-all calls per step", row=1, col=2)
     a = df.attrs

@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from canzona.paper import paper_value, paper_values
+from canzona.plan.build import cmax_to_bytes, default_tp_schedule
 from canzona.viz._style import PAPER_MARKER, categorical_colors, finish, line_style, log_ticks, strategy_color
 from canzona.viz.scaling import model_params_b
 
@@ -117,7 +118,7 @@ def simulate_sweep(
 
 
 def simulate_cmax(
-    cmax_mb: Sequence[float] = (64, 128, 256, 512, 1024, 2048),
+    cmax: Sequence[float] = (4, 8, 16, 32, 64, 128, 512, 2048),
     *,
     model: str = "qwen3-32b",
     dp: int = 16,
@@ -125,17 +126,18 @@ def simulate_cmax(
     optimizer: str = "muon",
     hardware: str = DEFAULT_HARDWARE,
 ) -> pd.DataFrame:
-    """The fusion ablation (Figure 14, DP16 x TP8) predicted: lb-asc at each C_max (MiB) plus the
-    no-fuse schedule (``cmax_mb`` NaN)."""
+    """The fusion ablation (Figure 14, DP16 x TP8) predicted: lb-asc (its default TP schedule) at each
+    C_max (2^20 TP-local gradient elements per host, :data:`canzona.plan.CMAX_UNIT`) plus the
+    no-fuse schedule (``cmax`` NaN)."""
     rows = []
-    for c in cmax_mb:
+    for c in cmax:
         df = _simulate(model, dp=dp, tp=tp, optimizer=optimizer, hardware=hardware, strategies=("lb-asc",), alpha=1.0,
-                       cmax_bytes=int(round(float(c) * 2**20)))
-        df["cmax_mb"] = float(c)
-        df["tp_schedule"] = "lpt"
+                       cmax_bytes=cmax_to_bytes(float(c), tp))
+        df["cmax"] = float(c)
+        df["tp_schedule"] = default_tp_schedule("lb-asc")
         rows.append(df)
     df = _simulate(model, dp=dp, tp=tp, optimizer=optimizer, hardware=hardware, strategies=("lb-asc",), alpha=1.0, tp_schedule="no-fuse")
-    df["cmax_mb"] = np.nan
+    df["cmax"] = np.nan
     rows.append(df)
     out = pd.concat(rows, ignore_index=True)
     out.attrs.update(model=model, dp=dp, tp=tp, optimizer=optimizer, hardware=hardware)
@@ -300,22 +302,22 @@ def fig_time_sweep(df: pd.DataFrame, *, x: str | None = None, metrics: Sequence[
 def fig_cmax_time(df: pd.DataFrame) -> go.Figure:
     """Predicted optimizer step against C_max (from :func:`simulate_cmax`), no-fuse dashed; the
     paper's Figure 14 values (no-fuse ~0.11 s, fused ~0.073 s, plateau ~512 MB) beside them."""
-    fused = df[df["cmax_mb"].notna()].sort_values("cmax_mb")
-    nofuse = df[df["cmax_mb"].isna()]
+    fused = df[df["cmax"].notna()].sort_values("cmax")
+    nofuse = df[df["cmax"].isna()]
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=fused["cmax_mb"], y=fused["optimizer_s"], mode="lines+markers", name="canzona sim: fused micro-groups",
+    fig.add_trace(go.Scatter(x=fused["cmax"], y=fused["optimizer_s"], mode="lines+markers", name="canzona sim: fused micro-groups",
                              line_color="#2ca02c"))
-    xs = [float(fused["cmax_mb"].min()), float(fused["cmax_mb"].max())]
+    xs = [float(fused["cmax"].min()), float(fused["cmax"].max())]
     if len(nofuse):
         fig.add_trace(go.Scatter(x=xs, y=[float(nofuse["optimizer_s"].iloc[0])] * 2, mode="lines", line=dict(dash="dash", color="#d62728"),
                                  name="canzona sim: no-fuse"))
     nf, fu, pl = paper_value("optimizer_s_no_fuse"), paper_value("optimizer_s_fused"), paper_value("cmax_plateau_mb")
     fig.add_trace(go.Scatter(x=xs, y=[nf.value] * 2, mode="lines", line=dict(dash="dot", color="black"), name=f"paper no-fuse ~{nf.value} s ({nf.source})"))
     fig.add_trace(go.Scatter(x=[pl.value], y=[fu.value], mode="markers", marker=PAPER_MARKER, name=f"paper fused ~{fu.value} s, plateau ~{pl.value:.0f} MB"))
-    fig.update_xaxes(type="log", **log_ticks([*fused["cmax_mb"], pl.value]))
+    fig.update_xaxes(type="log", **log_ticks([*fused["cmax"], pl.value]))
     a = df.attrs
     return finish(fig, title=f"Fusion capacity vs predicted optimizer step: {a.get('model')}, DP{a.get('dp')} x TP{a.get('tp')} on {a.get('hardware')}",
-                  x_title="C_max (MiB of full gradient per host per micro-group)", y_title="optimizer step (s)", legend_title="schedule", height=430)
+                  x_title="C_max (2^20 TP-local gradient elements per host per micro-group)", y_title="optimizer step (s)", legend_title="schedule", height=430)
 
 
 def fig_cost_time(df: pd.DataFrame) -> go.Figure:

@@ -28,6 +28,7 @@ import plotly.graph_objects as go
 
 from canzona.config import available_models
 from canzona.optimizers import optimizer_names
+from canzona.plan.build import cmax_to_bytes
 from canzona.plan.plan import COSTS, DEFAULT_FLOPS_SHAPE, FLOPS_SHAPES, STRATEGIES, TP_SCHEDULES
 
 __all__ = [
@@ -206,7 +207,7 @@ def strategy_explorer(
 
 def microgroup_explorer(
     *, model: str = "qwen3-32b", dp: int = 32, tp: int = 8, optimizer: str = "muon", strategy: str = "lb-asc",
-    tp_schedule: str = "lpt", cmax_mb: int = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = DEFAULT_FLOPS_SHAPE,
+    tp_schedule: str = "lpt-carry", cmax: float = 512, dp_rank: int | None = None, timeline: str = "sync", flops_shape: str = DEFAULT_FLOPS_SHAPE,
 ) -> Explorer:
     """Gantt chart of one DP rank's micro-groups and that rank's TP host loads. ``dp_rank`` None
     starts on the DP rank whose schedule shows the plan's character (:func:`canzona.viz.meshload.illustrative_dp_rank`)
@@ -214,10 +215,10 @@ def microgroup_explorer(
     from canzona.viz.meshload import fig_gpu_loads, illustrative_dp_rank
     from canzona.viz.microgroups import fig_microgroup_gantt, fig_tp_host_loads
 
-    def build(model: str, dp: int, tp: int, optimizer: str, strategy: str, tp_schedule: str, cmax_mb: int, dp_rank: int,
+    def build(model: str, dp: int, tp: int, optimizer: str, strategy: str, tp_schedule: str, cmax: float, dp_rank: int,
               timeline: str, flops_shape: str) -> Figures:
         plan = _quiet_plan(model, dp=dp, tp=tp, optimizer=optimizer, strategy=strategy, tp_schedule=tp_schedule,
-                           cmax_bytes=int(cmax_mb) * 2**20, flops_shape=flops_shape)
+                           cmax_bytes=cmax_to_bytes(float(cmax), tp), flops_shape=flops_shape)
         r = illustrative_dp_rank(plan) if dp_rank < 0 else dp_rank
         if r >= dp:
             raise ValueError(f"dp rank {r} does not exist with dp={dp}")
@@ -228,7 +229,8 @@ def microgroup_explorer(
         **_plan_controls(model, dp, tp, optimizer),
         "strategy": _dropdown("strategy", STRATEGIES, strategy),
         "tp_schedule": _dropdown("TP schedule", TP_SCHEDULES, tp_schedule),
-        "cmax_mb": W.BoundedIntText(value=cmax_mb, min=1, max=1 << 20, description="C_max MiB", layout=_LAYOUT, style=_STYLE),
+        "cmax": W.BoundedFloatText(value=cmax, min=0.001, max=1 << 20, description="C_max (2^20 TP-local el.)", layout=_LAYOUT,
+                                   style=_STYLE),
         "dp_rank": W.BoundedIntText(value=-1 if dp_rank is None else dp_rank, min=-1, max=1023, description="DP rank (-1: worst)",
                                     layout=_LAYOUT, style=_STYLE),
         "timeline": _dropdown("timeline", ("sync", "free"), timeline),
