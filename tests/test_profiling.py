@@ -129,6 +129,57 @@ def test_logged_launch_and_wait_match_the_trace(profile) -> None:
     assert checked >= 2 * 9 and (metrics.loc[1:, "comm_exposed_ms"] > 0).all()
 
 
+# a reference the browser would fetch: a script or stylesheet source, a link, an import
+_FETCHED = re.compile(r"""(?:<script[^>]*\bsrc\s*=|<link[^>]*\bhref\s*=|@import)\s*["']?\s*(?:https?:)?//""", re.I)
+
+
+def _offline_page_problems(page: str, ranks: list[int]) -> list[str]:
+    """What keeps an HTML page from working offline with every rank shown: a fetched reference, or
+    any http(s) address outside the inlined plotly.js (whose attribution strings are inert text)."""
+    from plotly.offline import get_plotlyjs
+
+    problems = [m.group(0) for m in _FETCHED.finditer(page)]
+    bundle = get_plotlyjs()
+    if bundle not in page:
+        problems.append("plotly.js is not inlined")
+    rest = page.replace(bundle, "")
+    problems += re.findall(r"https?://\S{0,40}", rest)
+    problems += [f"rank {r} missing" for r in ranks if f'"rank {r}"' not in rest]
+    return problems
+
+
+@pytest.mark.slow
+def test_timeline_of_a_run_is_one_offline_page(profile, tmp_path) -> None:
+    from canzona.cli import main
+
+    out, _, df = profile
+    page = tmp_path / "t.html"
+    assert main(["timeline", str(out), "--out", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert _offline_page_problems(text, sorted(set(df["rank"]))) == []
+    # phases and every communication launch and wait are series of their own
+    for name in ("forward", "optimizer/step", "tp/gather/launch", "tp/gather/wait", "dp/reduce_scatter/wait"):
+        assert f'"name":"{name}"' in text, name
+
+
+def test_timeline_of_the_shipped_summary_and_bad_input(tmp_path, capsys) -> None:
+    from canzona.cli import main
+
+    page = tmp_path / "sample.html"
+    assert main(["timeline", str(SAMPLE / "phases.csv"), "--out", str(page), "--step", "3"]) == 0
+    ranks = sorted(set(pd.read_csv(SAMPLE / "phases.csv")["rank"]))
+    assert len(ranks) > 1 and _offline_page_problems(page.read_text(encoding="utf-8"), ranks) == []
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    bad = [[str(tmp_path / "missing")], [str(tmp_path / "empty")], [str(SAMPLE), "--out", str(tmp_path / "x.html"), "--step", "99"],
+           [str(SAMPLE), "--out", str(tmp_path)]]
+    for argv in bad:
+        assert main(["timeline", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("canzona timeline: error: "), err
+    assert not (tmp_path / "x.html").exists()
+
+
 @pytest.mark.slow
 def test_phase_table_contract(profile) -> None:
     _, _, df = profile
