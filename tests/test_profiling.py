@@ -96,15 +96,17 @@ def test_one_trace_per_rank_with_every_expected_phase(profile) -> None:
     assert expected <= seen, f"missing in the raw traces: {sorted(expected - seen)}"
 
 
-# The phase timer's clock (canzona.runtime.phases.phase) starts before the NVTX and
-# record_function ranges are entered and stops after they are left, so rank 0's logged time of a
-# (step, phase, stage) is the trace's summed range time plus the enter/exit cost of each range: never
-# less (but for Kineto's microsecond rounding, LOG_FLOOR_US a range) and, measured, 6-30 us more a
-# range, up to 0.3 ms on a loaded 2-core machine (a descheduled worker between the timer's clock
-# read and the range's). LOG_SLACK_US a range bounds that with headroom; a comm column logged as
-# 0 (or a wait booked as a launch) against a trace that holds the range fails the lower bound.
+# The phase timer's clock (canzona.runtime.phases.phase) is read before the NVTX and
+# record_function ranges are entered and after they are left, so rank 0's logged time of a
+# (step, phase, stage) is the trace's summed range time plus, per range, the enter/exit cost and
+# any time the OS took the worker off the CPU inside that window. So it is never less than the
+# trace (but for Kineto's microsecond rounding, LOG_FLOOR_US a range): a comm column logged as 0,
+# or a wait booked as a launch, fails that bound. Above the trace: the cost measured 6-30 us a range
+# (LOG_SLACK_US bounds it with headroom), and on a shared 2-core machine a descheduled worker added
+# up to 4.2 ms to one cell of a 220 ms step (LOG_PREEMPT_SHARE of the step's wall time bounds that).
 LOG_FLOOR_US = 1.0
-LOG_SLACK_US = 1000.0
+LOG_SLACK_US = 200.0
+LOG_PREEMPT_SHARE = 0.05
 
 
 @pytest.mark.slow
@@ -123,7 +125,8 @@ def test_logged_launch_and_wait_match_the_trace(profile) -> None:
         for col, sel in cells:
             ranges = mine[sel & (mine["step"] == step)]
             logged_us, trace_us, n = float(metrics.at[step, col]) * 1e3, float(ranges["dur_us"].sum()), len(ranges)
-            assert -LOG_FLOOR_US * n <= logged_us - trace_us <= LOG_SLACK_US * n, (step, col, n, logged_us, trace_us)
+            slack = LOG_SLACK_US * n + LOG_PREEMPT_SHARE * float(metrics.at[step, "wall_ms"]) * 1e3 if n else 0.0
+            assert -LOG_FLOOR_US * n <= logged_us - trace_us <= slack, (step, col, n, logged_us, trace_us)
             checked += n > 0
     # the profile runs every kind of collective of lb-asc at dp2 x tp2, with a wait on each
     assert checked >= 2 * 9 and (metrics.loc[1:, "comm_exposed_ms"] > 0).all()
@@ -157,9 +160,11 @@ def test_timeline_of_a_run_is_one_offline_page(profile, tmp_path) -> None:
     assert main(["timeline", str(out), "--out", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
     assert _offline_page_problems(text, sorted(set(df["rank"]))) == []
-    # phases and every communication launch and wait are series of their own
-    for name in ("forward", "optimizer/step", "tp/gather/launch", "tp/gather/wait", "dp/reduce_scatter/wait"):
-        assert f'"name":"{name}"' in text, name
+    # phases and every communication launch and wait are series of their own (the names are JSON
+    # strings; plotly escapes "/" inside a script)
+    names = {json.loads(f'"{m}"') for m in re.findall(r'"name":"((?:[^"\\]|\\.)*)"', text)}
+    assert {"forward", "backward", "optimizer/step", "tp/gather/launch", "tp/gather/wait", "tp/scatter/wait",
+            "dp/reduce_scatter/launch", "dp/reduce_scatter/wait", "dp/all_gather/wait", "status"} <= names, names
 
 
 def test_timeline_of_the_shipped_summary_and_bad_input(tmp_path, capsys) -> None:

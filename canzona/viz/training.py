@@ -34,7 +34,8 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p}: cannot read the metrics log ({exc})") from None
     if tuple(df.columns) != METRICS_COLUMNS:
-        raise ValueError(f"{p}: not a canzona metrics log (expected the columns step, loss, wall_ms, <phase>_ms)")
+        raise ValueError(f"{p}: not a canzona metrics log of this version (expected the columns step, loss, wall_ms, <phase>_ms, "
+                         "<comm phase>/launch_ms, <comm phase>/wait_ms, comm_exposed_ms; a log from before the launch/wait columns must be rerun)")
     for col in df.columns:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     steps = df["step"].to_numpy()
