@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("canzona.commands.profile", "profile training steps with torch.profiler (TensorBoard traces per rank)"),
     "simulate": ("canzona.commands.simulate", "predict iteration time per strategy at cluster scale"),
     "figures": ("canzona.commands.figures", "write the main figures as HTML, PNG, SVG or PDF files"),
+    "timeline": ("canzona.commands.timeline", "write a profiled run's per-rank timeline as one offline HTML page"),
 }
 
 

@@ -8,8 +8,15 @@ A profile's directory is its TensorBoard logdir, so the scalars sit beside the t
 ``metrics.csv`` columns: ``step`` (0-based), ``loss`` (global mean over DP ranks), ``wall_ms``
 (rank 0's wall time from the end of the previous step to the end of this one; empty for the
 first step, whose time includes building the model and the plan), then ``<phase>_ms`` for every phase of
-:data:`canzona.phase_names.PHASES` (rank 0's wall time in that phase during the step; 0 when the
-strategy does not run it).
+:data:`canzona.phase_names.PHASES` (rank 0's wall time in that phase during the step, every stage
+and index summed; 0 when the strategy does not run it), then for every communication phase
+(:data:`canzona.phase_names.COMM_PHASES`) ``<phase>/launch_ms`` and ``<phase>/wait_ms`` (issuing an
+asynchronous collective, blocking until it lands), and last ``comm_exposed_ms``: the step's
+communication no compute hid, i.e. every wait plus every collective run synchronously (no stage),
+the same quantity the trace summary calls exposed (:func:`canzona.profiling.traces.comm_exposure`).
+The times are rank 0's :class:`canzona.runtime.phases.PhaseTimer` readings (host wall clock around
+each range), so they agree with the profiler trace of the same steps up to the cost of entering
+and leaving a range (tested in tests/test_profiling.py).
 
 User runs go under ``runs/`` of the working directory (the environment variable
 ``CANZONA_RUNS_DIR`` moves it). Every notebook and figure finds the user's newest run the same
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canzona.phase_names import PHASES
+from canzona.phase_names import COMM_PHASES, LAUNCH, PHASES, WAIT, parse
 
 __all__ = [
     "PHASE_TABLES",
@@ -45,6 +52,8 @@ __all__ = [
     "find_runs",
     "METRICS_CSV",
     "METRICS_COLUMNS",
+    "COMM_EXPOSED",
+    "step_metrics",
     "RUN_JSON",
     "RUNS_ENV",
     "MetricsLog",
@@ -63,8 +72,34 @@ def _runs_env() -> str | None:
     return os.environ.get(RUNS_ENV) or os.environ.get(RUNS_ENV_SHORT) or None
 METRICS_CSV = "metrics.csv"
 RUN_JSON = "run.json"
+#: the communication phases in registry order (their launch and wait stages get columns)
+_COMM = tuple(p for p in PHASES if p in COMM_PHASES)
+#: the key (and, with ``_ms``, the column) of a step's exposed communication
+COMM_EXPOSED = "comm_exposed"
 #: the header of metrics.csv, fixed so that every run's table has the same columns
-METRICS_COLUMNS: tuple[str, ...] = ("step", "loss", "wall_ms", *(f"{p}_ms" for p in PHASES))
+METRICS_COLUMNS: tuple[str, ...] = (
+    "step", "loss", "wall_ms", *(f"{p}_ms" for p in PHASES),
+    *(f"{p}/{st}_ms" for p in _COMM for st in (LAUNCH, WAIT)), f"{COMM_EXPOSED}_ms",
+)
+
+
+def step_metrics(phases: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per metrics key from one step's :class:`~canzona.runtime.phases.PhaseTimer` readings
+    (keys ``<base>`` or ``<base>/launch|wait``; index suffixes are accepted and summed): every
+    registered base (all its stages), ``<comm base>/launch`` and ``/wait``, and
+    :data:`COMM_EXPOSED` (waits plus synchronous collectives). Unregistered names are ignored."""
+    out = dict.fromkeys((*PHASES, *(f"{p}/{st}" for p in _COMM for st in (LAUNCH, WAIT)), COMM_EXPOSED), 0.0)
+    for key, seconds in phases.items():
+        base, _, stage = parse(key)
+        if base not in out:
+            continue
+        out[base] += seconds
+        if base in COMM_PHASES:
+            if stage:
+                out[f"{base}/{stage}"] += seconds
+            if stage != LAUNCH:
+                out[COMM_EXPOSED] += seconds
+    return out
 
 
 def runs_dir() -> Path:
@@ -190,8 +225,10 @@ def new_run_dir(label: str) -> Path:
 
 class MetricsLog:
     """Per-step loss and phase times of one run: ``metrics.csv`` (flushed every step, so a killed
-    run keeps what it did) and TensorBoard scalars (``loss``, ``time/step_ms``,
-    ``time/<phase>_ms``) when ``tensorboard`` is importable (``tensorboard=None``) or asked for."""
+    run keeps what it did) and TensorBoard scalars when ``tensorboard`` is importable
+    (``tensorboard=None``) or asked for: ``loss``, ``time/step_ms``, ``time/<phase>_ms``,
+    ``comm/<phase>/launch_ms``, ``comm/<phase>/wait_ms`` and ``comm/exposed_ms`` (phase names
+    without their ``canzona/`` prefix; zero-valued phases are not written)."""
 
     def __init__(self, directory: str | Path, *, run: Mapping[str, Any] | None = None, tensorboard: bool | None = None) -> None:
         self.dir = Path(directory)
@@ -219,17 +256,19 @@ class MetricsLog:
 
     def log(self, step: int, loss: float, wall_s: float, phases: Mapping[str, float]) -> None:
         """One step: the global loss, the step's wall seconds (NaN: unknown) and seconds per phase
-        (base names; names outside :data:`~canzona.phase_names.PHASES` have no column)."""
-        row = [int(step), _num(loss), _num(wall_s * 1e3), *(_num(phases.get(p, 0.0) * 1e3) for p in PHASES)]
+        timer key (``<base>`` or ``<base>/launch|wait``, :func:`step_metrics`; names outside
+        :data:`~canzona.phase_names.PHASES` have no column)."""
+        m = step_metrics(phases)
+        row = [int(step), _num(loss), _num(wall_s * 1e3), *(_num(v * 1e3) for v in m.values())]
         self._csv.writerow(row)
         self._file.flush()
         if self.writer is not None:
             self.writer.add_scalar("loss", float(loss), int(step))
             if math.isfinite(wall_s):
                 self.writer.add_scalar("time/step_ms", wall_s * 1e3, int(step))
-            for p, v in phases.items():
-                if v > 0 and p in PHASES:
-                    self.writer.add_scalar(f"time/{p.removeprefix('canzona/')}_ms", v * 1e3, int(step))
+            for key, v in m.items():
+                if v > 0:
+                    self.writer.add_scalar(_tag(key), v * 1e3, int(step))
 
     def close(self) -> None:
         if not self._file.closed:
@@ -243,6 +282,14 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tag(key: str) -> str:
+    """The TensorBoard tag of a :func:`step_metrics` key."""
+    if key == COMM_EXPOSED:
+        return "comm/exposed_ms"
+    name = key.removeprefix("canzona/")
+    return f"comm/{name}_ms" if parse(key).stage else f"time/{name}_ms"
 
 
 def _num(v: float) -> str:

@@ -16,6 +16,7 @@ BAD_VALUES: dict[str, list[str]] = {
     "profile": ["--steps", "x"],
     "simulate": ["--dp", "x"],
     "figures": ["--out", "unused", "--dp", "x"],
+    "timeline": ["unused", "--step", "x"],
 }
 
 

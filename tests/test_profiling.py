@@ -96,6 +96,95 @@ def test_one_trace_per_rank_with_every_expected_phase(profile) -> None:
     assert expected <= seen, f"missing in the raw traces: {sorted(expected - seen)}"
 
 
+# The phase timer's clock (canzona.runtime.phases.phase) is read before the NVTX and
+# record_function ranges are entered and after they are left, so rank 0's logged time of a
+# (step, phase, stage) is the trace's summed range time plus, per range, the enter/exit cost and
+# any time the OS took the worker off the CPU inside that window. So it is never less than the
+# trace (but for Kineto's microsecond rounding, LOG_FLOOR_US a range): a comm column logged as 0,
+# or a wait booked as a launch, fails that bound. Above the trace: the cost measured 6-30 us a range
+# (LOG_SLACK_US bounds it with headroom), and on a shared 2-core machine a descheduled worker added
+# up to 4.2 ms to one cell of a 220 ms step (LOG_PREEMPT_SHARE of the step's wall time bounds that).
+LOG_FLOOR_US = 1.0
+LOG_SLACK_US = 200.0
+LOG_PREEMPT_SHARE = 0.05
+
+
+@pytest.mark.slow
+def test_logged_launch_and_wait_match_the_trace(profile) -> None:
+    from canzona.phase_names import COMM_PHASES, LAUNCH, WAIT, is_communication
+    from canzona.profiling.traces import stage_of
+    from canzona.viz.training import load_metrics
+
+    out, _, df = profile
+    metrics = load_metrics(out).set_index("step")
+    mine = df[(df["rank"] == 0) & df["phase"].map(is_communication)].assign(stage=lambda d: d["part"].map(stage_of))
+    checked = 0
+    for step in sorted(set(df["step"])):
+        cells = [(f"{p}/{st}_ms", (mine["phase"] == p) & (mine["stage"] == st)) for p in COMM_PHASES for st in (LAUNCH, WAIT)]
+        cells.append(("comm_exposed_ms", mine["stage"] != LAUNCH))  # every wait and synchronous collective
+        for col, sel in cells:
+            ranges = mine[sel & (mine["step"] == step)]
+            logged_us, trace_us, n = float(metrics.at[step, col]) * 1e3, float(ranges["dur_us"].sum()), len(ranges)
+            slack = LOG_SLACK_US * n + LOG_PREEMPT_SHARE * float(metrics.at[step, "wall_ms"]) * 1e3 if n else 0.0
+            assert -LOG_FLOOR_US * n <= logged_us - trace_us <= slack, (step, col, n, logged_us, trace_us)
+            checked += n > 0
+    # the profile runs every kind of collective of lb-asc at dp2 x tp2, with a wait on each
+    assert checked >= 2 * 9 and (metrics.loc[1:, "comm_exposed_ms"] > 0).all()
+
+
+# a reference the browser would fetch: a script or stylesheet source, a link, an import
+_FETCHED = re.compile(r"""(?:<script[^>]*\bsrc\s*=|<link[^>]*\bhref\s*=|@import)\s*["']?\s*(?:https?:)?//""", re.I)
+
+
+def _offline_page_problems(page: str, ranks: list[int]) -> list[str]:
+    """What keeps an HTML page from working offline with every rank shown: a fetched reference, or
+    any http(s) address outside the inlined plotly.js (whose attribution strings are inert text)."""
+    from plotly.offline import get_plotlyjs
+
+    problems = [m.group(0) for m in _FETCHED.finditer(page)]
+    bundle = get_plotlyjs()
+    if bundle not in page:
+        problems.append("plotly.js is not inlined")
+    rest = page.replace(bundle, "")
+    problems += re.findall(r"https?://\S{0,40}", rest)
+    problems += [f"rank {r} missing" for r in ranks if f'"rank {r}"' not in rest]
+    return problems
+
+
+@pytest.mark.slow
+def test_timeline_of_a_run_is_one_offline_page(profile, tmp_path) -> None:
+    from canzona.cli import main
+
+    out, _, df = profile
+    page = tmp_path / "t.html"
+    assert main(["timeline", str(out), "--out", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert _offline_page_problems(text, sorted(set(df["rank"]))) == []
+    # phases and every communication launch and wait are series of their own (the names are JSON
+    # strings; plotly escapes "/" inside a script)
+    names = {json.loads(f'"{m}"') for m in re.findall(r'"name":"((?:[^"\\]|\\.)*)"', text)}
+    assert {"forward", "backward", "optimizer/step", "tp/gather/launch", "tp/gather/wait", "tp/scatter/wait",
+            "dp/reduce_scatter/launch", "dp/reduce_scatter/wait", "dp/all_gather/wait", "status"} <= names, names
+
+
+def test_timeline_of_the_shipped_summary_and_bad_input(tmp_path, capsys) -> None:
+    from canzona.cli import main
+
+    page = tmp_path / "sample.html"
+    assert main(["timeline", str(SAMPLE / "phases.csv"), "--out", str(page), "--step", "3"]) == 0
+    ranks = sorted(set(pd.read_csv(SAMPLE / "phases.csv")["rank"]))
+    assert len(ranks) > 1 and _offline_page_problems(page.read_text(encoding="utf-8"), ranks) == []
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    bad = [[str(tmp_path / "missing")], [str(tmp_path / "empty")], [str(SAMPLE), "--out", str(tmp_path / "x.html"), "--step", "99"],
+           [str(SAMPLE), "--out", str(tmp_path)]]
+    for argv in bad:
+        assert main(["timeline", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("canzona timeline: error: "), err
+    assert not (tmp_path / "x.html").exists()
+
+
 @pytest.mark.slow
 def test_phase_table_contract(profile) -> None:
     _, _, df = profile

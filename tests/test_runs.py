@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from canzona.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, PHASES
-from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, MetricsLog, new_run_dir, runs_dir
+from canzona.phase_names import BACKWARD, COMM_PHASES, DP_REDUCE_SCATTER, FORWARD, OPTIMIZER_STEP, PHASES, STATUS, TP_GATHER
+from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, MetricsLog, new_run_dir, runs_dir, step_metrics
 from canzona.viz import figure_problems
 from canzona.viz.training import discover_runs, fig_loss_curves, load_metrics, run_label
 
@@ -19,7 +19,8 @@ from canzona.viz.training import discover_runs, fig_loss_curves, load_metrics, r
 def _log(d: Path, strategy: str, losses: list[float], *, tensorboard: bool = False) -> Path:
     with MetricsLog(d, run={"strategy": strategy, "dp": 2, "tp": 2, "optimizer": "muon"}, tensorboard=tensorboard) as log:
         for i, v in enumerate(losses):
-            log.log(i, v, float("nan") if i == 0 else 0.02, {FORWARD: 0.004, BACKWARD: 0.008, "not/a/phase": 1.0})
+            log.log(i, v, float("nan") if i == 0 else 0.02, {FORWARD: 0.004, BACKWARD: 0.008, "not/a/phase": 1.0,
+                                                             f"{DP_REDUCE_SCATTER}/launch": 0.001, f"{DP_REDUCE_SCATTER}/wait": 0.194})
     return d
 
 
@@ -27,7 +28,11 @@ def _log(d: Path, strategy: str, losses: list[float], *, tensorboard: bool = Fal
 def test_metrics_log_csv_and_tensorboard(tmp_path: Path) -> None:
     d = _log(tmp_path / "a", "lb-asc", [5.5, 5.25, 5.0], tensorboard=None)
     df = load_metrics(d)
-    assert tuple(df.columns) == METRICS_COLUMNS and len(METRICS_COLUMNS) == 3 + len(PHASES)
+    assert tuple(df.columns) == METRICS_COLUMNS and len(METRICS_COLUMNS) == 3 + len(PHASES) + 2 * len(COMM_PHASES) + 1
+    assert df[f"{DP_REDUCE_SCATTER}/wait_ms"].tolist() == pytest.approx([194.0] * 3)
+    assert df[f"{DP_REDUCE_SCATTER}/launch_ms"].tolist() == pytest.approx([1.0] * 3)
+    assert df[f"{DP_REDUCE_SCATTER}_ms"].tolist() == pytest.approx([195.0] * 3)
+    assert df["comm_exposed_ms"].tolist() == pytest.approx([194.0] * 3)
     assert df["loss"].tolist() == [5.5, 5.25, 5.0] and df["step"].tolist() == [0, 1, 2]
     assert pd.isna(df.at[0, "wall_ms"]) and df.at[1, "wall_ms"] == pytest.approx(20.0)
     assert df[f"{FORWARD}_ms"].tolist() == pytest.approx([4.0] * 3) and (df[f"{OPTIMIZER_STEP}_ms"] == 0).all()
@@ -39,9 +44,25 @@ def test_metrics_log_csv_and_tensorboard(tmp_path: Path) -> None:
     acc = EventAccumulator(str(d))
     acc.Reload()
     assert [e.value for e in acc.Scalars("loss")] == [5.5, 5.25, 5.0]
-    assert "time/forward_ms" in acc.Tags()["scalars"]
+    tags = acc.Tags()["scalars"]
+    assert {"time/forward_ms", "time/dp/reduce_scatter_ms", "comm/dp/reduce_scatter/wait_ms",
+            "comm/dp/reduce_scatter/launch_ms", "comm/exposed_ms"} <= set(tags)
+    assert [e.value for e in acc.Scalars("comm/dp/reduce_scatter/wait_ms")] == pytest.approx([194.0] * 3)
     with pytest.raises(ValueError, match="already exists"):
         MetricsLog(d, tensorboard=False)
+
+
+def test_step_metrics_split_communication_into_launch_wait_and_exposed() -> None:
+    # timer keys as canzona.runtime.phases.timer_key writes them: stages kept, indices dropped;
+    # an index-suffixed name is accepted too (it counts under its base)
+    m = step_metrics({FORWARD: 0.5, f"{TP_GATHER}/launch": 0.01, f"{TP_GATHER}/wait": 0.03, f"{TP_GATHER}/group2/wait": 0.02,
+                      STATUS: 0.004, f"{DP_REDUCE_SCATTER}/launch": 0.002, "canzona/unknown/launch": 9.0})
+    assert m[FORWARD] == 0.5 and m[OPTIMIZER_STEP] == 0.0
+    assert m[f"{TP_GATHER}/launch"] == 0.01 and m[f"{TP_GATHER}/wait"] == pytest.approx(0.05)
+    assert m[TP_GATHER] == pytest.approx(0.06) and m[STATUS] == 0.004 and m[f"{STATUS}/wait"] == 0.0
+    # exposed: every wait and every synchronous collective, never a launch
+    assert m["comm_exposed"] == pytest.approx(0.05 + 0.004)
+    assert [f"{k}_ms" for k in m] == list(METRICS_COLUMNS[3:])
 
 
 def test_metrics_are_read_strictly(tmp_path: Path) -> None:

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"metrics: {Path(spec.tensorboard_dir) / METRICS_CSV} (loss and phase times per step; TensorBoard scalars too)")
     print(f"open: tensorboard --logdir {spec.tensorboard_dir}   (PyTorch Profiler tab; pip install torch-tb-profiler; "
-          "offline: open the *.pt.trace.json files in ui.perfetto.dev or chrome://tracing)")
+          "its views need the internet; offline: canzona timeline " + str(spec.tensorboard_dir) + ")")
     if missing:
         print(f"canzona profile: expected phases missing from the traces: {', '.join(missing)}", file=sys.stderr)
         return 1

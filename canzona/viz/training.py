@@ -44,7 +44,8 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
         # a log written before the FSDP2 shard-group phases had names: they took no time there
         df = df.reindex(columns=list(METRICS_COLUMNS), fill_value=0.0)
     if tuple(df.columns) != METRICS_COLUMNS:
-        raise ValueError(f"{p}: not a canzona metrics log (expected the columns step, loss, wall_ms, <phase>_ms)")
+        raise ValueError(f"{p}: not a canzona metrics log of this version (expected the columns step, loss, wall_ms, <phase>_ms, "
+                         "<comm phase>/launch_ms, <comm phase>/wait_ms, comm_exposed_ms; a log from before the launch/wait columns must be rerun)")
     for col in df.columns:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     steps = df["step"].to_numpy()
