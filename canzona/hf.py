@@ -101,9 +101,56 @@ def apply_tp_plan(model: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = 
     parallel embedding and head ``Shard(0)``, replicated norms stay plain tensors (q/k norms get
     transformers' gradient all-reduce hook at the first forward). Every rank must hold the same
     weights before the call (same seed): sharding keeps each rank's own slice, nothing is sent.
+    Tied parameters (``tie_word_embeddings=True``: ``lm_head.weight`` is ``embed_tokens.weight``)
+    stay tied: the shared tensor is sharded once, under its first name, and the other module gets
+    the same DTensor back when its own style lays it out the same way (the vocabulary-parallel
+    embedding and the column-parallel head are both ``Shard(0)``); otherwise one line refuses.
     Call it before building the optimizer."""
     from transformers.integrations.tensor_parallel import apply_tensor_parallelism
 
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D (e.g. mesh['tp']), got {tp_mesh.ndim} dimensions")
-    return apply_tensor_parallelism(model, tp_mesh, expand_tp_plan(model, plan))
+    full = expand_tp_plan(model, plan)
+    aliases = _tied_aliases(model)
+    styles = {alias: full.pop(alias) for alias in aliases if alias in full}  # sharded once, as its owner
+    apply_tensor_parallelism(model, tp_mesh, full)
+    _retie(model, tp_mesh, aliases, styles)
+    return model
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: each later name of a shared tensor -> its first name (``named_parameters``'s)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[n] = first[id(p)]
+        else:
+            first[id(p)] = n
+    return out
+
+
+def _retie(model: nn.Module, tp_mesh: Any, aliases: dict[str, str], styles: dict[str, str]) -> None:
+    """Tie every alias to its (now sharded) owner again, refusing a tie whose two TP styles lay the
+    tensor out differently (the alias style's layout is read by sharding a meta copy)."""
+    import torch
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    params = dict(model.named_parameters())
+    for alias, owner in aliases.items():
+        mod_name, _, pname = alias.rpartition(".")
+        module, shared = model.get_submodule(mod_name), params[owner]
+        mine = getattr(shared, "placements", None)
+        if alias in styles:
+            probe = nn.Module()
+            probe.register_parameter(pname, nn.Parameter(torch.empty(tuple(shared.shape), device="meta")))
+            ALL_PARALLEL_STYLES[styles[alias]].shard_param(probe, pname, tp_mesh)
+            want = getattr(probe._parameters[pname], "placements", None)
+        else:
+            want = None
+        if tuple(want or ()) != tuple(mine or ()):
+            raise ValueError(
+                f"{alias} is tied to {owner}, which the TP plan lays out as {mine} while {alias}'s style "
+                f"{styles.get(alias)!r} needs {want}; untie them (tie_word_embeddings=False) or give both the same layout in plan="
+            )
+        module._parameters[pname] = shared

@@ -402,7 +402,7 @@ def specs_from_module(
 shape, overridden by ``roles``); ``kinds`` overrides them for exactly named parameters.
     Tied parameters appear once (under their first name), as ``named_parameters`` yields them.
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tp_dims = dict(tp_dims or {})
     kinds = dict(kinds or {})
@@ -417,6 +417,13 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
         if isinstance(p, DTensor):
             if name in tp_dims:
                 raise ValueError(f"{name}: a DTensor carries its own placement; do not declare tp_dims for it")
+            strided = [pl for pl in p.placements if type(pl) not in (Shard, Replicate)]
+            if strided and len(p.placements) == 1:
+                raise ValueError(
+                    f"{name}: TP placement {strided[0]!r} (transformers' packed_colwise: each rank holds its slice of every "
+                    "packed block, e.g. gate and up) is not a plain Shard(d), which canzona's TP path reads; drop its "
+                    "entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"
+                )
             shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard)]
             if len(shard_axes) > 1:
                 raise ValueError(f"{name}: sharded on more than one mesh dimension; only 1-D TP sharding is supported")

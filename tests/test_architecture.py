@@ -42,7 +42,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                       "canzona.commands", "canzona.cli"),
     # the runtime executes a plan; it never re-plans from a name or reaches up to the front ends
     "canzona.runtime": ("canzona.commands", "canzona.cli", "canzona.train", "canzona.viz", "canzona.profiling",
-                        "canzona.distributed", "canzona.layouts", "canzona.hf"),
+                        "canzona.distributed", "canzona.layouts", "canzona.hf", "canzona.torchtitan"),
     # layouts sit below the one front end; the settings record below both
     "canzona.layouts": ("canzona.distributed", "canzona.commands", "canzona.cli", "canzona.train"),
     "canzona.settings": ("canzona.distributed", "canzona.layouts", "canzona.commands", "canzona.cli"),

@@ -378,11 +378,34 @@ def _one_mesh(rank: int, mesh_key: str) -> dict:
     out["errors"] = errors
     if mesh_key == "dp_shard2":
         out["robust"] = _robust_cases(rank, mesh)
+        out["legacy_names"] = _legacy_names_case(mesh)
     if rank != 0:  # only rank 0 holds the consolidated documents; the others report where state lives
         keep = {k: {"hosted": v["hosted"], "group": v["group"], "state_bytes": v["state_bytes"], "stats": v["stats"]}
                 for k, v in out.items() if isinstance(v, dict) and "hosted" in v}
-        return keep | ({"robust": out["robust"]} if "robust" in out else {})
+        return keep | {k: out[k] for k in ("robust", "legacy_names") if k in out}
     return out
+
+
+
+def _legacy_names_case(mesh) -> dict:
+    """The first dp_shard2 case on a mesh named as torchtitan's legacy mesh, ``('fsdp',)``: the
+    role comes from the placements and the run is the dp_shard2 run, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import canzona
+    from validation.fsdp_harness import FSDPToy
+
+    label, opt_name, kw, strategy, _ = CASES["dp_shard2"][0]
+    legacy = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    model = FSDPToy(torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=legacy)
+    fully_shard(model, mesh=legacy)
+    opt = canzona.DistributedOptimizer(model, _optimizer(opt_name), strategy=strategy, mesh=legacy, optimizer_kwargs=kw, elementwise_kwargs=EW_KWARGS)
+    _run(model, opt, mesh, range(STEPS))  # the dp_shard mesh's gradients: the same ranks in the same order
+    i = opt.plan.inputs
+    return {"label": label, "roles": dict(opt.layout.roles), "sizes": [i.dp_shard, i.tp, i.dp_replicate], "params": _full_params(model)}
 
 
 # ============================================================================ status agreement (world 2)
@@ -810,6 +833,41 @@ def test_refusals_are_one_clear_error() -> None:
     assert "mesh=" in errors["no_mesh"]
     assert "'dp'" in errors["dp_mesh"] and "mixing" in errors["dp_mesh"]
     assert "Shard(dim=1)" in errors["shard1"] and "not supported" in errors["shard1"]
+
+
+@pytest.mark.slow
+def test_legacy_fsdp_mesh_name_reads_the_role_from_placements() -> None:
+    results = _mesh_results("dp_shard2")
+    legacy = results[0]["legacy_names"]
+    assert all(r["legacy_names"]["roles"] == {"fsdp": "dp_shard"} for r in results)
+    assert legacy["sizes"] == [2, 1, 1]  # dp_shard, tp, dp_replicate
+    # the same steps as the dp_shard2 case, which is compared with the single-device optimizer
+    assert not tensors_equal(legacy["params"], results[0][legacy["label"]]["params"])
+
+
+def test_mesh_dim_roles_from_placements_and_ambiguous_meshes_refused() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from canzona.layouts.fsdp2 import mesh_dim_roles
+
+    s0, s1, rep = Shard(0), Shard(1), Replicate()
+    assert mesh_dim_roles(("fsdp",), {"fsdp": [s0, s0]}) == {"fsdp": "dp_shard"}
+    assert mesh_dim_roles(("dp_replicate", "dp_shard_cp", "tp"), {"dp_replicate": [rep, rep], "dp_shard_cp": [_StridedShard(0, split_factor=2), s0], "tp": [s0, rep]}) == {
+        "dp_replicate": "dp_replicate", "dp_shard_cp": "dp_shard", "tp": "tp"}
+    assert mesh_dim_roles(("rep", "shard", "model"), {"rep": [rep], "shard": [s0, s0], "model": [s1, rep]}) == {"rep": "dp_replicate", "shard": "dp_shard", "model": "tp"}
+    # a named dimension keeps its role (its placements are checked against it later)
+    assert mesh_dim_roles(("dp_shard", "tp"), {"dp_shard": [s0], "tp": [rep]}) == {"dp_shard": "dp_shard", "tp": "tp"}
+    with pytest.raises(ValueError, match=r"\['a', 'b'\] all read as 'dp_shard'.*ambiguous"):
+        mesh_dim_roles(("a", "b"), {"a": [s0, s0], "b": [s0, s0]})  # TP cutting every parameter on dim 0
+    with pytest.raises(ValueError, match="no role"):
+        mesh_dim_roles(("fsdp",), {"fsdp": [s0, _StridedShard(1, split_factor=2)]})
+    with pytest.raises(ValueError, match="no role"):
+        mesh_dim_roles(("pp", "fsdp"), {"fsdp": [s0]})  # a dimension no parameter lives on
+    with pytest.raises(ValueError, match="fully_shard's"):
+        mesh_dim_roles(("rep",), {"rep": [rep]})
+    with pytest.raises(ValueError, match="order"):
+        mesh_dim_roles(("model", "fsdp"), {"model": [s1, rep], "fsdp": [s0, s0]})
 
 
 def test_shard_groups_of_a_mesh() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from canzona.config import load_model_config
 from canzona.runtime.launch import run_workers
+from harness import attempt, case_results
 from validation.harness import (
     ReferenceRunner,
     inject_grads,
@@ -77,23 +78,23 @@ def _dp_case(rank: int, arch: str, tied: bool, strategy: str) -> dict:
     return {"params": params_of(model), "planned": [pp.name for pp in opt.plan.params], "buckets": len(opt.plan.buckets)}
 
 
-def _tp_model(arch: str):
+def _tp_model(arch: str, tied: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.hf import apply_tp_plan
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    model = apply_tp_plan(_model(arch, False), mesh["tp"])
+    model = apply_tp_plan(_model(arch, tied), mesh["tp"])
     return mesh, model
 
 
-def _tp_injected(rank: int, arch: str, strategy: str) -> dict:
+def _tp_injected(rank: int, arch: str, strategy: str, tied: bool = False) -> dict:
     """README order: shard, build the optimizer, then the first forward (transformers registers its
     q/k-norm hook there, after canzona's); gradients injected through backward."""
     import canzona
     from canzona.specs import specs_from_module
 
-    mesh, model = _tp_model(arch)
+    mesh, model = _tp_model(arch, tied)
     opt = canzona.DistributedOptimizer(model, "muon", strategy=strategy, mesh=mesh, optimizer_kwargs=MATRIX_KW, elementwise_kwargs=EW_KW)
     model(input_ids=_ids(0, 0))  # first forward: registers transformers' gradient hooks (no backward)
     tp_dims = {s.name: s.tp_dim for s in specs_from_module(model) if s.tp_split}
@@ -104,7 +105,8 @@ def _tp_injected(rank: int, arch: str, strategy: str) -> dict:
         inject_grads(model, tp_cut(full, tp_dims, mesh["tp"].get_local_rank(), 2, partial=partial))
         opt.step()
         opt.zero_grad()
-    return {"params": params_of(model), "tp_dims": tp_dims, "partial": partial, "hosted": opt.runtime.tp_engine is not None}
+    tie = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {"params": params_of(model), "tp_dims": tp_dims, "partial": partial, "hosted": opt.runtime.tp_engine is not None, "tie": tie}
 
 
 #: Bound for transformers' TP plan with real forward/backward against one device. Bitwise equality
@@ -141,6 +143,35 @@ def _tp_backward(rank: int, arch: str) -> dict:
     return {"params": params_of(model), "losses": losses}
 
 
+def _moe_under_tp_plan(rank: int, arch: str) -> dict:
+    """A MoE model under transformers' TP plan: its packed_colwise expert stack (a _StridedShard
+    placement) is refused in one line naming it, whatever role the stack gets."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+    from canzona.hf import apply_tp_plan
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    if arch == "mixtral":
+        cls, cfg = transformers.MixtralForCausalLM, transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        cls, cfg = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            **common, moe_intermediate_size=12, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = apply_tp_plan(cls(cfg).float(), mesh["tp"])
+    out = {}
+    for key, roles in (("default", None), ("elementwise", {"*experts*": "elementwise"})):
+        try:
+            canzona.DistributedOptimizer(model, "muon", mesh=mesh, roles=roles)
+            out[key] = None
+        except ValueError as exc:
+            out[key] = str(exc)
+    return out
+
+
 def hf_worker(rank: int, world: int) -> bytes:
     out: dict = {"dp": {}, "tp": {}, "backward": {}}
     for arch, tied in MODELS:
@@ -150,6 +181,8 @@ def hf_worker(rank: int, world: int) -> bytes:
         for strategy in TP_STRATEGIES:
             out["tp"][(arch, strategy)] = _tp_injected(rank, arch, strategy)
         out["backward"][arch] = _tp_backward(rank, arch)
+    out["tp_tied"] = {"llama": attempt(_tp_injected, rank, "llama", "lb-asc", True)}  # tied embeddings under the TP plan
+    out["moe_tp"] = {arch: attempt(_moe_under_tp_plan, rank, arch) for arch in ("mixtral", "qwen2_moe")}
     return pack(out)
 
 
@@ -230,6 +263,32 @@ def test_tp2_with_transformers_tp_plan_injected_bitwise(arch: str) -> None:
             shard = tp_cut(want, got["tp_dims"], tp_rank, 2)
             assert got["tp_dims"], "transformers' TP plan must shard some parameters"
             assert tensors_equal(shard, got["params"]) == [], f"{arch} {strategy} tp rank {tp_rank}: differs from one device"
+
+
+def test_tp2_tied_embeddings_keep_their_tie_under_the_tp_plan_bitwise() -> None:
+    """Llama with tie_word_embeddings=True under transformers' TP plan: the vocabulary-parallel
+    embedding and the column-parallel head share one Shard(0) DTensor, one parameter to canzona,
+    bitwise against one device."""
+    results = case_results(_results(), "tp_tied", "llama")
+    model = _model("llama", True)
+    ref = ReferenceRunner(model, _cls("muon"), MATRIX_KW, torch.optim.AdamW, EW_KW)
+    for s in range(STEPS):
+        ref.step(integer_grads(model, step=s, rank=0))
+    want = ref.params()
+    for tp_rank, got in enumerate(results):
+        assert got["tie"], "the TP plan broke the tie between lm_head and embed_tokens"
+        assert got["tp_dims"].get("model.embed_tokens.weight") == 0 and "lm_head.weight" not in got["params"]
+        assert tensors_equal(tp_cut(want, got["tp_dims"], tp_rank, 2), got["params"]) == [], f"tp rank {tp_rank}: differs from one device"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_packed_colwise_under_tp_plan_refused_naming_the_placement(arch: str) -> None:
+    for got in case_results(_results(), "moe_tp", arch):
+        # the default role rule refuses a TP-split expert stack; marked element-wise, the packed
+        # stack's placement itself is named (it would otherwise be cut as a plain Shard)
+        assert got["default"] is not None and "experts" in got["default"]
+        msg = got["elementwise"]
+        assert msg is not None and "gate_up_proj" in msg and "_StridedShard" in msg and "packed_colwise" in msg and "\n" not in msg
 
 
 @pytest.mark.parametrize("arch", [m for m, _ in MODELS])

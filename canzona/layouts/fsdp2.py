@@ -10,10 +10,22 @@ Usage is the one front end's (every rank)::
     opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh)
     loss.backward(); opt.step(); opt.zero_grad()           # FSDP2 does its own reduce-scatter
 
-The mesh dimensions are named as in torchtitan: ``dp_shard`` (required), ``tp`` and
-``dp_replicate`` (HSDP) optional, outermost first. Each parameter's piece is read from its DTensor
-placements (``Shard(0)`` on ``dp_shard``, ``Shard(d)`` or ``Replicate`` on ``tp``, ``Replicate`` on
-``dp_replicate``); any other placement or a non-DTensor parameter is refused, naming the parameter.
+Each mesh dimension plays one of three roles, read from the placements of the trainable
+parameters on it (:func:`mesh_dim_roles`), so any naming works (torchtitan's legacy ``fsdp``,
+``dp_shard_cp``, ...):
+
+- ``dp_shard`` (fully_shard's dimension, required, exactly one): every parameter is ``Shard(0)``
+  on it (FSDP2's ``_StridedShard(0)`` when TP also cuts dim 0);
+- ``dp_replicate`` (HSDP, optional): every parameter is ``Replicate`` on it;
+- ``tp`` (optional): TP's placements, ``Shard(d)`` on some parameters and ``Replicate`` or
+  ``Shard(d)`` on the others.
+
+A dimension *named* ``dp_shard``, ``dp_replicate`` or ``tp`` declares that role and its placements
+are checked against it. A mesh whose placements leave a role open (two dimensions that both read
+as ``dp_shard``, say: a TP plan that cuts every parameter on dim 0) or give none to a dimension is
+refused in one line that names the dimensions. Roles come outermost first (``dp_replicate``,
+``dp_shard``, ``tp``). Each parameter's piece is read from its placements; any other placement or
+a non-DTensor parameter is refused, naming the parameter.
 
 How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
 
@@ -61,9 +73,19 @@ from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import RoleError, module_roles
 
-__all__ = ["FSDP_MESH_DIMS", "FSDP2Layout", "check_fsdp2_mesh", "check_placements", "fsdp_group_ranks", "fsdp_modules", "is_fsdp2_model"]
+__all__ = [
+    "FSDP_MESH_DIMS",
+    "FSDP2Layout",
+    "check_fsdp2_mesh",
+    "check_placements",
+    "dim_role_from_placements",
+    "fsdp_group_ranks",
+    "fsdp_modules",
+    "is_fsdp2_model",
+    "mesh_dim_roles",
+]
 
-#: mesh dimension names of the FSDP2 layout (torchtitan's), outermost first
+#: the roles a mesh dimension plays on the FSDP2 path (and the names that declare them), outermost first
 FSDP_MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
 GROUP_TIMEOUT_S = 300.0
 
@@ -110,7 +132,8 @@ def is_fsdp2_model(model: Any) -> bool:
 
 def fsdp_group_ranks(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...], ranks: list[int]) -> list[list[int]]:
     """The shard groups of a mesh (one per ``dp_replicate`` index): the global ranks of its
-    ``dp_shard x tp`` sub-mesh, sorted. ``ranks`` is the mesh's rank list in row-major order."""
+    ``dp_shard x tp`` sub-mesh, sorted. ``mesh_dim_names``: each dimension's role
+    (:func:`mesh_dim_roles`); ``ranks`` is the mesh's rank list in row-major order."""
     if "dp_replicate" not in mesh_dim_names:
         return [sorted(ranks)]
     axis = mesh_dim_names.index("dp_replicate")
@@ -119,14 +142,14 @@ def fsdp_group_ranks(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...
 
 
 def check_fsdp2_mesh(mesh: Any, world: int) -> Any:
-    """The mesh an FSDP2 model was sharded on: a DeviceMesh over the world named from
-    :data:`FSDP_MESH_DIMS` including ``dp_shard``, outermost first."""
+    """The mesh an FSDP2 model was sharded on: a DeviceMesh over the whole world with distinct
+    dimension names (their roles come from the placements: :func:`mesh_dim_roles`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if mesh is None:
         raise ValueError(
-            "an FSDP2 model needs mesh=: the DeviceMesh it was sharded on, with dimensions named "
-            "from ('dp_replicate', 'dp_shard', 'tp') (torchtitan's names)"
+            "an FSDP2 model needs mesh=: the DeviceMesh it was sharded on (fully_shard's dimension, optionally "
+            "HSDP's replicate and TP's dimensions; any names, read from the placements)"
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
@@ -136,28 +159,84 @@ def check_fsdp2_mesh(mesh: Any, world: int) -> Any:
             "the model is sharded by FSDP2 (fully_shard) but the mesh has a 'dp' dimension, which is canzona's own ZeRO-1 "
             "path: mixing the two is not supported; name the mesh dimensions ('dp_replicate', 'dp_shard', 'tp')"
         )
-    if "dp_shard" not in names or set(names) - set(FSDP_MESH_DIMS) or len(set(names)) != len(names):
-        raise ValueError(f"an FSDP2 mesh needs dimensions named from {FSDP_MESH_DIMS} including 'dp_shard', got {names}")
-    if list(names) != [d for d in FSDP_MESH_DIMS if d in names]:
-        raise ValueError(f"FSDP2 mesh dimensions must be ordered {FSDP_MESH_DIMS} (outermost first), got {names}")
+    if len(names) != mesh.ndim or len(set(names)) != len(names):
+        raise ValueError(f"an FSDP2 mesh needs one distinct name per dimension, got {names}")
     if mesh.size() != world:
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
     return mesh
 
 
-def _placement_ok(dim_name: str, pl: Any, ndim: int) -> bool:
+def _is_shard0(pl: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return (isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard") and getattr(pl, "dim", None) == 0
+
+
+def dim_role_from_placements(placements: Sequence[Any]) -> str | None:
+    """The role the placements of every parameter on one mesh dimension give it: all ``Shard(0)``
+    (or ``_StridedShard(0)``): ``dp_shard``; all ``Replicate``: ``dp_replicate``; ``Shard(d)`` and
+    ``Replicate`` otherwise: ``tp``; None for anything else (or no parameter on it)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if dim_name == "dp_shard":
+    if not placements:
+        return None
+    if all(_is_shard0(pl) for pl in placements):
+        return "dp_shard"
+    if all(isinstance(pl, Replicate) for pl in placements):
+        return "dp_replicate"
+    if all(isinstance(pl, Replicate) or type(pl) is Shard for pl in placements):
+        return "tp"
+    return None
+
+
+def mesh_dim_roles(names: Sequence[str], placements: Mapping[str, Sequence[Any]]) -> dict[str, str]:
+    """Each mesh dimension's role (see the module docstring): a dimension named ``dp_replicate``,
+    ``dp_shard`` or ``tp`` keeps that role (:func:`check_placements` checks it); any other gets the
+    role its parameters' placements give it (``placements``: dimension name -> the placement of
+    every trainable parameter on it). Refuses, in one line, a dimension that gets no role, two
+    dimensions with one role, a mesh without ``dp_shard`` and roles out of order."""
+    roles: dict[str, str] = {}
+    for d in names:
+        role = d if d in FSDP_MESH_DIMS else dim_role_from_placements(placements.get(d, ()))
+        if role is None:
+            seen = sorted({repr(pl) for pl in placements.get(d, ())})
+            raise ValueError(
+                f"mesh dimension {d!r}: its parameters' placements {seen or 'none'} give it no role on the FSDP2 path "
+                "(Shard(0) on every parameter: fully_shard's; Replicate on every parameter: HSDP's; Shard(d)/Replicate: TP's); "
+                "name it 'dp_shard', 'dp_replicate' or 'tp' if the placements are meant so"
+            )
+        roles[d] = role
+    by_role: dict[str, list[str]] = {}
+    for d, role in roles.items():
+        by_role.setdefault(role, []).append(d)
+    for role, dims in by_role.items():
+        if len(dims) > 1:
+            raise ValueError(
+                f"mesh dimensions {dims} all read as {role!r} from their placements, which is ambiguous; "
+                f"name the one fully_shard shards 'dp_shard' (and TP's 'tp', HSDP's 'dp_replicate')"
+            )
+    if "dp_shard" not in by_role:
+        raise ValueError(f"no dimension of the mesh {tuple(names)} is fully_shard's (Shard(0) on every parameter); got roles {roles}")
+    order = [roles[d] for d in names]
+    if order != [r for r in FSDP_MESH_DIMS if r in order]:
+        raise ValueError(f"FSDP2 mesh dimensions must come in the order {FSDP_MESH_DIMS} (outermost first); the mesh {tuple(names)} reads as {tuple(order)}")
+    return roles
+
+
+def _placement_ok(role: str, pl: Any, ndim: int) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if role == "dp_shard":
         # Shard(0), or FSDP2's _StridedShard(0) when TP also cuts dim 0 (FSDP chunks the TP-local rows)
-        return (isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard") and getattr(pl, "dim", None) == 0
-    if dim_name == "tp":
+        return _is_shard0(pl)
+    if role == "tp":
         return isinstance(pl, Replicate) or (type(pl) is Shard and 0 <= pl.dim < ndim)
     return isinstance(pl, Replicate)
 
 
-def check_placements(name: str, p: torch.Tensor, mesh: Any) -> int | None:
-    """Refuse any piece layout the FSDP2 layout cannot serve; return the TP split dim (None: replicated)."""
+def check_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mapping[str, str] | None = None) -> int | None:
+    """Refuse any piece layout the FSDP2 layout cannot serve; return the TP split dim (None: replicated).
+    ``roles``: each mesh dimension's role (:func:`mesh_dim_roles`; default: its name)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(p, DTensor):
@@ -165,23 +244,37 @@ def check_placements(name: str, p: torch.Tensor, mesh: Any) -> int | None:
             f"{name}: not a DTensor; every trainable parameter of an FSDP2 model must be sharded by fully_shard "
             "(wrap the root module too)"
         )
+    roles = dict(roles or {})
     pm = p.device_mesh
     pnames = tuple(pm.mesh_dim_names or ())
-    if "dp_shard" not in pnames:
-        raise ValueError(f"{name}: its mesh {pnames} has no 'dp_shard' dimension; shard it with fully_shard(mesh=mesh['dp_shard'])")
+    if "dp_shard" not in [roles.get(d, d) for d in pnames]:
+        raise ValueError(f"{name}: its mesh {pnames} has no dimension fully_shard shards it on; shard it with fully_shard(mesh=...)")
     names = tuple(mesh.mesh_dim_names)
     tp_dim: int | None = None
     for dim_name, pl in zip(pnames, p.placements):
         if dim_name not in names or pm.size(pnames.index(dim_name)) != mesh.size(names.index(dim_name)):
             raise ValueError(f"{name}: its mesh dimension {dim_name!r} is not a dimension of the same size in the optimizer's mesh {names}")
-        if not _placement_ok(dim_name, pl, p.ndim):
+        role = roles.get(dim_name, dim_name)
+        if not _placement_ok(role, pl, p.ndim):
             raise ValueError(
-                f"{name}: placement {pl!r} on mesh dimension {dim_name!r} is not supported on the FSDP2 path "
+                f"{name}: placement {pl!r} on mesh dimension {dim_name!r} (role {role}) is not supported on the FSDP2 path "
                 "(expected Shard(0) on dp_shard, Shard(d) or Replicate on tp, Replicate on dp_replicate)"
             )
-        if dim_name == "tp" and type(pl) is Shard:
+        if role == "tp" and type(pl) is Shard:
             tp_dim = pl.dim
     return tp_dim
+
+
+def _placements_by_dim(model: nn.Module) -> dict[str, list[Any]]:
+    """Mesh dimension name -> the placement on it of every trainable DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, list[Any]] = {}
+    for _, p in model.named_parameters():
+        if p.requires_grad and isinstance(p, DTensor):
+            for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+                out.setdefault(d, []).append(pl)
+    return out
 
 
 class FSDP2Layout(Layout):
@@ -211,10 +304,13 @@ class FSDP2Layout(Layout):
             )
         self.mesh = mesh = check_fsdp2_mesh(mesh, dist.get_world_size())
         names = tuple(mesh.mesh_dim_names)
-        self.size = {d: (mesh.size(names.index(d)) if d in names else 1) for d in FSDP_MESH_DIMS}
+        #: mesh dimension name -> its role; ``dims``: role -> the dimension playing it
+        self.roles = mesh_dim_roles(names, _placements_by_dim(model))
+        self.dims = {role: d for d, role in self.roles.items()}
+        self.size = {r: (mesh.size(names.index(self.dims[r])) if r in self.dims else 1) for r in FSDP_MESH_DIMS}
         self.dp, self.tp = self.size["dp_replicate"] * self.size["dp_shard"], self.size["tp"]
-        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
-        self.replica = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+        self.tp_rank = mesh.get_local_rank(self.dims["tp"]) if "tp" in self.dims else 0
+        self.replica = mesh.get_local_rank(self.dims["dp_replicate"]) if "dp_replicate" in self.dims else 0
 
     # ------------------------------------------------------------------ plan
     def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> FSDPPlan:
@@ -225,7 +321,7 @@ class FSDP2Layout(Layout):
         records = []
         decided = module_roles(self.model, s.roles)
         for n, p in trainable:
-            tp_dim = check_placements(n, p, self.mesh)
+            tp_dim = check_placements(n, p, self.mesh, self.roles)
             records.append(FSDPParam(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
         inputs = FSDPInputs(
             model=type(self.model).__name__,
@@ -289,7 +385,8 @@ class FSDP2Layout(Layout):
     def _shard_group(self) -> Any:
         """This rank's shard group (every rank creates every replica's group, in the same order)."""
         names = tuple(self.mesh.mesh_dim_names)
-        shard_groups = fsdp_group_ranks(tuple(self.mesh.mesh.shape), names, self.mesh.mesh.flatten().tolist())
+        roles = tuple(self.roles[d] for d in names)
+        shard_groups = fsdp_group_ranks(tuple(self.mesh.mesh.shape), roles, self.mesh.mesh.flatten().tolist())
         me = dist.get_rank()
         group = None
         for ranks in shard_groups:
