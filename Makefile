@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[notebooks,profiling,dev]"
+	$(PY) -m pip install --quiet -e ".[notebooks,profiling,dev,torchtitan]"
 	touch $(STAMP)
 
 setup: $(STAMP)
