@@ -247,18 +247,21 @@ def test_every_phase_has_a_column_name_and_a_meaning() -> None:
     assert len(legend) < 100 and all(f"{c} " in legend for c in ("fwd", "bwd", "opt", "comm", "stat")), legend
 
 
-def test_a_log_from_before_the_shard_phases_still_reads(tmp_path) -> None:
-    """Logs written before the FSDP2 shard-group phases were registered lack their four columns:
-    they read with those phases at 0 ms; any other header is still refused."""
+def test_a_log_of_the_previous_version_still_reads(tmp_path) -> None:
+    """Logs written before this version have one column per phase, no FSDP2 shard-group phases
+    and no launch/wait columns: they read with the shard phases at 0 ms and launch, wait and
+    exposed communication as not recorded (NaN); any other header is still refused."""
+    import math
+
+    from canzona.phase_names import PHASES
     from canzona.runs import METRICS_COLUMNS
     from canzona.viz.training import load_metrics
 
-    old = [c for c in METRICS_COLUMNS if not c.startswith("canzona/shard/")]
-    assert len(old) == len(METRICS_COLUMNS) - 4
+    old = ["step", "loss", "wall_ms", *(f"{p}_ms" for p in PHASES if not p.startswith("canzona/shard/"))]
     (tmp_path / "metrics.csv").write_text(",".join(old) + "\n" + ",".join(["1", "2.5"] + ["1.0"] * (len(old) - 2)) + "\n", encoding="utf-8")
     df = load_metrics(tmp_path)
     assert tuple(df.columns) == METRICS_COLUMNS and df["canzona/shard/gather_ms"].tolist() == [0.0] and df["loss"].tolist() == [2.5]
+    assert df["canzona/forward_ms"].tolist() == [1.0] and math.isnan(df["comm_exposed_ms"].iloc[0])
     (tmp_path / "metrics.csv").write_text(",".join(old[:-1]) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="not a canzona metrics log"):
         load_metrics(tmp_path)
-

@@ -75,6 +75,7 @@ def _zero1_case(rank: int, world: int, case: str) -> dict[str, Any]:
     opt = DistributedOptimizer(
         model, cls, strategy=strategy, mesh=mesh, optimizer_kwargs=kw,
         elementwise_kwargs=ELEMENTWISE_KWARGS, tp_dims=tp_dims or None, bucket_numel=bucket_numel,
+        roles=getattr(model, "canzona_roles", None),
     )
     calls, log = _Calls(), UpdateNormLog()
     handles = [opt.register_update_hook(calls), opt.register_update_hook(log)]

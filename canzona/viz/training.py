@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from canzona.phase_names import SHARD_APPLY, SHARD_COMPUTE, SHARD_GATHER, SHARD_SCATTER
+from canzona.phase_names import PHASES, SHARD_APPLY, SHARD_COMPUTE, SHARD_GATHER, SHARD_SCATTER
 from canzona.runs import METRICS_COLUMNS, METRICS_CSV, RUN_JSON, find_runs
 from canzona.viz._style import categorical_colors, finish, line_style
 from canzona.fileio import read_json
@@ -23,9 +23,19 @@ __all__ = ["discover_runs", "fig_loss_curves", "load_metrics", "run_label"]
 
 
 #: the metrics-log header before the ``canzona/shard/*`` phases were registered (still read)
-_METRICS_COLUMNS_BEFORE_SHARD: tuple[str, ...] = tuple(
-    c for c in METRICS_COLUMNS if c not in {f"{p}_ms" for p in (SHARD_GATHER, SHARD_COMPUTE, SHARD_SCATTER, SHARD_APPLY)}
-)
+_SHARD_COLUMNS = frozenset(f"{p}_ms" for p in (SHARD_GATHER, SHARD_COMPUTE, SHARD_SCATTER, SHARD_APPLY))
+#: the header of the logs written before this version: one column per phase (the FSDP2 shard-group
+#: phases had no names yet), no launch/wait columns, no exposed communication
+_LEGACY_COLUMNS: tuple[str, ...] = ("step", "loss", "wall_ms", *(f"{p}_ms" for p in PHASES if f"{p}_ms" not in _SHARD_COLUMNS))
+
+
+def _from_legacy(df: pd.DataFrame) -> pd.DataFrame:
+    """A legacy log in this version's columns: the shard-group phases took no time there (0 ms);
+    launch, wait and exposed communication were not recorded (NaN, not a made-up 0)."""
+    df = df.reindex(columns=list(METRICS_COLUMNS))
+    for col in _SHARD_COLUMNS:
+        df[col] = 0.0
+    return df
 
 
 def load_metrics(path: str | Path) -> pd.DataFrame:
@@ -40,12 +50,11 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
         df = pd.read_csv(p)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p}: cannot read the metrics log ({exc})") from None
-    if tuple(df.columns) == _METRICS_COLUMNS_BEFORE_SHARD:
-        # a log written before the FSDP2 shard-group phases had names: they took no time there
-        df = df.reindex(columns=list(METRICS_COLUMNS), fill_value=0.0)
+    if tuple(df.columns) == _LEGACY_COLUMNS:
+        df = _from_legacy(df)
     if tuple(df.columns) != METRICS_COLUMNS:
         raise ValueError(f"{p}: not a canzona metrics log of this version (expected the columns step, loss, wall_ms, <phase>_ms, "
-                         "<comm phase>/launch_ms, <comm phase>/wait_ms, comm_exposed_ms; a log from before the launch/wait columns must be rerun)")
+                         "<comm phase>/launch_ms, <comm phase>/wait_ms, comm_exposed_ms, or the earlier one column per phase)")
     for col in df.columns:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     steps = df["step"].to_numpy()
