@@ -116,12 +116,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block. Sub-modules are registered attention, MLP, then the two norms,
-    which is Hugging Face's parameter order (and ``specs_from_config(layout="hf")``'s)."""
+    which is Hugging Face's parameter order (and ``specs_from_config(layout="hf")``'s). ``mlp``
+    is the feed-forward block's class (the dense :class:`MLP`, or a mixture-of-experts block)."""
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, mlp: type[nn.Module] | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, device=device, dtype=dtype)
-        self.mlp = MLP(cfg, device=device, dtype=dtype)
+        self.mlp = (mlp or MLP)(cfg, device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
@@ -131,12 +133,14 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Body(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``Qwen3Model``, registered as ``model``)."""
+    """Embedding, decoder layers and final norm (HF's ``Qwen3Model``, registered as ``model``);
+    ``mlp`` as in :class:`DecoderLayer`."""
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, mlp: type[nn.Module] | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, mlp=mlp, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

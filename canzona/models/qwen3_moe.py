@@ -29,9 +29,9 @@ from torch import nn
 
 from canzona.config import ModelConfig
 
-from .qwen3 import Attention, RMSNorm, lm_loss
+from .qwen3 import Qwen3Body, lm_loss
 
-__all__ = ["MoEBlock", "MoEDecoderLayer", "Qwen3MoE", "StackedExperts", "TopKRouter", "route"]
+__all__ = ["MoEBlock", "Qwen3MoE", "StackedExperts", "TopKRouter", "route"]
 
 
 def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,35 +98,6 @@ class MoEBlock(nn.Module):
         return torch.bincount(experts.reshape(-1), minlength=self.experts.gate_up_proj.shape[0])
 
 
-class MoEDecoderLayer(nn.Module):
-    """Pre-norm block: attention, then the MoE block, with HF's registration order."""
-
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, device=device, dtype=dtype)
-        self.mlp = MoEBlock(cfg, device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
-
-
 class Qwen3MoE(nn.Module):
     """Tiny Qwen3-MoE causal LM. ``forward(input_ids) -> logits``; :meth:`loss` gives next-token CE.
 
@@ -149,7 +120,7 @@ class Qwen3MoE(nn.Module):
         if cfg.moe is None:
             raise ValueError(f"{cfg.name}: Qwen3MoE needs a config with 'moe' (use canzona.models.Qwen3 for a dense one)")
         self.config = cfg
-        self.model = _Body(cfg, device=device, dtype=dtype)
+        self.model = Qwen3Body(cfg, mlp=MoEBlock, device=device, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.model.embed_tokens.weight
