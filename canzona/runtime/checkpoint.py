@@ -91,6 +91,7 @@ from canzona.runtime.integrity import atomic_write, tensor_checksum
 
 __all__ = [
     "FORMAT",
+    "scalar_tensor",
     "GROUP_NAMES",
     "SCHEDULED_KEYS",
     "READS",
@@ -778,6 +779,21 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
             raise error from None
         raise
     src.load_state_dict(doc)
+
+
+def scalar_tensor(v: Any, what: str | None = None) -> torch.Tensor | None:
+    """The 0-dim tensor form of a Python number kept in optimizer state or hyperparameters (bool,
+    int64, float64: exact for every Python value of the type). None for anything else, or, with
+    ``what``, a :class:`CheckpointError` naming it (a sharded form holds tensors only)."""
+    if isinstance(v, bool):
+        return torch.tensor(v)
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float64)
+    if what is not None:
+        raise CheckpointError(f"{what}: optimizer state of type {type(v).__name__} cannot be written to a sharded checkpoint")
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -82,6 +82,7 @@ from canzona.runtime.checkpoint import (
     flat_range_boxes,
     join_collective,
     restore_hyperparams,
+    scalar_tensor,
     whole_box,
 )
 from canzona.runtime.comm import Comm
@@ -195,16 +196,6 @@ def _stride_key(name: str, k: str) -> str:
     return f"optim.{name}.stride.{k}"
 
 
-def _py_tensor(v: Any, what: str) -> torch.Tensor:
-    if isinstance(v, bool):
-        return torch.tensor(v)
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    if isinstance(v, float):
-        return torch.tensor(v, dtype=torch.float64)
-    raise CheckpointError(f"{what}: optimizer state of type {type(v).__name__} cannot be written to a sharded checkpoint")
-
-
 def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, torch.Tensor]]:
     """Each model ``state_dict()`` entry's full shape, its box on this rank and the local tensor
     holding it: the front end's own record for trainable parameters, a DTensor's placements
@@ -247,7 +238,7 @@ def _add_state(chunks: _Chunks, h: Held, shape: tuple[int, ...]) -> None:
                 if not v.is_contiguous():
                     chunks.add_whole(_stride_key(name, k), torch.tensor(v.stride(), dtype=torch.int64))
         else:
-            chunks.add_whole(_py_key(name, k), _py_tensor(v, f"{name}.{k}"))
+            chunks.add_whole(_py_key(name, k), scalar_tensor(v, f"{name}.{k}"))
 
 
 def _meta(src: Checkpointable, cap: int) -> dict[str, Any]:

@@ -47,7 +47,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.checkpoint import (
@@ -61,6 +60,7 @@ from canzona.runtime.checkpoint import (
     join_collective,
     load_consolidated_state_dict,
     restore_hyperparams,
+    scalar_tensor,
     whole_box,
 )
 from canzona.runtime.integrity import hash_text
@@ -136,16 +136,6 @@ def _keys_code(keys: Any) -> int:
     return hash_text("|".join(sorted(str(k) for k in keys)))
 
 
-def _py_tensor(v: Any, what: str) -> torch.Tensor:
-    if isinstance(v, bool):
-        return torch.tensor(v)
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    if isinstance(v, float):
-        return torch.tensor(v, dtype=torch.float64)
-    raise CheckpointError(f"{what}: optimizer state of type {type(v).__name__} has no tensor form")
-
-
 def _probe_state(h: Held) -> dict[str, Any]:
     """The state the inner optimizer would create for ``h``'s parameter: one step at lr 0 with a
     zero gradient of a throw-away instance over a copy of the master (the real one is untouched)."""
@@ -183,7 +173,7 @@ def _entries(src: Checkpointable, probe: bool) -> Iterator[tuple[str, tuple[int,
             state = _probe_state(h)
         for k, v in state.items():
             if not torch.is_tensor(v):
-                yield f"{h.name}.pystate.{k}", (), (), _py_tensor(v, f"{h.name}.{k}"), False
+                yield f"{h.name}.pystate.{k}", (), (), scalar_tensor(v, f"{h.name}.{k}"), False
             elif v.dim() == 0 or not h.sliced:
                 yield f"{h.name}.state.{k}", tuple(v.shape), (whole_box(v.shape),), v.detach(), False
             else:
@@ -227,12 +217,9 @@ def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
 
 
 def _hyper_tensor(v: Any) -> torch.Tensor | None:
-    if isinstance(v, bool):
-        return torch.tensor(v)
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    if isinstance(v, float):
-        return torch.tensor(v, dtype=torch.float64)
+    t = scalar_tensor(v)
+    if t is not None:
+        return t
     if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
         return torch.tensor([float(x) for x in v], dtype=torch.float64)
     return None
