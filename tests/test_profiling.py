@@ -338,7 +338,7 @@ def test_parser_on_synthetic_traces(tmp_path: Path) -> None:
     assert mk.at[5, "iteration_us"] == pytest.approx(95.0 + 3.0 - 0.0)
     cp = critical_path(df)
     s5 = cp[cp["step"] == 5].set_index("phase")
-    assert s5["dur_us"].to_dict() == pytest.approx({TP_COMPUTE: 30.0, TP_GATHER: 5.0, "(untracked)": 15.0})
+    assert s5["dur_us"].to_dict() == pytest.approx({TP_COMPUTE: 30.0, TP_GATHER: 5.0, "canzona/optimizer/step (own time)": 15.0})
     assert s5.at[TP_COMPUTE, "kind"] == "compute" and s5.at[TP_GATHER, "kind"] == "comm"
 
 

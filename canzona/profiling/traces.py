@@ -73,6 +73,7 @@ __all__ = [
     "META_KEYS",
     "PHASE_COLUMNS",
     "PREFIX",
+    "STEP_OWN_TIME",
     "critical_path",
     "infer_old_stages",
     "load_traces",
@@ -472,13 +473,19 @@ def step_makespans(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: the critical-path row of a step's time spent in ``canzona/optimizer/step`` itself, outside every
+#: named phase below it
+STEP_OWN_TIME = "canzona/optimizer/step (own time)"
+
+
 def critical_path(df: pd.DataFrame) -> pd.DataFrame:
     """Which rank and which phases bound each optimizer step.
 
     The step is over when the last rank leaves ``canzona/optimizer/step`` (everyone else waits for
     it in the next collective), so that rank is the critical one. Its step time is split into the
     base phases directly below the step (summed over buckets / micro-groups) plus
-    ``(untracked)``, the time inside the step outside any child phase. One row per (step, phase,
+    :data:`STEP_OWN_TIME`, the time inside the step outside any child phase (the step's own
+    Python work: agreement bookkeeping, hyperparameter push, packing plans). One row per (step, phase,
     stage): ``step``, ``rank``, ``optimizer_us`` (that rank's step duration), ``phase``,
     ``stage`` (``launch``, ``wait`` or ``""``), ``kind`` (``compute``, ``comm`` for every stage of
     a collective, waits included, or ``other``), ``dur_us``, ``share`` (of ``optimizer_us``), and
@@ -507,7 +514,7 @@ def critical_path(df: pd.DataFrame) -> pd.DataFrame:
         kid = pd.concat(kids) if kids else rd.iloc[:0]
         by_phase = kid.assign(stage=kid["part"].map(stage_of)).groupby(["phase", "stage"])["dur_us"].sum()
         untracked = max(0.0, total - float(by_phase.sum()))
-        for (name, stage), dur in list(by_phase.items()) + [(("(untracked)", ""), untracked)]:
+        for (name, stage), dur in list(by_phase.items()) + [((STEP_OWN_TIME, ""), untracked)]:
             rows.append(
                 {
                     "step": int(step),
