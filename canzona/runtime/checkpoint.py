@@ -91,6 +91,7 @@ from canzona.runtime.integrity import atomic_write, tensor_checksum
 
 __all__ = [
     "FORMAT",
+    "agree_on_checkpoint",
     "scalar_tensor",
     "GROUP_NAMES",
     "SCHEDULED_KEYS",
@@ -779,6 +780,19 @@ def load_checkpoint(src: Checkpointable, path: str | os.PathLike[str]) -> None:
             raise error from None
         raise
     src.load_state_dict(doc)
+
+
+def agree_on_checkpoint(src: Checkpointable, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed in checkpoint step ``what``: this rank's own
+    error says it best, the others raise a CheckpointError carrying the failing ranks' (in a
+    sharded load each rank checks a share of the files, so one rank may be the only one to see
+    the damage)."""
+    try:
+        agree(error, what, comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
+    except RankFailure as failure:
+        if error is not None:
+            raise error from None
+        raise CheckpointError(str(failure)) from failure
 
 
 def scalar_tensor(v: Any, what: str | None = None) -> torch.Tensor | None:

@@ -81,6 +81,7 @@ from canzona.runtime.checkpoint import (
     check_optimizers,
     flat_range_boxes,
     join_collective,
+    agree_on_checkpoint,
     restore_hyperparams,
     scalar_tensor,
     whole_box,
@@ -282,7 +283,7 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
         sd = _save_items(src, chunk_bytes)
     except Exception as exc:  # noqa: BLE001 - every rank must learn that this rank cannot save
         error = exc
-    _agree(src, error, f"preparing the sharded checkpoint {path}")
+    agree_on_checkpoint(src, error, f"preparing the sharded checkpoint {path}")
     steps = (("clearing", _clear_tmp), ("writing", _write), ("hashing", _hash), ("sealing", _seal), ("renaming", _rename))
     for what, fn in steps:
         error = None
@@ -616,7 +617,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
         _check_files(path, md)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    _agree(src, error, f"reading the sharded checkpoint {path}")
+    agree_on_checkpoint(src, error, f"reading the sharded checkpoint {path}")
     try:
         meta, strides = _read_meta(dcp_files.SafeFileSystemReader(path, files), md)
     except CheckpointError:
@@ -629,7 +630,7 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
         plan = _LoadPlan(src, md, strides, chunk_bytes)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    _agree(src, error, f"loading the sharded checkpoint {path}")
+    agree_on_checkpoint(src, error, f"loading the sharded checkpoint {path}")
     assert plan is not None
     scratch = torch.empty(plan.scratch_bytes(), dtype=torch.uint8, device=src.status_device())
     last_load_stats.clear()
@@ -649,18 +650,6 @@ def load_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
             del scratch
     with torch.no_grad():
         plan.commit(meta)
-
-
-def _agree(src: Checkpointable, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed; this rank's own error says it best, the others
-    raise a CheckpointError carrying the failing ranks' (each rank checks a share of the files,
-    so one rank may be the only one to see the damage)."""
-    try:
-        agree(error, what, comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
-    except RankFailure as failure:
-        if error is not None:
-            raise error from None
-        raise CheckpointError(str(failure)) from failure
 
 
 def _verified_files(path: Path) -> Mapping[str, Any]:

@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 
-from canzona.runtime.agree import RankFailure, agree
 from canzona.runtime.checkpoint import (
     FORMAT,
     Box,
@@ -59,6 +58,7 @@ from canzona.runtime.checkpoint import (
     check_hyper_section,
     join_collective,
     load_consolidated_state_dict,
+    agree_on_checkpoint,
     restore_hyperparams,
     scalar_tensor,
     whole_box,
@@ -204,7 +204,7 @@ def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
                 chunks.add_box(key, shape, region[0], values)
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
-    _agree(src, error, "state_dict()")
+    agree_on_checkpoint(src, error, "state_dict()")
     out = ShardedOptimizerState({**chunks.state_dict(src.mesh), **plain})
     out[FORMAT_KEY] = torch.tensor(_format_code(src), dtype=torch.int64)
     out[STEPS_KEY] = torch.tensor(int(src.steps), dtype=torch.int64)
@@ -231,15 +231,6 @@ def _py_value(t: torch.Tensor) -> Any:
     if t.is_floating_point():
         return float(t.item()) if t.dim() == 0 else tuple(float(x) for x in t.tolist())
     return int(t.item())
-
-
-def _agree(src: Checkpointable, error: BaseException | None, what: str) -> None:
-    try:
-        agree(error, what, comm=src.runtime.status_comm, timeout_s=src.status_timeout_s, mark=True)
-    except RankFailure as failure:
-        if error is not None:
-            raise error from None
-        raise CheckpointError(str(failure)) from failure
 
 
 # ------------------------------------------------------------------------------ loading it
@@ -390,7 +381,7 @@ def load_sharded_state_dict(src: Checkpointable, sd: Mapping[str, Any]) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
         error = exc
     try:
-        _agree(src, error, "load_state_dict()")
+        agree_on_checkpoint(src, error, "load_state_dict()")
     except CheckpointError as exc:
         if plan is not None and plan.shares_memory() or _in_place(src, sd):
             raise CheckpointError(f"{exc}; dcp.load had already written into this optimizer's tensors: load a good checkpoint before stepping") from None
