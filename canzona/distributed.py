@@ -356,7 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     :class:`~canzona.settings.OptimizerSettings` built from the keywords), ``plan`` (the layout's
     frozen plan: :class:`~canzona.plan.plan.Plan` or :class:`~canzona.plan.fsdp.FSDPPlan`),
     ``runtime`` (the layout's step engine: :class:`~canzona.runtime.dp.DPRuntime` or
-    :class:`~canzona.runtime.fsdp.FSDPRuntime`), ``comm_stats``
+    :class:`~canzona.runtime.shard.FSDPRuntime`), ``comm_stats``
     (:class:`~canzona.runtime.comm.CommStats`, bytes per rank per phase; cleared after
     construction), ``phase_times`` (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this
     object opens, accumulated across steps), ``mesh``, ``steps``, ``strategy``, ``matrix_cls``,

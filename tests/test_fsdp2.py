@@ -428,7 +428,7 @@ def _flaky(base: type, what: str) -> type:
 def _local_snapshot(opt) -> dict[str, object]:
     """Everything a step may change on this rank: the model's pieces, the element-wise masters and
     state, the hosted full masters and state, the step count (cloned)."""
-    from canzona.runtime.fsdp import local_block
+    from canzona.runtime.shard import local_block
 
     rt = opt.runtime
     snap: dict[str, object] = {"steps": opt.steps}
@@ -467,7 +467,7 @@ def _robust_cases(rank: int, mesh) -> dict:
 
     import canzona
     from canzona.optim import Muon
-    from canzona.runtime.fsdp import local_block
+    from canzona.runtime.shard import local_block
     from validation.harness import ReferenceRunner, integer_grads, mean_grads
     from validation.fsdp_harness import FSDPToy, compare_with_reference, fsdp_reference
 

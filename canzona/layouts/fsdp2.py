@@ -36,7 +36,7 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   each rank's own piece (fp32 masters of the piece);
 - matrix parameters: one task per parameter, hosted by one rank of its *shard group* (the
   ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.fsdp` and stepped
-  by :class:`canzona.runtime.fsdp.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
+  by :class:`canzona.runtime.shard.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
   Algorithm 2) with the pieces of a matrix spread over that group;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
@@ -68,7 +68,7 @@ from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, 
 from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.exchange import Block, PieceLayout
-from canzona.runtime.fsdp import FSDPRuntime, local_block
+from canzona.runtime.shard import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import RoleError, module_roles
@@ -284,7 +284,7 @@ class FSDP2Layout(Layout):
     ``replica`` (this rank's ``dp_replicate`` index), ``group_rank`` and ``group_size`` (this rank
     in its shard group), ``comm`` (the shard group's :class:`~canzona.runtime.comm.Comm`). ``plan``
     is an :class:`~canzona.plan.fsdp.FSDPPlan`, ``runtime`` an
-    :class:`~canzona.runtime.fsdp.FSDPRuntime`."""
+    :class:`~canzona.runtime.shard.FSDPRuntime`."""
 
     engine = "fsdp2"
     refused = ("grad_reduce", "param_sync", "bucket_numel", "tp_dims", "param_views", "grad_views", "overlap_updates", "alpha", "tp_schedule")

@@ -1,6 +1,6 @@
 """Cluster-scale prediction of the FSDP2 optimizer step (``canzona simulate --fsdp N``).
 
-Models one optimizer step of :mod:`canzona.runtime.fsdp` for an :class:`~canzona.plan.fsdp.FSDPPlan`
+Models one optimizer step of :mod:`canzona.runtime.shard` for an :class:`~canzona.plan.fsdp.FSDPPlan`
 on a hardware profile, with the cost constants of :mod:`canzona.sim.model`:
 
 * element-wise parameters: AdamW on each rank's own piece (memory-bound, no communication);
