@@ -1,6 +1,6 @@
 """FSDP2 plans as the one Plan: inputs, validation, document versions, the rank bound, and expert
-stacks costed as E tasks of (M, N) by the planner and the FSDP2 step simulator. Pure (no torch
-process group): milliseconds each."""
+stacks costed as E tasks of (M, N) by the planner and the FSDP2 step simulator, and each layout's
+refusal of the other's plan. No process group: about a second each at most."""
 
 from __future__ import annotations
 
@@ -177,3 +177,19 @@ def test_shard_specs_keep_tp_split_dims_with_tp_one() -> None:
     out = shard_specs(specs)
     assert all(s.tp == 1 for s in out)
     assert [s.tp_dim for s in out] == [s.tp_dim if s.tp_split else None for s in specs]
+
+
+def test_each_layout_refuses_the_other_layout_s_plan() -> None:
+    from types import SimpleNamespace
+
+    from canzona.layouts.fsdp2 import FSDP2Layout
+    from canzona.layouts.zero1 import Zero1Layout
+
+    shard, zero1 = plan_fsdp_model("qwen3-tiny", dp_shard=2), plan_model("qwen3-tiny", dp=2, layout="hf")
+    # tp 1, dp 2, lb-asc: a live model without TP has these very specs on both layouts, so without the
+    # layout check an FSDP2 plan would pass for a ZeRO-1 one (and the reverse)
+    assert (shard.inputs.dp, shard.inputs.tp, shard.inputs.strategy) == (zero1.inputs.dp, zero1.inputs.tp, zero1.inputs.strategy)
+    with pytest.raises(TypeError, match="for the ZeRO-1 layout, got an FSDP2 plan"):
+        Zero1Layout._check_given_plan(SimpleNamespace(dp=2, tp=1), shard, list(shard.specs))
+    with pytest.raises(TypeError, match="made for FSDP2 .* got a ZeRO-1 Plan"):
+        FSDP2Layout._check_given_plan(zero1, list(zero1.specs), shard.inputs)
