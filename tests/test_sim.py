@@ -411,3 +411,16 @@ def test_the_step_model_costs_expert_stacks_as_e_tasks_where_their_experts_are()
     cut = plan.params[next(i for i in stacks if plan.params[i].dp_ranges)]
     expected = {r: t[plan.params.index(cut)] * (e - s) / cut.spec.local_numel for r, s, e in cut.dp_ranges}
     assert all(step.matrix[r] >= v for r, v in expected.items())
+
+
+def test_cli_simulate_takes_either_expert_form(tmp_path, capsys):
+    paths = {form: tmp_path / f"{form}.json" for form in ("stacked", "separate")}
+    for form, path in paths.items():
+        code = cli.main(["simulate", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "2", "--strategies", "lb-asc",
+                         "--experts", form, "--json", str(path)])
+        assert code == 0, capsys.readouterr().err
+    docs = {form: json.loads(p.read_text()) for form, p in paths.items()}
+    assert docs["separate"]["inputs"]["experts"] == "separate" and "experts" not in docs["stacked"]["inputs"]
+    # replicated stacks hold every expert on both TP ranks: more optimizer state than TP-split matrices
+    mem = {form: d["strategies"]["lb-asc"]["memory_gb"] for form, d in docs.items()}
+    assert mem["stacked"] > mem["separate"]

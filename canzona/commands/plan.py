@@ -327,7 +327,7 @@ def format_fsdp_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[
     """The readable summary ``canzona plan --fsdp`` prints."""
     i, m, d = plan.inputs, plan.metrics, plan.metrics.details
     gib = 2**30
-    experts = f", {d['n_expert_tasks']} expert tasks where their rank holds them" if d["n_expert_tasks"] else ""
+    experts = f", {d['n_expert_tasks']} expert tasks on the ranks that hold them" if d["n_expert_tasks"] else ""
     lines = [
         f"{i.model}, FSDP2: dp_replicate {i.dp_replicate} x dp_shard {i.dp_shard} x tp {i.tp} = {i.world} ranks, "
         f"{i.optimizer}, strategy {i.strategy} (schedule {i.tp_schedule})",

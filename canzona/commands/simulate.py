@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
+    g.add_argument("--experts", choices=("stacked", "separate"), default="stacked",
+                   help="a MoE model's experts: (E, M, N) stacks of E tasks, replicated over TP (default, what canzona "
+                        "runs), or 'separate' TP-split 2-D matrices per expert")
 
     from dataclasses import fields
 
@@ -270,6 +273,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         plan_kw["cmax_bytes"] = cmax_to_bytes(args.cmax, args.tp)  # the plan counts fp32 gradient (grad_bytes 4)
     if args.bucket_numel is not None:
         plan_kw["bucket_numel"] = args.bucket_numel
+    if args.experts != "stacked":
+        plan_kw["experts"] = args.experts
     return plan_kw
 
 
@@ -488,7 +493,7 @@ def _run_fsdp(args: argparse.Namespace, setup: Any, hw: Any, default_strategies:
     for s in strategies:
         plan = plan_fsdp_model(
             args.model, dp_shard=args.fsdp, tp=args.tp, dp_replicate=args.dp_replicate, optimizer=args.optimizer,
-            strategy=s, cost="flops", **cmax,
+            strategy=s, cost="flops", experts=args.experts, **cmax,
         )
         rows.append((plan, simulate_fsdp(plan, hw, setup)))
     i = rows[0][0].inputs
