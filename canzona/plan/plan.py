@@ -698,23 +698,7 @@ class Plan:
             _check(version == VERSION or not shard, f"an FSDP2 plan is a version-{VERSION} document, this one says {version}")
             tp = 1 if shard else inputs.tp  # FSDP2 specs keep TP's split dim with tp 1 (chunks may be uneven)
             record = None if shard else get_strategy(inputs.strategy)
-            specs = [
-                ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
-                for q in doc["params"]
-            ]
-            params = tuple(
-                ParamPlan(
-                    spec=spec,
-                    bucket=_opt_int(q["bucket"]),
-                    offset=_opt_int(q["offset"]),
-                    dp_owner=q["dp_owner"],
-                    role=q["role"] if version >= 2 else param_role(record, spec.kind, spec.tp_split),
-                    dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
-                    tp_host=q["tp_host"],
-                    micro_group=q["micro_group"],
-                )
-                for spec, q in zip(specs, doc["params"])
-            )
+            params = _params_from_doc(doc["params"], tp, version, record)
             buckets = tuple(
                 Bucket(
                     index=int(b["index"]),
@@ -762,6 +746,27 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise PlanError(str(exc)) from None
         return cls.from_dict(doc)
+
+
+def _params_from_doc(rows: Any, tp: int, version: int, record: Strategy | None) -> tuple[ParamPlan, ...]:
+    """The ``params`` entries of a document (a version-1 document's roles from its strategy's record)."""
+    specs = [
+        ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
+        for q in rows
+    ]
+    return tuple(
+        ParamPlan(
+            spec=spec,
+            bucket=_opt_int(q["bucket"]),
+            offset=_opt_int(q["offset"]),
+            dp_owner=q["dp_owner"],
+            role=q["role"] if version >= 2 else param_role(record, spec.kind, spec.tp_split),  # type: ignore[arg-type]
+            dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
+            tp_host=q["tp_host"],
+            micro_group=q["micro_group"],
+        )
+        for spec, q in zip(specs, rows)
+    )
 
 
 def _opt_int(v: Any) -> int | None:

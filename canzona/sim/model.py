@@ -373,6 +373,20 @@ def _add_elementwise(ew_rank: np.ndarray, params: Sequence[Any], matrix: np.ndar
                 ew_rank[r] += ADAMW_BYTES_PER_ELEMENT * (s1 - s0) / hbm
 
 
+def _add_ungrouped_matrices(mat_rank: np.ndarray, tpc_rank: np.ndarray, params: Sequence[Any], which: np.ndarray, ns_time: np.ndarray, sync_ag: np.ndarray) -> None:
+    """Matrices handled without micro-groups, on their owner: replicated ones (every TP rank updates
+    its replica), TP-split ones under the sync schedule (all-gather, redundant compute), and expert
+    stacks (an owner's whole stack, or, for a stack cut between experts, each rank its ranges' experts)."""
+    for i in which.tolist():
+        p = params[i]
+        if p.dp_owner is not None:
+            mat_rank[p.dp_owner] += ns_time[i]
+            tpc_rank[p.dp_owner] += sync_ag[i]
+        else:
+            for r, s0, s1 in p.dp_ranges:
+                mat_rank[r] += ns_time[i] * (s1 - s0) / p.spec.local_numel
+
+
 def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, dp_link: Link, tp_link: Link) -> _StepLoads:
     """The optimizer step of every DP rank: equal chunks of AdamW (element-wise-only strategies),
     everything on every rank (``sc``), or each rank's owned parameters plus its TP micro-group
@@ -411,15 +425,7 @@ def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, 
     total_rank = np.zeros(dp)
     _add_elementwise(ew_rank, params, is_matrix & (matrix_opt != "adamw"), adamw_local, hbm)
     grouped = np.array([p.tp_host is not None for p in params])
-    # matrices handled without micro-groups: replicated ones (every TP rank updates its replica)
-    # and TP-split ones under the sync schedule (all-gather, redundant compute)
-    for i in np.flatnonzero(is_matrix & ~grouped & (matrix_opt != "adamw")):
-        if params[i].dp_owner is not None:
-            mat_rank[params[i].dp_owner] += ns_time[i]
-            tpc_rank[params[i].dp_owner] += sync_ag[i]
-        else:  # an expert stack cut between experts: each rank runs the experts of its ranges
-            for r, s0, s1 in params[i].dp_ranges:
-                mat_rank[r] += ns_time[i] * (s1 - s0) / local_numel[i]
+    _add_ungrouped_matrices(mat_rank, tpc_rank, params, np.flatnonzero(is_matrix & ~grouped & (matrix_opt != "adamw")), ns_time, sync_ag)
     apply_local = APPLY_BYTES_PER_ELEMENT * local_numel / hbm
     index = {p.name: i for i, p in enumerate(params)}
     n_groups = 0
