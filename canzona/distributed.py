@@ -354,9 +354,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Attributes: ``layout`` (the :class:`~canzona.layouts.base.Layout`), ``settings`` (the
     :class:`~canzona.settings.OptimizerSettings` built from the keywords), ``plan`` (the layout's
-    frozen plan: :class:`~canzona.plan.plan.Plan` or :class:`~canzona.plan.fsdp.FSDPPlan`),
+    frozen plan: a :class:`~canzona.plan.plan.Plan`, for either layout),
     ``runtime`` (the layout's step engine: :class:`~canzona.runtime.dp.DPRuntime` or
-    :class:`~canzona.runtime.fsdp.FSDPRuntime`), ``comm_stats``
+    :class:`~canzona.runtime.shard.FSDPRuntime`), ``comm_stats``
     (:class:`~canzona.runtime.comm.CommStats`, bytes per rank per phase; cleared after
     construction), ``phase_times`` (:class:`~canzona.runtime.phases.PhaseTimer` of the phases this
     object opens, accumulated across steps), ``mesh``, ``steps``, ``strategy``, ``matrix_cls``,

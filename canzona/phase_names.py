@@ -17,7 +17,7 @@ Shape of a name: ``canzona/<dimension>/<what>[/<index>][/<stage>]``
   flags; ``forward``, ``backward`` and ``optimizer/step`` frame an iteration.
 - The micro-group exchange engine (:mod:`canzona.runtime.exchange`) is shared by TP and FSDP2:
   its owner hands it an :class:`ExchangePhases` spelled out in full (``runtime/tp.py`` the
-  ``canzona/tp/...`` names, ``runtime/fsdp.py`` the ``canzona/shard/...`` ones), so an FSDP2 run
+  ``canzona/tp/...`` names, ``runtime/shard.py`` the ``canzona/shard/...`` ones), so an FSDP2 run
   without TP opens no ``canzona/tp/*`` range and the grep lands on the layout that chose it.
 - ``<index>`` is ``bucket<i>`` or ``group<k>`` where the phase runs once per bucket or micro-group.
 - ``<stage>`` is ``launch`` or ``wait`` for a collective that is started asynchronously: the

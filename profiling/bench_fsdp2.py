@@ -347,7 +347,7 @@ def _record(c: dict[str, Any], walls: list[float], cpus: list[float], procs: lis
     if hasattr(opt, "phase_times"):
         pt = opt.phase_times
         rec["phases"] = {k: (pt.wall[k] / steps, pt.cpu[k] / steps, pt.calls[k] / steps) for k in pt.wall}
-        rec["groups"] = len(opt.plan.groups)
+        rec["groups"] = len(opt.plan.micro_groups[0])
     return rec
 
 

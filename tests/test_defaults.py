@@ -62,7 +62,7 @@ def test_cmax_unit_is_the_papers() -> None:
     assert cmax_to_bytes(DEFAULT_CMAX, TP, 2) == cmax_to_bytes(DEFAULT_CMAX, TP) // 2  # elements, not bytes
     assert _plan().inputs.cmax_bytes == cmax_to_bytes(DEFAULT_CMAX, TP)
     assert "TP-local" in CMAX_UNIT
-    from canzona.plan.fsdp import plan_fsdp_model
+    from canzona.plan import plan_fsdp_model
     assert plan_fsdp_model("qwen3-tiny", dp_shard=2, tp=2).inputs.cmax_bytes == cmax_to_bytes(DEFAULT_CMAX, 2)
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, piece_numels, plan_fsdp
+from canzona.plan import FSDP_STRATEGIES, Plan, piece_numels, plan_shard, shard_inputs
+from canzona.specs import ParamSpec
 from canzona.runtime.exchange import (
     Block,
     ExchangeTask,
@@ -176,65 +177,66 @@ def test_piece_numels_follow_fsdp2_chunking() -> None:
     assert sum(piece_numels((13, 6), None, 4, 2)) == 2 * 13 * 6  # replicated over tp: two copies
 
 
-def _params() -> list[FSDPParam]:
+def _params() -> list[ParamSpec]:
     out = []
     for name, (shape, tp_dim) in SHAPES.items():
         kind = "matrix" if len(shape) == 2 and not name.startswith("embed") else "elementwise"
-        out.append(FSDPParam(name, shape, kind, tp_dim))
+        out.append(ParamSpec(name, shape, kind, tp_dim))
     return out
 
 
 def test_plan_strategies_hosts_and_document_round_trip(tmp_path) -> None:
     for strategy in FSDP_STRATEGIES:
-        plan = plan_fsdp(_params(), FSDPInputs("toy", dp_shard=2, tp=2, strategy=strategy, cost="flops"))
+        plan = plan_shard(_params(), shard_inputs("toy", dp_shard=2, tp=2, strategy=strategy, cost="flops"))
         hosts = plan.hosts()
         assert sorted(hosts) == sorted(p.name for p in _params() if p.kind == "matrix")
         if strategy == "sc":
             assert set(hosts.values()) == {-1}
             # every rank computes every matrix; only the uneven element-wise pieces differ
-            assert plan.metrics["flops_ratio"] < 1.01
+            assert plan.metrics.details["flops_ratio"] < 1.01
         else:
             assert all(0 <= h < 4 for h in hosts.values())
-            assert plan.metrics["flops_ratio"] >= plan.metrics["flops_bound"] - 1e-12
+            assert plan.metrics.details["flops_ratio"] >= plan.metrics.details["flops_bound"] - 1e-12
         if strategy == "no-fuse":
-            assert len(plan.groups) == len(hosts)
+            assert len(plan.micro_groups[0]) == len(hosts)
         path = tmp_path / f"{strategy}.json"
         plan.to_json(path)
-        back = FSDPPlan.from_dict(__import__("json").loads(path.read_text()))
+        back = Plan.from_dict(__import__("json").loads(path.read_text()))
         assert back == plan and back.fingerprint == plan.fingerprint
     doc = plan.to_dict()
-    doc["groups"][0]["hosts"][0] = 0 if doc["groups"][0]["hosts"][0] != 0 else 1
+    g0 = doc["micro_groups"]["0"][0]
+    g0["hosts"][0] = 0 if g0["hosts"][0] != 0 else 1
     with pytest.raises(ValueError):
-        FSDPPlan.from_dict(doc)
+        Plan.from_dict(doc)
     with pytest.raises(ValueError, match="does not run on FSDP2"):
-        FSDPInputs("toy", dp_shard=2, strategy="zero1")
+        shard_inputs("toy", dp_shard=2, strategy="zero1")
 
 
 def test_lb_asc_carries_host_loads_across_one_task_groups() -> None:
     # eight equal matrices, each above C_max: one task per group. Algorithm 2 from zero loads would
     # put all eight on host 0; carried loads spread them one per host.
-    params = [FSDPParam(f"layers.{i}.w", (64, 64), "matrix") for i in range(8)]
-    plan = plan_fsdp(params, FSDPInputs("toy", dp_shard=8, strategy="lb-asc", cmax_bytes=1024))
-    assert len(plan.groups) == 8
+    params = [ParamSpec(f"layers.{i}.w", (64, 64), "matrix") for i in range(8)]
+    plan = plan_shard(params, shard_inputs("toy", dp_shard=8, strategy="lb-asc", cmax_bytes=1024))
+    assert len(plan.micro_groups[0]) == 8
     assert sorted(plan.hosts().values()) == list(range(8))
-    assert plan.metrics["flops_ratio"] == pytest.approx(1.0)
-    asc = plan_fsdp(params, FSDPInputs("toy", dp_shard=8, strategy="asc", cmax_bytes=1024))
+    assert plan.metrics.details["flops_ratio"] == pytest.approx(1.0)
+    asc = plan_shard(params, shard_inputs("toy", dp_shard=8, strategy="asc", cmax_bytes=1024))
     assert sorted(asc.hosts().values()) == list(range(8))
 
 
 def test_planner_at_cluster_scale_sits_at_the_atomic_bound() -> None:
     from canzona.plan.build import resolve_model
-    from canzona.plan.fsdp import params_from_specs
+    from canzona.plan import shard_specs
     from canzona.specs import specs_from_config
 
     specs = specs_from_config(resolve_model("qwen3-32b"), tp=8, layout="hf")
-    lb = plan_fsdp(params_from_specs(specs), FSDPInputs("qwen3-32b", dp_shard=32, tp=8, strategy="lb-asc", cost="flops"))
-    asc = plan_fsdp(params_from_specs(specs), FSDPInputs("qwen3-32b", dp_shard=32, tp=8, strategy="asc", cost="flops"))
-    m = lb.metrics
+    lb = plan_shard(shard_specs(specs), shard_inputs("qwen3-32b", dp_shard=32, tp=8, strategy="lb-asc", cost="flops"))
+    asc = plan_shard(shard_specs(specs), shard_inputs("qwen3-32b", dp_shard=32, tp=8, strategy="asc", cost="flops"))
+    m = lb.metrics.details
     assert m["ranks"] == 256 and len(m["flops_per_rank"]) == 256
     # at the bound: the host of the largest matrix carries nothing else but its element-wise pieces
     assert m["flops_bound"] <= m["flops_ratio"] <= m["flops_bound"] * 1.001
-    assert asc.metrics["flops_ratio"] > 1.2 * m["flops_ratio"]
+    assert asc.metrics.details["flops_ratio"] > 1.2 * m["flops_ratio"]
 
 
 # ============================================================================ distributed (gloo)
@@ -428,7 +430,7 @@ def _flaky(base: type, what: str) -> type:
 def _local_snapshot(opt) -> dict[str, object]:
     """Everything a step may change on this rank: the model's pieces, the element-wise masters and
     state, the hosted full masters and state, the step count (cloned)."""
-    from canzona.runtime.fsdp import local_block
+    from canzona.runtime.shard import local_block
 
     rt = opt.runtime
     snap: dict[str, object] = {"steps": opt.steps}
@@ -467,7 +469,7 @@ def _robust_cases(rank: int, mesh) -> dict:
 
     import canzona
     from canzona.optim import Muon
-    from canzona.runtime.fsdp import local_block
+    from canzona.runtime.shard import local_block
     from validation.harness import ReferenceRunner, integer_grads, mean_grads
     from validation.fsdp_harness import FSDPToy, compare_with_reference, fsdp_reference
 
@@ -905,9 +907,9 @@ def test_cli_plan_fsdp_prints_ratios_and_writes_the_document(capsys, tmp_path) -
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     assert "256 ranks" in out and "atomic bound" in out and str(path) in out
-    plan = FSDPPlan.from_dict(json.loads(path.read_text()))
-    assert plan.inputs.world == 256 and plan.inputs.strategy == "lb-asc"
-    assert f"{plan.metrics['flops_ratio']:.3f}" in out
+    plan = Plan.from_dict(json.loads(path.read_text()))
+    assert plan.inputs.world == 256 and plan.inputs.strategy == "lb-asc" and plan.inputs.layout_kind == "fsdp2"
+    assert f"{plan.metrics.details['flops_ratio']:.3f}" in out
     for argv, msg in (
         (["--fsdp", "4", "--dp", "4"], "give one of them"),
         (["--fsdp", "4", "--strategy", "zero1"], "ZeRO-1"),
@@ -920,8 +922,8 @@ def test_cli_plan_fsdp_prints_ratios_and_writes_the_document(capsys, tmp_path) -
 
 def test_simulate_fsdp_at_cluster_scale(capsys) -> None:
     from canzona.cli import main
-    from canzona.plan.fsdp import plan_fsdp_model
-    from canzona.sim.fsdp import simulate_fsdp
+    from canzona.plan import plan_fsdp_model
+    from canzona.sim.shard import simulate_fsdp
     from canzona.sim.hardware import load_hardware
 
     hw = load_hardware("h800-ib400")
@@ -985,9 +987,9 @@ def test_a_planning_failure_on_one_rank_is_raised_on_every_rank() -> None:
     """The one front end's fingerprint agreement on the FSDP2 layout: rank 1's own error there,
     a RankFailure naming rank 1 and its message on rank 0, both within seconds."""
     r0, r1 = (r["raised"] for r in _robust("plan_fails"))
-    assert r1 is not None and r1[0] == "TypeError" and "plan must be a canzona FSDPPlan" in r1[1], r1
+    assert r1 is not None and r1[0] == "TypeError" and "plan must be a canzona Plan made for FSDP2" in r1[1], r1
     assert r0 is not None and r0[0] == "RankFailure", r0
-    assert r0[1].startswith("building the plan (no rank proceeds) failed on 1 rank(s); rank 1: ") and "FSDPPlan" in r0[1], r0
+    assert r0[1].startswith("building the plan (no rank proceeds) failed on 1 rank(s); rank 1: ") and "made for FSDP2" in r0[1], r0
     assert r0[2] < BOUND_S and r1[2] < BOUND_S
 
 

@@ -79,9 +79,9 @@ def test_the_exchange_names_are_chosen_by_each_layout() -> None:
     in that layout's own module, none in the shared engine."""
     runtime = ROOT / "canzona" / "runtime"
     assert {n for n in _opened(runtime / "tp.py") if n.startswith("canzona/tp/")} == {P.TP_GATHER, P.TP_COMPUTE, P.TP_SCATTER, P.TP_APPLY}
-    assert {n for n in _opened(runtime / "fsdp.py") if n.startswith("canzona/shard/")} == {P.SHARD_GATHER, P.SHARD_COMPUTE, P.SHARD_SCATTER, P.SHARD_APPLY}
+    assert {n for n in _opened(runtime / "shard.py") if n.startswith("canzona/shard/")} == {P.SHARD_GATHER, P.SHARD_COMPUTE, P.SHARD_SCATTER, P.SHARD_APPLY}
     assert not _literals(runtime / "exchange.py"), "the shared engine spells no name: its owner passes them"
-    assert not [t for _, t in _literals(runtime / "fsdp.py") if t.startswith("canzona/tp/")]
+    assert not [t for _, t in _literals(runtime / "shard.py") if t.startswith("canzona/tp/")]
 
 
 def test_exchange_phases_refuse_a_mixed_or_unknown_set() -> None:

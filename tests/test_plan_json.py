@@ -31,7 +31,7 @@ def test_round_trip(strategy, tmp_path):
 
 def test_document_keys():
     doc = json.loads(_plan().to_json())
-    assert doc["schema"] == "canzona.plan" and doc["version"] == 2
+    assert doc["schema"] == "canzona.plan" and doc["version"] == 3 and doc["inputs"]["layout_kind"] == "zero1"
     assert {"model", "layout", "dp", "tp", "optimizer", "strategy", "alpha", "cost", "cmax_bytes", "bucket_numel"} <= set(doc["inputs"])
     p = doc["params"][0]
     assert {"name", "shape", "local_shape", "tp_dim", "kind", "bucket", "offset", "numel", "dp_owner", "dp_ranges",
@@ -58,8 +58,8 @@ def test_tampered_documents_rejected():
     bad["params"][0]["dp_owner"] = 1 - (bad["params"][0]["dp_owner"] or 0)
     with pytest.raises(PlanError):
         Plan.from_dict(bad)
-    for version in (3, 0, "2", True):
-        with pytest.raises(PlanError, match=r"unsupported plan version .* \(this canzona reads 2, and migrates 1\)"):
+    for version in (4, 0, "2", True):
+        with pytest.raises(PlanError, match=r"unsupported plan version .* \(this canzona reads 3 and 2, and migrates 1\)"):
             Plan.from_dict(dict(doc, version=version))
     # the contract fields are checked against the strategy's record, not trusted
     bad = json.loads(json.dumps(doc))
@@ -91,11 +91,24 @@ def test_version_1_documents_migrate(strategy):
     old = _as_version_1(plan)
     back = Plan.from_dict(old)
     assert back == plan and back.fingerprint == plan.fingerprint
-    assert back.to_dict()["version"] == 2 and plan.fingerprint != old["fingerprint"]
+    assert back.to_dict()["version"] == 3 and plan.fingerprint != old["fingerprint"]
     tampered = json.loads(json.dumps(old))
     tampered["fingerprint"] = plan.fingerprint  # a version-1 document is checked with its own formula
     with pytest.raises(PlanError, match="fingerprint does not match"):
         Plan.from_dict(tampered)
+
+
+@pytest.mark.parametrize("strategy", ["lb-asc", "zero1"])
+def test_version_2_documents_are_read_with_their_fingerprint(strategy):
+    # version 2 had no layout fields: a ZeRO-1 plan's fingerprint leaves them out, so a version-2
+    # document reads back as the same plan with the same fingerprint
+    plan = _plan(strategy)
+    doc = plan.to_dict()
+    doc["version"] = 2
+    for k in ("layout_kind", "dp_shard", "dp_replicate"):
+        del doc["inputs"][k]
+    back = Plan.from_dict(json.loads(json.dumps(doc)))
+    assert back == plan and back.fingerprint == plan.fingerprint == doc["fingerprint"]
 
 
 def test_plan_equality_ignores_timing_and_hashes():
@@ -116,7 +129,7 @@ def test_fingerprint_is_computed_once(monkeypatch):
     digest = Plan._digest
     monkeypatch.setattr(Plan, "_digest", lambda self, v: calls.append(v) or digest(self, v))
     first = plan.fingerprint
-    assert plan.fingerprint == first and hash(plan) == hash(first) and calls == [2]
+    assert plan.fingerprint == first and hash(plan) == hash(first) and calls == [3]
 
 
 # ------------------------------------------------------------------------------------------ validate

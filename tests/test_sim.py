@@ -389,3 +389,38 @@ def test_moe_1t_config_is_a_trillion_parameters():
 
     n = sum(s.numel for s in specs_from_config(moe_1t_config()))
     assert 1.0e12 < n < 1.1e12
+
+
+def test_the_step_model_costs_expert_stacks_as_e_tasks_where_their_experts_are():
+    """A MoE config's experts are (E, M, N) stacks, the planner's default: each is E tasks of the
+    (M, N) expert shape, and a stack cut between experts runs each rank's share of them."""
+    from canzona.sim.model import Setup, _links, _matrix_times, _step_loads, plan_for
+    from canzona.sim.shard import _ns_seconds
+
+    hw, setup = load_hardware("h800-ib400"), Setup()
+    plan = plan_for("qwen3-moe-tiny", "lb-asc", dp=4, tp=1)
+    stacks = [i for i, p in enumerate(plan.params) if p.spec.kind == "experts"]
+    assert stacks and any(plan.params[i].dp_ranges for i in stacks)  # some stacks are cut between experts
+    t = _matrix_times(plan, hw, setup, "muon")
+    for i in stacks:
+        s = plan.params[i].spec
+        assert t[i] == pytest.approx(s.shape[0] * _ns_seconds(hw, setup, "muon", s.task_shape), rel=1e-12)
+    # tp 1: no micro-groups, so the ranks' matrix time is every task's time, each counted once
+    step = _step_loads(plan, hw, setup, "muon", *_links(hw, 4, 1))
+    assert float(step.matrix.sum()) == pytest.approx(float(t.sum()), rel=1e-12)
+    cut = plan.params[next(i for i in stacks if plan.params[i].dp_ranges)]
+    expected = {r: t[plan.params.index(cut)] * (e - s) / cut.spec.local_numel for r, s, e in cut.dp_ranges}
+    assert all(step.matrix[r] >= v for r, v in expected.items())
+
+
+def test_cli_simulate_takes_either_expert_form(tmp_path, capsys):
+    paths = {form: tmp_path / f"{form}.json" for form in ("stacked", "separate")}
+    for form, path in paths.items():
+        code = cli.main(["simulate", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "2", "--strategies", "lb-asc",
+                         "--experts", form, "--json", str(path)])
+        assert code == 0, capsys.readouterr().err
+    docs = {form: json.loads(p.read_text()) for form, p in paths.items()}
+    assert docs["separate"]["inputs"]["experts"] == "separate" and "experts" not in docs["stacked"]["inputs"]
+    # replicated stacks hold every expert on both TP ranks: more optimizer state than TP-split matrices
+    mem = {form: d["strategies"]["lb-asc"]["memory_gb"] for form, d in docs.items()}
+    assert mem["stacked"] > mem["separate"]

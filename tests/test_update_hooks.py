@@ -146,12 +146,12 @@ def _fsdp_case(rank: int, world: int) -> dict[str, Any]:
     me = opt.group_rank
     expected, cut = [], []
     for p in opt.plan.params:
-        if p.kind == "matrix":
-            if p.host == me:
+        if p.spec.kind == "matrix":
+            if p.tp_host == me:
                 expected.append(p.name)
             continue
         blocks = opt.runtime.layouts[p.name].blocks
-        holders = [r for r, b in enumerate(blocks) if tuple(b.shape) == tuple(p.shape)]
+        holders = [r for r, b in enumerate(blocks) if tuple(b.shape) == tuple(p.spec.shape)]
         if not holders:
             cut.append(p.name)
         if me in holders:

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from canzona.optimizers import get_optimizer, optimizer_names
-from canzona.plan.fsdp import FSDP_STRATEGIES
+from canzona.plan.strategies import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy
 
 __all__ = [

@@ -8,7 +8,14 @@ Examples::
     canzona plan --model qwen3-32b --dp 4 --tp 8 --pp 4
     canzona plan --model qwen3-32b --dp 32 --tp 8 --convention paper
     canzona plan --list-strategies
-    canzona plan --model qwen3-32b --fsdp 32 --tp 8          # FSDP2 (see canzona.commands.plan_fsdp)
+    canzona plan --model qwen3-32b --fsdp 32 --tp 8          # FSDP2
+    canzona plan --model qwen3-32b --fsdp 16 --dp-replicate 2 --tp 8 --strategy asc --json fsdp.json
+
+With ``--fsdp N`` the plan is FSDP2's over all ``dp_replicate x fsdp x tp`` ranks: every matrix is
+a task hosted by one rank of its shard group (``fsdp x tp`` ranks), expert stacks are E tasks
+updated where FSDP2 leaves them, element-wise parameters stay on every rank's own piece. It prints
+the max/mean optimizer FLOPs and state bytes over every GPU next to the atomic lower bound (the
+largest single task / mean); ``--json`` writes the same versioned plan document.
 """
 
 from __future__ import annotations
@@ -33,14 +40,24 @@ from canzona.plan import (
     plan_model,
 )
 from canzona.optimizers import optimizer_names
-from canzona.plan.build import resolve_model
+from canzona.plan.build import plan_fsdp_model, resolve_model
 from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention_plan, lower_bound, worst_tp_group_bound
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
-from canzona.plan.fsdp import FSDP_STRATEGIES
+from canzona.plan.strategies import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.specs import LAYOUTS, specs_from_config
 
-__all__ = ["add_arguments", "run", "one_line_errors", "format_plan", "format_compare", "format_stages", "format_authors"]
+__all__ = [
+    "add_arguments",
+    "run",
+    "one_line_errors",
+    "format_plan",
+    "format_compare",
+    "format_stages",
+    "format_authors",
+    "format_fsdp_plan",
+    "check_fsdp_ranks",
+]
 
 
 def _int(text: str) -> int:
@@ -215,9 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise UserError("--model is required (a shipped model name or a config JSON path)")
     if args.fsdp is not None:
-        from canzona.commands.plan_fsdp import run_fsdp
-
-        return run_fsdp(args, output_path(args.json, "--json") if args.json is not None else None)
+        return _run_fsdp(args, output_path(args.json, "--json") if args.json is not None else None)
     if args.strategy not in strategy_names():
         raise UserError(f"strategy {args.strategy!r} runs on FSDP2 only (--fsdp); choose one of {', '.join(strategy_names())}")
     args.layout = args.layout or "megatron"
@@ -289,4 +304,75 @@ def run(args: argparse.Namespace) -> int:
             raise
         notes.append(f"plan document written to {json_path}")
     print(format_plan(plan, notes))
+    return 0
+
+
+# ------------------------------------------------------------------------------------ --fsdp
+def check_fsdp_ranks(fsdp: int, dp_replicate: int, tp: int) -> None:
+    """The planner's bounds, with the flags' names: ``dp_replicate x fsdp`` data-parallel ranks at
+    most :data:`~canzona.plan.build.MAX_DP`, ``tp`` at most :data:`~canzona.plan.build.MAX_TP` (a
+    larger figure is a typo, and planning it would take minutes and gigabytes)."""
+    from canzona.plan.build import MAX_DP, MAX_TP
+
+    for flag, v in (("--fsdp", fsdp), ("--dp-replicate", dp_replicate), ("--tp", tp)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1, got {v}")
+    if fsdp * dp_replicate > MAX_DP:
+        raise UserError(f"--dp-replicate x --fsdp = {dp_replicate} x {fsdp} data-parallel ranks, above canzona's bound {MAX_DP}")
+    if tp > MAX_TP:
+        raise UserError(f"--tp {tp} is above canzona's bound {MAX_TP}")
+
+
+def format_fsdp_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assignment]
+    """The readable summary ``canzona plan --fsdp`` prints."""
+    i, m, d = plan.inputs, plan.metrics, plan.metrics.details
+    gib = 2**30
+    experts = f", {d['n_expert_tasks']} expert tasks on the ranks that hold them" if d["n_expert_tasks"] else ""
+    lines = [
+        f"{i.model}, FSDP2: dp_replicate {i.dp_replicate} x dp_shard {i.dp_shard} x tp {i.tp} = {i.world} ranks, "
+        f"{i.optimizer}, strategy {i.strategy} (schedule {i.tp_schedule})",
+        f"cost {i.cost}, C_max {cmax_from_bytes(i.cmax_bytes, i.tp, i.grad_bytes):g} x 2^20 TP-local elements per host "
+        f"({i.cmax_bytes / 2**20:g} MiB); shard group of {i.group_size} ranks"
+        + (f", {i.dp_replicate} replicas run the same step" if i.dp_replicate > 1 else ""),
+        "",
+        f"  {'matrix tasks':<26}{d['n_matrix_tasks']} in {d['n_micro_groups']} micro-groups{experts}",
+        f"  {'optimizer FLOPs / rank':<26}max {d['flops_max']:.4g}, mean {d['flops_mean']:.4g}",
+        f"  {'FLOPs ratio (max/mean)':<26}{d['flops_ratio']:.3f}   (atomic bound {d['flops_bound']:.3f})",
+        f"  {'state bytes / rank':<26}max {d['memory_max'] / gib:.3f} GiB, mean {d['memory_mean'] / gib:.3f} GiB",
+        f"  {'memory ratio (max/mean)':<26}{d['memory_ratio']:.3f}   (atomic bound {d['memory_bound']:.3f})",
+        f"  {'plan time':<26}{m.plan_seconds * 1e3:.1f} ms",
+        f"  {'fingerprint':<26}{plan.fingerprint}",
+    ]
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _run_fsdp(args: argparse.Namespace, json_path: object = None) -> int:
+    """The ``--fsdp`` branch of ``canzona plan`` (an FSDP2 plan)."""
+    if args.dp is not None:
+        raise UserError("--dp plans canzona's own ZeRO-1 path and --fsdp plans FSDP2; give one of them")
+    check_fsdp_ranks(args.fsdp, args.dp_replicate, args.tp)
+    if args.strategy not in FSDP_STRATEGIES:
+        raise UserError(f"strategy {args.strategy!r} needs canzona's ZeRO-1 buffer; on FSDP2 choose one of {', '.join(FSDP_STRATEGIES)}")
+    if args.compare:
+        raise UserError("--compare is for the ZeRO-1 planner; run --fsdp once per --strategy")
+    plan = plan_fsdp_model(
+        args.model,
+        dp_shard=args.fsdp,
+        tp=args.tp,
+        dp_replicate=args.dp_replicate,
+        layout=args.layout or "hf",
+        optimizer=args.optimizer,
+        strategy=args.strategy,
+        cost=args.cost,
+        **({"cmax_bytes": cmax_to_bytes(args.cmax, args.tp)} if args.cmax is not None else {}),
+    )
+    notes = []
+    if json_path is not None:
+        try:
+            plan.to_json(json_path)  # type: ignore[arg-type]
+        except OSError as exc:
+            raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+        notes.append(f"plan document written to {json_path}")
+    print(format_fsdp_plan(plan, notes))
     return 0

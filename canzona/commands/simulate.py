@@ -6,16 +6,26 @@ prints fwd-bwd / optimizer / iteration per strategy with their breakdown; on the
 configuration it also prints the paper's Figure 4 beside the predictions, the ratios, and which
 assumption dominates each ratio's error. ``--json PATH`` writes everything (inputs, the hardware
 profile with sources, setup with sources, per-strategy results, comparison, sweeps).
+
+    canzona simulate --model qwen3-32b --fsdp 32 --tp 8 --hardware h800-ib400
+
+predicts the FSDP2 optimizer step instead: every FSDP2 strategy planned for ``dp_replicate x fsdp x
+tp`` ranks (:func:`canzona.plan.plan_fsdp_model`), its step predicted by
+:func:`canzona.sim.shard.simulate_fsdp` (slowest rank, mean and imbalance, host compute, exchange
+time) next to the plan's FLOPs max/mean and atomic bound. Forward/backward is FSDP2's and not
+modelled there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import fields
 from typing import Any
 
+from canzona.errors import UserError
 from canzona.commands._args import add_cmax_argument, file_path, output_path, positive_float, write_output
 from canzona.plan.build import DEFAULT_CMAX, cmax_to_bytes
 from canzona.config import check_tp_degree
@@ -37,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="qwen3-32b", help="shipped model name, config path, or qwen3-moe-1t (default: qwen3-32b)")
     g.add_argument("--dp", type=int, default=32, help="data-parallel size (default 32)")
     g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-    g.add_argument("--fsdp", type=int, default=None, help="simulate FSDP2 instead: dp_shard size (see canzona.commands.simulate_fsdp)")
+    g.add_argument("--fsdp", type=int, default=None, help="simulate FSDP2 instead: dp_shard size (ranks per replica = fsdp x tp)")
     g.add_argument("--dp-replicate", type=int, default=1, help="with --fsdp: HSDP replicas (default 1)")
     g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
     g.add_argument("--hardware", default="h800-ib400", help="profile name in canzona/data/hardware or a profile JSON path (default h800-ib400)")
@@ -49,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-numel", type=int, default=None, help="ZeRO-1 bucket size in elements (default: Megatron's max(40M, 1M x dp))")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; each stage planned on its own; default 1)")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per iteration with --pp (default: grad-accum if > 1, else pp)")
+    g.add_argument("--experts", choices=("stacked", "separate"), default="stacked",
+                   help="a MoE model's experts: (E, M, N) stacks of E tasks, replicated over TP (default, what canzona "
+                        "runs), or 'separate' TP-split 2-D matrices per expert")
 
     from dataclasses import fields
 
@@ -260,6 +273,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         plan_kw["cmax_bytes"] = cmax_to_bytes(args.cmax, args.tp)  # the plan counts fp32 gradient (grad_bytes 4)
     if args.bucket_numel is not None:
         plan_kw["bucket_numel"] = args.bucket_numel
+    if args.experts != "stacked":
+        plan_kw["experts"] = args.experts
     return plan_kw
 
 
@@ -380,10 +395,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         output_path(args.json, "--json")  # before the work: an unwritable output fails at once
     if args.fsdp is not None:
-        from canzona.commands.simulate_fsdp import run_fsdp_sim
         from canzona.sim.model import SIM_STRATEGIES
 
-        return run_fsdp_sim(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
+        return _run_fsdp(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
     strategies = _strategies(args)
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp is not None else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha is not None else None
@@ -447,3 +461,61 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "item"):
         return o.item()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+# ------------------------------------------------------------------------------------ --fsdp
+def _fsdp_strategies(args: argparse.Namespace, default_strategies: str) -> list[str]:
+    from canzona.plan.strategies import FSDP_STRATEGIES
+
+    if args.strategies == default_strategies:
+        return list(FSDP_STRATEGIES)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in FSDP_STRATEGIES]
+    if bad or not strategies:
+        raise UserError(f"unknown FSDP2 strategy {', '.join(bad) or '(none)'}; choose from {', '.join(FSDP_STRATEGIES)}")
+    return strategies
+
+
+def _run_fsdp(args: argparse.Namespace, setup: Any, hw: Any, default_strategies: str) -> int:
+    """The ``--fsdp`` branch of ``canzona simulate`` (setup and hardware parsed by the caller)."""
+    from canzona.commands.plan import check_fsdp_ranks
+    from canzona.plan.build import plan_fsdp_model
+    from canzona.sim.shard import simulate_fsdp
+
+    check_fsdp_ranks(args.fsdp, args.dp_replicate, args.tp)
+    if args.paper or args.sweep_dp is not None or args.sweep_alpha is not None:
+        raise UserError("--paper, --sweep-dp and --sweep-alpha simulate canzona's ZeRO-1 path; drop them with --fsdp")
+    strategies = _fsdp_strategies(args, default_strategies)
+    if args.tp_overlap is None:
+        setup = dataclasses.replace(setup, tp_overlap="pipelined")  # what the runtime does
+    cmax = {} if args.cmax is None else {"cmax_bytes": cmax_to_bytes(args.cmax, args.tp)}
+    rows = []
+    for s in strategies:
+        plan = plan_fsdp_model(
+            args.model, dp_shard=args.fsdp, tp=args.tp, dp_replicate=args.dp_replicate, optimizer=args.optimizer,
+            strategy=s, cost="flops", experts=args.experts, **cmax,
+        )
+        rows.append((plan, simulate_fsdp(plan, hw, setup)))
+    i = rows[0][0].inputs
+    print(
+        f"{i.model}, FSDP2 dp_replicate {i.dp_replicate} x dp_shard {i.dp_shard} x tp {i.tp} = {i.world} GPUs, {i.optimizer}, "
+        f"hardware {hw.name}, shard group of {i.group_size} on {rows[0][1].link}, overlap {setup.tp_overlap}"
+    )
+    head = f"{'strategy':<10}{'step s':>9}{'mean s':>9}{'max/mean':>9}{'host s':>9}{'exchange s':>11}{'groups':>7}{'FLOPs ratio':>12}{'bound':>7}"
+    print(head)
+    print("-" * len(head))
+    base = next((r for p, r in rows if p.inputs.strategy == "lb-asc"), None)
+    for plan, r in rows:
+        d = plan.metrics.details
+        print(
+            f"{r.strategy:<10}{r.optimizer_s:>9.4f}{r.rank_mean_s:>9.4f}{r.rank_imbalance:>9.3f}{r.host_compute_max_s:>9.4f}"
+            f"{r.exchange_s:>11.4f}{r.n_micro_groups:>7}{d['flops_ratio']:>12.3f}{d['flops_bound']:>7.3f}"
+        )
+    if base is not None:
+        print("step relative to lb-asc: " + ", ".join(f"{r.strategy} {r.optimizer_s / base.optimizer_s:.2f}x" for _, r in rows))
+    if args.json:
+        doc: dict[str, Any] = {"schema": "canzona.fsdp_simulation", "version": 1, "hardware": hw.name,
+                               "results": {r.strategy: r.summary() for _, r in rows}}
+        write_output(args.json, json.dumps(doc, indent=1) + "\n")  # atomic, names the path on failure
+        print(f"note: results written to {args.json}")
+    return 0

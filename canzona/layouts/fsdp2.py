@@ -35,8 +35,8 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
 - element-wise parameters (embeddings, heads, norms, biases): the element-wise optimizer runs on
   each rank's own piece (fp32 masters of the piece);
 - matrix parameters: one task per parameter, hosted by one rank of its *shard group* (the
-  ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.fsdp` and stepped
-  by :class:`canzona.runtime.fsdp.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
+  ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.shard` and stepped
+  by :class:`canzona.runtime.shard.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
   Algorithm 2) with the pieces of a matrix spread over that group;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
@@ -64,14 +64,16 @@ from torch import nn
 from canzona.layouts.base import Layout, OptimizerFactory
 from canzona.optimizers import cost_key_for_class
 from canzona.plan.build import cmax_to_bytes
-from canzona.plan.fsdp import FSDP_STRATEGIES, FSDPInputs, FSDPParam, FSDPPlan, plan_fsdp
+from canzona.plan.plan import Plan, PlanInputs
+from canzona.plan.shard import plan_shard, shard_inputs
+from canzona.plan.strategies import FSDP_STRATEGIES
 from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.exchange import Block, PieceLayout
-from canzona.runtime.fsdp import FSDPRuntime, local_block
+from canzona.runtime.shard import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import RoleError, module_roles
+from canzona.specs import ParamSpec, RoleError, module_roles
 
 __all__ = [
     "FSDP_MESH_DIMS",
@@ -283,8 +285,8 @@ class FSDP2Layout(Layout):
     Attributes the front end forwards: ``dp`` (``dp_replicate x dp_shard``), ``tp``, ``tp_rank``,
     ``replica`` (this rank's ``dp_replicate`` index), ``group_rank`` and ``group_size`` (this rank
     in its shard group), ``comm`` (the shard group's :class:`~canzona.runtime.comm.Comm`). ``plan``
-    is an :class:`~canzona.plan.fsdp.FSDPPlan`, ``runtime`` an
-    :class:`~canzona.runtime.fsdp.FSDPRuntime`."""
+    is a :class:`~canzona.plan.plan.Plan` for ``layout_kind="fsdp2"``, ``runtime`` an
+    :class:`~canzona.runtime.shard.FSDPRuntime`."""
 
     engine = "fsdp2"
     refused = ("grad_reduce", "param_sync", "bucket_numel", "tp_dims", "param_views", "grad_views", "overlap_updates", "alpha", "tp_schedule")
@@ -313,7 +315,7 @@ class FSDP2Layout(Layout):
         self.replica = mesh.get_local_rank(self.dims["dp_replicate"]) if "dp_replicate" in self.dims else 0
 
     # ------------------------------------------------------------------ plan
-    def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> FSDPPlan:
+    def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> Plan:
         s = self.settings
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not trainable:
@@ -322,9 +324,11 @@ class FSDP2Layout(Layout):
         decided = module_roles(self.model, s.roles)
         for n, p in trainable:
             tp_dim = check_placements(n, p, self.mesh, self.roles)
-            records.append(FSDPParam(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
-        inputs = FSDPInputs(
-            model=type(self.model).__name__,
+            # TP's split dim with tp 1: DTensor's TP chunks may be uneven (see canzona.plan.shard)
+            records.append(ParamSpec(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
+        inputs = shard_inputs(
+            type(self.model).__name__,
+            layout="module",
             dp_shard=self.size["dp_shard"],
             tp=self.size["tp"],
             dp_replicate=self.size["dp_replicate"],
@@ -335,21 +339,21 @@ class FSDP2Layout(Layout):
             grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
         )
         if plan is None:
-            plan = plan_fsdp(records, inputs)
+            plan = plan_shard(records, inputs)
         else:
             self._check_given_plan(plan, records, inputs)
         self.plan = plan
-        self._kinds = {p.name: p.kind for p in plan.params}
+        self._kinds = {p.name: p.spec.kind for p in plan.params}
         return plan
 
     @staticmethod
-    def _check_given_plan(plan: Any, records: list[FSDPParam], inputs: FSDPInputs) -> None:
-        if not isinstance(plan, FSDPPlan):
-            raise TypeError(f"plan must be a canzona FSDPPlan on an FSDP2 model, got {type(plan).__name__}")
+    def _check_given_plan(plan: Any, records: list[ParamSpec], inputs: PlanInputs) -> None:
+        if not isinstance(plan, Plan) or plan.inputs.layout_kind != "fsdp2":
+            what = "a ZeRO-1 Plan" if isinstance(plan, Plan) else type(plan).__name__
+            raise TypeError(f"plan must be a canzona Plan made for FSDP2 (layout_kind 'fsdp2') on an FSDP2 model, got {what}")
         if plan.inputs != inputs:
             raise ValueError(f"the plan was made for {plan.inputs}, this optimizer needs {inputs}")
-        mine = [(p.name, p.shape, p.kind, p.tp_dim) for p in plan.params]
-        if mine != [(p.name, p.shape, p.kind, p.tp_dim) for p in records]:
+        if list(plan.specs) != records:
             raise ValueError("the plan was made for other parameters than this model's (names, shapes, kinds or TP splits differ)")
 
     @property
@@ -368,12 +372,12 @@ class FSDP2Layout(Layout):
         self.group_rank, self.group_size = self.comm.rank, self.comm.size
         named = dict(self.model.named_parameters())
         layouts = self._exchange_layouts(plan, named)
-        experts = [p.name for p in plan.params if p.kind == "experts"]
+        experts = [p.name for p in plan.params if p.spec.kind == "experts"]
         _check_whole_experts(layouts, experts)  # the same layouts on every rank: all raise together
         self.runtime = FSDPRuntime(
             {p.name: named[p.name] for p in plan.params},
             layouts,
-            [list(zip(g.names, g.hosts)) for g in plan.groups],
+            [list(zip(g.params, g.hosts)) for g in plan.micro_groups[0]],
             comm=self.comm,
             matrix_factory=matrix_factory,
             elementwise_factory=elementwise_factory,
@@ -395,7 +399,7 @@ class FSDP2Layout(Layout):
                 group = g
         return group
 
-    def _exchange_layouts(self, plan: FSDPPlan, named: Mapping[str, torch.Tensor]) -> dict[str, PieceLayout]:
+    def _exchange_layouts(self, plan: Plan, named: Mapping[str, torch.Tensor]) -> dict[str, PieceLayout]:
         """Every rank's block of every parameter, from the DTensor placements (one all-gather of
         offsets and shapes over the shard group; not counted in ``comm_stats``)."""
         # DTensor's own rule for a rank's block (it understands FSDP2's _StridedShard under TP); a
@@ -403,7 +407,7 @@ class FSDP2Layout(Layout):
         # the gathered blocks tile every tensor exactly, so a changed rule fails loudly.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        nd = max(len(p.shape) for p in plan.params)
+        nd = max(len(p.spec.shape) for p in plan.params)
         rows = []
         for pp in plan.params:
             p = named[pp.name]
@@ -420,9 +424,9 @@ class FSDP2Layout(Layout):
         table = out.view(n, len(plan.params), 2 * nd).tolist()
         layouts = {}
         for i, pp in enumerate(plan.params):
-            k = len(pp.shape)
+            k = len(pp.spec.shape)
             blocks = tuple(Block(tuple(table[r][i][:k]), tuple(table[r][i][nd : nd + k])) for r in range(n))
-            layouts[pp.name] = PieceLayout(pp.name, tuple(pp.shape), blocks)
+            layouts[pp.name] = PieceLayout(pp.name, tuple(pp.spec.shape), blocks)
         return layouts
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
@@ -455,7 +459,7 @@ class FSDP2Layout(Layout):
 
     # ------------------------------------------------------------------ checkpoint pieces
     def checkpoint_params(self) -> list[ParamRecord]:
-        return [ParamRecord(p.name, tuple(p.shape), p.kind, p.tp_dim, p.kind != "matrix") for p in self.plan.params]
+        return [ParamRecord(p.name, s.shape, s.kind, s.tp_dim, s.kind != "matrix") for p in self.plan.params for s in (p.spec,)]
 
     def checkpoint_describe(self) -> dict[str, Any]:
         return {

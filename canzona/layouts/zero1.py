@@ -144,8 +144,9 @@ class Zero1Layout(Layout):
         return make_plan(specs, inputs)
 
     def _check_given_plan(self, plan: Any, specs: list[ParamSpec]) -> None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a canzona Plan, got {type(plan).__name__}")
+        if not isinstance(plan, Plan) or plan.inputs.layout_kind != "zero1":
+            what = "an FSDP2 plan (layout_kind 'fsdp2')" if isinstance(plan, Plan) else type(plan).__name__
+            raise TypeError(f"plan must be a canzona Plan for the ZeRO-1 layout, got {what}")
         if plan.inputs.dp != self.dp or plan.inputs.tp != self.tp:
             raise ValueError(f"the plan is for dp={plan.inputs.dp} x tp={plan.inputs.tp}, the mesh is dp={self.dp} x tp={self.tp}")
         if plan.inputs.strategy != self.settings.strategy:

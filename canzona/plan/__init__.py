@@ -2,7 +2,9 @@
 (Section 4) as one frozen, validated, serialisable :class:`Plan`.
 
 ``make_plan(specs, inputs)`` plans any list of :class:`canzona.specs.ParamSpec`;
-``plan_model("qwen3-32b", dp=32, tp=8)`` plans a shipped model config. Strategies are records in
+``plan_model("qwen3-32b", dp=32, tp=8)`` plans a shipped model config;
+``plan_fsdp_model("qwen3-32b", dp_shard=32, tp=8)`` plans it for FSDP2 (the same :class:`Plan`,
+``inputs.layout_kind == "fsdp2"``, :mod:`canzona.plan.shard`). Strategies are records in
 a registry (:mod:`canzona.plan.strategies`); ``register_strategy`` adds one. Pure Python + numpy: no
 torch.distributed, no devices, milliseconds for a 32B model.
 """
@@ -17,11 +19,14 @@ from canzona.plan.build import (
     default_bucket_numel,
     default_tp_schedule,
     make_plan,
+    plan_fsdp_model,
     plan_model,
     resolve_model,
 )
+from canzona.plan.shard import piece_numels, plan_shard, shard_inputs, shard_specs
 from canzona.plan.errors import PlanError
 from canzona.plan.strategies import (
+    FSDP_STRATEGIES,
     ROLES,
     PartitionInput,
     Strategy,
@@ -34,6 +39,7 @@ from canzona.plan.strategies import (
 from canzona.plan.plan import (
     COSTS,
     FLOPS_SHAPES,
+    LAYOUT_KINDS,
     PAPER_STRATEGIES,
     STRATEGIES,
     TP_SCHEDULES,
@@ -64,6 +70,13 @@ __all__ = [
     "cmax_to_bytes",
     "make_plan",
     "plan_model",
+    "plan_fsdp_model",
+    "plan_shard",
+    "shard_inputs",
+    "shard_specs",
+    "piece_numels",
+    "FSDP_STRATEGIES",
+    "LAYOUT_KINDS",
     "default_bucket_numel",
     "default_tp_schedule",
     "resolve_model",

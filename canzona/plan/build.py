@@ -7,6 +7,7 @@ Pipeline (pure, offline, milliseconds): buffer geometry (:mod:`.buckets`) -> DP 
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from canzona.plan.plan import (
     PlanError,
     PlanInputs,
 )
+from canzona.plan.shard import plan_shard, shard_inputs, shard_specs
 from canzona.plan.strategies import PartitionInput, Strategy, get_strategy, param_role
 from canzona.plan.tp import Group, Task, schedule_tasks
 from canzona.specs import ParamSpec, specs_from_config
@@ -46,6 +48,7 @@ __all__ = [
     "resolve_model",
     "make_plan",
     "plan_model",
+    "plan_fsdp_model",
 ]
 
 #: C_max's one unit on every flag, setting and figure: 2^20 TP-local gradient elements per host
@@ -348,10 +351,13 @@ def _micro_groups(groups: list[list[Group]]) -> tuple[tuple[MicroGroup, ...], ..
 def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
 
+    FSDP2 inputs (``layout_kind="fsdp2"``) go to :func:`canzona.plan.shard.plan_shard`.
     Raises :class:`PlanError` for inconsistent inputs (unknown optimizer, specs built for another
     tp, a TP schedule the strategy cannot run). A task whose full gradient alone exceeds C_max gets
     a micro-group of its own and one warning per plan names it.
     """
+    if inputs.layout_kind == "fsdp2":
+        return plan_shard(specs, inputs)
     t0 = time.perf_counter()
     inp = inputs
     specs = list(specs)
@@ -440,3 +446,48 @@ def plan_model(
         buffers=buffers,
     )
     return make_plan(specs, inputs)
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Data-parallel and TP sizes within canzona's bounds: :data:`MAX_DP` data-parallel ranks (all
+    DP-like sizes together), :data:`MAX_TP` TP ranks; one PlanError line otherwise."""
+    for k, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{k} must be an integer >= 1, got {v!r}")
+    dp = math.prod(v for k, v in sizes.items() if k != "tp")
+    if dp > MAX_DP:
+        what = " x ".join(f"{k} {v}" for k, v in sizes.items() if k != "tp")
+        raise PlanError(f"{what} = {dp} data-parallel ranks, above canzona's bound {MAX_DP}")
+    if sizes.get("tp", 1) > MAX_TP:
+        raise PlanError(f"tp {sizes['tp']} is above canzona's bound {MAX_TP}")
+
+
+def plan_fsdp_model(
+    model: str | Path | ModelConfig,
+    *,
+    dp_shard: int,
+    tp: int = 1,
+    dp_replicate: int = 1,
+    layout: str = "hf",
+    optimizer: str = "muon",
+    strategy: str = "lb-asc",
+    cost: str = "numel",
+    cmax_bytes: int | None = None,
+    experts: str = "stacked",
+) -> Plan:
+    """Plan a shipped model (name), a config file (path) or a ``ModelConfig`` for FSDP2 over
+    ``dp_replicate x dp_shard x tp`` ranks (at most :data:`MAX_DP` data-parallel ranks and
+    :data:`MAX_TP` TP ranks, else PlanError). ``layout="hf"`` (separate q/k/v and gate/up, as
+    torchtitan's models) is the FSDP default; ``megatron`` fuses them. A MoE config's experts are
+    ``(E, M, N)`` stacks of E tasks (updated where FSDP2 leaves them, as the runtime does);
+    ``experts="separate"`` plans them as 2-D matrices hosted like any other. ``cmax_bytes`` None:
+    :data:`DEFAULT_CMAX` TP-local elements per host."""
+    _check_sizes(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    cfg = resolve_model(model)
+    # ParamSpec checks TP divisibility; FSDP2's own dim-0 chunking may be uneven (any size works)
+    specs = specs_from_config(cfg, tp=tp, layout=layout, experts=experts)
+    inputs = shard_inputs(
+        cfg.name, dp_shard=dp_shard, tp=tp, dp_replicate=dp_replicate, layout=layout, optimizer=optimizer, strategy=strategy,
+        cost=cost, cmax_bytes=cmax_bytes if cmax_bytes is not None else cmax_to_bytes(DEFAULT_CMAX, tp),
+    )
+    return plan_shard(shard_specs(specs), inputs)

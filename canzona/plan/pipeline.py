@@ -97,13 +97,14 @@ class StagedPlan:
 
 def plan_stages(model: str | Path | ModelConfig, *, pp: int, dp: int, tp: int = 1, layout: str = "megatron",
                 **kwargs: Any) -> StagedPlan:
-    """Plan every pipeline stage of a shipped model / config on its own (same inputs otherwise)."""
+    """Plan every pipeline stage of a shipped model / config on its own (same inputs otherwise;
+    ``experts`` as :func:`canzona.plan.plan_model` takes it)."""
     from canzona.plan.build import default_bucket_numel, default_tp_schedule, make_plan, resolve_model
     from canzona.plan.plan import PlanInputs
     from canzona.specs import specs_from_config
 
     cfg = resolve_model(model)
-    specs = specs_from_config(cfg, tp=tp, layout=layout)
+    specs = specs_from_config(cfg, tp=tp, layout=layout, experts=kwargs.pop("experts", "stacked"))
     strategy = kwargs.pop("strategy", "lb-asc")
     tp_schedule = kwargs.pop("tp_schedule", None)
     bucket_numel = kwargs.pop("bucket_numel", None)

@@ -1,8 +1,8 @@
 """The frozen Plan: what the offline planner decides and the runtime executes.
 
 A plan is pure data, deterministic for its inputs, validates itself on construction
-(:meth:`Plan.validate`), round-trips through a versioned JSON document (version 2; version-1
-documents are migrated on load) and carries a fingerprint that every rank compares before the
+(:meth:`Plan.validate`), round-trips through a versioned JSON document (version 3; version 2 is read, version 1 migrated,
+the separate FSDP2 document of earlier versions refused with the command that plans it again) and carries a fingerprint that every rank compares before the
 first step. Besides the geometry (buckets, cut points, owners, TP hosts) it carries what the
 strategy means per bucket (``Bucket.collective``, ``Bucket.param_return``) and per parameter
 (``ParamPlan.role``), so nothing downstream branches on a strategy's name. Every field and its
@@ -21,7 +21,18 @@ from typing import Any
 
 from canzona.fileio import atomic_write, read_json
 from canzona.plan.errors import PlanError
-from canzona.plan.strategies import GRAD_COLLECTIVES, PARAM_RETURNS, ROLES, Strategy, get_strategy, param_role, paper_strategy_names, strategy_names
+from canzona.plan.strategies import (
+    GRAD_COLLECTIVES,
+    PARAM_RETURNS,
+    ROLES,
+    FSDP_STRATEGIES,
+    Strategy,
+    get_strategy,
+    paper_strategy_names,
+    param_role,
+    fsdp_schedule,
+    strategy_names,
+)
 from canzona.specs import ParamSpec
 
 __all__ = [
@@ -32,6 +43,9 @@ __all__ = [
     "TP_SCHEDULES",
     "COSTS",
     "BUFFERS",
+    "LAYOUT_KINDS",
+    "SHARD_ROLES",
+    "FSDP_STRATEGIES",
     "FLOPS_SHAPES",
     "DEFAULT_FLOPS_SHAPE",
     "PlanError",
@@ -47,7 +61,12 @@ __all__ = [
 ]
 
 SCHEMA = "canzona.plan"
-VERSION = 2
+VERSION = 3
+#: the schema of the separate FSDP2 plan document earlier versions wrote (refused, naming the re-plan command)
+OLD_SHARD_SCHEMA = "canzona.fsdp_plan"
+#: the layouts a plan is made for: canzona's ZeRO-1 buffer (with or without DTensor TP), or FSDP2's
+#: ``fully_shard`` pieces (no buffer; matrices hosted in the ``dp_shard x tp`` shard group)
+LAYOUT_KINDS: tuple[str, ...] = ("zero1", "fsdp2")
 #: the shipped DP strategy names (the registry, :func:`canzona.plan.strategies.strategy_names`,
 #: also holds any registered later), one name per strategy everywhere (CLI, JSON, NVTX ranges,
 #: notebooks). ``lb-asc-joint`` is canzona's planner beyond the paper.
@@ -59,6 +78,9 @@ PAPER_STRATEGIES: tuple[str, ...] = paper_strategy_names()
 #: MinHeapSolver breaks ties by the load hosts carry from earlier groups).
 TP_SCHEDULES: tuple[str, ...] = ("lpt", "round-robin", "no-fuse", "sync", "lpt-carry")
 COSTS: tuple[str, ...] = ("numel", "memory", "flops")
+#: a parameter's role in an FSDP2 plan, by kind: a matrix is a task hosted in the shard group, an
+#: expert stack is updated where FSDP2 leaves it (whole experts per rank), the rest element-wise
+SHARD_ROLES: dict[str, str] = {"matrix": "shard-task", "experts": "experts", "elementwise": "elementwise"}
 BUFFERS: tuple[str, ...] = ("joint", "split")
 FLOPS_SHAPES: tuple[str, ...] = ("full", "local")
 #: the one FLOPs-shape default of the planner, the CLI, the figures and the notebooks: the work a
@@ -101,22 +123,65 @@ class PlanInputs:
     #: "joint": one buffer for every parameter; "split": matrix-optimizer parameters and element-wise
     #: ones in buffers of their own (the paper authors' layout), element-wise buckets in equal chunks
     buffers: str = "joint"
+    #: the layout the plan is for (:data:`LAYOUT_KINDS`): "zero1" or "fsdp2". An FSDP2 plan has no
+    #: buffer (``bucket_numel`` 0), ``dp = dp_replicate x dp_shard``, ``tp_schedule`` its strategy's
+    #: schedule over the shard group (:func:`~canzona.plan.strategies.fsdp_schedule`), and costs
+    #: full shapes (``flops_shape`` "full", ``alpha`` 1, ``buffers`` "joint")
+    layout_kind: str = "zero1"
+    #: FSDP2: ``fully_shard``'s dimension and the HSDP replicas (both 1 on the ZeRO-1 layout)
+    dp_shard: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.dp, int) and self.dp >= 1, f"dp must be an integer >= 1, got {self.dp!r}")
         _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be an integer >= 1, got {self.tp!r}")
-        get_strategy(self.strategy)  # PlanError naming the registered strategies
-        _check(self.tp_schedule in TP_SCHEDULES, f"unknown TP schedule {self.tp_schedule!r}; choose one of {', '.join(TP_SCHEDULES)}")
+        _check(self.layout_kind in LAYOUT_KINDS, f"layout_kind must be one of {', '.join(LAYOUT_KINDS)}, got {self.layout_kind!r}")
+        for k in ("dp_shard", "dp_replicate"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
+        if self.layout_kind == "fsdp2":
+            self._check_fsdp2()
+        else:
+            _check(self.dp_shard == 1 and self.dp_replicate == 1, "dp_shard and dp_replicate are FSDP2 sizes; a zero1 plan has 1 for both")
+            get_strategy(self.strategy)  # PlanError naming the registered strategies
+            _check(self.tp_schedule in TP_SCHEDULES, f"unknown TP schedule {self.tp_schedule!r}; choose one of {', '.join(TP_SCHEDULES)}")
+            _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "bucket_numel must be a positive integer")
         _check(self.cost in COSTS, f"unknown cost model {self.cost!r}; choose one of {', '.join(COSTS)}")
         _check(self.flops_shape in FLOPS_SHAPES, f"flops_shape must be one of {', '.join(FLOPS_SHAPES)}")
         _check(
             isinstance(self.alpha, (int, float)) and 0.0 <= float(self.alpha) <= 1.0,
             f"alpha must be in [0, 1], got {self.alpha!r}",
         )
-        _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "bucket_numel must be a positive integer")
         _check(isinstance(self.cmax_bytes, int) and self.cmax_bytes >= 1, "cmax_bytes must be a positive integer")
         _check(self.grad_bytes in (2, 4, 8), "grad_bytes must be 2, 4 or 8")
         _check(self.buffers in BUFFERS, f"buffers must be one of {', '.join(BUFFERS)}, got {self.buffers!r}")
+
+    def _check_fsdp2(self) -> None:
+        fsdp_schedule(self.strategy)  # PlanError naming the FSDP2 strategies
+        _check(
+            self.dp == self.dp_shard * self.dp_replicate,
+            f"an FSDP2 plan has dp = dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard}, got dp={self.dp}",
+        )
+        _check(
+            self.tp_schedule == fsdp_schedule(self.strategy),
+            f"an FSDP2 {self.strategy} plan schedules {fsdp_schedule(self.strategy)!r}, got {self.tp_schedule!r}",
+        )
+        _check(self.bucket_numel == 0, "an FSDP2 plan has no ZeRO-1 buffer: bucket_numel must be 0")
+        _check(
+            self.flops_shape == "full" and self.alpha == 1.0 and self.buffers == "joint",
+            "an FSDP2 plan costs full shapes with neither alpha nor split buffers (flops_shape 'full', alpha 1, buffers 'joint')",
+        )
+
+    @property
+    def group_size(self) -> int:
+        """Ranks among which a task's host is chosen: the TP group (zero1), the ``dp_shard x tp``
+        shard group of one replica (fsdp2)."""
+        return self.dp_shard * self.tp if self.layout_kind == "fsdp2" else self.tp
+
+    @property
+    def world(self) -> int:
+        """Every rank the plan covers (``dp x tp``)."""
+        return self.dp * self.tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +189,8 @@ class ParamPlan:
     """Where one parameter lives in the buffer and who updates it."""
 
     spec: ParamSpec
-    bucket: int
-    offset: int
+    bucket: int | None  # None: no buffer (an FSDP2 plan)
+    offset: int | None
     dp_owner: int | None
     role: str
     dp_ranges: tuple[tuple[int, int, int], ...] = ()
@@ -305,6 +370,10 @@ class Plan:
         """
         if len(self._index) != len(self.params):
             raise PlanError("duplicate parameter names in plan")
+        if self.inputs.layout_kind == "fsdp2":
+            self._check_shard_params()
+            self._check_shard_groups()
+            return
         record = get_strategy(self.inputs.strategy)
         size = self._check_buckets(record)
         self._check_owners(record, size)
@@ -466,6 +535,56 @@ class Plan:
             elif p.tp_host is not None or p.micro_group is not None:
                 raise PlanError(f"{p.spec.name}: has a TP host but needs none")
 
+    # ----------------------------------------------------------------------------- FSDP2 invariants
+    def _check_shard_params(self) -> None:
+        """An FSDP2 plan has no buffer: no bucket, offset, owner or ranges; each parameter's role is
+        its kind's (``shard-task`` for a matrix); specs carry TP's split dim with ``tp`` 1 (TP's
+        chunks may be uneven, :func:`canzona.plan.shard.piece_numels`)."""
+        if self.buckets:
+            raise PlanError("an FSDP2 plan has no ZeRO-1 buckets")
+        for p in self.params:
+            n, s = p.name, p.spec
+            if (p.bucket, p.offset, p.dp_owner, p.dp_ranges) != (None, None, None, ()):
+                raise PlanError(f"{n}: an FSDP2 plan places no parameter in a buffer (bucket, offset, owner and ranges must be empty)")
+            if s.tp != 1 or s.transposed:
+                raise PlanError(f"{n}: an FSDP2 plan's specs have tp 1 (tp_dim names TP's split dim) and no transposed weights")
+            if p.role != SHARD_ROLES[s.kind]:
+                raise PlanError(f"{n}: role {p.role!r}, expected {SHARD_ROLES[s.kind]!r} for a {s.kind} parameter on FSDP2")
+            if s.kind == "matrix" and len(s.shape) != 2:
+                raise PlanError(f"{n}: a matrix task on FSDP2 must be 2-D, got {s.shape}")
+            if s.kind == "experts" and s.tp_dim is not None:
+                raise PlanError(f"{n}: an expert stack on FSDP2 must not be TP-split")
+
+    def _check_shard_groups(self) -> None:
+        """One list of micro-groups (the shard group's; every replica runs the same); each matrix in
+        exactly one group, hosted on a rank of the shard group (-1, every rank, under ``sync``)."""
+        if len(self.micro_groups) != 1:
+            raise PlanError("an FSDP2 plan has one list of micro-groups (the shard group's)")
+        n, sync = self.inputs.group_size, self.inputs.tp_schedule == "sync"
+        seen: dict[str, tuple[int, int]] = {}
+        for k, g in enumerate(self.micro_groups[0]):
+            if g.index != k or len(g.loads) != n:
+                raise PlanError(f"FSDP2 micro-group {k}: index {g.index}, {len(g.loads)} loads (expected index {k}, {n} loads)")
+            for name, h in zip(g.params, g.hosts):
+                if not ((h == -1) if sync else (0 <= h < n)):
+                    raise PlanError(f"{name}: host {h} out of range for a shard group of {n}" + (" (sc: -1)" if sync else ""))
+                if name in seen:
+                    raise PlanError(f"{name} is in two micro-groups")
+                seen[name] = (h, k)
+        for p in self.params:
+            want = seen.pop(p.name, (None, None))
+            if (p.spec.kind == "matrix") != (want != (None, None)):
+                raise PlanError(f"{p.name}: every matrix parameter of an FSDP2 plan is in exactly one micro-group, nothing else")
+            if (p.tp_host, p.micro_group) != want:
+                raise PlanError(f"{p.name}: host/group {(p.tp_host, p.micro_group)} disagree with the micro-groups {want}")
+        if seen:
+            raise PlanError(f"micro-group lists unknown parameter {next(iter(seen))!r}")
+
+    def hosts(self) -> dict[str, int]:
+        """Name -> host rank of every task in a micro-group (a TP rank under zero1, a shard-group
+        rank under fsdp2, -1 for every rank under FSDP2's ``sc``)."""
+        return {n: h for groups in self.micro_groups for g in groups for n, h in zip(g.params, g.hosts)}
+
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The versioned plan document (see README, "Plan documents")."""
@@ -529,6 +648,10 @@ class Plan:
         if inputs["buffers"] == "joint":
             # added after documents were first written: a joint-buffer plan keeps the fingerprint it had
             del inputs["buffers"]
+        if inputs["layout_kind"] == "zero1":
+            # added with FSDP2 plans (version 3): a ZeRO-1 plan keeps the fingerprint it had
+            for k in ("layout_kind", "dp_shard", "dp_replicate"):
+                del inputs[k]
         doc: dict[str, Any] = {
             "inputs": inputs,
             "params": [
@@ -562,33 +685,20 @@ class Plan:
         derived from its strategy's record, and its fingerprint is checked with the version-1 formula.
         """
         _check(isinstance(doc, dict), "a plan document must be a JSON object")
+        _refuse_old_shard_document(doc)
         _check(doc.get("schema") == SCHEMA, f"not a plan document (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
         version = doc.get("version")
         _check(
-            version in (1, VERSION) and not isinstance(version, bool),
-            f"unsupported plan version {version!r} (this canzona reads {VERSION}, and migrates 1)",
+            version in (1, 2, VERSION) and not isinstance(version, bool),
+            f"unsupported plan version {version!r} (this canzona reads {VERSION} and 2, and migrates 1)",
         )
         try:
             inputs = PlanInputs(**doc["inputs"])
-            tp = inputs.tp
-            record = get_strategy(inputs.strategy)
-            specs = [
-                ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
-                for q in doc["params"]
-            ]
-            params = tuple(
-                ParamPlan(
-                    spec=spec,
-                    bucket=int(q["bucket"]),
-                    offset=int(q["offset"]),
-                    dp_owner=q["dp_owner"],
-                    role=q["role"] if version >= 2 else param_role(record, spec.kind, spec.tp_split),
-                    dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
-                    tp_host=q["tp_host"],
-                    micro_group=q["micro_group"],
-                )
-                for spec, q in zip(specs, doc["params"])
-            )
+            shard = inputs.layout_kind == "fsdp2"
+            _check(version == VERSION or not shard, f"an FSDP2 plan is a version-{VERSION} document, this one says {version}")
+            tp = 1 if shard else inputs.tp  # FSDP2 specs keep TP's split dim with tp 1 (chunks may be uneven)
+            record = None if shard else get_strategy(inputs.strategy)
+            params = _params_from_doc(doc["params"], tp, version, record)
             buckets = tuple(
                 Bucket(
                     index=int(b["index"]),
@@ -636,3 +746,45 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise PlanError(str(exc)) from None
         return cls.from_dict(doc)
+
+
+def _params_from_doc(rows: Any, tp: int, version: int, record: Strategy | None) -> tuple[ParamPlan, ...]:
+    """The ``params`` entries of a document (a version-1 document's roles from its strategy's record)."""
+    specs = [
+        ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
+        for q in rows
+    ]
+    return tuple(
+        ParamPlan(
+            spec=spec,
+            bucket=_opt_int(q["bucket"]),
+            offset=_opt_int(q["offset"]),
+            dp_owner=q["dp_owner"],
+            role=q["role"] if version >= 2 else param_role(record, spec.kind, spec.tp_split),  # type: ignore[arg-type]
+            dp_ranges=tuple(tuple(int(x) for x in r) for r in q["dp_ranges"]),  # type: ignore[misc]
+            tp_host=q["tp_host"],
+            micro_group=q["micro_group"],
+        )
+        for spec, q in zip(specs, rows)
+    )
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _refuse_old_shard_document(doc: dict[str, Any]) -> None:
+    """The separate FSDP2 plan document of earlier versions is not read: one line saying how to
+    plan again (FSDP2 plans are now version-3 ``canzona.plan`` documents)."""
+    if doc.get("schema") != OLD_SHARD_SCHEMA:
+        return
+    i = doc.get("inputs") if isinstance(doc.get("inputs"), dict) else {}
+    flags = " ".join(
+        f"--{flag} {i[k]}" for flag, k in (("model", "model"), ("fsdp", "dp_shard"), ("tp", "tp"), ("dp-replicate", "dp_replicate"), ("strategy", "strategy"))
+        if isinstance(i.get(k), (str, int))
+    )
+    raise PlanError(
+        f"this is an FSDP2 plan document of an earlier canzona (schema {OLD_SHARD_SCHEMA!r}, version {doc.get('version')!r}), "
+        f"which this canzona no longer reads; plan again with `canzona plan {flags or '--model M --fsdp N'} --json PATH` "
+        "(or let DistributedOptimizer plan with plan=None)"
+    )

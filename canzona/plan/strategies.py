@@ -49,6 +49,8 @@ __all__ = [
     "strategy_names",
     "paper_strategy_names",
     "param_role",
+    "FSDP_STRATEGIES",
+    "fsdp_schedule",
 ]
 
 #: how a bucket's gradients are combined across DP ranks
@@ -59,7 +61,16 @@ PARAM_RETURNS: tuple[str, ...] = ("all-gather", "broadcast", "none")
 #: matrix (a task: gathered to a host, or to every TP rank under the ``sync`` schedule), or an
 #: element-wise parameter (any optimizer that may see a cut piece, AdamW by default), or a stack of
 #: expert matrices (``E`` matrix tasks of shape ``(M, N)``, owned whole or cut at expert boundaries)
-ROLES: tuple[str, ...] = ("matrix", "tp-task", "elementwise", "experts")
+ROLES: tuple[str, ...] = ("matrix", "tp-task", "elementwise", "experts", "shard-task")
+# (``shard-task`` is a role of FSDP2 plans only: a matrix hosted by one rank of its shard group)
+
+#: the strategies an FSDP2 plan serves, each with the micro-group schedule of its matrix tasks
+#: over the shard group (``zero1`` and ``layerwise`` need canzona's own ZeRO-1 buffer):
+#: ``lb-asc`` Algorithm 2 with host loads carried across groups, ``asc`` round-robin hosts in name
+#: order (the peers' scheme: muon-fsdp2, dion), ``no-fuse`` one task per exchange (the fusion
+#: ablation), ``sc`` no hosts (every rank gathers every full gradient and recomputes every update)
+_FSDP_SCHEDULES = {"lb-asc": "lpt-carry", "asc": "round-robin", "sc": "sync", "no-fuse": "no-fuse"}
+FSDP_STRATEGIES: tuple[str, ...] = tuple(_FSDP_SCHEDULES)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -138,6 +149,14 @@ def param_role(strategy: Strategy, kind: str, tp_split: bool) -> str:
     if kind == "experts":
         return "experts"
     return "tp-task" if tp_split else "matrix"
+
+
+def fsdp_schedule(strategy: str) -> str:
+    """The micro-group schedule of an FSDP2 strategy (the one place an FSDP2 plan reads a strategy
+    name); PlanError naming the choices for any other strategy."""
+    if strategy not in _FSDP_SCHEDULES:
+        raise PlanError(f"strategy {strategy!r} does not run on FSDP2; choose one of {', '.join(FSDP_STRATEGIES)}")
+    return _FSDP_SCHEDULES[strategy]
 
 
 # ------------------------------------------------------------------------------------ registry

@@ -270,7 +270,7 @@ def clip_zero1(rt: Any, tp_rank: int, max_norm: float, norm_type: float = 2.0, e
 
 # --------------------------------------------------------------------------------- FSDP2
 def slots_fsdp(rt: Any, replica: int) -> NormSlots:
-    """The slot layout of a :class:`~canzona.runtime.fsdp.FSDPRuntime`: one slot per distinct block
+    """The slot layout of a :class:`~canzona.runtime.shard.FSDPRuntime`: one slot per distinct block
     of each parameter (its layout's sources), filled by the source rank of replica 0."""
     cached = _SLOTS.get(rt)
     if cached is not None:

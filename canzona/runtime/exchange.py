@@ -5,7 +5,7 @@ Both optimizer engines that update matrices whole are this engine with different
 
 - :class:`canzona.runtime.tp.TPEngine` (Section 4): the equal ``torch.chunk`` shards of a TP
   group, tasks and micro-groups from a ZeRO-1 :class:`~canzona.plan.plan.Plan`;
-- :class:`canzona.runtime.fsdp.FSDPEngine`: FSDP2's pieces over a shard group, which may be
+- :class:`canzona.runtime.shard.FSDPEngine`: FSDP2's pieces over a shard group, which may be
   uneven (padding), empty, 2-D blocks (FSDP x TP) or duplicated (replicated over ``tp``).
 
 A :class:`PieceLayout` records every rank's block of one parameter (offset and shape in the full
@@ -29,7 +29,7 @@ Per micro-group ``k`` (the schedule is :func:`pipeline`, executed as listed and 
 
 Each stage opens the phase its owner names (``phases=``, spelled in full by the owner so that a
 grep for the name lands there): ``canzona/tp/{gather,compute,scatter,apply}/group<k>`` from
-:mod:`canzona.runtime.tp`, ``canzona/shard/...`` from :mod:`canzona.runtime.fsdp`.
+:mod:`canzona.runtime.tp`, ``canzona/shard/...`` from :mod:`canzona.runtime.shard`.
 
 With ``direct`` (the FSDP2 engine) a host's own blocks of the tasks it hosts skip both
 collectives: they are copied from its piece into the full tensor at unpack, and from the result

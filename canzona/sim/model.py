@@ -191,7 +191,7 @@ def _param_fwd_work(plan: Plan, cfg: ModelConfig, setup: Setup) -> np.ndarray:
     attn_idx: dict[int, list[int]] = {}
     for i, p in enumerate(plan.params):
         sp = p.spec
-        if len(sp.shape) != 2 or "embed" in sp.name:
+        if (len(sp.shape) != 2 and sp.kind != "experts") or "embed" in sp.name:
             continue
         w = 2.0 * s * sp.numel
         if ".experts." in sp.name:
@@ -340,17 +340,22 @@ class _StepLoads:
     n_groups: int
 
 
+#: the kinds the matrix optimizer updates: a matrix is one task, an ``(E, M, N)`` expert stack E tasks
+_MATRIX_KINDS = ("matrix", "experts")
+
+
 def _matrix_times(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str) -> np.ndarray:
     """Per parameter: the full-shape matrix optimizer's time on one GPU (its FLOPs at the
-    calibrated Newton-Schulz / eigh throughput, plus its element-wise passes over HBM); 0 for
-    element-wise parameters."""
+    calibrated Newton-Schulz / eigh throughput, plus its element-wise passes over HBM); an expert
+    stack is E such tasks of its ``(M, N)`` expert shape; 0 for element-wise parameters."""
     ns_peak = peak_flops(hw, setup.ns_dtype)
     ns_time = np.zeros(len(plan.params))
     for i, p in enumerate(plan.params):
-        if p.spec.kind == "matrix" and matrix_opt != "adamw":
-            shp = p.spec.shape
+        if p.spec.kind in _MATRIX_KINDS and matrix_opt != "adamw":
+            shp = p.spec.shape if p.spec.kind == "matrix" else p.spec.task_shape
             fl = FLOPS_PER_MAC * matrix_flops(matrix_opt, shp)
-            ns_time[i] = fl / (ns_peak * ns_efficiency(hw, shp)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shp) / hw.hbm_bytes_per_s
+            one = fl / (ns_peak * ns_efficiency(hw, shp)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shp) / hw.hbm_bytes_per_s
+            ns_time[i] = one if p.spec.kind == "matrix" else p.spec.n_tasks * one
     return ns_time
 
 
@@ -366,6 +371,20 @@ def _add_elementwise(ew_rank: np.ndarray, params: Sequence[Any], matrix: np.ndar
         else:
             for r, s0, s1 in p.dp_ranges:
                 ew_rank[r] += ADAMW_BYTES_PER_ELEMENT * (s1 - s0) / hbm
+
+
+def _add_ungrouped_matrices(mat_rank: np.ndarray, tpc_rank: np.ndarray, params: Sequence[Any], which: np.ndarray, ns_time: np.ndarray, sync_ag: np.ndarray) -> None:
+    """Matrices handled without micro-groups, on their owner: replicated ones (every TP rank updates
+    its replica), TP-split ones under the sync schedule (all-gather, redundant compute), and expert
+    stacks (an owner's whole stack, or, for a stack cut between experts, each rank its ranges' experts)."""
+    for i in which.tolist():
+        p = params[i]
+        if p.dp_owner is not None:
+            mat_rank[p.dp_owner] += ns_time[i]
+            tpc_rank[p.dp_owner] += sync_ag[i]
+        else:
+            for r, s0, s1 in p.dp_ranges:
+                mat_rank[r] += ns_time[i] * (s1 - s0) / p.spec.local_numel
 
 
 def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, dp_link: Link, tp_link: Link) -> _StepLoads:
@@ -387,7 +406,7 @@ def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, 
         ew_rank = ADAMW_BYTES_PER_ELEMENT * owned / hbm
         return _StepLoads(ew_rank, mat_rank, tpc_rank, ew_rank.copy(), 0.0, 0)
     local_numel = np.array([p.spec.local_numel for p in params], dtype=np.float64)
-    is_matrix = np.array([p.spec.kind == "matrix" for p in params])
+    is_matrix = np.array([p.spec.kind in _MATRIX_KINDS for p in params])
     tp_split = np.array([p.spec.tp_split for p in params])
     ns_time = _matrix_times(plan, hw, setup, matrix_opt)
     adamw_local = ADAMW_BYTES_PER_ELEMENT * local_numel / hbm  # element-wise update of the local shard
@@ -406,12 +425,7 @@ def _step_loads(plan: Plan, hw: HardwareProfile, setup: Setup, matrix_opt: str, 
     total_rank = np.zeros(dp)
     _add_elementwise(ew_rank, params, is_matrix & (matrix_opt != "adamw"), adamw_local, hbm)
     grouped = np.array([p.tp_host is not None for p in params])
-    # matrices handled without micro-groups: replicated ones (every TP rank updates its replica)
-    # and TP-split ones under the sync schedule (all-gather, redundant compute)
-    for i in np.flatnonzero(is_matrix & ~grouped & (matrix_opt != "adamw")):
-        r = params[i].dp_owner if params[i].dp_owner is not None else -1
-        mat_rank[r] += ns_time[i]
-        tpc_rank[r] += sync_ag[i]
+    _add_ungrouped_matrices(mat_rank, tpc_rank, params, np.flatnonzero(is_matrix & ~grouped & (matrix_opt != "adamw")), ns_time, sync_ag)
     apply_local = APPLY_BYTES_PER_ELEMENT * local_numel / hbm
     index = {p.name: i for i, p in enumerate(params)}
     n_groups = 0
@@ -501,10 +515,12 @@ def _memory_bytes(plan: Plan, opt: str, setup: Setup) -> float:
     per = np.zeros((dp, tp))
     for p in plan.params:
         sp = p.spec
-        matrix = sp.kind == "matrix" and opt != "adamw"
+        matrix = sp.kind in _MATRIX_KINDS and opt != "adamw"
         if matrix:
-            # full-shape optimizer state where the whole update is computed; fp32 master of the shard
-            full = state_bytes(opt, sp.shape) + 4 * sp.local_numel
+            # full-shape optimizer state where the whole update is computed (E expert tasks of a
+            # stack); fp32 master of the shard
+            state = state_bytes(opt, sp.shape) if sp.kind == "matrix" else sp.n_tasks * state_bytes(opt, sp.task_shape)
+            full = state + 4 * sp.local_numel
             if p.tp_host is not None:
                 cell = np.zeros(tp)
                 cell[p.tp_host] = full
@@ -612,9 +628,6 @@ def plan_for(
 ) -> Plan:
     """The plan the simulator uses for ``strategy`` (zero1 with AdamW, the reference), with the
     planner's warnings (oversized micro-group tasks) silenced: they are expected at scale."""
-    # the step model prices 2-D matrices (forward work, Newton-Schulz): a MoE config's experts as
-    # separate matrices, not (E, M, N) stacks
-    plan_kwargs.setdefault("experts", "separate")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return plan_model(

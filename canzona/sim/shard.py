@@ -1,9 +1,11 @@
 """Cluster-scale prediction of the FSDP2 optimizer step (``canzona simulate --fsdp N``).
 
-Models one optimizer step of :mod:`canzona.runtime.fsdp` for an :class:`~canzona.plan.fsdp.FSDPPlan`
-on a hardware profile, with the cost constants of :mod:`canzona.sim.model`:
+Models one optimizer step of :mod:`canzona.runtime.shard` for an FSDP2 :class:`~canzona.plan.plan.Plan`
+(``inputs.layout_kind == "fsdp2"``) on a hardware profile, with the cost constants of :mod:`canzona.sim.model`:
 
 * element-wise parameters: AdamW on each rank's own piece (memory-bound, no communication);
+* expert stacks: E tasks of ``(M, N)``; each rank runs the optimizer on the whole experts of its
+  dim-0 chunk, where FSDP2 leaves them (no communication);
 * matrix tasks (``lb-asc``, ``asc``, ``no-fuse``): the micro-group pipeline of the TP engine
   (:func:`canzona.sim.model._tp_pipeline`) over the whole shard group (``dp_shard x tp`` ranks):
   a fused all-to-all of gradient pieces to the hosts per group, host compute (Newton-Schulz or
@@ -27,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from canzona.cost import matrix_flops
-from canzona.plan.fsdp import FSDPPlan, piece_numels
+from canzona.plan.plan import Plan
+from canzona.plan.shard import chunk_sizes, piece_numels
 from canzona.sim.comm import Link, all_gather_time
 from canzona.sim.hardware import FLOPS_PER_MAC, HardwareProfile, ns_efficiency, peak_flops
 from canzona.sim.model import (
@@ -72,42 +75,57 @@ def _link(hw: HardwareProfile, n: int) -> Link:
     return Link("network", hw.net_bytes_per_s, hw.net_alpha_us.value * 1e-6, launch)
 
 
-def simulate_fsdp(plan: FSDPPlan, hw: HardwareProfile, setup: Setup = Setup(tp_overlap="pipelined")) -> FSDPStepPrediction:
-    """Predict one optimizer step of ``plan`` (see the module docstring)."""
+def _ns_seconds(hw: HardwareProfile, setup: Setup, optimizer: str, shape: tuple[int, ...]) -> float:
+    """One matrix task's host compute: the optimizer's products at the matmul efficiency of its
+    shape, plus its element-wise passes over HBM."""
+    fl = FLOPS_PER_MAC * matrix_flops(optimizer, shape)
+    return fl / (peak_flops(hw, setup.ns_dtype) * ns_efficiency(hw, shape)) + MATRIX_ELEMENTWISE_BYTES * math.prod(shape) / hw.hbm_bytes_per_s
+
+
+def _local_work(plan: Plan, hw: HardwareProfile, setup: Setup) -> np.ndarray:
+    """Per shard-group rank, the work done where the pieces lie: AdamW on the element-wise pieces
+    and the optimizer on the rank's own whole experts."""
     inp = plan.inputs
+    out = np.zeros(inp.group_size)
+    for p in plan.params:
+        s = p.spec
+        if s.kind == "elementwise":
+            out += ADAMW_BYTES_PER_ELEMENT * np.array(piece_numels(s.shape, s.tp_dim, inp.dp_shard, inp.tp), dtype=np.float64) / hw.hbm_bytes_per_s
+        elif s.kind == "experts":
+            one = _ns_seconds(hw, setup, inp.optimizer, s.task_shape)
+            out += np.repeat(np.array(chunk_sizes(s.shape[0], inp.dp_shard), dtype=np.float64) * one, inp.tp)
+    return out
+
+
+def simulate_fsdp(plan: Plan, hw: HardwareProfile, setup: Setup = Setup(tp_overlap="pipelined")) -> FSDPStepPrediction:
+    """Predict one optimizer step of the FSDP2 ``plan`` (see the module docstring)."""
+    inp = plan.inputs
+    if inp.layout_kind != "fsdp2":
+        raise ValueError("simulate_fsdp predicts FSDP2 plans (layout_kind 'fsdp2'); canzona.sim.model simulates ZeRO-1 plans")
     n = inp.group_size
     link = _link(hw, n)
-    hbm = hw.hbm_bytes_per_s
-    ns_peak = peak_flops(hw, setup.ns_dtype)
     params = plan.params
+    groups = plan.micro_groups[0]
     index = {p.name: i for i, p in enumerate(params)}
-    ns_time = np.zeros(len(params))
-    for i, p in enumerate(params):
-        if p.kind == "matrix":
-            fl = FLOPS_PER_MAC * matrix_flops(inp.optimizer, p.shape)
-            ns_time[i] = fl / (ns_peak * ns_efficiency(hw, p.shape)) + MATRIX_ELEMENTWISE_BYTES * math.prod(p.shape) / hbm
-    piece = np.array([p.numel / n for p in params])
-    apply_local = APPLY_BYTES_PER_ELEMENT * piece / hbm
-    ew = np.zeros(n)
-    for p in params:
-        if p.kind != "matrix":
-            ew += ADAMW_BYTES_PER_ELEMENT * np.array(piece_numels(p.shape, p.tp_dim, inp.dp_shard, inp.tp), dtype=np.float64) / hbm
-    local_work = float(ew.max())
-    if inp.schedule == "sync":
-        gathers = [sum(all_gather_time(link, n, params[index[m]].numel * setup.grad_bytes) for m in g.names) for g in plan.groups]
-        computes = [float(sum(ns_time[index[m]] for m in g.names)) for g in plan.groups]
+    ns_time = np.array([_ns_seconds(hw, setup, inp.optimizer, p.spec.shape) if p.spec.kind == "matrix" else 0.0 for p in params])
+    piece = np.array([p.spec.numel / n for p in params])
+    apply_local = APPLY_BYTES_PER_ELEMENT * piece / hw.hbm_bytes_per_s
+    local = _local_work(plan, hw, setup)
+    local_work = float(local.max())
+    if inp.tp_schedule == "sync":
+        gathers = [sum(all_gather_time(link, n, params[index[m]].spec.numel * setup.grad_bytes) for m in g.params) for g in groups]
+        computes = [float(sum(ns_time[index[m]] for m in g.params)) for g in groups]
         # gather k+1 overlaps compute k; the first gather is exposed
         total = local_work + (gathers[0] if gathers else 0.0)
-        for k in range(len(plan.groups)):
+        for k in range(len(groups)):
             total += max(computes[k], gathers[k + 1] if k + 1 < len(gathers) else 0.0)
-        per_rank = np.full(n, total) - local_work + ew
+        per_rank = np.full(n, total) - local_work + local
         comm, comp = float(sum(gathers)), float(sum(computes))
     else:
-        groups = [SimpleNamespace(params=g.names, hosts=g.hosts) for g in plan.groups]
         shim = [SimpleNamespace(spec=SimpleNamespace(local_numel=float(x))) for x in piece]
         total, comm, comp = _tp_pipeline(groups, index, shim, ns_time, apply_local, n, link, setup, local_work)
-        # per-rank view: element-wise work plus the matrix tasks the rank hosts and applies
-        per_rank = ew.copy()
+        # per-rank view: local work plus the matrix tasks the rank hosts and applies
+        per_rank = local.copy()
         hosts = plan.hosts()
         for name, h in hosts.items():
             per_rank[h] += ns_time[index[name]]
@@ -125,6 +143,6 @@ def simulate_fsdp(plan: FSDPPlan, hw: HardwareProfile, setup: Setup = Setup(tp_o
         host_compute_max_s=float(comp),
         exchange_s=float(comm),
         elementwise_s=local_work,
-        n_micro_groups=len(plan.groups),
+        n_micro_groups=len(groups),
         per_rank_s=tuple(float(x) for x in per_rank),
     )
