@@ -42,6 +42,71 @@ def test_quick_matrix_covers_every_optimizer_strategy_and_mesh() -> None:
     assert set(names) < {c.name for c in full}
 
 
+def test_moe_cells_one_in_quick_and_the_dp_meshes_in_full() -> None:
+    """--quick has one MoE cell (ZeRO-1 lb-asc at dp2, Muon); --full runs the tiny Qwen3-MoE at dp2
+    and dp4 with sc, asc and lb-asc under every optimizer (Shampoo and SOAP on its non-square
+    (8, 64, 32) stacks included), never on a TP mesh; asking for one there is one line."""
+    quick = [c.name for c in build_matrix(Selection(level="quick")) if c.model == "qwen3-moe"]
+    assert quick == ["injected/qwen3-moe/muon/lb-asc/dp2/float32"]
+    full = [c for c in build_matrix(Selection(level="full")) if c.model == "qwen3-moe"]
+    got = {(c.mesh, c.strategy, c.optimizer) for c in full}
+    for mesh in ("dp2", "dp4"):
+        for opt in ("muon", "shampoo", "soap", "adamw"):
+            for strategy in ("sc", "asc", "lb-asc"):
+                assert (mesh, strategy, opt) in got
+        assert (mesh, "zero1", "adamw") in got
+    assert {(c.check, c.dtype) for c in full} == {("injected", "float32")}
+    assert all(parse_mesh(c.mesh).tp == 1 and parse_mesh(c.mesh).fsdp is None for c in full)
+    with pytest.raises(ValueError, match="qwen3-moe runs on DP meshes"):
+        build_matrix(Selection(meshes=("tp2",), models=("qwen3-moe",)))
+
+
+def test_comparator_names_the_expert_of_a_stack() -> None:
+    """A mismatch in an (E, M, N) stack, in its values or in a per-expert state stacked as
+    (E, M, M), names the expert the flat index falls in; other tensors name none."""
+    a = torch.zeros(8, 4, 3)
+    b = a.clone()
+    b[5, 2, 1] = 1.0
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.tensors("mlp.experts.w", "value", a, b)
+    assert cmp.first.expert == 5 and cmp.first.index == 5 * 12 + 2 * 3 + 1
+    assert "mlp.experts.w expert 5 value[67]" in str(cmp.first) and cmp.first.as_dict()["expert"] == 5
+    sq, sq2 = torch.zeros(8, 4, 4), torch.zeros(8, 4, 4)
+    sq2[7, 0, 0] = 1.0
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.states("mlp.experts.w", {"L": sq}, {"L": sq2})
+    assert (cmp.first.what, cmp.first.expert) == ("state.L", 7)
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.tensors("dense.weight", "value", torch.zeros(8, 2), torch.ones(8, 2))
+    assert cmp.first.expert is None and "expert" not in cmp.first.as_dict()
+
+
+def test_reference_steps_each_expert_alone_and_stacks_its_state() -> None:
+    """ReferenceRunner with kinds={stack: "experts"}: each expert is stepped by its own optimizer
+    state, bitwise what the optimizer does to that (M, N) matrix alone; the state comes back
+    stacked along the expert index, for Shampoo's (M, M) and (N, N) preconditioners too."""
+    from canzona.optim import Shampoo
+    from validation.harness import ReferenceRunner
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0)))
+    kw = {"lr": 0.01, "precondition_frequency": 1}
+    ref = ReferenceRunner(model, Shampoo, kw, kinds={"w": "experts"})
+    alone = [model.w.detach()[e].clone() for e in range(3)]
+    opts = [Shampoo([t], **kw) for t in alone]
+    for step in range(2):
+        g = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(10 + step))
+        ref.step({"w": g})
+        for e, (t, o) in enumerate(zip(alone, opts)):
+            t.grad = g[e].clone()
+            o.step()
+    assert torch.equal(ref.params()["w"], torch.stack(alone))
+    st = ref.states()["w"]
+    assert st["L"].shape == (3, 5, 5) and st["R"].shape == (3, 4, 4)
+    for e, o in enumerate(opts):
+        assert torch.equal(st["L"][e], o.state[alone[e]]["L"]) and torch.equal(st["R"][e], o.state[alone[e]]["R"])
+
+
 def test_parse_mesh_canonical_names() -> None:
     assert parse_mesh("DP2xTP2") == parse_mesh("dp2xtp2")
     assert (parse_mesh("tp2").dp, parse_mesh("tp2").tp) == (1, 2)

@@ -9,7 +9,9 @@ number of steps:
   every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
-  embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``) or ``fsdp-toy``
+  embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``), ``qwen3-moe``
+  (``canzona/data/models/qwen3-moe-tiny.json``: stacked experts, each expert's update and state
+  checked on its own; DP meshes only, injected check only, fp32) or ``fsdp-toy``
   (:class:`validation.fsdp_harness.FSDPToy`: odd shapes FSDP2 pads, uneven TP chunks, a 1 x n
   matrix, a tied embedding; the one model of the FSDP2 meshes, injected check only).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
@@ -68,7 +70,7 @@ __all__ = [
 ]
 
 CHECKS: tuple[str, ...] = ("injected", "training")
-MODELS: tuple[str, ...] = ("awkward", "qwen3", "fsdp-toy")
+MODELS: tuple[str, ...] = ("awkward", "qwen3", "qwen3-moe", "fsdp-toy")
 OPTIMIZERS: tuple[str, ...] = optimizer_names()
 STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bf16-mixed")
@@ -86,6 +88,11 @@ FSDP_MESH_NAMES: tuple[str, ...] = tuple(_FSDP_LAYOUTS)
 DEFAULT_MESHES: tuple[str, ...] = STANDARD_MESHES + FSDP_MESH_NAMES
 #: the model the FSDP2 meshes run (and that runs only there)
 FSDP_MODEL = "fsdp-toy"
+#: the mixture-of-experts model of the ZeRO-1 meshes: DP only, injected check only, fp32, and
+#: the strategies that place experts differently (sc: every rank; asc / lb-asc: stacks cut
+#: between experts; zero1: AdamW over element ranges)
+MOE_MODEL = "qwen3-moe"
+_MOE_STRATEGIES: tuple[str, ...] = ("sc", "asc", "lb-asc", "zero1")
 #: dtypes that exist only on FSDP2 meshes
 _FSDP_ONLY_DTYPES: tuple[str, ...] = ("bf16-mixed",)
 #: The tiny Qwen3 has 2 key/value heads and the awkward model's TP dims are even, so TP is at most 2.
@@ -260,6 +267,8 @@ def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSp
         return check == "injected" and model == FSDP_MODEL and strategy in FSDP_STRATEGIES
     if model == FSDP_MODEL or dtype in _FSDP_ONLY_DTYPES:
         return False
+    if model == MOE_MODEL and (mesh.tp > 1 or check != "injected" or dtype != "float32" or strategy not in _MOE_STRATEGIES):
+        return False
     if strategy == "no-fuse" and mesh.tp == 1:
         return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
     if get_strategy(strategy_args(strategy)[0]).elementwise_only and (_is_path(optimizer) or get_optimizer(optimizer).matrix):
@@ -298,6 +307,9 @@ def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: Mes
         return optimizer == "muon" and strategy == "lb-asc"
     if check == "training":
         return optimizer == "muon" and dtype == "float32"
+    if model == MOE_MODEL:
+        # one cell: every expert's update and state against the single-device optimizer
+        return mesh.name == "dp2" and optimizer == "muon" and strategy == "lb-asc"
     if model == "awkward":
         if dtype == "float32":
             return True
@@ -349,7 +361,8 @@ def build_matrix(sel: Selection) -> list[Cell]:
     if not cells:
         raise ValueError(
             "the filters select no cell (for example no-fuse needs a mesh with TP, zero1 needs --optimizer adamw, "
-            "FSDP2 meshes run only the fsdp-toy model with the injected check)"
+            "FSDP2 meshes run only the fsdp-toy model with the injected check, qwen3-moe runs on DP meshes in float32 "
+            f"with {', '.join(_MOE_STRATEGIES)})"
         )
     return cells
 
