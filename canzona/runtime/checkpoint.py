@@ -115,7 +115,6 @@ __all__ = [
     "checksums",
     "consolidated_state_dict",
     "document_digest",
-    "expert_box",
     "flat_range_boxes",
     "join_collective",
     "load_checkpoint",
@@ -352,11 +351,6 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     if rest:
         out += [((last, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, rest)]
     return out
-
-
-def expert_box(expert: int, shape: Sequence[int]) -> Box:
-    """Entry ``expert`` of an expert stack's per-expert state tensor ``(E, *shape)``."""
-    return (int(expert), *(0 for _ in shape)), (1, *(int(n) for n in shape))
 
 
 def whole_box(shape: Sequence[int]) -> Box:

@@ -12,9 +12,7 @@ ranks that hold them:
   few row-aligned rectangles, an FSDP2 block, a hosted full matrix);
 - ``optim.<name>.state.<key>``: optimizer state. Element-wise state tensors are chunked like the
   master; a matrix parameter's state (held whole by its DP owner or its host) is written whole
-  by that rank; an ``(E, M, N)`` expert stack's per-expert state is one global tensor
-  ``(E, *shape)`` (Muon's momentum ``(E, M, N)``, Shampoo's ``(E, M, M)``) whose entry ``e`` the
-  rank holding expert ``e`` writes and reads; 0-dim tensors (step counters) once;
+  by that rank; 0-dim tensors (step counters) once;
 - ``optim.<name>.stride.<key>``: the memory layout of a non-contiguous state tensor (values travel
   without it; SOAP's column-major eigenvectors round differently in another layout);
 - ``optim.<name>.pystate.<key>``: non-tensor state values (Python ints, floats, bools) as 0-dim tensors;
@@ -81,7 +79,6 @@ from canzona.runtime.checkpoint import (
     Held,
     check_hyper_section,
     check_optimizers,
-    expert_box,
     flat_range_boxes,
     join_collective,
     agree_on_checkpoint,
@@ -178,6 +175,13 @@ class _Chunks:
             if not shape:
                 out[key] = chunks[0][1]
                 continue
+            if len(shape) > 2 and len(chunks) > 1:
+                # torch's LocalShardsWrapper has no view for several local shards beyond 2-D
+                raise CheckpointError(
+                    f"{key}: this rank holds {len(chunks)} pieces of a {len(shape)}-D tensor {shape} (the experts of a "
+                    "stack, or slabs of one), which DCP's local shards cannot carry; save expert stacks with "
+                    "canzona.runtime.checkpoint.save_checkpoint (the consolidated format) instead"
+                )
             local = LocalShardsWrapper([t for _, t in chunks], [list(o) for o, _ in chunks])
             stride = torch.empty(shape, device="meta").stride()
             out[key] = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=torch.Size(shape), stride=stride)
@@ -225,20 +229,20 @@ def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, t
 
 
 def _add_state(chunks: _Chunks, h: Held, shape: tuple[int, ...]) -> None:
-    """One held region's optimizer state (``shape``: the parameter's): element-wise tensors
-    chunked like the master, an expert's entry of its stack's per-expert state, anything else
-    whole."""
+    """One held region's optimizer state: element-wise tensors chunked like the master, anything
+    else whole."""
     name = h.name
     for k, v in h.state().items():
         if torch.is_tensor(v):
             v = v.detach()
             if v.dim() == 0:
                 chunks.add_whole(_state_key(name, k), v)
-            elif h.expert is not None:  # entry h.expert of the stack's (E, *shape) state
-                chunks.add_box(_state_key(name, k), (shape[0], *v.shape), expert_box(h.expert, tuple(v.shape)), v.unsqueeze(0))
-                if not v.is_contiguous() and _stride_key(name, k) not in chunks.by_key:
-                    chunks.add_whole(_stride_key(name, k), torch.tensor(v.stride(), dtype=torch.int64))
             elif h.sliced:
+                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
+                    raise CheckpointError(
+                        f"{name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
+                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
+                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 chunks.add_region(_state_key(name, k), shape, h.region, v.reshape(-1))
@@ -536,14 +540,7 @@ class _LoadPlan:
             if size == ():
                 new[k] = self._fresh(key, size, dtype, dev)
                 continue
-            if h.expert is not None:
-                if len(size) < 2 or size[0] != shape[0]:
-                    raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected one entry per expert ({shape[0]}, ...)")
-                local_shape = size[1:]
-                stride = strides.get(key) or torch.empty(local_shape, device="meta").stride()
-                if len(stride) != len(local_shape) or not _dense(local_shape, tuple(stride)):
-                    raise CheckpointError(f"{key}: saved stride {stride} does not describe a dense tensor of shape {local_shape}")
-            elif h.sliced:
+            if h.sliced:
                 if size != shape:
                     raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected {shape}")
                 local_shape = tuple(h.master.shape) if h.master is not None else (sum(math.prod(b[1]) for b in h.region),)
@@ -558,9 +555,7 @@ class _LoadPlan:
                 t = torch.empty_strided(local_shape, tuple(stride), dtype=dtype, device=dev)
                 self.new_state_bytes += t.numel() * t.element_size()
             new[k] = t
-            if h.expert is not None:
-                self._add(key, size, expert_box(h.expert, local_shape), t.unsqueeze(0))
-            elif h.sliced:
+            if h.sliced:
                 self._add_region(key, shape, h.region, t.view(-1))
             else:
                 self._add(key, size, whole_box(size), t)

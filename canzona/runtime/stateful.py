@@ -62,7 +62,6 @@ from canzona.runtime.checkpoint import (
     restore_hyperparams,
     scalar_tensor,
     whole_box,
-    expert_box,
 )
 from canzona.runtime.integrity import hash_text
 
@@ -175,11 +174,14 @@ def _entries(src: Checkpointable, probe: bool) -> Iterator[tuple[str, tuple[int,
         for k, v in state.items():
             if not torch.is_tensor(v):
                 yield f"{h.name}.pystate.{k}", (), (), scalar_tensor(v, f"{h.name}.{k}"), False
-            elif v.dim() > 0 and h.expert is not None:  # entry h.expert of the stack's (E, *shape) state
-                yield f"{h.name}.state.{k}", (shape[0], *v.shape), (expert_box(h.expert, tuple(v.shape)),), v.detach().unsqueeze(0), False
             elif v.dim() == 0 or not h.sliced:
                 yield f"{h.name}.state.{k}", tuple(v.shape), (whole_box(v.shape),), v.detach(), False
             else:
+                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
+                    raise CheckpointError(
+                        f"{h.name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
+                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
+                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{h.name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 yield f"{h.name}.state.{k}", shape, h.region, v.detach().reshape(-1), True
@@ -339,26 +341,15 @@ class _Load:
         for k, key in names.items():
             pieces = _pieces(self.sd[key])
             sample = pieces[0][1] if pieces else None
-            saved_shape = tuple(self.sd[key].shape)
-            expert = h.expert is not None and len(saved_shape) > 1
-            if expert and saved_shape[0] != shape[0]:
-                raise CheckpointError(f"{h.name}: state {k!r} has shape {saved_shape}, expected one entry per expert ({shape[0]}, ...)")
-            whole = not expert and not (h.sliced and saved_shape == shape and len(shape) > 0)
-            if expert:
-                local = saved_shape[1:]
-            else:
-                local = saved_shape if whole else tuple(h.master.shape if h.master is not None else (sum(math.prod(b[1]) for b in h.region),))
+            whole = not (h.sliced and tuple(self.sd[key].shape) == shape and len(shape) > 0)
+            local = tuple(self.sd[key].shape) if whole else tuple(h.master.shape if h.master is not None else (sum(math.prod(b[1]) for b in h.region),))
             dtype = sample.dtype if sample is not None else torch.float32
             t = old.get(k)
             if not (torch.is_tensor(t) and tuple(t.shape) == local and t.dtype == dtype):
                 stride = sample.stride() if whole and sample is not None and tuple(sample.shape) == local else None
-                if expert and sample is not None and sample.dim() == len(local) + 1:
-                    stride = sample.stride()[1:]  # the expert's own layout (SOAP's column-major eigenbases)
                 t = torch.empty_strided(local, stride, dtype=dtype, device=h.param.device) if stride else torch.empty(local, dtype=dtype, device=h.param.device)  # type: ignore[union-attr]
             new[k] = t
-            if expert:
-                self._box(key, expert_box(h.expert, local), t.unsqueeze(0))
-            elif whole:
+            if whole:
                 self._box(key, whole_box(local), t)
             else:
                 self._region(key, shape, h.region, t.view(-1))
