@@ -81,6 +81,25 @@ def test_comparator_names_the_expert_of_a_stack() -> None:
     assert cmp.first.expert is None and "expert" not in cmp.first.as_dict()
 
 
+def test_fsdp_moe_comparison_names_the_expert() -> None:
+    """The FSDP2 MoE cells' comparison: the reference of FSDPMoEToy steps every expert alone, a
+    run equal to it passes, and one element changed in expert 2 of a stack is named there."""
+    from canzona.optim import Shampoo
+    from validation.fsdp import compare_fsdp
+    from validation.fsdp_harness import fsdp_reference
+
+    ref = fsdp_reference(Shampoo, {"lr": 0.01, "precondition_frequency": 1}, {"lr": 0.01}, dtype=torch.float32, dp=2, steps=2, model="fsdp-moe")
+    assert {n: len(t) for n, t in ref.experts.items()} == {"layers.0.experts.gate_up": 4, "layers.1.experts.down": 3}
+    assert ref.states()["layers.1.experts.down"]["L"].shape == (3, 6, 6)
+    params = ref.params()
+    doc = {"params": ref.master_values(), "state": ref.states()}
+    assert compare_fsdp(params, doc, ref).equal
+    params["layers.1.experts.down"] = params["layers.1.experts.down"].clone()
+    params["layers.1.experts.down"][2, 1, 1] += 1.0
+    cmp = compare_fsdp(params, doc, ref)
+    assert (cmp.first.param, cmp.first.expert, cmp.first.index) == ("layers.1.experts.down", 2, 2 * 30 + 6)
+
+
 def test_reference_steps_each_expert_alone_and_stacks_its_state() -> None:
     """ReferenceRunner with kinds={stack: "experts"}: each expert is stepped by its own optimizer
     state, bitwise what the optimizer does to that (M, N) matrix alone; the state comes back
@@ -145,13 +164,17 @@ def test_quick_and_full_select_the_fsdp_cells() -> None:
     check only); --quick: a few of them on every FSDP2 mesh; nothing FSDP2-only leaks onto a
     ZeRO-1 mesh. FSDP2 meshes share the process group of the ZeRO-1 mesh of their size."""
     full = build_matrix(Selection(level="full"))
-    fsdp = [c for c in full if parse_mesh(c.mesh).fsdp is not None]
+    moe = [c for c in full if parse_mesh(c.mesh).fsdp is not None and c.model == "fsdp-moe"]
+    assert {(c.mesh, c.strategy, c.optimizer, c.dtype) for c in moe} == {
+        (m, s, o, "float32") for m in ("fsdp2", "fsdp4") for s in ("sc", "lb-asc") for o in OPTIMIZERS
+    }
+    fsdp = [c for c in full if parse_mesh(c.mesh).fsdp is not None and c.model != "fsdp-moe"]
     assert {(c.mesh, c.strategy, c.optimizer, c.dtype) for c in fsdp} == {
         (m, s, o, d) for m in FSDP_MESH_NAMES for s in ("sc", "asc", "lb-asc", "no-fuse") for o in OPTIMIZERS for d in ("float32", "bfloat16", "bf16-mixed")
     }
     assert {(c.check, c.model) for c in fsdp} == {("injected", "fsdp-toy")} and len(fsdp) == len({c.name for c in fsdp})
     zero1 = [c for c in full if parse_mesh(c.mesh).fsdp is None]
-    assert not any(c.model == "fsdp-toy" or c.dtype == "bf16-mixed" for c in zero1)
+    assert not any(c.model in ("fsdp-toy", "fsdp-moe") or c.dtype == "bf16-mixed" for c in zero1)
     quick = [c for c in build_matrix(Selection(level="quick")) if parse_mesh(c.mesh).fsdp is not None]
     assert {c.mesh for c in quick} == set(FSDP_MESH_NAMES) and 4 <= len(quick) <= 16
     assert {c.dtype for c in quick} == {"float32", "bfloat16", "bf16-mixed"}
@@ -162,7 +185,7 @@ def test_quick_and_full_select_the_fsdp_cells() -> None:
     sign = "examples.sign_momentum:SignMomentum"
     custom = build_matrix(Selection(optimizers=(sign,), meshes=("fsdp2", "hsdp2x2")))
     assert {c.optimizer for c in custom} == {sign} and {c.mesh for c in custom} == {"fsdp2", "hsdp2x2"}
-    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy model"):
+    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy and fsdp-moe models"):
         build_matrix(Selection(meshes=("fsdp2",), models=("awkward",)))
     assert process_groups(["dp2", "tp2", "dp2xtp2", "dp4", *FSDP_MESH_NAMES]) == [["dp2", "fsdp2"], ["tp2"], ["dp2xtp2", "fsdp4", "fsdp2xtp2", "hsdp2x2"], ["dp4"]]
     assert process_groups(["hsdp2x2", "fsdp2", "fsdp4", "dp4"]) == [["dp4", "hsdp2x2", "fsdp4"], ["fsdp2"]]

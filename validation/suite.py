@@ -126,7 +126,7 @@ def settings() -> dict[str, Any]:
         "elementwise_optimizer": "AdamW",
         "elementwise_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in checks.ELEMENTWISE_KWARGS.items()},
         "fsdp": {
-            "runner": "validation.fsdp_harness.fsdp_mesh_worker (FSDPToy under fully_shard) vs validation.fsdp_harness.fsdp_reference",
+            "runner": "validation.fsdp_harness.fsdp_mesh_worker (FSDPToy or FSDPMoEToy under fully_shard) vs validation.fsdp_harness.fsdp_reference",
             "meshes": {m: parse_mesh(m).fsdp for m in FSDP_MESH_NAMES},
             "injected_gradients": "validation.harness.integer_grads (its default seed and scale) per DP rank",
             "elementwise_kwargs": dict(FSDP_ELEMENTWISE_KWARGS),
