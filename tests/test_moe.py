@@ -471,3 +471,25 @@ def test_preconditioned_expert_state_resumes_at_another_dp_size(name: str, tmp_p
     want = _precond_reference(name).params()
     bad = [n for n in want if not torch.equal(got[n], want[n])]
     assert bad == [], bad
+
+
+def test_tiny_moe_is_the_dense_model_with_a_moe_block_and_tp_refuses_it() -> None:
+    """Qwen3MoE is canzona's Qwen3 with MoEBlock as its feed-forward block (one constructor,
+    init and loss); canzona's TP helpers, which lay out the dense model, refuse it in one line,
+    and each model refuses the other's config."""
+    from canzona.config import load_model_config
+    from canzona.models import Qwen3, Qwen3MoE, parallelize, shard_megatron
+    from canzona.models.qwen3_moe import MoEBlock
+
+    moe = Qwen3MoE(load_model_config("qwen3-moe-tiny"), seed=1)
+    assert isinstance(moe, Qwen3) and all(isinstance(layer.mlp, MoEBlock) for layer in moe.model.layers)
+    again = Qwen3MoE(load_model_config("qwen3-moe-tiny"), seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(moe.parameters(), again.parameters()))
+    for fn, args in ((shard_megatron, (0, 2)), (parallelize, (None,))):
+        with pytest.raises(TypeError, match=f"{fn.__name__} supports the dense canzona Qwen3 only; Qwen3MoE is a mixture of experts") as info:
+            fn(moe, *args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="use canzona.models.Qwen3MoE"):
+        Qwen3(load_model_config("qwen3-moe-tiny"))
+    with pytest.raises(ValueError, match="needs a config with 'moe'"):
+        Qwen3MoE(load_model_config("qwen3-tiny"))
