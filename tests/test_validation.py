@@ -85,7 +85,7 @@ def test_fsdp_moe_comparison_names_the_expert() -> None:
     """The FSDP2 MoE cells' comparison: the reference of FSDPMoEToy steps every expert alone, a
     run equal to it passes, and one element changed in expert 2 of a stack is named there."""
     from canzona.optim import Shampoo
-    from validation.fsdp import compare_fsdp
+    from validation.fsdp2_cells import compare_fsdp
     from validation.fsdp_harness import fsdp_reference
 
     ref = fsdp_reference(Shampoo, {"lr": 0.01, "precondition_frequency": 1}, {"lr": 0.01}, dtype=torch.float32, dp=2, steps=2, model="fsdp-moe")
@@ -426,7 +426,7 @@ def test_fsdp_judgement_needs_both_comparisons_and_a_visible_fault() -> None:
     """An FSDP2 cell passes only when the per-tensor comparison and validation.fsdp_harness's agree
     that nothing differs; a planted fault that left no trace fails it; a differing state entry is
     named with its element."""
-    from validation.fsdp import compare_fsdp, judge_fsdp
+    from validation.fsdp2_cells import compare_fsdp, judge_fsdp
     from validation.matrix import Cell
 
     cell = Cell("injected", "fsdp-toy", "muon", "lb-asc", "fsdp2", "float32", 3)

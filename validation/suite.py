@@ -116,7 +116,7 @@ def settings() -> dict[str, Any]:
     """What the cells were run with (recorded in the report)."""
     from canzona.train import DEFAULT_ELEMENTWISE_LR, DEFAULT_LR
     from validation import checks
-    from validation.fsdp import FSDP_DEFAULT_KWARGS, FSDP_ELEMENTWISE_KWARGS
+    from validation.fsdp2_cells import FSDP_DEFAULT_KWARGS, FSDP_ELEMENTWISE_KWARGS
     from validation.matrix import FSDP_MESH_NAMES
 
     return {
@@ -272,11 +272,11 @@ def run_group(
 ) -> list[dict[str, Any]] | None:
     """Worker body (module level for spawn): the cells of each ``(mesh, cells)`` part in turn in
     this one process group, ZeRO-1 meshes through :func:`validation.checks.run_mesh`, FSDP2 meshes
-    through :func:`validation.fsdp.run_fsdp_mesh`; rank 0 returns every result."""
+    through :func:`validation.fsdp2_cells.run_fsdp_mesh`; rank 0 returns every result."""
     import torch.distributed as dist
 
     from validation.checks import run_mesh
-    from validation.fsdp import run_fsdp_mesh
+    from validation.fsdp2_cells import run_fsdp_mesh
 
     results: list[dict[str, Any]] = []
     for mesh_name, cells in parts:
