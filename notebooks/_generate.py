@@ -125,6 +125,23 @@ pieces = viz.ownership_pieces(plans["zero1"])
 print(f"zero1 cuts {int((~pieces['whole']).groupby(pieces['param']).any().sum())} of {pieces['param'].nunique()} parameters; "
       f"lb-asc cuts {int((~viz.ownership_pieces(plans['lb-asc'])['whole']).sum())}")
 """),
+    md("""
+## Mixture of experts: experts grouped per stack
+
+An `(E, M, N)` expert stack is E independent matrix tasks; `lb-asc` may cut a stack between
+experts, never inside one. With 128 experts per layer a map per expert would be unreadable, so
+experts stay grouped: one partition-map segment per (stack, owner) whose hover names its experts
+(`experts 0-16 of 128`), one table row per stack, and one heatmap row per stack (experts per DP
+rank; hover a cell for the indices). Qwen3-30B-A3B: 48 layers, two stacks of 128 experts each.
+"""),
+    code("""
+MOE_MODEL = "qwen3-30b-a3b"
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    moe = plan_model(MOE_MODEL, dp=DP, tp=1, optimizer=OPTIMIZER, strategy="lb-asc")
+display(viz.expert_groups(moe).head(4))
+viz.fig_expert_groups(moe)
+"""),
 ]
 
 MICROGROUPS = [

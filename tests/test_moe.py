@@ -228,7 +228,7 @@ def _cls(strategy: str):
     return torch.optim.AdamW if strategy == "zero1" else Muon
 
 
-def _dp_case(rank: int, strategy: str) -> dict:
+def _dp_case(rank: int, strategy: str, folder: str) -> dict:
     import canzona
     from validation.harness import inject_grads
 
@@ -257,6 +257,14 @@ def _dp_case(rank: int, strategy: str) -> dict:
         o.step()
         o.zero_grad()
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    if strategy == "lb-asc":  # Muon's expert state is shaped like the expert: what stops DCP is several experts per rank
+        from canzona.runtime.dcp import save_sharded
+
+        try:
+            save_sharded(opt, f"{folder}/muon-experts.dcp")
+            out["sharded"] = ""
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out["sharded"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -304,18 +312,67 @@ def _tiny_moe_case(rank: int, strategy: str) -> dict:
     return {"bad": bad, "chains": chains, "losses": losses, "n_params": len(want)}
 
 
-def moe_worker(rank: int, world: int) -> bytes:
-    out: dict = {s: _dp_case(rank, s) for s in STRATEGIES}
+#: Shampoo and SOAP on the non-square stacks (4, 12, 8) and (4, 8, 6): preconditioners per expert
+#: ((12, 12) and (8, 8); (8, 8) and (6, 6)), refreshed every step; Conv1D left to AdamW (only
+#: canzona's Muon updates it transposed)
+PRECOND_KW = {"shampoo": {"lr": 0.01, "precondition_frequency": 1}, "soap": {"lr": 3e-3, "precondition_frequency": 1}}
+PRECOND_ROLES = {"c_attn.weight": "elementwise"}
+RESUME_STEPS = 2
+
+
+def _precond_opt(model: torch.nn.Module, name: str):
+    import canzona
+
+    return canzona.DistributedOptimizer(model, name, strategy="lb-asc", optimizer_kwargs=PRECOND_KW[name], elementwise_kwargs=EKW,
+                                        bucket_numel=700, roles=PRECOND_ROLES)
+
+
+def _precond_save(rank: int, name: str, folder: str) -> dict:
+    """Shampoo / SOAP at dp 2 (lb-asc splits each stack's experts over the ranks), then the
+    consolidated, the sharded (DCP) and the Stateful (``dcp.save``) checkpoints."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint import save_checkpoint
+    from canzona.runtime.dcp import save_sharded
+    from validation.harness import inject_grads
+
+    model = ToyMoE()
+    opt = _precond_opt(model, name)
+    for s in range(STEPS):
+        inject_grads(model, _grads(model, s, rank))
+        opt.step()
+        opt.zero_grad()
+    owners = {n: sorted(pc.expert for pc in opt.runtime.pieces if pc.name == n and pc.expert is not None)
+              for n in ("experts.gate_up_proj", "experts.down_proj")}
+    save_checkpoint(opt, f"{folder}/{name}.pt")
+    refused = {}
+    for fmt, save in (("sharded", lambda: save_sharded(opt, f"{folder}/{name}.dcp")),
+                      ("stateful", lambda: dcp.save({"optim": opt}, checkpoint_id=f"{folder}/{name}.stateful"))):
+        try:
+            save()
+            refused[fmt] = ""
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            refused[fmt] = f"{type(exc).__name__}: {exc}"
+    return {"experts_here": owners, "refused": refused}
+
+
+def moe_worker(rank: int, world: int, folder: str) -> bytes:
+    out: dict = {s: _dp_case(rank, s, folder) for s in STRATEGIES}
     out["tiny_moe"] = {s: _tiny_moe_case(rank, s) for s in TINY_MOE_STRATEGIES}
+    out["precond"] = {n: _precond_save(rank, n, folder) for n in PRECOND_KW}
     return pack(out)
 
 
 _RUN: list[dict] = []
+_FOLDER: list[str] = []
 
 
 def _results() -> list[dict]:
     if not _RUN:
-        _RUN.extend(unpack(r) for r in run_workers(moe_worker, 2, timeout_s=300))
+        import tempfile
+
+        _FOLDER.append(tempfile.mkdtemp(prefix="canzona-moe-"))
+        _RUN.extend(unpack(r) for r in run_workers(moe_worker, 2, _FOLDER[0], timeout_s=300))
     return _RUN
 
 
@@ -357,6 +414,10 @@ def test_dp2_experts_bitwise_per_task(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_dp2_experts_checkpoint_round_trip(strategy: str) -> None:
     assert all(r[strategy]["resumed_equal"] for r in _results())
+    if strategy == "lb-asc":  # the sharded format refuses a rank holding several experts, in one line
+        for r in _results():
+            msg = r[strategy]["sharded"]
+            assert msg.startswith("CheckpointError") and "DCP's local shards cannot carry" in msg and "\n" not in msg, msg
 
 
 @pytest.mark.slow
@@ -370,3 +431,77 @@ def test_dp2_tiny_qwen3_moe_trains_bitwise_per_task(strategy: str) -> None:
         assert r["n_params"] > 20
     assert max(c for r in res for c in r["chains"]) >= 8  # a whole stack of 8 experts in one chain
     assert res[0]["losses"] != res[1]["losses"]  # the ranks saw different batches
+
+
+def _precond_reference(name: str) -> TaskReference:
+    """Each expert alone under the single-device optimizer: STEPS steps on the mean of both ranks'
+    gradients, then RESUME_STEPS on rank 0's alone (the run resumed at dp 1)."""
+    from canzona.optimizers import get_optimizer
+
+    model = ToyMoE()
+    ref = TaskReference(model, module_roles(model, PRECOND_ROLES), get_optimizer(name).load(), PRECOND_KW[name], torch.optim.AdamW, EKW)
+    for s in range(STEPS):
+        ref.step(mean_grads([_grads(model, s, r) for r in range(2)]))
+    for s in range(STEPS, STEPS + RESUME_STEPS):
+        ref.step(_grads(model, s, 0))
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PRECOND_KW))
+def test_preconditioned_expert_state_resumes_at_another_dp_size(name: str, tmp_path) -> None:
+    """Shampoo / SOAP state of non-square experts (per-expert (M, M) and (N, N) preconditioners)
+    saved at dp 2 in the consolidated format, with the experts of each stack split over both
+    ranks, loads at dp 1 and continues bitwise as each expert alone on one device would; the
+    document keeps the state stacked along the expert index. The sharded formats (DCP) refuse a
+    rank holding several experts of a stack with one line naming the consolidated format."""
+    from canzona.runtime.checkpoint import load_checkpoint
+    from canzona.runtime.launch import file_init_method, process_group
+    from validation.harness import inject_grads
+
+    res = [r["precond"][name] for r in _results()]
+    here = [r["experts_here"] for r in res]
+    assert all(sorted(here[0][n] + here[1][n]) == [0, 1, 2, 3] for n in here[0])
+    assert any(here[0][n] and here[1][n] for n in here[0]), here  # a stack's experts on both ranks
+    folder = _FOLDER[0]
+    doc = torch.load(f"{folder}/{name}.pt", weights_only=True)
+    key = "L" if name == "shampoo" else "Q_L"
+    assert doc["state"]["experts.gate_up_proj"][key].shape == (4, 12, 12)
+    assert doc["state"]["experts.down_proj"][key].shape == (4, 8, 8)
+    for r in res:
+        for fmt, msg in r["refused"].items():
+            assert "CheckpointError" in msg and "save_checkpoint (the consolidated format)" in msg and "\n" not in msg, (fmt, msg)
+    with process_group(file_init_method(tmp_path)):
+        model = ToyMoE(seed=5)
+        opt = _precond_opt(model, name)
+        load_checkpoint(opt, f"{folder}/{name}.pt")
+        for s in range(STEPS, STEPS + RESUME_STEPS):
+            inject_grads(model, _grads(model, s, 0))
+            opt.step()
+            opt.zero_grad()
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = _precond_reference(name).params()
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
+    assert bad == [], bad
+
+
+def test_tiny_moe_is_the_dense_model_with_a_moe_block_and_tp_refuses_it() -> None:
+    """Qwen3MoE is canzona's Qwen3 with MoEBlock as its feed-forward block (one constructor,
+    init and loss); canzona's TP helpers, which lay out the dense model, refuse it in one line,
+    and each model refuses the other's config."""
+    from canzona.config import load_model_config
+    from canzona.models import Qwen3, Qwen3MoE, parallelize, shard_megatron
+    from canzona.models.qwen3_moe import MoEBlock
+
+    moe = Qwen3MoE(load_model_config("qwen3-moe-tiny"), seed=1)
+    assert isinstance(moe, Qwen3) and all(isinstance(layer.mlp, MoEBlock) for layer in moe.model.layers)
+    again = Qwen3MoE(load_model_config("qwen3-moe-tiny"), seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(moe.parameters(), again.parameters()))
+    for fn, args in ((shard_megatron, (0, 2)), (parallelize, (None,))):
+        with pytest.raises(TypeError, match=f"{fn.__name__} supports the dense canzona Qwen3 only; Qwen3MoE is a mixture of experts") as info:
+            fn(moe, *args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="use canzona.models.Qwen3MoE"):
+        Qwen3(load_model_config("qwen3-moe-tiny"))
+    with pytest.raises(ValueError, match="needs a config with 'moe'"):
+        Qwen3MoE(load_model_config("qwen3-tiny"))

@@ -42,6 +42,90 @@ def test_quick_matrix_covers_every_optimizer_strategy_and_mesh() -> None:
     assert set(names) < {c.name for c in full}
 
 
+def test_moe_cells_one_in_quick_and_the_dp_meshes_in_full() -> None:
+    """--quick has one MoE cell (ZeRO-1 lb-asc at dp2, Muon); --full runs the tiny Qwen3-MoE at dp2
+    and dp4 with sc, asc and lb-asc under every optimizer (Shampoo and SOAP on its non-square
+    (8, 64, 32) stacks included), never on a TP mesh; asking for one there is one line."""
+    quick = [c.name for c in build_matrix(Selection(level="quick")) if c.model == "qwen3-moe"]
+    assert quick == ["injected/qwen3-moe/muon/lb-asc/dp2/float32"]
+    full = [c for c in build_matrix(Selection(level="full")) if c.model == "qwen3-moe"]
+    got = {(c.mesh, c.strategy, c.optimizer) for c in full}
+    for mesh in ("dp2", "dp4"):
+        for opt in ("muon", "shampoo", "soap", "adamw"):
+            for strategy in ("sc", "asc", "lb-asc"):
+                assert (mesh, strategy, opt) in got
+        assert (mesh, "zero1", "adamw") in got
+    assert {(c.check, c.dtype) for c in full} == {("injected", "float32")}
+    assert all(parse_mesh(c.mesh).tp == 1 and parse_mesh(c.mesh).fsdp is None for c in full)
+    with pytest.raises(ValueError, match="qwen3-moe runs on DP meshes"):
+        build_matrix(Selection(meshes=("tp2",), models=("qwen3-moe",)))
+
+
+def test_comparator_names_the_expert_of_a_stack() -> None:
+    """A mismatch in an (E, M, N) stack, in its values or in a per-expert state stacked as
+    (E, M, M), names the expert the flat index falls in; other tensors name none."""
+    a = torch.zeros(8, 4, 3)
+    b = a.clone()
+    b[5, 2, 1] = 1.0
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.tensors("mlp.experts.w", "value", a, b)
+    assert cmp.first.expert == 5 and cmp.first.index == 5 * 12 + 2 * 3 + 1
+    assert "mlp.experts.w expert 5 value[67]" in str(cmp.first) and cmp.first.as_dict()["expert"] == 5
+    sq, sq2 = torch.zeros(8, 4, 4), torch.zeros(8, 4, 4)
+    sq2[7, 0, 0] = 1.0
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.states("mlp.experts.w", {"L": sq}, {"L": sq2})
+    assert (cmp.first.what, cmp.first.expert) == ("state.L", 7)
+    cmp = Comparator(experts={"mlp.experts.w": 8})
+    cmp.tensors("dense.weight", "value", torch.zeros(8, 2), torch.ones(8, 2))
+    assert cmp.first.expert is None and "expert" not in cmp.first.as_dict()
+
+
+def test_fsdp_moe_comparison_names_the_expert() -> None:
+    """The FSDP2 MoE cells' comparison: the reference of FSDPMoEToy steps every expert alone, a
+    run equal to it passes, and one element changed in expert 2 of a stack is named there."""
+    from canzona.optim import Shampoo
+    from validation.fsdp2_cells import compare_fsdp
+    from validation.fsdp_harness import fsdp_reference
+
+    ref = fsdp_reference(Shampoo, {"lr": 0.01, "precondition_frequency": 1}, {"lr": 0.01}, dtype=torch.float32, dp=2, steps=2, model="fsdp-moe")
+    assert {n: len(t) for n, t in ref.experts.items()} == {"layers.0.experts.gate_up": 4, "layers.1.experts.down": 3}
+    assert ref.states()["layers.1.experts.down"]["L"].shape == (3, 6, 6)
+    params = ref.params()
+    doc = {"params": ref.master_values(), "state": ref.states()}
+    assert compare_fsdp(params, doc, ref).equal
+    params["layers.1.experts.down"] = params["layers.1.experts.down"].clone()
+    params["layers.1.experts.down"][2, 1, 1] += 1.0
+    cmp = compare_fsdp(params, doc, ref)
+    assert (cmp.first.param, cmp.first.expert, cmp.first.index) == ("layers.1.experts.down", 2, 2 * 30 + 6)
+
+
+def test_reference_steps_each_expert_alone_and_stacks_its_state() -> None:
+    """ReferenceRunner with kinds={stack: "experts"}: each expert is stepped by its own optimizer
+    state, bitwise what the optimizer does to that (M, N) matrix alone; the state comes back
+    stacked along the expert index, for Shampoo's (M, M) and (N, N) preconditioners too."""
+    from canzona.optim import Shampoo
+    from validation.harness import ReferenceRunner
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0)))
+    kw = {"lr": 0.01, "precondition_frequency": 1}
+    ref = ReferenceRunner(model, Shampoo, kw, kinds={"w": "experts"})
+    alone = [model.w.detach()[e].clone() for e in range(3)]
+    opts = [Shampoo([t], **kw) for t in alone]
+    for step in range(2):
+        g = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(10 + step))
+        ref.step({"w": g})
+        for e, (t, o) in enumerate(zip(alone, opts)):
+            t.grad = g[e].clone()
+            o.step()
+    assert torch.equal(ref.params()["w"], torch.stack(alone))
+    st = ref.states()["w"]
+    assert st["L"].shape == (3, 5, 5) and st["R"].shape == (3, 4, 4)
+    for e, o in enumerate(opts):
+        assert torch.equal(st["L"][e], o.state[alone[e]]["L"]) and torch.equal(st["R"][e], o.state[alone[e]]["R"])
+
+
 def test_parse_mesh_canonical_names() -> None:
     assert parse_mesh("DP2xTP2") == parse_mesh("dp2xtp2")
     assert (parse_mesh("tp2").dp, parse_mesh("tp2").tp) == (1, 2)
@@ -80,13 +164,17 @@ def test_quick_and_full_select_the_fsdp_cells() -> None:
     check only); --quick: a few of them on every FSDP2 mesh; nothing FSDP2-only leaks onto a
     ZeRO-1 mesh. FSDP2 meshes share the process group of the ZeRO-1 mesh of their size."""
     full = build_matrix(Selection(level="full"))
-    fsdp = [c for c in full if parse_mesh(c.mesh).fsdp is not None]
+    moe = [c for c in full if parse_mesh(c.mesh).fsdp is not None and c.model == "fsdp-moe"]
+    assert {(c.mesh, c.strategy, c.optimizer, c.dtype) for c in moe} == {
+        (m, s, o, "float32") for m in ("fsdp2", "fsdp4") for s in ("sc", "lb-asc") for o in OPTIMIZERS
+    }
+    fsdp = [c for c in full if parse_mesh(c.mesh).fsdp is not None and c.model != "fsdp-moe"]
     assert {(c.mesh, c.strategy, c.optimizer, c.dtype) for c in fsdp} == {
         (m, s, o, d) for m in FSDP_MESH_NAMES for s in ("sc", "asc", "lb-asc", "no-fuse") for o in OPTIMIZERS for d in ("float32", "bfloat16", "bf16-mixed")
     }
     assert {(c.check, c.model) for c in fsdp} == {("injected", "fsdp-toy")} and len(fsdp) == len({c.name for c in fsdp})
     zero1 = [c for c in full if parse_mesh(c.mesh).fsdp is None]
-    assert not any(c.model == "fsdp-toy" or c.dtype == "bf16-mixed" for c in zero1)
+    assert not any(c.model in ("fsdp-toy", "fsdp-moe") or c.dtype == "bf16-mixed" for c in zero1)
     quick = [c for c in build_matrix(Selection(level="quick")) if parse_mesh(c.mesh).fsdp is not None]
     assert {c.mesh for c in quick} == set(FSDP_MESH_NAMES) and 4 <= len(quick) <= 16
     assert {c.dtype for c in quick} == {"float32", "bfloat16", "bf16-mixed"}
@@ -97,7 +185,7 @@ def test_quick_and_full_select_the_fsdp_cells() -> None:
     sign = "examples.sign_momentum:SignMomentum"
     custom = build_matrix(Selection(optimizers=(sign,), meshes=("fsdp2", "hsdp2x2")))
     assert {c.optimizer for c in custom} == {sign} and {c.mesh for c in custom} == {"fsdp2", "hsdp2x2"}
-    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy model"):
+    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy and fsdp-moe models"):
         build_matrix(Selection(meshes=("fsdp2",), models=("awkward",)))
     assert process_groups(["dp2", "tp2", "dp2xtp2", "dp4", *FSDP_MESH_NAMES]) == [["dp2", "fsdp2"], ["tp2"], ["dp2xtp2", "fsdp4", "fsdp2xtp2", "hsdp2x2"], ["dp4"]]
     assert process_groups(["hsdp2x2", "fsdp2", "fsdp4", "dp4"]) == [["dp4", "hsdp2x2", "fsdp4"], ["fsdp2"]]
@@ -338,7 +426,7 @@ def test_fsdp_judgement_needs_both_comparisons_and_a_visible_fault() -> None:
     """An FSDP2 cell passes only when the per-tensor comparison and validation.fsdp_harness's agree
     that nothing differs; a planted fault that left no trace fails it; a differing state entry is
     named with its element."""
-    from validation.fsdp import compare_fsdp, judge_fsdp
+    from validation.fsdp2_cells import compare_fsdp, judge_fsdp
     from validation.matrix import Cell
 
     cell = Cell("injected", "fsdp-toy", "muon", "lb-asc", "fsdp2", "float32", 3)

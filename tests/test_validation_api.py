@@ -205,18 +205,29 @@ def test_training_gate_catches_planted_defects_on_every_rank() -> None:
     state = "training/qwen3/muon/sc/dp2/float32"
     lr = "training/qwen3/muon/lb-asc/dp2/float32"
     injected = "injected/awkward/muon/sc/dp2/float32"  # the injected check reads every replica too
+    expert = "injected/qwen3-moe/muon/lb-asc/dp2/float32"  # one expert stepped with its neighbour's gradient
     res = run_suite(
-        Selection(optimizers=("muon",), strategies=("sc", "lb-asc"), meshes=("dp2", "dp2xtp2"), dtypes=("float32",), models=("awkward", "qwen3"), steps=2),
+        Selection(optimizers=("muon",), strategies=("sc", "lb-asc"), meshes=("dp2", "dp2xtp2"), dtypes=("float32",),
+                  models=("awkward", "qwen3", "qwen3-moe"), steps=2),
         report_path=None,
         fault=[
             PlantedFault(qk, "qk-norm-unreduced", "defect"),
             PlantedFault(state, "state-on-dp1", "defect"),
             PlantedFault(lr, "lr-on-dp1", "defect"),
             PlantedFault(injected, "state-on-dp1", "defect"),
+            PlantedFault(expert, "expert-gradient-swap", "defect"),
         ],
     )
     by = {c["cell"]: c for c in res.report["cells"]}
-    assert sorted(c["cell"] for c in res.failures) == sorted([qk, state, lr, injected]), res.table(full=True)
+    assert sorted(c["cell"] for c in res.failures) == sorted([qk, state, lr, injected, expert]), res.table(full=True)
+    # the gate names the stack and the expert, and only that expert's values differ
+    from validation.defects import SWAPPED_EXPERT
+
+    e = by[expert]
+    assert e["fault"]["fired"] and e["first_mismatch"]["param"] == "model.layers.0.mlp.experts.gate_up_proj", e
+    assert e["first_mismatch"]["expert"] == SWAPPED_EXPERT and e["mismatched_params"] == ["model.layers.0.mlp.experts.gate_up_proj"], e
+    assert f"gate_up_proj expert {SWAPPED_EXPERT} value" in res.table()
+    assert by["injected/qwen3-moe/muon/sc/dp2/float32"]["passed"]
     assert by[injected]["first_mismatch"]["what"].startswith("replica@rank1:state."), by[injected]
     assert by["training/qwen3/muon/sc/dp2xtp2/float32"]["measured"]["grad"] < 1e-5  # the oracle's rounding, not a defect
     m = by[qk]

@@ -138,6 +138,45 @@ def test_partition_map_draws_the_pieces() -> None:
     assert [t.name for t in _bars(sc)] == ["every rank (sc)"]
 
 
+def test_experts_grouped_per_stack() -> None:
+    """A MoE plan (Qwen3-30B-A3B: 48 layers x 2 stacks of 128 experts) reads as one row per expert
+    stack: every expert of a stack on exactly one DP rank (lb-asc) or on every rank (sc), the
+    partition map's hover names the experts of each piece, the heatmap's rows sum to the stack's
+    experts and hovering lists their indices; the micro-group chart says which experts it leaves
+    out; a dense plan has no expert stack to draw."""
+    plan = _plan("qwen3-30b-a3b", dp=8, tp=1, strategy="lb-asc")
+    groups = vp.expert_groups(plan)
+    assert len(groups) == 96 and set(groups["experts"]) == {128}
+    assert groups["layer"].nunique() == 48 and groups["layer"].iloc[0] == "decoder.layers.0.mlp.experts"
+    for owners in groups["owners"]:
+        got = []
+        for part in owners.split(" | "):
+            rank, _, ranges = part.partition(": ")
+            for r in ranges.split(", "):
+                a, _, b = r.partition("-")
+                got.extend(range(int(a), int(b or a) + 1))
+        assert sorted(got) == list(range(128)), owners
+    pieces = vp.ownership_pieces(plan)
+    stack = pieces[pieces["kind"] == "experts"]
+    assert stack["experts"].str.match(r"^experts? \d+(-\d+)? of 128$").all() and (pieces[pieces["kind"] != "experts"]["experts"] == "").all()
+    hover = {c[7] for t in _bars(vp.fig_partition_map(plan, buckets=[1])) for c in t.customdata}
+    assert any("of 128" in h for h in hover)
+    fig = vp.fig_expert_groups(plan)
+    _readable(fig)
+    z = np.asarray(fig.data[0].z)
+    assert z.shape == (96, 8) and (z.sum(axis=1) == 128).all()
+    assert groups["max_per_rank"].tolist() == z.max(axis=1).astype(int).tolist()
+    assert fig.data[0].customdata[0][0].startswith("0-")
+    sc = vp.expert_groups(_plan("qwen3-30b-a3b", dp=8, tp=1, strategy="sc"))
+    assert set(sc["owners"]) == {"every rank"} and set(sc["ranks"]) == {8}
+    assert vp.rank_experts(plan, 0)[0] > 0
+    gantt = vm.fig_microgroup_gantt(_plan("qwen3-30b-a3b", dp=8, tp=2, strategy="lb-asc"), 0)
+    assert "experts of" in gantt.layout.title.text and "updated whole by this DP rank" in gantt.layout.title.text
+    with pytest.raises(ValueError, match="no expert stack"):
+        vp.fig_expert_groups(_plan("qwen3-tiny", dp=4, tp=1, strategy="lb-asc"))
+    assert vp.expert_groups(_plan("qwen3-tiny", dp=4, tp=1, strategy="lb-asc")).empty
+
+
 def test_rank_load_figures_show_the_loads() -> None:
     plan = _plan("qwen3-tiny", dp=4, tp=2, strategy="lb-asc", bucket_numel=3000)
     loads = vp.rank_loads(plan)

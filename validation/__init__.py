@@ -11,7 +11,7 @@ loss trajectory of each strategy against ``sc``.
 Run it as ``canzona validate --quick`` (CI) or ``--full``, or ``python -m validation``; see
 ``docs/validation.md`` for the matrix, the report format and the fault hook. Modules:
 :mod:`validation.matrix` (cells, filters), :mod:`validation.models` (the awkward parameter set),
-:mod:`validation.checks` (the worker and both checks), :mod:`validation.fsdp` (the injected
+:mod:`validation.checks` (the worker and both checks), :mod:`validation.fsdp2_cells` (the injected
 check on FSDP2 meshes), :mod:`validation.compare` (bitwise
 comparison), :mod:`validation.report` (JSON/CSV/table), :mod:`validation.suite` (orchestration),
 :mod:`validation.cli` (arguments, exit codes), :mod:`validation.targets` (the user's optimizer and

@@ -209,7 +209,7 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
         if planted is not None:
             handle = dopt.register_update_hook(planted)
         _injected_steps(dopt, model, cell, ctx, shapes, tp_dims, dtype, fault, defect)
-        fired = int(planted is not None and planted.fired)
+        fired = int(planted is not None and planted.fired) or int(bool(getattr(defect, "fired", False)))
     finally:
         if handle is not None:
             handle.remove()
@@ -225,12 +225,14 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     got = [unpack(s) for s in shares]
 
     # ---- reference: the single-device optimizer on full tensors with the DP-mean gradients
+    stacks = expert_stacks(full)
     runner = ReferenceRunner(
-        full, cls, kw, torch.optim.AdamW, ew, all_elementwise=dopt.plan.strategy.elementwise_only, master_dtype=torch.float32
+        full, cls, kw, torch.optim.AdamW, ew, all_elementwise=dopt.plan.strategy.elementwise_only, master_dtype=torch.float32,
+        kinds={n: "experts" for n in stacks},
     )
     for step in range(1, cell.steps + 1):
         runner.step(mean_grads([_full_grads(shapes, step, d, dtype) for d in range(dp)]))
-    cmp = Comparator()
+    cmp = Comparator(experts=stacks)
     _compare_injected(cmp, runner, sd, got, shapes, tp_dims, dp, tp)
     # every copy of a parameter, master and optimizer state on every rank (not just the one the
     # consolidated state_dict reads) must hold the same bits
@@ -239,6 +241,9 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
     if mode is not None:
         extra["fault"] = _fault_record(mode, f, got)
     r = _result(cell, cmp, time.perf_counter() - t0, bitwise_expected=True, bitwise=cmp.equal, reason="", **extra)
+    if mode == "defect" and hasattr(defect, "fired") and not extra["fault"]["fired"]:
+        r["passed"] = False
+        r["error"] = f"planted defect {f} never fired: no rank held what it needs (see validation.defects)"
     if mode == "runtime" and not extra["fault"]["fired"]:
         # A defect that could not be planted proves nothing: fail loudly instead of passing.
         r["passed"] = False
@@ -247,6 +252,19 @@ def _injected_cell(cell: Cell, ctx: _Ctx, fault: Any, opts: Mapping[str, Any]) -
             "did not see that parameter updated whole that often on any rank"
         )
     return r
+
+
+def expert_stacks(model: nn.Module) -> dict[str, int]:
+    """Name -> expert count of every ``(E, M, N)`` expert stack of ``model`` under its roles (the
+    default rule plus the model's ``canzona_roles``): the reference steps each expert alone, and a
+    mismatch in one names its expert."""
+    from canzona.specs import module_roles
+
+    if not any(p.dim() == 3 for p in model.parameters()):
+        return {}
+    shapes = dict(model.named_parameters())
+    roles = module_roles(model, getattr(model, "canzona_roles", None))
+    return {n: int(shapes[n].shape[0]) for n, (role, _) in roles.items() if role == "experts"}
 
 
 def _distributed_optimizer(model: nn.Module, cell: Cell, mesh: Any, cls: type, kw: Mapping[str, Any], ew: Mapping[str, Any],
@@ -320,7 +338,10 @@ def _fault_record(mode: str, f: Any, got: Sequence[Mapping[str, Any]]) -> dict[s
     """The report's ``fault`` entry of a cell with a planted fault: what was planted and, for a
     ``runtime`` fault, whether its hook fired on any rank (a named defect always runs)."""
     if mode == "defect":
-        return {"mode": mode, "kind": f, "fired": True}
+        from validation.defects import DEFECTS
+
+        tracked = hasattr(DEFECTS[f](), "fired")  # a defect that can fail to plant says whether it fired
+        return {"mode": mode, "kind": f, "fired": bool(sum(g["fired"] for g in got)) if tracked else True}
     out = {"mode": mode, "kind": f.kind, "param": f.param, "step": f.step, "index": f.index}
     if mode == "runtime":
         out["fired"] = bool(sum(g["fired"] for g in got))

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         action="append",
         metavar="NAMES",
-        help=f"models: {', '.join(MODELS)} (fsdp-toy: the FSDP2 meshes' model, and theirs only), or an import path "
+        help=f"models: {', '.join(MODELS)} (fsdp-toy, fsdp-moe: the FSDP2 meshes' models, and theirs only; qwen3-moe: DP meshes only), or an import path "
         "package.module:factory to a callable returning an nn.Module (injected check on ZeRO-1 meshes; optional attribute "
         "canzona_tp_dims declares its TP splits); default: the built-ins",
     )

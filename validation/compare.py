@@ -9,7 +9,7 @@ parameter and element a defect touched.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -20,20 +20,26 @@ __all__ = ["Mismatch", "Comparison", "compare_tensors", "flatten_state", "Compar
 @dataclass(frozen=True, slots=True)
 class Mismatch:
     """Where two runs first differ: parameter name, what was compared (``value``, ``value@dp1``,
-    ``master``, ``state.exp_avg``, ``loss``), flat index (None: shape/dtype/key mismatch), values."""
+    ``master``, ``state.exp_avg``, ``loss``), flat index (None: shape/dtype/key mismatch), values;
+    ``expert``: for an ``(E, M, N)`` expert stack, the expert the flat index falls in."""
 
     param: str
     what: str
     index: int | None
     expected: float | str | None
     got: float | str | None
+    expert: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"param": self.param, "what": self.what, "index": self.index, "expected": self.expected, "got": self.got}
+        out = {"param": self.param, "what": self.what, "index": self.index, "expected": self.expected, "got": self.got}
+        if self.expert is not None:
+            out["expert"] = self.expert
+        return out
 
     def __str__(self) -> str:
         at = f"[{self.index}]" if self.index is not None else ""
-        return f"{self.param} {self.what}{at}: expected {self.expected}, got {self.got}"
+        who = f"{self.param} expert {self.expert}" if self.expert is not None else self.param
+        return f"{who} {self.what}{at}: expected {self.expected}, got {self.got}"
 
 
 @dataclass(slots=True)
@@ -92,16 +98,25 @@ def _flatten(v: Any, key: str) -> Iterator[tuple[str, Any]]:
 
 @dataclass(slots=True)
 class Comparator:
-    """Accumulates comparisons in order; keeps the first mismatch and the overall max |diff|."""
+    """Accumulates comparisons in order; keeps the first mismatch and the overall max |diff|.
+    ``experts`` maps each expert stack's name to its expert count E: a mismatch in a tensor of
+    that parameter whose leading dimension is E (its values, its master, a per-expert state
+    stacked along the expert index) names the expert it lies in."""
 
     first: Mismatch | None = None
     max_abs_diff: float = 0.0
     incomparable: bool = False
     compared: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    experts: Mapping[str, int] = field(default_factory=dict)
 
     def tensors(self, param: str, what: str, expected: Any, got: Any) -> None:
         c = compare_tensors(param, what, expected, got)
+        n_experts = self.experts.get(param)
+        if c.mismatch is not None and c.mismatch.index is not None and n_experts and torch.is_tensor(expected):
+            if expected.dim() >= 1 and expected.shape[0] == n_experts:
+                per_expert = expected.numel() // n_experts
+                c.mismatch = replace(c.mismatch, expert=c.mismatch.index // per_expert)
         self._add(c)
 
     def _add(self, c: Comparison) -> None:

@@ -11,7 +11,14 @@ or ``CANZONA_FAULT="defect=<name>"``), never in the runtime's hot path:
 - ``state-on-dp1``: after the last step, DP rank 1 doubles every floating-point optimizer-state
   tensor it holds (a replica that drifted where a ``state_dict`` never looks);
 - ``lr-on-dp1``: DP rank 1 runs with 1.5 x the matrix learning rate (ranks disagree on a
-  hyperparameter).
+  hyperparameter);
+- ``expert-gradient-swap`` (for a model with expert stacks on the ZeRO-1 path): the owner of
+  expert :data:`SWAPPED_EXPERT` of the first expert stack steps it with its neighbour's gradient
+  (an off-by-one in the expert index), so that one expert's update, and nothing else, is wrong:
+  the injected check names the stack and the expert (``first_mismatch["expert"]``).
+
+A defect with a ``fired`` attribute reports whether it could be planted (the cell fails when it
+never fired on any rank: a defect that did nothing proves nothing).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFECTS", "Defect"]
+__all__ = ["DEFECTS", "SWAPPED_EXPERT", "Defect"]
 
 
 class Defect:
@@ -81,4 +88,40 @@ class LROnDP1(Defect):
             dopt.param_groups[0]["lr"] *= 1.5
 
 
-DEFECTS: dict[str, type[Defect]] = {d.name: d for d in (QKNormUnreduced, StateOnDP1, LROnDP1)}
+#: the expert of the first expert stack whose update ``expert-gradient-swap`` computes from another's gradient
+SWAPPED_EXPERT = 3
+
+
+class ExpertGradientSwap(Defect):
+    name = "expert-gradient-swap"
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._armed = False
+
+    def before_step(self, step: int, dopt: Any, dp_rank: int) -> None:
+        if self._armed:
+            return
+        self._armed = True
+        rt = dopt.runtime
+        stacks = [p.name for p in dopt.plan.params if p.role == "experts"]
+        if not stacks or rt.matrix_opt is None:
+            return
+        held = {pc.expert: rt.masters[pc] for pc in rt.pieces if pc.name == stacks[0] and pc.expert is not None}
+        k = SWAPPED_EXPERT
+        partner = k - 1 if k - 1 in held else k + 1 if k + 1 in held else None
+        if k not in held or partner is None:
+            return  # another rank owns that expert (or not its neighbour): it plants the defect
+        target, source, opt = held[k], held[partner], rt.matrix_opt
+        real = opt.step
+
+        def step_with_swapped_gradient(*args: Any, **kwargs: Any) -> Any:
+            if target.grad is not None and source.grad is not None:
+                target.grad = source.grad.clone()
+                self.fired = True
+            return real(*args, **kwargs)
+
+        opt.step = step_with_swapped_gradient  # this cell's optimizer instance only
+
+
+DEFECTS: dict[str, type[Defect]] = {d.name: d for d in (QKNormUnreduced, StateOnDP1, LROnDP1, ExpertGradientSwap)}

@@ -15,6 +15,10 @@ initialized process group:
    (:class:`validation.harness.ReferenceRunner`) and compares parameters, fp32 masters and every
    optimizer-state entry with ``torch.equal``.
 
+``model="fsdp-moe"`` runs :class:`FSDPMoEToy` instead: each layer holds an expert stack (4 and 3
+experts, non-square), sharded with FSDP2's ``Shard(0)`` so that every rank holds whole experts
+(uneven counts too) and updates them where they live; its reference steps each expert alone.
+
 It returns, on every rank, a :class:`FSDPCaseResult`; on rank 0 ``mismatches`` lists what
 differs (empty: bitwise equal). Meshes: :data:`FSDP_MESHES` (the four the suite runs); any
 mesh with dimensions from ``("dp_replicate", "dp_shard", "tp")`` works.
@@ -37,6 +41,8 @@ __all__ = [
     "FSDP_TOY_SHAPES",
     "FSDPCaseResult",
     "FSDPToy",
+    "FSDPMoEToy",
+    "FSDP_MOE_SHAPES",
     "build_fsdp_toy",
     "compare_with_reference",
     "fsdp_local_grads",
@@ -67,14 +73,31 @@ FSDP_TOY_SHAPES: dict[str, tuple[tuple[int, ...], int | None]] = {
 }
 
 
-class _Leaf(nn.Module):
-    """Parameters whose forward returns ``sum(p * g[name])``: the gradient of ``p`` is ``g`` exactly."""
+#: :class:`FSDPMoEToy`'s parameters (no TP): an embedding, a matrix, a norm, a router and one
+#: non-square expert stack per layer (4 experts: whole pairs at dp_shard 2, one each at dp_shard 4;
+#: 3 experts: 2 and 1, then 1, 1, 1 and none)
+FSDP_MOE_SHAPES: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "embed.weight": ((13, 6), None),
+    "layers.0.q": ((7, 6), None),
+    "layers.0.norm": ((6,), None),
+    "layers.0.experts.gate_up": ((4, 10, 6), None),
+    "layers.1.router": ((4, 6), None),
+    "layers.1.experts.down": ((3, 6, 5), None),
+}
+#: model name -> its parameter table
+_SHAPES = {"fsdp-toy": FSDP_TOY_SHAPES, "fsdp-moe": FSDP_MOE_SHAPES}
 
-    def __init__(self, prefix: str, names: list[str], gen: torch.Generator, dtype: torch.dtype) -> None:
+
+class _Leaf(nn.Module):
+    """Parameters whose forward returns ``sum(p * g[name])`` (plus its child leaves'): the gradient
+    of ``p`` is ``g`` exactly."""
+
+    def __init__(self, prefix: str, names: list[str], gen: torch.Generator, dtype: torch.dtype,
+                 shapes: Mapping[str, tuple[tuple[int, ...], int | None]] = FSDP_TOY_SHAPES) -> None:
         super().__init__()
         self.prefix = prefix
         for n in names:
-            shape = FSDP_TOY_SHAPES[f"{prefix}{n}"][0]
+            shape = shapes[f"{prefix}{n}"][0]
             self.register_parameter(n, nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(dtype)))
 
     def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -84,6 +107,8 @@ class _Leaf(nn.Module):
             if key in grads:
                 loc = p.to_local() if hasattr(p, "to_local") else p
                 total = total + (loc * grads[key].to(loc.dtype)).sum().float()
+        for child in self.children():
+            total = total + child(grads)
         return total
 
 
@@ -105,7 +130,30 @@ class FSDPToy(nn.Module):
         return self.embed(grads) + sum(layer(grads) for layer in self.layers)
 
 
-def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32, *, mixed_precision: bool = False) -> FSDPToy:
+class FSDPMoEToy(nn.Module):
+    """:data:`FSDP_MOE_SHAPES` as an embedding and two layers, each with an ``experts`` child (3-D
+    stacks under a module path containing ``experts``: expert stacks by the default role rule);
+    ``forward(grads)`` injects ``grads`` as the gradients."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = _Leaf("embed.", ["weight"], g, dtype, FSDP_MOE_SHAPES)
+        self.layers = nn.ModuleList([_Leaf("layers.0.", ["q", "norm"], g, dtype, FSDP_MOE_SHAPES), _Leaf("layers.1.", ["router"], g, dtype, FSDP_MOE_SHAPES)])
+        self.layers[0].experts = _Leaf("layers.0.experts.", ["gate_up"], g, dtype, FSDP_MOE_SHAPES)
+        self.layers[1].experts = _Leaf("layers.1.experts.", ["down"], g, dtype, FSDP_MOE_SHAPES)
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.embed(grads) + sum(layer(grads) for layer in self.layers)
+
+
+def _new_model(model: str, dtype: torch.dtype) -> nn.Module:
+    if model not in _SHAPES:
+        raise ValueError(f"unknown FSDP2 model {model!r}; choose one of {', '.join(_SHAPES)}")
+    return FSDPToy(dtype) if model == "fsdp-toy" else FSDPMoEToy(dtype)
+
+
+def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32, *, mixed_precision: bool = False, model: str = "fsdp-toy") -> nn.Module:
     """:class:`FSDPToy`, TP-parallelized on ``mesh["tp"]`` when present, then ``fully_shard`` per
     layer and at the root on ``dp_shard`` (``dp_replicate x dp_shard`` for HSDP). With
     ``mixed_precision``, FSDP2's ``MixedPrecisionPolicy`` computes in bf16 and reduces in fp32 (the
@@ -113,12 +161,13 @@ def build_fsdp_toy(mesh: Any, dtype: torch.dtype = torch.float32, *, mixed_preci
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    model = FSDPToy(dtype)
+    shapes = _SHAPES[model]
+    model = _new_model(model, dtype)
     names = mesh.mesh_dim_names
     if "tp" in names:
         for layer in model.layers:
             for n, p in list(layer.named_parameters(recurse=False)):
-                tp_dim = FSDP_TOY_SHAPES[f"{layer.prefix}{n}"][1]
+                tp_dim = shapes[f"{layer.prefix}{n}"][1]
                 if tp_dim is not None:
                     setattr(layer, n, nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [Shard(tp_dim)])))
     shard_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
@@ -140,21 +189,21 @@ def _dp(mesh: Any) -> tuple[int, int]:
     return rep * n_shard + shard, n_rep * n_shard
 
 
-def _full_shapes() -> dict[str, tuple[int, ...]]:
-    return {n: s for n, (s, _) in FSDP_TOY_SHAPES.items()}
+def _full_shapes(model: str = "fsdp-toy") -> dict[str, tuple[int, ...]]:
+    return {n: s for n, (s, _) in _SHAPES[model].items()}
 
 
-def fsdp_local_grads(mesh: Any, step: int) -> dict[str, torch.Tensor]:
+def fsdp_local_grads(mesh: Any, step: int, model: str = "fsdp-toy") -> dict[str, torch.Tensor]:
     """This rank's injected gradients at ``step``: its data-parallel index's integer gradients,
     cut to the TP-local piece (``torch.chunk``) on a ``tp`` mesh."""
     dp_rank, _ = _dp(mesh)
-    full = integer_grads(_full_shapes(), step=step, rank=dp_rank)
+    full = integer_grads(_full_shapes(model), step=step, rank=dp_rank)
     if "tp" not in mesh.mesh_dim_names:
         return full
     t, tp = mesh.get_local_rank("tp"), mesh.size(mesh.mesh_dim_names.index("tp"))
     out = {}
     for n, g in full.items():
-        dim = FSDP_TOY_SHAPES[n][1]
+        dim = _SHAPES[model][n][1]
         out[n] = g.chunk(tp, dim=dim)[t].contiguous() if dim is not None else g
     return out
 
@@ -167,12 +216,14 @@ def fsdp_reference(
     dtype: torch.dtype,
     dp: int,
     steps: int,
+    model: str = "fsdp-toy",
 ) -> ReferenceRunner:
-    """The single-device ground truth: the same optimizers on full tensors, fed the mean of the
-    ``dp`` data-parallel ranks' gradients."""
-    ref = ReferenceRunner(FSDPToy(dtype), matrix_cls, matrix_kwargs, torch.optim.AdamW, elementwise_kwargs)
+    """The single-device ground truth: the same optimizers on full tensors (each expert of a stack
+    alone), fed the mean of the ``dp`` data-parallel ranks' gradients."""
+    experts = {n: "experts" for n, (shape, _) in _SHAPES[model].items() if len(shape) == 3}
+    ref = ReferenceRunner(_new_model(model, dtype), matrix_cls, matrix_kwargs, torch.optim.AdamW, elementwise_kwargs, kinds=experts)
     for s in range(steps):
-        ref.step(mean_grads([integer_grads(_full_shapes(), step=s, rank=r) for r in range(dp)]))
+        ref.step(mean_grads([integer_grads(_full_shapes(model), step=s, rank=r) for r in range(dp)]))
     return ref
 
 
@@ -208,6 +259,7 @@ def run_fsdp_case(
     compare: bool = True,
     mixed_precision: bool = False,
     update_hooks: Sequence[Any] = (),
+    model_name: str = "fsdp-toy",
 ) -> FSDPCaseResult:
     """Run one exactness case on every rank of ``mesh`` (collective; see the module docstring).
     ``update_hooks`` are registered on the optimizer for the case's steps
@@ -219,12 +271,12 @@ def run_fsdp_case(
 
     kw = dict(optimizer_kwargs or {"lr": 0.02})
     ew = dict(elementwise_kwargs or {"lr": 0.01, "weight_decay": 0.1})
-    model = build_fsdp_toy(mesh, dtype, mixed_precision=mixed_precision)
+    model = build_fsdp_toy(mesh, dtype, mixed_precision=mixed_precision, model=model_name)
     opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=ew)
     handles = [opt.register_update_hook(h) for h in update_hooks]
     try:
         for s in range(steps):
-            model(fsdp_local_grads(mesh, s)).backward()
+            model(fsdp_local_grads(mesh, s, model_name)).backward()
             opt.step()
             opt.zero_grad()
     finally:
@@ -244,7 +296,7 @@ def run_fsdp_case(
     res.params, res.document = params, doc
     if compare:
         _, dp = _dp(mesh)
-        ref = fsdp_reference(resolve_optimizer(optimizer), kw, ew, dtype=dtype, dp=dp, steps=steps)
+        ref = fsdp_reference(resolve_optimizer(optimizer), kw, ew, dtype=dtype, dp=dp, steps=steps, model=model_name)
         res.mismatches = compare_with_reference(params, doc, ref)
     return res
 
@@ -270,7 +322,7 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
     """A :func:`canzona.runtime.launch.run_workers` target: every case of one mesh of
     :data:`FSDP_MESHES` on ``world`` spawned ranks. A case is a dict with ``label``, ``optimizer``
     (name), ``strategy`` and optionally ``optimizer_kwargs``, ``dtype`` (``"float32"``/``"bfloat16"``),
-    ``mixed_precision`` (bool), ``steps``, ``fault`` (the fields of a
+    ``mixed_precision`` (bool), ``steps``, ``model`` (``fsdp-toy``, the default, or ``fsdp-moe``), ``fault`` (the fields of a
     :class:`validation.faults.Fault`, registered as an update hook on every rank's optimizer
     for that case only: a planted defect the comparison must name; the case fails when it never
     fired). Returns, per case, ``{"label", "mismatches"}`` plus ``"params"`` and ``"document"``
@@ -300,6 +352,7 @@ def fsdp_mesh_worker(rank: int, world: int, mesh_name: str, cases: list[dict[str
             steps=int(case.get("steps", 3)),
             mixed_precision=bool(case.get("mixed_precision", False)),
             update_hooks=() if planted is None else (planted,),
+            model_name=case.get("model", "fsdp-toy"),
         )
         if planted is not None:
             # a defect that never fired proves nothing: name it, so the case cannot pass cleanly

@@ -200,7 +200,13 @@ def tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
 class ReferenceRunner:
     """Single-process ground truth: ``matrix_cls`` on matrix parameters, ``elementwise_cls`` on the
     rest (on everything when ``all_elementwise``, as ``zero1`` does), over fp32 (``master_dtype``)
-    masters of the model's parameters; values are written back to the model after each step."""
+    masters of the model's parameters; values are written back to the model after each step.
+
+    ``kinds`` overrides the name rule per parameter (``matrix``, ``elementwise`` or ``experts``).
+    An ``experts`` parameter, an ``(E, M, N)`` stack, is E independent ``(M, N)`` matrices: each
+    its own master and optimizer state, stepped by ``matrix_cls`` as if it were alone; the stack's
+    master is their stack, and :meth:`states` stacks each per-expert state tensor along the expert
+    index (the layout canzona's consolidated checkpoint keeps)."""
 
     def __init__(
         self,
@@ -218,9 +224,15 @@ class ReferenceRunner:
         self.master_dtype = master_dtype
         self.masters = {n: p.detach().to(master_dtype, copy=True) for n, p in self.model.named_parameters()}
         kinds = dict(kinds or {})
+        #: per expert stack, its experts' own masters (the ones the matrix optimizer steps)
+        self.experts: dict[str, list[torch.Tensor]] = {}
         mat, ew = [], []
         for n, p in self.model.named_parameters():
             kind = kinds.get(n) or ("matrix" if is_matrix_param(n, p.shape) else "elementwise")
+            if kind == "experts" and not all_elementwise:
+                self.experts[n] = [self.masters[n][e].clone() for e in range(p.shape[0])]
+                mat.extend(self.experts[n])
+                continue
             (ew if all_elementwise or kind == "elementwise" else mat).append(self.masters[n])
         self.optimizers = []
         if mat:
@@ -230,10 +242,19 @@ class ReferenceRunner:
 
     def step(self, grads: Mapping[str, torch.Tensor]) -> None:
         for n, m in self.masters.items():
-            m.grad = grads[n].to(self.master_dtype) if n in grads else None
+            g = grads[n].to(self.master_dtype) if n in grads else None
+            if n in self.experts:
+                for e, t in enumerate(self.experts[n]):
+                    t.grad = None if g is None else g[e].clone()
+            else:
+                m.grad = g
         for opt in self.optimizers:
             opt.step()
         with torch.no_grad():
+            for n, tasks in self.experts.items():
+                self.masters[n].copy_(torch.stack(tasks))
+                for t in tasks:
+                    t.grad = None
             for n, p in self.model.named_parameters():
                 self.masters[n].grad = None
                 p.copy_(self.masters[n])
@@ -244,14 +265,29 @@ class ReferenceRunner:
     def master_values(self) -> dict[str, torch.Tensor]:
         return {n: m.detach().clone() for n, m in self.masters.items()}
 
+    def _state_of(self, t: torch.Tensor) -> Mapping[str, Any] | None:
+        for opt in self.optimizers:
+            if t in opt.state:
+                return opt.state[t]
+        return None
+
     def states(self) -> dict[str, Mapping[str, Any]]:
-        """Each parameter's optimizer state (live, not copied), keyed by name; parameters no
-        optimizer has stepped yet are absent."""
+        """Each parameter's optimizer state (live, not copied; an expert stack's per-expert
+        tensors stacked, its numbers from expert 0, which every expert shares), keyed by name;
+        parameters no optimizer has stepped yet are absent."""
         out: dict[str, Mapping[str, Any]] = {}
         for n, m in self.masters.items():
-            for opt in self.optimizers:
-                if m in opt.state:
-                    out[n] = opt.state[m]
+            if n in self.experts:
+                per = [self._state_of(t) for t in self.experts[n]]
+                if all(st for st in per):
+                    out[n] = {
+                        k: torch.stack([st[k] for st in per]) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in per[0].items()
+                    }
+                continue
+            st = self._state_of(m)
+            if st is not None:
+                out[n] = st
         return out
 
 

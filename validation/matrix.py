@@ -9,9 +9,13 @@ number of steps:
   every replica on every rank bitwise, and each strategy against ``sc``).
 - ``model``: ``awkward`` (:mod:`validation.models`: odd sizes, a 1 x n matrix, tall and wide
   matrices, a matrix larger than a whole rank's share, a 3-D element-wise tensor, tied
-  embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``) or ``fsdp-toy``
+  embeddings), ``qwen3`` (``canzona/data/models/qwen3-tiny.json``), ``qwen3-moe``
+  (``canzona/data/models/qwen3-moe-tiny.json``: stacked experts, each expert's update and state
+  checked on its own; DP meshes only, injected check only, fp32) or ``fsdp-toy``
   (:class:`validation.fsdp_harness.FSDPToy`: odd shapes FSDP2 pads, uneven TP chunks, a 1 x n
-  matrix, a tied embedding; the one model of the FSDP2 meshes, injected check only).
+  matrix, a tied embedding; the one model of the FSDP2 meshes, injected check only) or
+  ``fsdp-moe`` (:class:`validation.fsdp_harness.FSDPMoEToy`: non-square expert stacks kept whole
+  per rank by ``Shard(0)``, uneven counts; ``fsdp2`` and ``fsdp4``, fp32, ``sc`` and ``lb-asc``).
 - ``optimizer``: ``muon``, ``shampoo``, ``soap`` (matrix parameters; AdamW on element-wise ones),
   ``adamw`` (AdamW on everything), or the user's optimizer as an import path ``pkg.mod:Name``
   (:mod:`validation.targets`); the user's model likewise (ZeRO-1 meshes only).
@@ -68,7 +72,7 @@ __all__ = [
 ]
 
 CHECKS: tuple[str, ...] = ("injected", "training")
-MODELS: tuple[str, ...] = ("awkward", "qwen3", "fsdp-toy")
+MODELS: tuple[str, ...] = ("awkward", "qwen3", "qwen3-moe", "fsdp-toy", "fsdp-moe")
 OPTIMIZERS: tuple[str, ...] = optimizer_names()
 STRATEGIES: tuple[str, ...] = ("sc", "layerwise", "asc", "lb-asc", "no-fuse", "zero1", "lb-asc-joint")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bf16-mixed")
@@ -86,6 +90,15 @@ FSDP_MESH_NAMES: tuple[str, ...] = tuple(_FSDP_LAYOUTS)
 DEFAULT_MESHES: tuple[str, ...] = STANDARD_MESHES + FSDP_MESH_NAMES
 #: the model the FSDP2 meshes run (and that runs only there)
 FSDP_MODEL = "fsdp-toy"
+#: the FSDP2 meshes' mixture-of-experts model (``--full``): fp32, on the 1-D FSDP2 meshes, the
+#: baseline and Canzona
+FSDP_MOE_MODEL = "fsdp-moe"
+_FSDP_MOE_MESHES: tuple[str, ...] = ("fsdp2", "fsdp4")
+#: the mixture-of-experts model of the ZeRO-1 meshes: DP only, injected check only, fp32, and
+#: the strategies that place experts differently (sc: every rank; asc / lb-asc: stacks cut
+#: between experts; zero1: AdamW over element ranges)
+MOE_MODEL = "qwen3-moe"
+_MOE_STRATEGIES: tuple[str, ...] = ("sc", "asc", "lb-asc", "zero1")
 #: dtypes that exist only on FSDP2 meshes
 _FSDP_ONLY_DTYPES: tuple[str, ...] = ("bf16-mixed",)
 #: The tiny Qwen3 has 2 key/value heads and the awkward model's TP dims are even, so TP is at most 2.
@@ -257,8 +270,12 @@ _STEPS = {("quick", "injected"): 3, ("full", "injected"): 4, ("quick", "training
 def _applies(check: str, model: str, optimizer: str, strategy: str, mesh: MeshSpec, dtype: str) -> bool:
     if mesh.fsdp is not None:
         # validation.fsdp_harness: the FSDP2 toy with injected gradients, the FSDP2 planner's strategies
+        if model == FSDP_MOE_MODEL:
+            return check == "injected" and mesh.name in _FSDP_MOE_MESHES and dtype == "float32" and strategy in ("sc", "lb-asc")
         return check == "injected" and model == FSDP_MODEL and strategy in FSDP_STRATEGIES
-    if model == FSDP_MODEL or dtype in _FSDP_ONLY_DTYPES:
+    if model in (FSDP_MODEL, FSDP_MOE_MODEL) or dtype in _FSDP_ONLY_DTYPES:
+        return False
+    if model == MOE_MODEL and (mesh.tp > 1 or check != "injected" or dtype != "float32" or strategy not in _MOE_STRATEGIES):
         return False
     if strategy == "no-fuse" and mesh.tp == 1:
         return False  # no TP: no micro-groups to fuse or not; identical to lb-asc
@@ -291,6 +308,8 @@ def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: Mes
     if strategy in _QUICK_SKIPS:
         return False
     if mesh.fsdp is not None:
+        if model == FSDP_MOE_MODEL:
+            return False  # --full (the ZeRO-1 MoE cell stands for experts in --quick)
         if mesh.name != _QUICK_FSDP_WIDE:
             return optimizer == "muon" and strategy == "lb-asc" and dtype == "float32"
         if dtype == "float32":
@@ -298,6 +317,9 @@ def _quick_keep(check: str, model: str, optimizer: str, strategy: str, mesh: Mes
         return optimizer == "muon" and strategy == "lb-asc"
     if check == "training":
         return optimizer == "muon" and dtype == "float32"
+    if model == MOE_MODEL:
+        # one cell: every expert's update and state against the single-device optimizer
+        return mesh.name == "dp2" and optimizer == "muon" and strategy == "lb-asc"
     if model == "awkward":
         if dtype == "float32":
             return True
@@ -349,7 +371,8 @@ def build_matrix(sel: Selection) -> list[Cell]:
     if not cells:
         raise ValueError(
             "the filters select no cell (for example no-fuse needs a mesh with TP, zero1 needs --optimizer adamw, "
-            "FSDP2 meshes run only the fsdp-toy model with the injected check)"
+            "FSDP2 meshes run only the fsdp-toy and fsdp-moe models with the injected check, qwen3-moe runs on DP meshes in float32 "
+            f"with {', '.join(_MOE_STRATEGIES)})"
         )
     return cells
 

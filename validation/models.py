@@ -7,8 +7,11 @@
   layout (``TP_DIMS``) splits the tied embedding over the vocabulary, the tall and big matrices
   over rows and the wide one over columns; every split dim is even, every other dim odd.
   It has no forward: the injected check drives gradients through ``(p * g).sum()``.
-- :func:`build_model`: the awkward model or the tiny Qwen3 in a dtype, sharded Megatron-style
-  (plain local shards plus ``tp_dims``) for TP, with the full unsharded copy the reference runs on.
+- :func:`build_model`: the awkward model, the tiny Qwen3 or the tiny Qwen3-MoE (``qwen3-moe``:
+  two layers of 8 stacked experts, ``(8, 64, 64)`` and the non-square ``(8, 64, 32)``, each
+  expert a matrix task of its own) in a dtype, sharded Megatron-style (plain local shards plus
+  ``tp_dims``) for TP, with the full unsharded copy the reference runs on. ``qwen3-moe`` runs
+  on DP meshes only (canzona's TP helpers refuse a MoE model).
 
 ``validation.harness.ToyModel`` has awkward sizes too but no ``1 x n`` matrix, no tied embedding and
 no parameter larger than a rank's share, hence this model here.
@@ -99,7 +102,7 @@ def build_model(
 ) -> tuple[nn.Module, nn.Module, dict[str, int], int | None]:
     """(sharded model for this rank, full unsharded copy, tp_dims, bucket_numel or None for the default).
 
-    ``kind`` is ``awkward``, ``qwen3`` or the import path of the user's model factory
+    ``kind`` is ``awkward``, ``qwen3``, ``qwen3-moe`` or the import path of the user's model factory
     (:mod:`validation.targets`; its ``canzona_tp_dims`` attribute, if any, names the parameters
     split over TP, sharded here Megatron-style)."""
     from validation.targets import is_import_path
@@ -126,4 +129,13 @@ def build_model(
         dims = shard_megatron(model, tp_rank, tp, forward=False) if tp > 1 else {}
         # ~1/4 of the model per bucket: several buckets, cut points inside each
         return model, full, dims, 32768
+    if kind == "qwen3-moe":
+        if tp > 1:
+            raise ValueError("the qwen3-moe model runs on DP meshes only (canzona's TP helpers refuse a mixture of experts)")
+        from canzona.config import load_model_config
+        from canzona.models import Qwen3MoE
+
+        full = Qwen3MoE(load_model_config("qwen3-moe-tiny"), seed=seed, dtype=dtype)
+        # ~1/4 of the model per bucket: several buckets, cut points between experts
+        return copy.deepcopy(full), full, {}, 40960
     raise ValueError(f"unknown model {kind!r}")

@@ -12,7 +12,8 @@ JSON (``schema`` = ``canzona.validation``, ``version`` = 1; documented in ``docs
                  "passed", "max_abs_diff", "first_mismatch", "seconds", ...}]
     }
 
-``first_mismatch`` is null or ``{"param", "what", "index", "expected", "got"}``. The CSV holds
+``first_mismatch`` is null or ``{"param", "what", "index", "expected", "got"}`` (plus ``"expert"``,
+the expert's index, when the parameter is an expert stack). The CSV holds
 one row per cell with the same scalar fields (``first_mismatch`` flattened into
 ``mismatch_param``, ``mismatch_what``, ``mismatch_index``). Both files are written to a temporary
 file in the target directory and renamed into place, so a reader never sees half a report.
@@ -210,7 +211,8 @@ def _mismatch_text(m: Mapping[str, Any] | None) -> str:
         return ""
     at = f"[{m['index']}]" if m.get("index") is not None else ""
     what = m.get("what") or ""
-    return f"{m.get('param')} {what}{at}".strip()
+    who = f"{m.get('param')} expert {m['expert']}" if m.get("expert") is not None else m.get("param")
+    return f"{who} {what}{at}".strip()
 
 
 def _num_text(v: Any) -> str:

@@ -116,7 +116,7 @@ def settings() -> dict[str, Any]:
     """What the cells were run with (recorded in the report)."""
     from canzona.train import DEFAULT_ELEMENTWISE_LR, DEFAULT_LR
     from validation import checks
-    from validation.fsdp import FSDP_DEFAULT_KWARGS, FSDP_ELEMENTWISE_KWARGS
+    from validation.fsdp2_cells import FSDP_DEFAULT_KWARGS, FSDP_ELEMENTWISE_KWARGS
     from validation.matrix import FSDP_MESH_NAMES
 
     return {
@@ -126,7 +126,7 @@ def settings() -> dict[str, Any]:
         "elementwise_optimizer": "AdamW",
         "elementwise_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in checks.ELEMENTWISE_KWARGS.items()},
         "fsdp": {
-            "runner": "validation.fsdp_harness.fsdp_mesh_worker (FSDPToy under fully_shard) vs validation.fsdp_harness.fsdp_reference",
+            "runner": "validation.fsdp_harness.fsdp_mesh_worker (FSDPToy or FSDPMoEToy under fully_shard) vs validation.fsdp_harness.fsdp_reference",
             "meshes": {m: parse_mesh(m).fsdp for m in FSDP_MESH_NAMES},
             "injected_gradients": "validation.harness.integer_grads (its default seed and scale) per DP rank",
             "elementwise_kwargs": dict(FSDP_ELEMENTWISE_KWARGS),
@@ -272,11 +272,11 @@ def run_group(
 ) -> list[dict[str, Any]] | None:
     """Worker body (module level for spawn): the cells of each ``(mesh, cells)`` part in turn in
     this one process group, ZeRO-1 meshes through :func:`validation.checks.run_mesh`, FSDP2 meshes
-    through :func:`validation.fsdp.run_fsdp_mesh`; rank 0 returns every result."""
+    through :func:`validation.fsdp2_cells.run_fsdp_mesh`; rank 0 returns every result."""
     import torch.distributed as dist
 
     from validation.checks import run_mesh
-    from validation.fsdp import run_fsdp_mesh
+    from validation.fsdp2_cells import run_fsdp_mesh
 
     results: list[dict[str, Any]] = []
     for mesh_name, cells in parts:

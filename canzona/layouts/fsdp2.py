@@ -490,7 +490,7 @@ class FSDP2Layout(Layout):
             lay = rt.layouts[name]
             b = lay.blocks[self.group_rank]
             box = ((b.offset[0] + k, 0, 0), (1, *m.shape))
-            out.append(Held(name, (box,), m, rt.expert_optimizer, m, True, first and lay.sources[self.group_rank]))
+            out.append(Held(name, (box,), m, rt.expert_optimizer, m, True, first and lay.sources[self.group_rank], b.offset[0] + k))
         return out
 
     def model_pieces(self) -> list[ModelPiece]:

@@ -271,7 +271,7 @@ class Zero1Layout(Layout):
             canonical = not replica and (spec.tp_split or self.tp_rank == 0)
             # an expert's state is shaped like its (M, N) master and re-sliced like the stack
             sliced = pc.role == "elementwise" or pc.expert is not None
-            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical))
+            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical, pc.expert))
         eng = rt.tp_engine
         if eng is not None:
             # TP hosts hold each task's full state (its full master is re-assembled from the shards);

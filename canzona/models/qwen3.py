@@ -163,7 +163,19 @@ class Qwen3(nn.Module):
     order, from N(0, 0.02^2) with one ``torch.Generator``; norms start at one. Every rank that
     builds the model with the same seed holds the same weights, which TP sharding relies on.
     ``device="meta"`` builds shapes only (no initialization).
+
+    Subclasses change the feed-forward block through :attr:`mlp_block` and which configs they
+    accept through :meth:`check_config` (:class:`canzona.models.Qwen3MoE`).
     """
+
+    #: the feed-forward block of every decoder layer (None: the dense :class:`MLP`)
+    mlp_block: type[nn.Module] | None = None
+
+    @staticmethod
+    def check_config(cfg: ModelConfig) -> None:
+        """Refuse a config this model cannot build (ValueError, one line)."""
+        if cfg.moe is not None:
+            raise ValueError(f"{cfg.name}: the tiny Qwen3 model is dense; use canzona.models.Qwen3MoE for a config with 'moe'")
 
     def __init__(
         self,
@@ -175,10 +187,9 @@ class Qwen3(nn.Module):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        if cfg.moe is not None:
-            raise ValueError(f"{cfg.name}: the tiny Qwen3 model is dense; MoE configs are for planning only")
+        self.check_config(cfg)
         self.config = cfg
-        self.model = Qwen3Body(cfg, device=device, dtype=dtype)
+        self.model = Qwen3Body(cfg, mlp=self.mlp_block, device=device, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.model.embed_tokens.weight

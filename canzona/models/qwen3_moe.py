@@ -29,7 +29,7 @@ from torch import nn
 
 from canzona.config import ModelConfig
 
-from .qwen3 import Qwen3Body, lm_loss
+from .qwen3 import Qwen3
 
 __all__ = ["MoEBlock", "Qwen3MoE", "StackedExperts", "TopKRouter", "route"]
 
@@ -98,51 +98,21 @@ class MoEBlock(nn.Module):
         return torch.bincount(experts.reshape(-1), minlength=self.experts.gate_up_proj.shape[0])
 
 
-class Qwen3MoE(nn.Module):
-    """Tiny Qwen3-MoE causal LM. ``forward(input_ids) -> logits``; :meth:`loss` gives next-token CE.
+class Qwen3MoE(Qwen3):
+    """Tiny Qwen3-MoE causal LM: :class:`canzona.models.Qwen3` with :class:`MoEBlock` as every
+    layer's feed-forward block (construction, initialization, ``forward`` and :meth:`loss` are the
+    dense model's). ``forward(input_ids) -> logits``.
 
     Needs a config with ``moe`` (``canzona/data/models/qwen3-moe-tiny.json``). Initialization is a
-    pure function of ``seed``, as :class:`canzona.models.Qwen3`'s: every parameter of rank >= 2
-    (expert stacks and the router included) from N(0, init_std^2) in registration order, norms at
-    one. ``device="meta"`` builds shapes only.
+    pure function of ``seed``, as the dense model's: every parameter of rank >= 2 (expert stacks
+    and the router included) from N(0, init_std^2) in registration order, norms at one.
+    ``device="meta"`` builds shapes only. canzona's TP helpers (:func:`canzona.models.parallelize`,
+    :func:`canzona.models.shard_megatron`) refuse it: they lay out the dense model only.
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        init_std: float = 0.02,
-    ) -> None:
-        super().__init__()
+    mlp_block = MoEBlock
+
+    @staticmethod
+    def check_config(cfg: ModelConfig) -> None:
         if cfg.moe is None:
             raise ValueError(f"{cfg.name}: Qwen3MoE needs a config with 'moe' (use canzona.models.Qwen3 for a dense one)")
-        self.config = cfg
-        self.model = Qwen3Body(cfg, mlp=MoEBlock, device=device, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
-        if torch.device(device or "cpu").type != "meta":
-            self.reset_parameters(seed, init_std)
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int, init_std: float = 0.02) -> None:
-        """Re-draw every parameter from ``seed`` (see the class docstring)."""
-        gen = torch.Generator(device="cpu").manual_seed(int(seed))
-        for _, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, init_std, generator=gen)
-                p.copy_(w.to(device=p.device, dtype=p.dtype))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
-
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy of ``forward(input_ids)`` against ``labels``."""
-        return lm_loss(self(input_ids), labels)

@@ -103,6 +103,7 @@ def parallelize(model: Qwen3, tp_mesh) -> Qwen3:  # tp_mesh: torch.distributed.d
 
     if not isinstance(model, Qwen3):
         raise TypeError(f"parallelize expects a canzona Qwen3 model, got {type(model).__name__}")
+    if model.config.moe is not None: raise TypeError(f"parallelize supports the dense canzona Qwen3 only; {type(model).__name__} is a mixture of experts (no TP layout for expert stacks here)")  # noqa: E701
     if tp_mesh.ndim != 1:
         raise ValueError(f"parallelize needs a 1-D TP mesh (mesh['tp']), got {tp_mesh.ndim} dims")
     cfg = model.config
@@ -236,6 +237,7 @@ def shard_megatron(
     """
     if not isinstance(model, Qwen3):
         raise TypeError(f"shard_megatron expects a canzona Qwen3 model, got {type(model).__name__}")
+    if model.config.moe is not None: raise TypeError(f"shard_megatron supports the dense canzona Qwen3 only; {type(model).__name__} is a mixture of experts (no TP layout for expert stacks here)")  # noqa: E701
     cfg = model.config
     check_tp(cfg, tp)
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp:

@@ -67,6 +67,12 @@ DP=1 or DP=4, or on an FSDP2 mesh, continues exactly as an uninterrupted run wou
 Element-wise optimizer state is re-sliced like the parameter (tensors of the piece's shape);
 0-dim tensors and numbers (step counters) are copied to every piece. A state tensor of any other
 shape on a sliced region cannot be re-sliced and is refused with an error naming it.
+
+An ``(E, M, N)`` expert stack is E independent matrices, so its state is per expert: each
+expert's state tensor (whatever its shape: Muon's ``(M, N)`` momentum, Shampoo's ``(M, M)`` and
+``(N, N)`` preconditioners) is stored stacked along the expert index, ``(E, *shape)``, in the
+memory layout the experts keep it in (SOAP's column-major eigenbases stay column-major), and a
+rank loading expert ``e`` takes entry ``e``. Re-slicing is along the expert index only.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ __all__ = [
     "FORMAT",
     "agree_on_checkpoint",
     "scalar_tensor",
+    "stack_experts",
     "GROUP_NAMES",
     "SCHEDULED_KEYS",
     "READS",
@@ -155,6 +162,10 @@ class ParamRecord:
 class Held:
     """A region of one parameter whose optimizer side this rank holds.
 
+    ``expert``: the index of the one expert of an ``(E, M, N)`` stack this region is (``master``
+    is its ``(M, N)`` matrix); its state tensors, of any shape, are that expert's entry of the
+    stack's per-expert state (see the module docstring).
+
     ``region`` lists boxes of the full tensor in the flat order of ``master`` (this rank's master
     values of the region; None when the rank holds only state, e.g. a TP host on the ZeRO-1 path,
     whose full master is re-assembled from the TP shards). ``optimizer.state[param]`` is its
@@ -170,6 +181,7 @@ class Held:
     param: torch.Tensor | None
     sliced: bool
     canonical: bool
+    expert: int | None = None
 
     def state(self) -> Mapping[str, Any]:
         if self.optimizer is None or self.param is None:
@@ -384,8 +396,12 @@ def _exports(src: Checkpointable) -> list[dict[str, Any]]:
         if h.master is not None:
             entry["master"] = _cpu(h.master).reshape(-1)
         state: dict[str, Any] = {}
+        if h.expert is not None:
+            entry["expert"] = h.expert
         for k, v in h.state().items():
-            if torch.is_tensor(v) and h.sliced and v.dim() > 0:
+            if torch.is_tensor(v) and h.expert is not None and v.dim() > 0:
+                state[k] = ("expert", _cpu(v))
+            elif torch.is_tensor(v) and h.sliced and v.dim() > 0:
                 if h.master is None or tuple(v.shape) != tuple(h.master.shape):
                     raise CheckpointError(
                         f"{h.name}: element-wise optimizer state {k!r} has shape {tuple(v.shape)}, not the "
@@ -413,6 +429,26 @@ def _assemble(name: str, shape: tuple[int, ...], parts: list[tuple[list[Box], to
     if covered != math.prod(shape):
         raise CheckpointError(f"{name}: {what} regions cover {covered} of {math.prod(shape)} elements")
     return full
+
+
+def stack_experts(name: str, key: str, n_experts: int, parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """One per-expert state tensor of a stack, ``(E, *shape)``, from every expert's own (each
+    expert exactly once, all of one shape, dtype and memory layout, which the stack keeps: entry
+    ``e`` is a view with the expert's strides)."""
+    if sorted(parts) != list(range(n_experts)):
+        raise CheckpointError(f"{name}: state {key!r} was exported for experts {sorted(parts)}, the stack has {n_experts}")
+    first = parts[0]
+    for e, t in parts.items():
+        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+            raise CheckpointError(
+                f"{name}: state {key!r} of expert {e} is {tuple(t.shape)} {t.dtype} with strides {t.stride()}, expert 0's "
+                f"{tuple(first.shape)} {first.dtype} {first.stride()}; experts of one stack must keep alike state"
+            )
+    like = torch.empty_like(first)  # the layout of a dense tensor (preserve_format), else row-major
+    out = torch.empty_strided((n_experts, *first.shape), (max(1, first.numel()), *like.stride()), dtype=first.dtype)
+    for e, t in parts.items():
+        out[e].copy_(t)
+    return out
 
 
 def _meta(src: Checkpointable) -> dict[str, Any]:
@@ -467,6 +503,9 @@ def consolidated_state_dict(src: Checkpointable) -> dict[str, Any]:
         for k in {k for e in entries for k, (how, _) in e["state"].items() if how == "sliced"}:
             parts = [(e["region"], e["state"][k][1]) for e in entries if k in e["state"] and e["state"][k][0] == "sliced"]
             st[k] = _assemble(rec.name, rec.shape, parts, f"state {k!r}")
+        for k in sorted({k for e in entries for k, (how, _) in e["state"].items() if how == "expert"}):
+            per = {e["expert"]: e["state"][k][1] for e in entries if e["state"].get(k, ("",))[0] == "expert"}
+            st[k] = stack_experts(rec.name, k, rec.shape[0], per)
         state[rec.name] = st
     doc = {
         "format": FORMAT,
@@ -649,6 +688,7 @@ def _check_document(src: Checkpointable, doc: Any) -> None:
     meta = doc["meta"]
     check_optimizers(src, meta)
     want = {r.name: r for r in src.checkpoint_params()}
+    cut = {h.name for h in src.held() if h.sliced and h.expert is None}
     have = doc["params"]
     if set(have) != set(want):
         raise CheckpointError(
@@ -672,8 +712,15 @@ def _check_document(src: Checkpointable, doc: Any) -> None:
         if not isinstance(st, Mapping):
             raise CheckpointError(f"{name}: optimizer state is a {type(st).__name__}, not a mapping")
         if rec.elementwise:
+            # an expert stack's per-expert state is (E, *shape); where this layout cuts the stack
+            # into element ranges (an element-wise optimizer over it) it must be the stack's shape
+            per_expert = rec.kind == "experts" and name not in cut
             for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != rec.shape:
+                if not torch.is_tensor(v) or v.dim() == 0:
+                    continue
+                if per_expert and v.shape[0] != rec.shape[0]:
+                    raise CheckpointError(f"{name}: state {k!r} has shape {tuple(v.shape)}, expected one entry per expert ({rec.shape[0]}, ...)")
+                if not per_expert and tuple(v.shape) != rec.shape:
                     raise CheckpointError(f"{name}: state {k!r} has shape {tuple(v.shape)}, expected {rec.shape}")
     check_hyper_section(doc["hyper"])
     if not isinstance(meta.get("steps", 0), int) or isinstance(meta.get("steps", 0), bool) or meta.get("steps", 0) < 0:
@@ -729,7 +776,9 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
             dev = h.param.device
             new: dict[str, Any] = {}
             for k, v in states.get(h.name, {}).items():
-                if torch.is_tensor(v) and h.sliced and v.dim() > 0:  # full-shape: _check_document checked it
+                if torch.is_tensor(v) and h.expert is not None and v.dim() > 0:  # (E, *shape): this expert's entry
+                    new[k] = v[h.expert].clone().to(dev)
+                elif torch.is_tensor(v) and h.sliced and v.dim() > 0:  # full-shape: _check_document checked it
                     shape = h.master.shape if h.master is not None else (region_numel(h.region),)
                     new[k] = _region_values(v, h.region).reshape(shape).to(dev, copy=True)
                 elif torch.is_tensor(v):

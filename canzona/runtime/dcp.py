@@ -175,6 +175,13 @@ class _Chunks:
             if not shape:
                 out[key] = chunks[0][1]
                 continue
+            if len(shape) > 2 and len(chunks) > 1:
+                # torch's LocalShardsWrapper has no view for several local shards beyond 2-D
+                raise CheckpointError(
+                    f"{key}: this rank holds {len(chunks)} pieces of a {len(shape)}-D tensor {shape} (the experts of a "
+                    "stack, or slabs of one), which DCP's local shards cannot carry; save expert stacks with "
+                    "canzona.runtime.checkpoint.save_checkpoint (the consolidated format) instead"
+                )
             local = LocalShardsWrapper([t for _, t in chunks], [list(o) for o, _ in chunks])
             stride = torch.empty(shape, device="meta").stride()
             out[key] = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=torch.Size(shape), stride=stride)
@@ -231,6 +238,11 @@ def _add_state(chunks: _Chunks, h: Held, shape: tuple[int, ...]) -> None:
             if v.dim() == 0:
                 chunks.add_whole(_state_key(name, k), v)
             elif h.sliced:
+                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
+                    raise CheckpointError(
+                        f"{name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
+                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
+                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 chunks.add_region(_state_key(name, k), shape, h.region, v.reshape(-1))

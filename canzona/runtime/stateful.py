@@ -177,6 +177,11 @@ def _entries(src: Checkpointable, probe: bool) -> Iterator[tuple[str, tuple[int,
             elif v.dim() == 0 or not h.sliced:
                 yield f"{h.name}.state.{k}", tuple(v.shape), (whole_box(v.shape),), v.detach(), False
             else:
+                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
+                    raise CheckpointError(
+                        f"{h.name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
+                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
+                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{h.name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 yield f"{h.name}.state.{k}", shape, h.region, v.detach().reshape(-1), True

@@ -48,6 +48,8 @@ from canzona.viz.partition import (
     fig_rank_loads,
     fig_strategy_comparison,
     ownership_pieces,
+    expert_groups,
+    fig_expert_groups,
     rank_loads,
     strategy_summary,
 )
@@ -70,6 +72,8 @@ __all__ = [
     "use_notebook_renderer",
     # partition
     "ownership_pieces",
+    "expert_groups",
+    "fig_expert_groups",
     "rank_loads",
     "strategy_summary",
     "fig_partition_map",

@@ -29,7 +29,7 @@ from canzona.plan.build import cmax_from_bytes, cmax_to_bytes, plan_model
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE, Plan
 from canzona.specs import ParamSpec
 from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish, line_style, log_ticks
-from canzona.viz.partition import load_ratio, plan_label, rank_loads
+from canzona.viz.partition import load_ratio, plan_label, rank_experts, rank_loads
 
 __all__ = [
     "LEGEND_MAX_GROUPS",
@@ -375,6 +375,9 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     if lone:
         more = f" (and {len(lone) - 1} more such group(s))" if len(lone) > 1 else ""
         why = f"<br>one-host {lone[0]}{more}"
+    stacks, experts = rank_experts(plan, dp_rank)
+    if stacks:  # experts are whole on their DP owner: no micro-group carries them
+        why += f"<br>not on the chart: {experts} experts of {stacks} expert stacks, updated whole by this DP rank (viz.expert_groups)"
     return finish(
         fig,
         title=(

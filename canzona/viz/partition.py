@@ -23,6 +23,9 @@ __all__ = [
     "EVERY_RANK",
     "plan_label",
     "ownership_pieces",
+    "expert_groups",
+    "rank_experts",
+    "fig_expert_groups",
     "rank_loads",
     "load_ratio",
     "strategy_summary",
@@ -56,8 +59,10 @@ def ownership_pieces(plan: Plan) -> pd.DataFrame:
     Columns: ``bucket``, ``param``, ``kind``, ``shape`` (global, as text), ``local_shape``,
     ``start`` / ``end`` (element offsets inside the bucket, TP-local elements), ``numel``,
     ``owner`` (DP rank, or :data:`EVERY_RANK` under ``sc``), ``param_start`` (offset of the piece
-    inside its parameter) and ``whole`` (the piece is the entire parameter).
-    A parameter cut by ZeRO-1 shows as several pieces, one per owner.
+    inside its parameter), ``whole`` (the piece is the entire parameter) and ``experts`` (for an
+    ``(E, M, N)`` expert stack, which experts the piece holds: ``"experts 0-63 of 128"``; empty
+    otherwise). A parameter cut by ZeRO-1 shows as several pieces, one per owner; an expert stack
+    is one piece per owner too (its experts grouped), never one per expert.
     """
     by_name = plan.by_name()
     rows: list[tuple] = []
@@ -67,15 +72,142 @@ def ownership_pieces(plan: Plan) -> pd.DataFrame:
             spec = p.spec
             common = (b.index, n, spec.kind, _shape(spec.shape), _shape(spec.local_shape))
             if p.dp_owner is not None:
-                rows.append((*common, p.offset, p.offset + p.numel, p.numel, p.dp_owner, 0, True))
+                rows.append((*common, p.offset, p.offset + p.numel, p.numel, p.dp_owner, 0, True, _experts_text(p, 0, p.numel)))
             elif p.dp_ranges:
                 for r, s, e in p.dp_ranges:
-                    rows.append((*common, p.offset + s, p.offset + e, e - s, r, s, False))
+                    rows.append((*common, p.offset + s, p.offset + e, e - s, r, s, False, _experts_text(p, s, e)))
             else:
-                rows.append((*common, p.offset, p.offset + p.numel, p.numel, EVERY_RANK, 0, True))
-    cols = ["bucket", "param", "kind", "shape", "local_shape", "start", "end", "numel", "owner", "param_start", "whole"]
+                rows.append((*common, p.offset, p.offset + p.numel, p.numel, EVERY_RANK, 0, True, _experts_text(p, 0, p.numel)))
+    cols = ["bucket", "param", "kind", "shape", "local_shape", "start", "end", "numel", "owner", "param_start", "whole", "experts"]
     df = pd.DataFrame(rows, columns=cols)
     return df.astype({"bucket": "int64", "start": "int64", "end": "int64", "numel": "int64", "owner": "int64", "param_start": "int64"})
+
+
+def _expert_range(p, start: int, end: int) -> tuple[int, int] | None:
+    """The experts ``[first, last)`` of stack ``p`` that its elements ``[start, end)`` hold (None:
+    not an expert stack)."""
+    if p.spec.kind != "experts" or not p.spec.shape:
+        return None
+    unit = p.numel // p.spec.shape[0]
+    return start // unit, -(-end // unit)
+
+
+def _experts_text(p, start: int, end: int) -> str:
+    got = _expert_range(p, start, end)
+    if got is None:
+        return ""
+    first, last = got
+    which = f"expert {first}" if last - first == 1 else f"experts {first}-{last - 1}"
+    return f"{which} of {p.spec.shape[0]}"
+
+
+def _ranges_text(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    out: list[str] = []
+    run: list[int] = []
+    for i in sorted(indices):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def _expert_holders(p, dp: int) -> dict[int, list[int]]:
+    """DP rank -> the expert indices of stack ``p`` it updates (every rank all of them under ``sc``)."""
+    n = int(p.spec.shape[0])
+    if p.dp_owner is not None:
+        return {p.dp_owner: list(range(n))}
+    if not p.dp_ranges:
+        return {r: list(range(n)) for r in range(dp)}
+    held: dict[int, list[int]] = {}
+    for r, s, e in p.dp_ranges:
+        first, last = _expert_range(p, s, e)  # type: ignore[misc]
+        held.setdefault(r, []).extend(range(first, last))
+    return held
+
+
+def rank_experts(plan: Plan, dp_rank: int) -> tuple[int, int]:
+    """(expert stacks, experts) that DP rank ``dp_rank`` updates: DP-owned whole, outside TP
+    micro-groups (every rank all of them under ``sc``)."""
+    stacks = experts = 0
+    for p in plan.params:
+        if p.spec.kind == "experts":
+            mine = _expert_holders(p, plan.inputs.dp).get(dp_rank, [])
+            stacks += bool(mine)
+            experts += len(mine)
+    return stacks, experts
+
+
+def expert_groups(plan: Plan) -> pd.DataFrame:
+    """One row per expert stack (per MoE layer and projection), its experts grouped, so that a
+    model with 128 experts per layer stays one readable row per stack.
+
+    Columns: ``layer`` (the stack's module path, e.g. ``model.layers.3.mlp.experts``), ``param``,
+    ``experts`` (E), ``expert_shape`` (each expert's ``M x N``), ``ranks`` (DP ranks holding any of
+    its experts; every rank under ``sc``), ``max_per_rank`` (most experts of it on one rank) and
+    ``owners`` (``"0: 0-63 | 1: 64-127"``: DP rank, then the expert indices it updates; ``"every
+    rank"`` under ``sc``). Empty (with these columns) when the plan has no expert stack.
+    """
+    rows = []
+    for p in plan.params:
+        if p.spec.kind != "experts":
+            continue
+        held = _expert_holders(p, plan.inputs.dp)
+        every = p.dp_owner is None and not p.dp_ranges
+        owners = "every rank" if every else " | ".join(f"{r}: {_ranges_text(ix)}" for r, ix in sorted(held.items()))
+        cut = p.name.find("experts")
+        layer = p.name[: cut + len("experts")] if cut >= 0 else p.name.rpartition(".")[0]
+        rows.append((layer, p.name, int(p.spec.shape[0]), _shape(p.spec.shape[1:]), len(held),
+                     max(len(ix) for ix in held.values()), owners))
+    cols = ["layer", "param", "experts", "expert_shape", "ranks", "max_per_rank", "owners"]
+    return pd.DataFrame(rows, columns=cols).astype({"experts": "int64", "ranks": "int64", "max_per_rank": "int64"})
+
+
+def fig_expert_groups(plan: Plan) -> go.Figure:
+    """Experts per DP rank, one row per expert stack (layers and projections), one column per DP
+    rank: the cell's number is how many of that stack's experts the rank updates, and hovering it
+    lists their indices. A model with 128 experts per layer stays one row per stack."""
+    groups = expert_groups(plan)
+    if groups.empty:
+        raise ValueError(f"{plan_label(plan)}: the plan has no expert stack (no parameter of kind 'experts')")
+    dp = plan.inputs.dp
+    counts = np.zeros((len(groups), dp))
+    hover = np.full((len(groups), dp), "", dtype=object)
+    by_name = plan.by_name()
+    for i, name in enumerate(groups["param"]):
+        for r, ix in _expert_holders(by_name[name], dp).items():
+            counts[i, r] = len(ix)
+            hover[i, r] = _ranges_text(ix)
+    fig = go.Figure(
+        go.Heatmap(
+            z=counts,
+            x=[str(r) for r in range(dp)],
+            y=list(groups["param"]),
+            customdata=hover,
+            name="experts per DP rank",
+            colorscale="Blues",
+            colorbar=dict(title="experts"),
+            hovertemplate="%{y}<br>DP rank %{x}: %{z:.0f} experts<br>experts %{customdata}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(autorange="reversed")
+    n_e = int(groups["experts"].max())
+    return finish(
+        fig,
+        title=(
+            f"Experts per DP rank: {plan_label(plan)}<br><sup>{len(groups)} expert stacks of up to {n_e} experts; "
+            "hover a cell for the expert indices</sup>"
+        ),
+        x_title="DP rank",
+        y_title="expert stack (layer, projection)",
+        legend_title="experts on the rank",
+        height=max(360, 14 * len(groups) + 170),
+    )
 
 
 def rank_loads(plan: Plan) -> pd.DataFrame:
@@ -248,11 +380,11 @@ def fig_partition_map(plan: Plan, *, buckets: Sequence[int] | None = None, ranks
                 constraintext="none",
                 customdata=np.stack(
                     [grp["param"], grp["shape"], grp["start"], grp["end"], grp["param_start"], grp["whole"].map({True: "whole", False: "piece"}),
-                     grp["owner"].map(_owner_name)],
+                     grp["owner"].map(_owner_name), grp["experts"].map(lambda t: f"<br>{t}" if t else "")],
                     axis=-1,
                 ),
                 hovertemplate=(
-                    "%{customdata[0]}<br>shape %{customdata[1]} (%{customdata[5]})<br>"
+                    "%{customdata[0]}<br>shape %{customdata[1]} (%{customdata[5]})%{customdata[7]}<br>"
                     "elements [%{customdata[2]}, %{customdata[3]}) of %{y}<br>"
                     "%{customdata[6]}<extra></extra>"
                 ),

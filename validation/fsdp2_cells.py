@@ -1,7 +1,8 @@
 """The injected check on FSDP2 meshes: :mod:`validation.fsdp_harness` cells in the suite's report format.
 
 Each cell is one case of :func:`validation.fsdp_harness.fsdp_mesh_worker`: the ``FSDPToy`` model
-(odd shapes FSDP2 pads, uneven TP chunks, a 1 x n matrix, a tied embedding) sharded with
+(odd shapes FSDP2 pads, uneven TP chunks, a 1 x n matrix, a tied embedding) or ``FSDPMoEToy``
+(non-square expert stacks whose experts FSDP2's ``Shard(0)`` keeps whole, uneven counts) sharded with
 ``fully_shard``, ``canzona.DistributedOptimizer`` stepped with integer gradients injected through
 a real FSDP2 backward, rank 0's full parameters and consolidated state returned. Rank 0 then
 replays the steps with the single-device optimizers (:func:`validation.fsdp_harness.fsdp_reference`)
@@ -57,6 +58,7 @@ def fsdp_case(cell: Cell, fault: Any, optimizer_kwargs: Mapping[str, Any] | None
         "dtype": str(dtype).removeprefix("torch."),
         "mixed_precision": mixed,
         "steps": cell.steps,
+        "model": cell.model,
     }
     if fault is not None:
         case["fault"] = {"kind": fault.kind, "param": fault.param, "step": fault.step, "index": fault.index}
@@ -65,8 +67,9 @@ def fsdp_case(cell: Cell, fault: Any, optimizer_kwargs: Mapping[str, Any] | None
 
 def compare_fsdp(params: Mapping[str, torch.Tensor], document: Mapping[str, Any], ref: Any) -> Comparator:
     """Every parameter (``value``), fp32 master (``master``) and optimizer-state entry
-    (``state.<key>``) of the run against the single-device replay ``ref``, bit for bit."""
-    cmp = Comparator()
+    (``state.<key>``) of the run against the single-device replay ``ref``, bit for bit (a
+    mismatch in an expert stack names the expert)."""
+    cmp = Comparator(experts={n: len(tasks) for n, tasks in getattr(ref, "experts", {}).items()})
     ref_params, ref_masters, ref_states = ref.params(), ref.master_values(), ref.states()
     masters, states = document.get("params", {}), document.get("state", {})
     for name in sorted(set(ref_params) | set(params)):
@@ -138,7 +141,7 @@ def run_fsdp_mesh(
             if rank == 0:
                 cls = optimizer_setup(cell.optimizer, opts.get("optimizer_kwargs"))[0]
                 dtype, _ = _dtype(cell.dtype)
-                ref = fsdp_reference(cls, case["optimizer_kwargs"], FSDP_ELEMENTWISE_KWARGS, dtype=dtype, dp=spec.dp, steps=cell.steps)
+                ref = fsdp_reference(cls, case["optimizer_kwargs"], FSDP_ELEMENTWISE_KWARGS, dtype=dtype, dp=spec.dp, steps=cell.steps, model=cell.model)
                 cmp = compare_fsdp(out["params"], out["document"], ref)
                 r = judge_fsdp(cell, cmp, out["mismatches"], planted, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - recorded as a failed cell
