@@ -193,9 +193,42 @@ def _mistakes(rank: int, world: int) -> dict:
     return out
 
 
+def _extras(rank: int, world: int) -> dict:
+    """Gradient accumulation in no_sync (bitwise), describe(), and the one-line refusals of what
+    the layout does not do yet (clip_grad_norm_, checkpoints)."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.optim import Muon
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = EPToy(seed=1)
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    _shard_experts(model, mesh, rank, world)
+    opt = canzona.DistributedOptimizer(model, "muon", optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+    a, b = _all_grads(world, 5), _all_grads(world, 6)
+    with opt.no_sync():
+        _inject(model, _local_grads(a, rank, 1, world))
+    _inject(model, _local_grads(b, rank, 1, world))
+    opt.step()
+    opt.zero_grad()
+    ref.step(mean_grads([{n: x[n] + y[n] for n in x} for x, y in zip(a, b)]))
+    want = ref.params()
+    out = {"no_sync_bad": [n for n, p in model.named_parameters()
+                           if not torch.equal((p.to_local() if n in STACKS else p).detach(), want[n].chunk(world)[rank] if n in STACKS else want[n])]}
+    out["describe"] = opt.describe()
+    for what, call in (("clip", lambda: opt.clip_grad_norm_(1.0)), ("save", opt.consolidated_state_dict), ("state_dict", opt.state_dict)):
+        try:
+            call()
+            out[what] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[what] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def ep_worker(rank: int, world: int) -> bytes:
     if world == 2:
-        out = {"ep": _train(rank, world, ("ep",), (2,)), "mistakes": _mistakes(rank, world)}
+        out = {"ep": _train(rank, world, ("ep",), (2,)), "mistakes": _mistakes(rank, world), "extras": _extras(rank, world)}
     else:
         out = {"dp_ep": _train(rank, world, ("dp", "ep"), (2, 2))}
     return pack(out)
@@ -255,3 +288,18 @@ def test_layout_mistakes_one_line(runs) -> None:
         assert "Shard(0) on 'ep'" in m["cut_experts"] and "\n" not in m["cut_experts"], m["cut_experts"]
         assert "overlap_updates" in m["overlap"] and "expert parallelism" in m["overlap"], m["overlap"]
         assert "('dp',)" in m["dp_mesh"] and "supported" in m["dp_mesh"], m["dp_mesh"]
+
+
+def test_no_sync_accumulates_bitwise_and_describe_names_both_parts(runs) -> None:
+    for res in runs(2):
+        x = res["extras"]
+        assert x["no_sync_bad"] == []
+        assert "experts.down_proj" in x["describe"] and "over all dp x ep = 2 ranks" in x["describe"] and "EP plan" in x["describe"]
+
+
+def test_unsupported_calls_refused_in_one_line(runs) -> None:
+    for res in runs(2):
+        x = res["extras"]
+        assert "clip_grad_norm_ is not supported with expert parallelism" in x["clip"] and "\n" not in x["clip"], x["clip"]
+        for what in ("save", "state_dict"):
+            assert "checkpoints are not supported with expert parallelism" in x[what], x[what]
