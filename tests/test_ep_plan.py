@@ -143,3 +143,26 @@ def test_cli_plan_ep_report(capsys) -> None:
 def test_cli_plan_ep_refusals_one_line_exit_2(argv: list[str], match: str, capsys) -> None:
     code, out, err = _cli(["plan", *argv], capsys)
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow  # about 4 s: two plans and three step models of a 30B MoE
+def test_cli_simulate_ep_predicts_both(capsys) -> None:
+    code, out, _ = _cli(["simulate", "--model", "qwen3-30b-a3b", "--dp", "16", "--tp", "2", "--ep", "4"], capsys)
+    assert code == 0 and "without EP" in out and "with EP 4" in out and "on its busiest GPU" in out
+    code, _, err = _cli(["simulate", "--model", "qwen3-32b", "--dp", "16", "--tp", "2", "--ep", "4"], capsys)
+    assert code == 2 and "has no experts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_expert_seconds_count_every_expert_once() -> None:
+    """Split over ranks (lb-asc cuts stacks between experts) the expert times add up to what one
+    rank updating everything (sc) needs."""
+    from canzona.sim.ep import expert_seconds
+    from canzona.sim.hardware import load_hardware
+    from canzona.sim.model import Setup
+
+    hw = load_hardware("h800-ib400")
+    _, local = local_expert_specs(_specs(), 2)
+    split = expert_seconds(make_plan(local, _inputs(3)), hw, Setup(), "muon")
+    every = expert_seconds(make_plan(local, _inputs(3, "sc")), hw, Setup(), "muon")
+    assert split.shape == (3,) and (split > 0).sum() >= 2
+    assert np.allclose(every, every[0]) and float(split.sum()) == pytest.approx(float(every[0]), rel=1e-12)
