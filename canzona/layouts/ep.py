@@ -23,7 +23,8 @@ What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
 ``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, FSDP2 modules, an expert
 DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do not divide by ``ep``,
-a DTensor that is not an expert stack, ``clip_grad_norm_`` and checkpoints (not built yet).
+a DTensor that is not an expert stack, and ``clip_grad_norm_`` (not built yet). Checkpoints (both
+formats) place every local expert at its global coordinates, so they load across layouts.
 An expert stack held as a plain tensor is a dense parameter (replicated, its experts planned over
 all ranks): the layout reads what is sharded from the DTensors, never from a second description.
 """
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.layouts.base import Layout, OptimizerFactory
-from canzona.layouts.zero1 import Zero1Layout
+from canzona.layouts.zero1 import Zero1Layout, dp_held
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class
 from canzona.plan.build import cmax_to_bytes
 from canzona.plan.ep import EPPlan, plan_ep
@@ -47,7 +48,7 @@ from canzona.plan.plan import PlanInputs
 from canzona.plan.strategies import get_strategy
 from canzona.runtime.agree import agree
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord
+from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.ep import EPRuntime
@@ -252,26 +253,48 @@ class EPLayout(Layout):
         return f"dp={self.dp}, ep={self.ep}"
 
     # ------------------------------------------------------------------ checkpoint pieces
-    def _no_checkpoint(self) -> Any:
-        raise NotImplementedError(
-            "optimizer checkpoints are not supported with expert parallelism yet (state_dict, consolidated_state_dict "
-            "and load_state_dict); the ZeRO-1 and FSDP2 layouts have them"
-        )
+    # Checkpoints are layout-independent: every region is in the full tensor's coordinates, so an
+    # expert this rank holds as local expert k of its stack is written (and read) at global
+    # expert ep_rank * E/ep + k, and a checkpoint of this layout loads under ZeRO-1 or FSDP2 and back.
+    def _global_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if spec.name not in self._expert_names:
+            return box
+        off = list(box[0])
+        off[0] += self.ep_rank * spec.shape[0]
+        return tuple(off), box[1]
 
     def checkpoint_params(self) -> list[ParamRecord]:
-        return self._no_checkpoint()
+        rt = self.runtime
+        out = []
+        for part in (self.plan.dense, self.plan.experts):
+            for sp in part.specs:
+                shape = (sp.shape[0] * self.ep, *sp.shape[1:]) if sp.name in self._expert_names else tuple(sp.shape)
+                out.append(ParamRecord(sp.name, shape, sp.kind, None, elementwise_role(part, sp.name) or sp.kind == "experts"))
+        order = {n: k for k, (n, _) in enumerate(self.model.named_parameters())}
+        assert rt is not None
+        return sorted(out, key=lambda r: order[r.name])
 
     def checkpoint_describe(self) -> dict[str, Any]:
-        return self._no_checkpoint()
+        inp = self.plan.dense.inputs
+        return {"engine": self.engine, "strategy": inp.strategy, "dp": self.dp, "ep": self.ep, "tp": 1, "fingerprint": self.plan.fingerprint}
 
     def held(self) -> list[Held]:
-        return self._no_checkpoint()
+        return dp_held(self.runtime.dense, lambda spec, b: b) + dp_held(self.runtime.experts, self._global_box)
 
     def model_pieces(self) -> list[ModelPiece]:
-        return self._no_checkpoint()
+        out = []
+        for rt in self.runtime.parts:
+            for name, p in rt.params.items():
+                spec = rt.specs[name]
+                out.append(ModelPiece(name, local_tensor(p.detach()), self._global_box(spec, whole_box(spec.shape))))
+        return out
 
     def status_device(self) -> torch.device:
         return self.runtime.dense.buffer.data.device
 
     def finish_load(self, steps: int) -> None:
-        self._no_checkpoint()
+        for rt in self.runtime.parts:
+            rt.steps = int(steps)
+            rt.discard_grads()
+            rt.replicas.clear()  # every rank holds the loaded state
+        self.runtime.steps = int(steps)
