@@ -182,6 +182,16 @@ def _mistakes(rank: int, world: int) -> dict:
             out[case] = "accepted"
         except (ValueError, TypeError, RuntimeError) as exc:
             out[case] = str(exc)
+    from torch.distributed.fsdp import fully_shard
+
+    model = EPToy()
+    _shard_experts(model, mesh, rank, world)
+    fully_shard(model.proj, mesh=mesh)
+    try:
+        canzona.DistributedOptimizer(model, "muon")
+        out["fsdp2"] = "accepted"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        out["fsdp2"] = str(exc)
     dpmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = EPToy()
     _shard_experts(model, mesh, rank, world)
@@ -360,6 +370,7 @@ def test_layout_mistakes_one_line(runs) -> None:
         assert "Shard(0) on 'ep'" in m["cut_experts"] and "\n" not in m["cut_experts"], m["cut_experts"]
         assert "overlap_updates" in m["overlap"] and "expert parallelism" in m["overlap"], m["overlap"]
         assert "('dp',)" in m["dp_mesh"] and "supported" in m["dp_mesh"], m["dp_mesh"]
+        assert "FSDP2 (fully_shard) with an 'ep' mesh dimension is not supported" in m["fsdp2"] and "\n" not in m["fsdp2"], m["fsdp2"]
 
 
 def test_no_sync_accumulates_bitwise_and_describe_names_both_parts(runs) -> None:
