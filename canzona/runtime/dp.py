@@ -761,14 +761,12 @@ class DPRuntime:
         except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
             st.error = exc
 
-    def agree_flags(self, st: StepState, names: list[str], flags: torch.Tensor | None = None,
-                    error: BaseException | None = None, what: str = "optimizer step") -> frozenset[str]:
-        """The first status exchange over ``flags`` (default ``st.flags``) and ``error`` (default
-        ``st.error``); sets ``st.skip`` to the parameters no rank had a gradient for and returns it.
-        On any refusal this runtime's gradients are dropped and the refusal raised."""
+    def agree_flags(self, st: StepState, names: list[str]) -> frozenset[str]:
+        """The first status exchange over ``st.flags`` and ``st.error``; sets ``st.skip`` to the
+        parameters no rank had a gradient for and returns it. On any refusal this runtime's
+        gradients are dropped and the refusal raised (on every rank alike)."""
         try:
-            reduced = agree(st.error if error is None else error, what, flags=st.flags if flags is None else flags,
-                            comm=self.status_comm, timeout_s=self.status_timeout_s)
+            reduced = agree(st.error, "optimizer step", flags=st.flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
             assert reduced is not None
             st.skip = check_step_flags(reduced, names)
         except BaseException:
@@ -805,12 +803,12 @@ class DPRuntime:
         except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
             st.error = st.error or exc
 
-    def agree_update(self, st: StepState, error: BaseException | None = None) -> None:
-        """Stage 3: the second status exchange (errors of the updates, ``error`` or ``st.error``),
-        then the in-step parameter return (``layerwise``'s broadcast). A refusal lands the gathers
-        (:meth:`update_failed`) before it is raised."""
+    def agree_update(self, st: StepState) -> None:
+        """Stage 3: the second status exchange (errors of the updates), then the in-step parameter
+        return (``layerwise``'s broadcast). A refusal lands the gathers (:meth:`update_failed`)
+        before it is raised."""
         try:
-            agree(st.error if error is None else error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
+            agree(st.error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
         except BaseException as exc:
             self.update_failed(st, exc)
             raise

@@ -71,12 +71,9 @@ class EPRuntime:
             rt.timer = value
 
     @property
-    def replicas(self) -> Any:
-        return self.dense.replicas
-
-    @property
-    def update_hooks(self) -> Any:
-        return self.dense.update_hooks
+    def replicas(self) -> _Replicas:
+        """Both parts' replica guards as one (a checkpoint refuses when either diverged)."""
+        return _Replicas([rt.replicas for rt in self.parts])
 
     def attach(self) -> None:
         for rt in self.parts:
@@ -115,8 +112,6 @@ class EPRuntime:
     # ------------------------------------------------------------------ step
     def step(self, digest: int = 0) -> None:
         """Both parts' step with one agreement before anything changes (module docstring)."""
-        for rt in self.parts:
-            rt.replicas.check("optimizer step")
         states = [rt.begin_step() for rt in self.parts]
         with phase("canzona/optimizer/step"):
             for rt, st in zip(self.parts, states):
@@ -194,6 +189,21 @@ class EPRuntime:
                 if bool(nonfinite([flat[lo:hi]]).any()):
                     out[self._first[name] + k] = 1
         return out
+
+
+class _Replicas:
+    """The replica guards of several parts, checked and cleared together."""
+
+    def __init__(self, guards: list[Any]) -> None:
+        self._guards = guards
+
+    def check(self, what: str) -> None:
+        for g in self._guards:
+            g.check(what)
+
+    def clear(self) -> None:
+        for g in self._guards:
+            g.clear()
 
 
 class _Handles:
