@@ -23,8 +23,8 @@ What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
 ``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, FSDP2 modules, an expert
 DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do not divide by ``ep``,
-a DTensor that is not an expert stack, and ``clip_grad_norm_`` (not built yet). Checkpoints (both
-formats) place every local expert at its global coordinates, so they load across layouts.
+and a DTensor that is not an expert stack. ``clip_grad_norm_`` is one exchange over both parts.
+Checkpoints place every local expert at its global coordinates, so they load across layouts.
 An expert stack held as a plain tensor is a dense parameter (replicated, its experts planned over
 all ranks): the layout reads what is sharded from the DTensors, never from a second description.
 """
@@ -242,7 +242,8 @@ class EPLayout(Layout):
         return self.runtime
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
-        raise NotImplementedError("clip_grad_norm_ is not supported with expert parallelism yet (the ZeRO-1 and FSDP2 layouts have it)")
+        names = [n for n, _ in self.model.named_parameters() if n in self._planned]
+        return self.runtime.clip_grad_norm(names, max_norm, norm_type, error_if_nonfinite, foreach)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -45,6 +45,7 @@ class EPRuntime:
         self.dense = dense
         self.experts = experts
         self.parts = (dense, experts)
+        self.ep = ep
         self.ep_rank = ep_rank
         self.status_comm = status_comm
         self.status_timeout_s = float(timeout_s)
@@ -108,6 +109,42 @@ class EPRuntime:
 
     def master_bytes(self) -> int:
         return sum(rt.master_bytes() for rt in self.parts)
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm(self, names: list[str], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       foreach: bool | None = None) -> torch.Tensor:
+        """``clip_grad_norm_`` over both parts (:func:`canzona.runtime.clip.clip_pieces`, one exchange):
+        each part's norm slots (:func:`~canzona.runtime.clip.slots_zero1`) in the model's parameter
+        order ``names``, an expert stack's slots repeated per EP coordinate (each rank fills its
+        own), every reduced region of both parts scaled. A stack split over EP ranks is a split
+        parameter: its norm is within the module docstring's bound of torch's, not bitwise."""
+        from canzona.runtime.clip import NormSlots, check_args, clip_pieces, slots_zero1
+
+        check_args(max_norm, norm_type)
+        if not all(rt.buffer._syncing for rt in self.parts):  # inside no_sync()
+            raise RuntimeError("clip_grad_norm_ inside no_sync(): the gradients are not reduced yet; call it after the last "
+                               "micro-batch's backward, outside no_sync(), before step()")
+        for rt in self.parts:
+            rt.finish_grad_syncs()
+        parts = []
+        for rt, copies, at in ((self.dense, 1, 0), (self.experts, self.ep, self.ep_rank)):
+            sl = slots_zero1(rt, 0)
+            parts.append((sl, {n: j for j, n in enumerate(sl.names)}, {(pc.name, pc.start): g for pc, g in rt.reduced_grads()}, copies, at))
+        starts, mine, local = [0], [], []
+        for name in names:
+            sl, index, grads, copies, at = next(p for p in parts if name in p[1])
+            lo, hi = sl.starts[index[name]], sl.starts[index[name] + 1]
+            for slot, key in sl.mine:
+                if lo <= slot < hi:
+                    mine.append((starts[-1] + at * (hi - lo) + slot - lo, key))
+                    local.append(grads[key])
+            starts.append(starts[-1] + copies * (hi - lo))
+        slots = NormSlots(tuple(names), tuple(starts), tuple(mine))
+        received = set(self.dense.buffer.received) | set(self.experts.buffer.received)
+        scale = self.dense.reduced_regions() + self.experts.reduced_regions()
+        return clip_pieces(slots, local, received, scale, max_norm, norm_type, error_if_nonfinite, foreach,
+                           device=self.dense.buffer.data.device, dtype=self.dense.master_dtype, comm=self.status_comm,
+                           timeout_s=self.status_timeout_s)
 
     # ------------------------------------------------------------------ step
     def step(self, digest: int = 0) -> None:
