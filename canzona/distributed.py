@@ -728,7 +728,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan (:func:`canzona.plan.describe.describe_plan`); printed to ``file`` when given."""
         from canzona.plan.describe import describe_plan
 
-        text = describe_plan(self.plan)
+        own = getattr(self.plan, "describe", None)  # a plan of several parts (expert parallelism) describes itself
+        text = own() if own is not None else describe_plan(self.plan)
         if file is not None:
             print(text, file=file)
         return text

@@ -80,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--fsdp", type=_int, default=None, help="plan FSDP2 instead: dp_shard size (ranks per replica = fsdp x tp)")
     parser.add_argument("--dp-replicate", type=_int, default=1, help="with --fsdp: HSDP replicas (default 1)")
+    parser.add_argument("--ep", type=_int, default=None,
+                        help="expert parallelism: shard every expert stack over EP ranks taken from --dp (must divide --dp and the experts)")
     parser.add_argument("--layout", choices=LAYOUTS, default=None, help="parameter layout (default megatron; hf with --fsdp)")
     parser.add_argument("--optimizer", choices=optimizer_names(matrix=True), default="muon", help="matrix optimizer (default muon)")
     parser.add_argument("--strategy", choices=tuple(dict.fromkeys(strategy_names() + FSDP_STRATEGIES)), default="lb-asc",
@@ -251,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
     if args.pp < 1:
         raise UserError(f"--pp must be >= 1, got {args.pp}")
+    if args.ep is not None:
+        from canzona.plan.ep import run_plan_ep
+
+        return run_plan_ep(args)
     json_path = output_path(args.json, "--json") if args.json is not None else None
     if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
         raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
     g.add_argument("--fsdp", type=int, default=None, help="simulate FSDP2 instead: dp_shard size (ranks per replica = fsdp x tp)")
     g.add_argument("--dp-replicate", type=int, default=1, help="with --fsdp: HSDP replicas (default 1)")
+    g.add_argument("--ep", type=int, default=None,
+                   help="also predict the optimizer step with expert parallelism over EP ranks taken from --dp (MoE models)")
     g.add_argument("--optimizer", default="muon", help="matrix optimizer: muon, shampoo, soap (zero1 always runs AdamW)")
     g.add_argument("--hardware", default="h800-ib400", help="profile name in canzona/data/hardware or a profile JSON path (default h800-ib400)")
     g.add_argument("--strategies", default=",".join(SIM_STRATEGIES), help=f"comma list of registered strategies (default {','.join(SIM_STRATEGIES)})")
@@ -398,6 +400,11 @@ def run(args: argparse.Namespace) -> int:
         from canzona.sim.model import SIM_STRATEGIES
 
         return _run_fsdp(args, _setup(args), _hardware(args), ",".join(SIM_STRATEGIES))
+    if args.ep is not None:
+        from canzona.sim.ep import run_simulate_ep
+
+        check_tp_degree(resolve_sim_model(args.model), args.tp)
+        return run_simulate_ep(args, _setup(args), _hardware(args), _plan_kwargs(args))
     strategies = _strategies(args)
     sweep_dp = _int_list(args.sweep_dp, "--sweep-dp") if args.sweep_dp is not None else None
     sweep_alpha = _float_list(args.sweep_alpha, "--sweep-alpha") if args.sweep_alpha is not None else None

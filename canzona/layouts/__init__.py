@@ -3,6 +3,8 @@
 :class:`canzona.DistributedOptimizer` is one front end; it asks :func:`choose_layout` which layout
 the model has and builds that layout object (interface: :class:`canzona.layouts.base.Layout`):
 
+- :class:`~canzona.layouts.ep.EPLayout` for models holding expert stacks sharded over an ``ep``
+  mesh dimension (expert parallelism; asked first, so that FSDP2 with ``ep`` is refused in one line);
 - :class:`~canzona.layouts.fsdp2.FSDP2Layout` for models holding FSDP2 ``fully_shard`` modules;
 - :class:`~canzona.layouts.zero1.Zero1Layout` (canzona's ZeRO-1 buffer, the paper's Sections 3 and
   4) for every other model, plain or DTensor tensor-parallel.
@@ -21,6 +23,7 @@ __all__ = ["LAYOUTS", "choose_layout"]
 
 #: (module, class) of every layout, in the order they are asked; the last one serves any model
 LAYOUTS: tuple[tuple[str, str], ...] = (
+    ("canzona.layouts.ep", "EPLayout"),
     ("canzona.layouts.fsdp2", "FSDP2Layout"),
     ("canzona.layouts.zero1", "Zero1Layout"),
 )

@@ -41,7 +41,7 @@ from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import ParamSpec, check_transposed_support, specs_from_module
 
-__all__ = ["Zero1Layout", "check_zero1_mesh"]
+__all__ = ["Zero1Layout", "check_zero1_mesh", "dp_held"]
 
 
 def check_zero1_mesh(mesh: Any, world: int, device: torch.device) -> Any:
@@ -258,28 +258,7 @@ class Zero1Layout(Layout):
         return tuple(off), box[1]
 
     def held(self) -> list[Held]:
-        rt = self.runtime
-        # every DP rank holds the same values under sc: DP rank 0's copy is canonical
-        replica = rt.plan.every_rank_updates and rt.dp_rank != 0
-        out: list[Held] = []
-        for pc in rt.pieces:
-            spec = rt.specs[pc.name]
-            region = tuple(self._tp_box(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
-            m = rt.masters[pc]
-            opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
-            # replicated across TP: TP rank 0's copy is canonical
-            canonical = not replica and (spec.tp_split or self.tp_rank == 0)
-            # an expert's state is shaped like its (M, N) master and re-sliced like the stack
-            sliced = pc.role == "elementwise" or pc.expert is not None
-            out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical, pc.expert))
-        eng = rt.tp_engine
-        if eng is not None:
-            # TP hosts hold each task's full state (its full master is re-assembled from the shards);
-            # under the sync schedule every TP rank holds it: TP rank 0's is canonical
-            for name in eng.hosted:
-                canonical = not replica and (not eng.sync or self.tp_rank == 0)
-                out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
-        return out
+        return dp_held(self.runtime, self._tp_box, self.tp_rank)
 
     def model_pieces(self) -> list[ModelPiece]:
         rt = self.runtime
@@ -298,3 +277,33 @@ class Zero1Layout(Layout):
         rt.steps = int(steps)
         rt.discard_grads()
         rt.replicas.clear()  # every rank holds the loaded state
+
+
+def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
+    """What one :class:`DPRuntime` holds, as checkpoints see it: every owned piece's region (boxes
+    of the local tensor mapped to the full tensor by ``box_of(spec, box)``: a TP shard's offset, an
+    EP rank's first expert), its master and state, and the TP hosts' full-shape state."""
+    # every DP rank holds the same values under sc: DP rank 0's copy is canonical
+    replica = rt.plan.every_rank_updates and rt.dp_rank != 0
+    out: list[Held] = []
+    for pc in rt.pieces:
+        spec = rt.specs[pc.name]
+        region = tuple(box_of(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
+        m = rt.masters[pc]
+        opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
+        # replicated across TP: TP rank 0's copy is canonical
+        canonical = not replica and (spec.tp_split or tp_rank == 0)
+        # an expert's state is shaped like its (M, N) master and re-sliced like the stack
+        sliced = pc.role == "elementwise" or pc.expert is not None
+        # the expert's index in the full stack is where its box starts along dim 0 (box_of maps an
+        # EP rank's local expert k to ep_rank * E_local + k)
+        expert = region[0][0][0] if pc.expert is not None else None
+        out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical, expert))
+    eng = rt.tp_engine
+    if eng is not None:
+        # TP hosts hold each task's full state (its full master is re-assembled from the shards);
+        # under the sync schedule every TP rank holds it: TP rank 0's is canonical
+        for name in eng.hosted:
+            canonical = not replica and (not eng.sync or tp_rank == 0)
+            out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
+    return out

@@ -193,7 +193,7 @@ def _partition_experts(record: Strategy, layout: BufferLayout, pin: PartitionInp
         PartitionInput(
             layout=units, dp=pin.dp, cost=pin.cost[unit_of] / share, flops=pin.flops[unit_of] / share,
             memory=pin.memory[unit_of] / share, alpha=pin.alpha, names=[pin.names[i] for i in unit_of.tolist()],
-            elementwise=pin.elementwise[unit_of],
+            elementwise=pin.elementwise[unit_of], preload=pin.preload,
         )
     )
     cuts = getattr(a, "cuts", None)
@@ -205,7 +205,8 @@ def _partition_experts(record: Strategy, layout: BufferLayout, pin: PartitionInp
 
 
 def _partition(
-    record: Strategy, layout: BufferLayout, sp: Sequence[ParamSpec], loads: LoadVectors, inp: PlanInputs, roles: Sequence[str]
+    record: Strategy, layout: BufferLayout, sp: Sequence[ParamSpec], loads: LoadVectors, inp: PlanInputs, roles: Sequence[str],
+    preload: Sequence[float] | None = None,
 ) -> tuple[DPAssignment, dict[int, tuple[tuple[int, int, int], ...]]]:
     """Section 3: the strategy's partitioner places parameters on DP ranks; returns its answer and
     the ``(rank, start, end)`` ranges of each cut parameter (buffer index -> ranges)."""
@@ -223,6 +224,7 @@ def _partition(
         alpha=float(inp.alpha),
         names=[s.name for s in sp],
         elementwise=elementwise,
+        preload=None if preload is None else np.asarray(preload, dtype=np.float64),
     )
     # expert stacks are E tasks: a cutting partitioner may place a stack's experts on several ranks
     a = _partition_experts(record, layout, pin, sp, roles) or record.partition(pin)
@@ -348,8 +350,10 @@ def _micro_groups(groups: list[list[Group]]) -> tuple[tuple[MicroGroup, ...], ..
     )
 
 
-def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
+def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs, *, preload: Sequence[float] | None = None) -> Plan:
     """Plan ``specs`` (registration order) under ``inputs``: the whole of Sections 3 and 4.
+    ``preload``: each DP rank's load before planning, in the cost model's unit (expert
+    parallelism's experts, :mod:`canzona.plan.ep`); the load-balancing partitioners fill around it.
 
     FSDP2 inputs (``layout_kind="fsdp2"``) go to :func:`canzona.plan.shard.plan_shard`.
     Raises :class:`PlanError` for inconsistent inputs (unknown optimizer, specs built for another
@@ -367,7 +371,7 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     sp = [specs[i] for i in layout.order.tolist()]  # buffer order
     loads = _load_vectors(layout, sp, inp)
     roles = [param_role(record, s.kind, s.tp_split) for s in sp]
-    assignment, ranges = _partition(record, layout, sp, loads, inp, roles)
+    assignment, ranges = _partition(record, layout, sp, loads, inp, roles, preload)
     owner = assignment.owner.tolist()
     tasks = _tp_tasks(sp, roles, owner, loads, record, inp)
     grouped = inp.tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only

@@ -126,7 +126,17 @@ def _snap(phi: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return np.searchsorted(phi, phi[u], side="left")
 
 
-def lb_asc(layout: BufferLayout, dp: int, load: np.ndarray, alpha: float = 1.0) -> DPAssignment:
+def _preload(preload: np.ndarray | Sequence[float] | None, dp: int) -> np.ndarray:
+    """Each rank's load before planning (zeros without one); checked: ``dp`` finite values >= 0."""
+    if preload is None:
+        return np.zeros(dp)
+    out = np.asarray(preload, dtype=np.float64)
+    if out.shape != (dp,) or not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise ValueError(f"preload must be {dp} finite loads >= 0, one per DP rank")
+    return out.copy()
+
+
+def lb_asc(layout: BufferLayout, dp: int, load: np.ndarray, alpha: float = 1.0, preload: np.ndarray | None = None) -> DPAssignment:
     """Algorithm 1 (alpha-balanced greedy LPT), as published.
 
     Buckets are visited in descending load W^k (ties: lower index). With accumulated rank loads
@@ -135,6 +145,10 @@ def lb_asc(layout: BufferLayout, dp: int, load: np.ndarray, alpha: float = 1.0) 
     target C_r (r = 0 .. R-2) snaps to the parameter boundary u minimising |Phi_k(u) - C_r| (ties to
     the earlier boundary); the last rank takes the remainder. Parameters stay atomic.
 
+    ``preload``: work each rank has before any bucket (expert parallelism: the experts it holds,
+    :mod:`canzona.plan.ep`), in the same cost unit; L starts from it and mu counts it, so the
+    buckets fill the ranks around it. None (or all equal): the published algorithm.
+
     Cost: O(N log N) for the bucket sort plus O(R + n_k log n_k) per bucket (vectorised).
     """
     if not 0.0 <= alpha <= 1.0:
@@ -142,8 +156,8 @@ def lb_asc(layout: BufferLayout, dp: int, load: np.ndarray, alpha: float = 1.0) 
     load = np.asarray(load, dtype=np.float64)
     nb = layout.n_buckets
     w_bucket = np.array([load[i0:i1].sum() for i0, i1 in layout.bounds])
-    mu = float(w_bucket.sum()) / dp
-    acc = np.zeros(dp)
+    acc = _preload(preload, dp)
+    mu = (float(w_bucket.sum()) + float(acc.sum())) / dp
     even = np.full(dp, 1.0 / dp)
     cuts: list[tuple[int, ...]] = [()] * nb
     for k in np.argsort(-w_bucket, kind="stable").tolist():
@@ -160,13 +174,15 @@ def lb_asc(layout: BufferLayout, dp: int, load: np.ndarray, alpha: float = 1.0) 
     return DPAssignment(tuple(cuts), owners_from_cuts(layout, cuts))
 
 
-def layerwise(layout: BufferLayout, dp: int, load: np.ndarray, names: Sequence[str]) -> DPAssignment:
+def layerwise(layout: BufferLayout, dp: int, load: np.ndarray, names: Sequence[str], preload: np.ndarray | None = None) -> DPAssignment:
     """NV-layerwise baseline: whole parameters to ranks by LPT on ``load`` (descending load, ties
     by name), each to the least-loaded rank (ties: lower rank), ignoring buffer position. Buckets
-    are all-reduced, so there are no cuts and ownership interleaves inside buckets."""
+    are all-reduced, so there are no cuts and ownership interleaves inside buckets. ``preload``:
+    each rank's load before the first parameter (see :func:`lb_asc`)."""
     load = np.asarray(load, dtype=np.float64)
     order = sorted(range(layout.n_params), key=lambda i: (-load[i], names[i]))
-    heap = [(0.0, r) for r in range(dp)]
+    heap = [(float(v), r) for r, v in enumerate(_preload(preload, dp))]
+    heapq.heapify(heap)
     owner = np.empty(layout.n_params, dtype=np.int64)
     for i in order:
         l, r = heapq.heappop(heap)

@@ -85,6 +85,8 @@ class PartitionInput:
     alpha: float
     names: Sequence[str]
     elementwise: np.ndarray  # bool: parameter is element-wise (may be cut)
+    #: each DP rank's load before planning (expert parallelism's experts, canzona.plan.ep); None: zeros
+    preload: np.ndarray | None = None
 
 
 #: a partitioner places parameters on DP ranks: cut points per bucket (empty for all-reduce
@@ -209,7 +211,7 @@ def _sc(x: PartitionInput) -> DPAssignment:
 
 
 def _layerwise(x: PartitionInput) -> DPAssignment:
-    return dpmod.layerwise(x.layout, x.dp, x.cost, list(x.names))
+    return dpmod.layerwise(x.layout, x.dp, x.cost, list(x.names), x.preload)
 
 
 def _asc(x: PartitionInput) -> DPAssignment:
@@ -217,7 +219,7 @@ def _asc(x: PartitionInput) -> DPAssignment:
 
 
 def _lb_asc(x: PartitionInput) -> DPAssignment:
-    return dpmod.lb_asc(x.layout, x.dp, x.cost, float(x.alpha))
+    return dpmod.lb_asc(x.layout, x.dp, x.cost, float(x.alpha), x.preload)
 
 
 def _lb_asc_joint(x: PartitionInput) -> DPAssignment:

@@ -115,7 +115,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -149,6 +149,7 @@ __all__ = [
     "NonFiniteGradient",
     "OptimizerFactory",
     "Piece",
+    "StepState",
     "elementwise_role",
     "pieces_for_rank",
 ]
@@ -185,6 +186,21 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+
+@dataclass(slots=True)
+class StepState:
+    """What one ``step()`` carries between its stages (:meth:`DPRuntime.begin_step` ...
+    :meth:`DPRuntime.finish`): whether it reuses final gradients, this rank's flags and error,
+    the parameters to skip, and the parameter all-gathers launched so far (bucket -> (receive
+    buffer, work)) with the buckets already updated."""
+
+    reuse: bool
+    flags: torch.Tensor
+    error: BaseException | None = None
+    skip: frozenset[str] = frozenset()
+    gathers: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+    updated: set[int] = field(default_factory=set)
 
 
 def elementwise_role(plan: Plan, name: str) -> bool:
@@ -270,6 +286,7 @@ class DPRuntime:
         elementwise_factory: OptimizerFactory,
         tp_engine_factory: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         settings: OptimizerSettings | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         # the options were validated once, when the settings record was built
         settings = settings if settings is not None else OptimizerSettings()
@@ -286,6 +303,10 @@ class DPRuntime:
         self.dp_rank = dp_comm.rank
         self.dp = dp_comm.size
         self.grad_reduce = grad_reduce
+        #: what a summed gradient is divided by under ``grad_reduce="mean"``: the DP size, or more
+        #: when the gradients arriving here were already summed over other ranks (expert stacks
+        #: under expert parallelism: the dispatch's all-to-all summed them over the EP ranks)
+        self.grad_divisor = dp_comm.size if grad_divisor is None else int(grad_divisor)
         self.master_dtype = master_dtype
         self.params = dict(params)
         self.specs = {pp.name: pp.spec for pp in plan.params}
@@ -676,6 +697,11 @@ class DPRuntime:
            ``digest`` (the caller's hash of the hyperparameters; ranks that disagree are refused);
         2. after the local updates and the TP engine, before values return: any error raised there.
 
+        The step is the composition of its stages (:meth:`begin_step`, :meth:`prepare`,
+        :meth:`agree_flags`, :meth:`apply`, :meth:`agree_update`, :meth:`finish`), so that a
+        runtime made of several DP runtimes (expert parallelism, :mod:`canzona.layouts.ep`) runs
+        each stage on all of them and settles both exchanges once for all of them.
+
         The reduced gradients stay until ``zero_grad()`` (or the next backward, which drops them
         with a warning): a second ``step()`` without a new backward applies them again, as a
         single-device ``torch.optim`` optimizer applies an unchanged ``p.grad`` again.
@@ -683,6 +709,23 @@ class DPRuntime:
         Under ``sc`` and the ``sync`` TP schedule, after an update that failed on some ranks only,
         further steps raise :class:`~canzona.runtime.agree.ReplicasDiverged` on every rank until a
         checkpoint is loaded (:class:`~canzona.runtime.agree.ReplicaGuard`)."""
+        st = self.begin_step()
+        with phase("canzona/optimizer/step"):
+            self.prepare(st, digest)
+            if not self.overlap_updates:
+                self.agree_flags(st, self.step_names)
+            self.apply(st)
+            self.agree_update(st)
+        self.finish(st)
+
+    @property
+    def step_names(self) -> list[str]:
+        """The parameter names the step's flags are indexed by (:func:`~canzona.runtime.agree.step_flags`)."""
+        return self._param_names
+
+    def begin_step(self) -> StepState:
+        """Stage 0, before the step's phase: refuse after diverged replicas, land pending parameter
+        gathers, and decide whether this step reuses final gradients."""
         self.replicas.check("optimizer step")
         self.finish_param_sync()
         # reuse: the reduced gradients are final already (retained from a step, or finished by
@@ -690,93 +733,117 @@ class DPRuntime:
         reuse = (self.buffer.retained or self._grads_final) and not any(p.grad is not None for p in self.params.values())
         self._grads_final = False
         self.bucket_wait_s = {}
-        n = len(self._param_index)
-        error: BaseException | None = None
-        flags = torch.zeros(2 * n + 2, dtype=torch.int64)
-        #: this step's parameter all-gathers launched so far: bucket -> (receive buffer, work)
-        gathers: dict[int, tuple[torch.Tensor, Any]] = {}
-        updated: set[int] = set()
-        with phase("canzona/optimizer/step"):
-            try:
-                if not reuse:
-                    if self.buffer.retained:
-                        self._release()  # p.grad set directly after a step: a new gradient
-                    self.buffer.flush()
-                order = self.launch_order()
-                if self.overlap_updates:
-                    # each bucket's update as soon as its collective lands; no pre-update agreement
-                    for i in order:
-                        self.finish_grad_sync(i, reuse=reuse)
-                        self.update_bucket(i)
-                        updated.add(i)
-                        self._launch_ready_gathers(gathers, updated)
-                else:
-                    if not reuse:
-                        self._advance_grad_syncs(order)
-                    for i in order:
-                        self.finish_grad_sync(i, reuse=reuse)
-                    flags = self._local_flags(digest)
-            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
-                error = exc
-            skip: frozenset[str] = frozenset()
+        return StepState(reuse, torch.zeros(2 * len(self._param_index) + 2, dtype=torch.int64))
+
+    def prepare(self, st: StepState, digest: int) -> None:
+        """Stage 1: land every bucket's gradient (averaged) and build this rank's step flags
+        (``st.flags``); an error is kept in ``st.error``, never raised, so every rank still joins
+        the exchange. Under ``overlap_updates`` each bucket is updated as soon as it lands."""
+        try:
+            if not st.reuse:
+                if self.buffer.retained:
+                    self._release()  # p.grad set directly after a step: a new gradient
+                self.buffer.flush()
+            order = self.launch_order()
+            if self.overlap_updates:
+                # each bucket's update as soon as its collective lands; no pre-update agreement
+                for i in order:
+                    self.finish_grad_sync(i, reuse=st.reuse)
+                    self.update_bucket(i)
+                    st.updated.add(i)
+                    self._launch_ready_gathers(st.gathers, st.updated)
+            else:
+                if not st.reuse:
+                    self._advance_grad_syncs(order)
+                for i in order:
+                    self.finish_grad_sync(i, reuse=st.reuse)
+                st.flags = self._local_flags(digest)
+        except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+            st.error = exc
+
+    def agree_flags(self, st: StepState, names: list[str]) -> frozenset[str]:
+        """The first status exchange over ``st.flags`` and ``st.error``; sets ``st.skip`` to the
+        parameters no rank had a gradient for and returns it. On any refusal this runtime's
+        gradients are dropped and the refusal raised (on every rank alike)."""
+        try:
+            reduced = agree(st.error, "optimizer step", flags=st.flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
+            assert reduced is not None
+            st.skip = check_step_flags(reduced, names)
+        except BaseException:
+            self.discard_grads()
+            raise
+        return st.skip
+
+    def apply(self, st: StepState) -> None:
+        """Stage 2: the local updates in bucket order (each early bucket's all-gather launched as
+        soon as it is final), then the TP engine. Errors go to ``st.error``; after one this rank
+        still launches every early gather and joins the TP exchanges passively."""
+        try:
+            if st.error is not None:
+                raise st.error
             if not self.overlap_updates:
-                try:
-                    reduced = agree(error, "optimizer step", flags=flags, comm=self.status_comm, timeout_s=self.status_timeout_s)
-                    assert reduced is not None
-                    skip = check_step_flags(reduced, self._param_names)
-                except BaseException:
-                    self.discard_grads()
-                    raise
-            try:
-                if error is not None:
-                    raise error
-                if not self.overlap_updates:
-                    # bucket order, so each bucket's all-gather can leave as soon as it is updated;
-                    # the gradients were found finite on every rank in the exchange above, so
-                    # canzona's optimizers need not test them again
-                    with finite_grads_verified():
-                        for i in range(len(self.plan.buckets)):
-                            self.update_bucket(i, skip)
-                            updated.add(i)
-                            self._launch_ready_gathers(gathers, updated)
-            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
-                error = exc
-            # After an error this rank still launches every early all-gather the others launch (in
-            # the same order), sending whatever its masters hold, so no collective is left unmatched.
-            self._launch_ready_gathers(gathers, None)
-            try:
-                # Always: the other TP ranks wait in the engine's exchanges. After an error this rank
-                # joins them without computing (its values are discarded by the exchange below).
-                with finite_grads_verified() if not self.overlap_updates else contextlib.nullcontext():
-                    self.compute_tp(skip, passive=error is not None)
-            except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
-                error = error or exc
-            try:
-                agree(error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
-            except BaseException as exc:
-                # Every rank is here (the exchange raised RankFailure everywhere): launch the
-                # remaining all-gathers too and land them all, so every rank holds the same
-                # parameters, each its owner's master (an aliased master already changed its
-                # owner's copy in place), and nothing is left in flight. After a timeout some rank
-                # is missing: only the gathers already launched are waited for.
-                if self.reduce_scatter and isinstance(exc, RankFailure):
+                # bucket order, so each bucket's all-gather can leave as soon as it is updated;
+                # the gradients were found finite on every rank in the exchange above, so
+                # canzona's optimizers need not test them again
+                with finite_grads_verified():
                     for i in range(len(self.plan.buckets)):
-                        if i not in gathers:
-                            gathers[i] = self._pack_and_launch(i)
-                self._finish_gathers(gathers)
-                self.discard_grads()
-                self.replicas.failed(exc)
-                raise
-            if self.param_return == "broadcast":
-                self.broadcast_params()
+                        self.update_bucket(i, st.skip)
+                        st.updated.add(i)
+                        self._launch_ready_gathers(st.gathers, st.updated)
+        except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+            st.error = exc
+        # After an error this rank still launches every early all-gather the others launch (in
+        # the same order), sending whatever its masters hold, so no collective is left unmatched.
+        self._launch_ready_gathers(st.gathers, None)
+        try:
+            # Always: the other TP ranks wait in the engine's exchanges. After an error this rank
+            # joins them without computing (its values are discarded by the exchange below).
+            with finite_grads_verified() if not self.overlap_updates else contextlib.nullcontext():
+                self.compute_tp(st.skip, passive=st.error is not None)
+        except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
+            st.error = st.error or exc
+
+    def agree_update(self, st: StepState) -> None:
+        """Stage 3: the second status exchange (errors of the updates), then the in-step parameter
+        return (``layerwise``'s broadcast). A refusal lands the gathers (:meth:`update_failed`)
+        before it is raised."""
+        try:
+            agree(st.error, "optimizer step (update)", comm=self.status_comm, timeout_s=self.status_timeout_s)
+        except BaseException as exc:
+            self.update_failed(st, exc)
+            raise
+        self.after_update()
+
+    def after_update(self) -> None:
+        """The parameter return that happens inside the step (``layerwise``'s broadcast)."""
+        if self.param_return == "broadcast":
+            self.broadcast_params()
+
+    def update_failed(self, st: StepState, exc: BaseException) -> None:
+        """The second exchange refused: every rank is here when it raised :class:`RankFailure`, so
+        launch the remaining all-gathers too and land them all (every rank then holds the same
+        parameters, each its owner's master; an aliased master already changed its owner's copy
+        in place), drop the gradients and mark the replicas. After a timeout some rank is missing:
+        only the gathers already launched are waited for."""
+        if self.reduce_scatter and isinstance(exc, RankFailure):
+            for i in range(len(self.plan.buckets)):
+                if i not in st.gathers:
+                    st.gathers[i] = self._pack_and_launch(i)
+        self._finish_gathers(st.gathers)
+        self.discard_grads()
+        self.replicas.failed(exc)
+
+    def finish(self, st: StepState) -> None:
+        """Stage 4, after the step's phase: launch the remaining all-gathers (waited for now, or by
+        the next forward under ``param_sync="lazy"``), keep the gradients for a repeated step."""
         if self.reduce_scatter:
             for i in range(len(self.plan.buckets)):
-                if i not in gathers:
-                    gathers[i] = self._pack_and_launch(i)
+                if i not in st.gathers:
+                    st.gathers[i] = self._pack_and_launch(i)
             if self.lazy:
-                self._pending.update(gathers)
+                self._pending.update(st.gathers)
             else:
-                self._finish_gathers(gathers)
+                self._finish_gathers(st.gathers)
         elif self.param_return == "none":
             self.apply_params({})
         self._tp_grads.clear()
@@ -895,8 +962,8 @@ class DPRuntime:
                     w.wait()
             self.bucket_wait_s[i] = time.perf_counter() - t0
         src = self._grad_source(i)
-        if not reuse and self.grad_reduce == "mean" and self.dp > 1:
-            src.div_(self.dp)
+        if not reuse and self.grad_reduce == "mean" and self.grad_divisor > 1:
+            src.div_(self.grad_divisor)
         for pc, g in self._grad_views[i]:
             if pc.role == "tp":
                 self._tp_grads[pc.name] = g

@@ -1,0 +1,412 @@
+"""Expert parallelism on canzona's ZeRO-1 path, bitwise against the single-device optimizer.
+
+A small model (an embedding, a router, a projection with bias, a norm, two ``(E, M, N)`` expert
+stacks of 4 experts) with its stacks sharded as torchtitan shards them: a DTensor with
+``Shard(0)`` on the mesh's ``ep`` dimension. ``("ep",)`` at world 2 (each rank updates its own two
+experts alone) and ``("dp", "ep")`` at world 4 (each pair of ranks holding the same experts splits
+them). Gradients are injected integers: every rank r has a full-model gradient G_r; the dense
+parameters receive G_r, an expert holder receives the sum over its EP group of G_r restricted to
+its experts (what the dispatch all-to-all's backward delivers). The reference is the
+single-device optimizer applied to every matrix task alone with the mean of all G_r. Checked with
+``torch.equal``: every parameter, every expert's Muon momentum (each held by exactly one rank),
+a step where one expert got no tokens (a zero gradient), a NaN in one expert refused on every
+rank naming the parameter and the expert with nothing changed (and the next step still exact),
+accumulation in no_sync(), clip_grad_norm_ (within the split-parameter bound of torch's norm,
+the clipped step bitwise), checkpoints across layouts, and layout mistakes refused in one line.
+One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from canzona.runtime.launch import run_workers
+from canzona.specs import module_roles
+from moe_models import Experts, TaskReference
+from validation.harness import integer_grads, mean_grads, pack, unpack
+
+pytestmark = pytest.mark.slow
+
+MKW = {"lr": 0.05, "adjust_lr_fn": "spectral"}
+EKW = {"lr": 0.01, "weight_decay": 0.1}
+STEPS = 3
+IDLE_EXPERT = 2  # global expert routed no token at step 1
+NAN_EXPERT = 3  # global expert of experts.down_proj with a NaN gradient
+STACKS = ("experts.gate_up_proj", "experts.down_proj")
+E = 4
+
+
+class EPToy(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(16, 8)
+        self.gate = nn.Linear(8, E, bias=False)
+        self.experts = Experts(E, 8, 6)
+        self.proj = nn.Linear(8, 10)
+        self.norm = nn.LayerNorm(10)
+
+
+def _shard_experts(model: nn.Module, mesh, ep_rank: int, ep: int, placement=None) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = mesh if mesh.ndim == 1 else mesh["ep"]
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(model.experts, name).detach()
+        local = full.chunk(ep)[ep_rank].clone()
+        if placement is not None:  # a layout mistake: cut each expert instead of the stack
+            local = full.chunk(ep, dim=1)[ep_rank].clone()
+        setattr(model.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [placement or Shard(0)], run_check=False)))
+
+
+def _all_grads(world: int, step: int, nan: bool = False) -> list[dict[str, torch.Tensor]]:
+    shapes = {n: tuple(p.shape) for n, p in EPToy().named_parameters()}
+    out = [integer_grads(shapes, step=step, rank=r) for r in range(world)]
+    for g in out:
+        if step == 1:
+            for n in STACKS:
+                g[n][IDLE_EXPERT].zero_()
+        if nan:
+            g["experts.down_proj"][NAN_EXPERT, 1, 2] = float("nan")
+    return out
+
+
+def _local_grads(per_rank: list[dict], rank: int, dp: int, ep: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` (row-major (dp, ep)) receives: its own dense gradient; for its experts
+    the sum over the ranks of its EP group (same dp coordinate) of their gradients there."""
+    d, e = divmod(rank, ep)
+    g = {n: t.clone() for n, t in per_rank[rank].items() if n not in STACKS}
+    for n in STACKS:
+        acc = torch.zeros_like(per_rank[0][n].chunk(ep)[e])
+        for e2 in range(ep):
+            acc += per_rank[d * ep + e2][n].chunk(ep)[e]
+        g[n] = acc
+    return g
+
+
+def _expert_state(opt, ep_rank: int) -> dict[str, torch.Tensor]:
+    rt = opt.runtime.experts
+    out = {}
+    for pc, m in rt.masters.items():
+        st = rt.matrix_opt.state.get(m, {})
+        if "momentum_buffer" in st:
+            out[f"{pc.name}/{ep_rank * (E // opt.ep) + pc.expert}"] = st["momentum_buffer"].clone()
+    return out
+
+
+def _inject(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    from validation.harness import inject_grads
+
+    inject_grads(model, grads)
+
+
+def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.optim import Muon
+    from canzona.runtime.agree import NonFiniteGradient
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    ep = mesh.size(names.index("ep"))
+    dp = world // ep
+    ep_rank = mesh.get_local_rank("ep")
+    model = EPToy()
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    _shard_experts(model, mesh, ep_rank, ep)
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, optimizer_kwargs=MKW,
+                                       elementwise_kwargs=EKW, bucket_numel=300)
+    out: dict = {"bad": [], "state": {}}
+
+    def check(step: int) -> None:
+        want = ref.params()
+        for n, p in model.named_parameters():
+            mine = p.to_local() if n in STACKS else p
+            full = want[n].chunk(ep)[ep_rank] if n in STACKS else want[n]
+            if not torch.equal(mine.detach(), full):
+                out["bad"].append(f"step {step}: {n}")
+
+    for s in range(STEPS):
+        per_rank = _all_grads(world, s)
+        _inject(model, _local_grads(per_rank, rank, dp, ep))
+        opt.step()
+        opt.zero_grad()
+        ref.step(mean_grads(per_rank))
+        check(s)
+    # a NaN in one expert: refused on every rank, nothing changed
+    before = {n: (p.to_local() if n in STACKS else p).detach().clone() for n, p in model.named_parameters()}
+    state_before = _expert_state(opt, ep_rank)
+    _inject(model, _local_grads(_all_grads(world, STEPS, nan=True), rank, dp, ep))
+    try:
+        opt.step()
+        out["nan"] = "not refused"
+    except NonFiniteGradient as exc:
+        out["nan"] = str(exc)
+    opt.zero_grad()
+    out["unchanged"] = all(torch.equal((p.to_local() if n in STACKS else p).detach(), before[n]) for n, p in model.named_parameters())
+    out["state_unchanged"] = all(torch.equal(v, state_before[k]) for k, v in _expert_state(opt, ep_rank).items())
+    # the next step is exact again
+    per_rank = _all_grads(world, STEPS + 1)
+    _inject(model, _local_grads(per_rank, rank, dp, ep))
+    opt.step()
+    opt.zero_grad()
+    ref.step(mean_grads(per_rank))
+    check(STEPS + 1)
+    out["state"] = _expert_state(opt, ep_rank)
+    out["ref_state"] = {f"{n}/{k}": m for n in STACKS for k, m in enumerate(ref.momentum(n))}
+    out["repr"] = repr(opt)
+    out["expert_comm"] = opt.expert_comm.size
+    return out
+
+
+def _mistakes(rank: int, world: int) -> dict:
+    """Layout mistakes, each refused on every rank with one line."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {}
+    cases = {
+        "cut_experts": lambda m: _shard_experts(m, mesh, rank, world, placement=Shard(1)),
+        "overlap": lambda m: _shard_experts(m, mesh, rank, world),
+    }
+    for case, prep in cases.items():
+        model = EPToy()
+        prep(model)
+        kw = {"overlap_updates": True} if case == "overlap" else {}
+        try:
+            canzona.DistributedOptimizer(model, "muon", **kw)
+            out[case] = "accepted"
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out[case] = str(exc)
+    from torch.distributed.fsdp import fully_shard
+
+    model = EPToy()
+    _shard_experts(model, mesh, rank, world)
+    fully_shard(model.proj, mesh=mesh)
+    try:
+        canzona.DistributedOptimizer(model, "muon")
+        out["fsdp2"] = "accepted"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        out["fsdp2"] = str(exc)
+    dpmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = EPToy()
+    _shard_experts(model, mesh, rank, world)
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=dpmesh)
+        out["dp_mesh"] = "accepted"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        out["dp_mesh"] = str(exc)
+    return out
+
+
+def _extras(rank: int, world: int) -> dict:
+    """Gradient accumulation in no_sync (bitwise), describe(), and clip_grad_norm_ followed by
+    the step on the clipped gradients."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.optim import Muon
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = EPToy(seed=1)
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    _shard_experts(model, mesh, rank, world)
+    opt = canzona.DistributedOptimizer(model, "muon", optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+    a, b = _all_grads(world, 5), _all_grads(world, 6)
+    with opt.no_sync():
+        _inject(model, _local_grads(a, rank, 1, world))
+    _inject(model, _local_grads(b, rank, 1, world))
+    opt.step()
+    opt.zero_grad()
+    ref.step(mean_grads([{n: x[n] + y[n] for n in x} for x, y in zip(a, b)]))
+    want = ref.params()
+    out = {"no_sync_bad": [n for n, p in model.named_parameters()
+                           if not torch.equal((p.to_local() if n in STACKS else p).detach(), want[n].chunk(world)[rank] if n in STACKS else want[n])]}
+    out["describe"] = opt.describe()
+    # clipping (active: max_norm far below the norm), then the step on the clipped gradients
+    per_rank = _all_grads(world, 7)
+    _inject(model, _local_grads(per_rank, rank, 1, world))
+    total = opt.clip_grad_norm_(0.05)
+    opt.step()
+    opt.zero_grad()
+    mean = mean_grads(per_rank)
+    names = [n for n, _ in ref.model.named_parameters()]
+    out["torch_total"] = torch.nn.utils.get_total_norm([mean[n] for n in names])
+    out["total"] = total
+    coef = torch.clamp(0.05 / (total + 1e-6), max=1.0)
+    ref.step({n: g * coef for n, g in mean.items()})
+    want = ref.params()
+    out["clip_bad"] = [n for n, p in model.named_parameters()
+                       if not torch.equal((p.to_local() if n in STACKS else p).detach(), want[n].chunk(world)[rank] if n in STACKS else want[n])]
+    return out
+
+
+def _full_copy(model: nn.Module, ep: int) -> nn.Module:
+    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``)."""
+    import torch.distributed as dist
+
+    full = EPToy()
+    named = dict(full.named_parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in STACKS:
+                parts = [torch.empty_like(p.to_local()) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, p.to_local().contiguous())
+                # row-major (dp, ep): ranks 0 .. ep-1 hold the EP coordinates of dp row 0
+                named[n].copy_(torch.cat(parts[:ep]))
+            else:
+                named[n].copy_(p.detach())
+    return full
+
+
+def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+    """A consolidated checkpoint saved under EP loads under plain ZeRO-1, whose own checkpoint
+    loads back under EP (into other starting values); the next step is bitwise the same on all
+    three optimizers."""
+    import canzona
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    ep = mesh.size(names.index("ep"))
+    dp, ep_rank = world // ep, mesh.get_local_rank("ep")
+    kw = dict(optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+
+    def ep_opt(model: nn.Module):
+        return canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, **kw)
+
+    model = EPToy(seed=2)
+    _shard_experts(model, mesh, ep_rank, ep)
+    opt = ep_opt(model)
+    for s in range(2):
+        _inject(model, _local_grads(_all_grads(world, 10 + s), rank, dp, ep))
+        opt.step()
+        opt.zero_grad()
+    saved = opt.consolidated_state_dict()  # collective: every rank calls it, rank 0 gets the document
+    doc = [saved if rank == 0 else None]
+    dist.broadcast_object_list(doc, src=0)
+    plain = _full_copy(model, ep)
+    popt = canzona.DistributedOptimizer(plain, "muon", **kw)
+    popt.load_state_dict(doc[0])
+    saved = popt.consolidated_state_dict()
+    doc = [saved if rank == 0 else None]
+    dist.broadcast_object_list(doc, src=0)
+    back = EPToy(seed=3)  # other values: the load must bring the saved ones
+    _shard_experts(back, mesh, ep_rank, ep)
+    bopt = ep_opt(back)
+    bopt.load_state_dict(doc[0])
+    per_rank = _all_grads(world, 12)
+    for m, o in ((model, opt), (back, bopt)):
+        _inject(m, _local_grads(per_rank, rank, dp, ep))
+        o.step()
+    _inject(plain, per_rank[rank])
+    popt.step()
+    want = dict(plain.named_parameters())
+    bad = []
+    for label, m in (("ep", model), ("loaded back", back)):
+        for n, p in m.named_parameters():
+            mine = p.to_local() if n in STACKS else p
+            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else want[n].detach()
+            if not torch.equal(mine.detach(), full):
+                bad.append(f"{label}: {n}")
+    return {"bad": bad}
+
+
+def ep_worker(rank: int, world: int) -> bytes:
+    if world == 2:
+        out = {"ep": _train(rank, world, ("ep",), (2,)), "mistakes": _mistakes(rank, world), "extras": _extras(rank, world),
+               "ckpt": _checkpoints(rank, world, ("ep",), (2,))}
+    else:
+        out = {"dp_ep": _train(rank, world, ("dp", "ep"), (2, 2)), "ckpt": _checkpoints(rank, world, ("dp", "ep"), (2, 2))}
+    return pack(out)
+
+
+_RUNS: dict[int, list[dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    def get(world: int) -> list[dict]:
+        if world not in _RUNS:
+            _RUNS[world] = [unpack(r) for r in run_workers(ep_worker, world, timeout_s=240)]
+        return _RUNS[world]
+
+    return get
+
+
+CASES = [(2, "ep"), (4, "dp_ep")]
+
+
+@pytest.mark.parametrize("world,case", CASES)
+def test_every_parameter_bitwise(runs, world: int, case: str) -> None:
+    for r, res in enumerate(runs(world)):
+        assert res[case]["bad"] == [], f"rank {r}"
+
+
+@pytest.mark.parametrize("world,case", CASES)
+def test_every_expert_state_held_once_and_bitwise(runs, world: int, case: str) -> None:
+    held: dict[str, int] = {}
+    for res in runs(world):
+        for key, m in res[case]["state"].items():
+            held[key] = held.get(key, 0) + 1
+            assert torch.equal(m, res[case]["ref_state"][key]), key
+    # world 2: each rank holds its experts alone; world 4: each expert on one rank of its pair
+    assert held == {f"{n}/{k}": 1 for n in STACKS for k in range(E)}
+
+
+@pytest.mark.parametrize("world,case", CASES)
+def test_nan_in_one_expert_refused_everywhere_naming_it(runs, world: int, case: str) -> None:
+    for res in runs(world):
+        msg = res[case]["nan"]
+        assert f"experts.down_proj (expert {NAN_EXPERT})" in msg and "\n" not in msg, msg
+        assert "gate_up_proj" not in msg
+        assert res[case]["unchanged"] and res[case]["state_unchanged"]
+
+
+def test_expert_dp_group_sizes(runs) -> None:
+    assert [r["ep"]["expert_comm"] for r in runs(2)] == [1, 1]  # no optimizer communication for experts
+    assert [r["dp_ep"]["expert_comm"] for r in runs(4)] == [2, 2, 2, 2]
+    assert "layout=ep, dp=2, ep=2" in runs(4)[0]["dp_ep"]["repr"]
+
+
+def test_layout_mistakes_one_line(runs) -> None:
+    for res in runs(2):
+        m = res["mistakes"]
+        assert "Shard(0) on 'ep'" in m["cut_experts"] and "\n" not in m["cut_experts"], m["cut_experts"]
+        assert "overlap_updates" in m["overlap"] and "expert parallelism" in m["overlap"], m["overlap"]
+        assert "('dp',)" in m["dp_mesh"] and "supported" in m["dp_mesh"], m["dp_mesh"]
+        assert "FSDP2 (fully_shard) with an 'ep' mesh dimension is not supported" in m["fsdp2"] and "\n" not in m["fsdp2"], m["fsdp2"]
+
+
+def test_no_sync_accumulates_bitwise_and_describe_names_both_parts(runs) -> None:
+    for res in runs(2):
+        x = res["extras"]
+        assert x["no_sync_bad"] == []
+        assert "experts.down_proj" in x["describe"] and "over all dp x ep = 2 ranks" in x["describe"] and "EP plan" in x["describe"]
+
+
+def test_clip_grad_norm_within_the_split_bound_and_the_clipped_step_bitwise(runs) -> None:
+    from canzona.runtime.clip import split_bound
+
+    totals = [res["extras"]["total"] for res in runs(2)]
+    assert torch.equal(totals[0], totals[1])  # every rank the same total, bit for bit
+    x = runs(2)[0]["extras"]
+    want = x["torch_total"]
+    assert float(want) > 0.05 * 10  # the clip is active
+    # each expert stack is split over the two EP ranks (2 pieces); everything else is whole
+    bound = split_bound(max(p.numel() for p in EPToy().parameters()), 2, len(list(EPToy().parameters())))
+    assert abs(float(x["total"]) - float(want)) <= bound * float(want)
+    for res in runs(2):
+        assert res["extras"]["clip_bad"] == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpoints_cross_layouts_bitwise(runs, world: int) -> None:
+    for r, res in enumerate(runs(world)):
+        assert res["ckpt"]["bad"] == [], f"rank {r}"
