@@ -18,7 +18,11 @@ rank chained from its own exception), so all ranks fail within the time of two s
 Both collectives wait at most ``timeout_s``; a rank that never arrives (dead, frozen, or not
 running this operation) makes the others raise :class:`AgreementTimeout`, naming the missing ranks
 when the default store can tell (every rank marks its arrival there first when ``mark=True``).
-After a timeout the process group has a collective in flight that will never match: destroy it.
+The waits are :func:`canzona.runtime.comm.wait_bounded`'s: the rank that gives up posts where it
+waited, and every rank inside another bounded wait of the step (a gradient collective a rank that
+skipped a ``step()`` sits in) raises the same line within a poll slice, naming each rank's
+position. After a timeout the process group has a collective in flight that will never match:
+destroy it.
 
 The exchange runs on CPU tensors (:func:`status_group`: the default process group when it can
 reduce CPU tensors, gloo or a ``cpu:gloo,cuda:nccl`` device map; otherwise, e.g. a world
@@ -44,14 +48,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
-from canzona.runtime.comm import Comm
+from canzona.runtime.comm import CollectiveTimeout, Comm, default_store, wait_bounded
 from canzona.runtime.phases import phase
 
 __all__ = [
@@ -133,8 +136,9 @@ class RankFailure(RuntimeError):
         super().__init__(f"{what} failed on {len(parts)} rank(s); " + "; ".join(parts))
 
 
-class AgreementTimeout(RuntimeError):
-    """Some rank did not join a status exchange within its time bound."""
+class AgreementTimeout(CollectiveTimeout):
+    """Some rank did not join a status exchange within its time bound (or another rank gave up on
+    the process group while this one waited in the exchange)."""
 
 
 class ReplicasDiverged(RuntimeError):
@@ -194,26 +198,17 @@ def describe(exc: BaseException) -> str:
 def _wait(work: Any, timeout_s: float, what: str, group: Any, tag: str | None) -> None:
     if work is None:  # one rank: nothing to wait for
         return
+    wait = getattr(work, "_work", work).wait  # a bounded work's own wait: the bound here is ``timeout_s``
     try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo raises "Operation timed out!"; other backends may return False
-        if "timed out" not in str(exc).lower():
-            raise
-        ok = False
-    if ok is False:
+        wait_bounded(wait, timeout_s, f"the status exchange ({what})")
+    except CollectiveTimeout as exc:
         missing = _missing(group, tag)
-        who = f"rank(s) {missing}" if missing else "some rank"
-        raise AgreementTimeout(
-            f"{what}: {who} did not join the status exchange within {timeout_s:g} s "
-            "(dead, frozen, or not running this operation); this process group cannot be used further"
-        )
+        who = f"rank(s) {missing} did not join the status exchange within {timeout_s:g} s (dead, frozen, or not running this operation); " if missing else ""
+        raise AgreementTimeout(f"{what}: {who}{exc}") from None
 
 
 def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - only to name missing ranks
-    except Exception:  # noqa: BLE001 - naming is best effort
-        return None
+    return default_store()
 
 
 def new_tag(kind: str) -> str:
