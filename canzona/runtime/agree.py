@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
-from canzona.runtime.comm import CollectiveTimeout, Comm, default_store, wait_bounded
+from canzona.runtime.comm import CollectiveTimeout, Comm, default_store, record_process, wait_bounded
 from canzona.runtime.phases import phase
 
 __all__ = [
@@ -116,6 +116,7 @@ def status_group() -> Any:
     default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
     if _status is None or _status[0]() is not default:
         own = dist.get_world_size() > 1 and not reduces_cpu_tensors(str(dist.get_backend()))
+        record_process(dist.get_rank())  # once per world: lets a rank that gives up tell a stopped peer
         group = dist.new_group(backend="gloo") if own else None
         _status = (weakref.ref(default), weakref.ref(group) if group is not None else None)
     if _status[1] is None:

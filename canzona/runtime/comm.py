@@ -61,7 +61,10 @@ set it.
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import socket
 import time
 import weakref
 from collections import defaultdict
@@ -75,7 +78,7 @@ import torch.distributed as dist
 
 from canzona.runtime.phases import base_phase, current_phase
 
-__all__ = ["GATHER_S", "POLL_S", "CollectiveTimeout", "Comm", "CommStats", "default_store", "even_sizes", "wait_bounded"]
+__all__ = ["GATHER_S", "POLL_S", "CollectiveTimeout", "Comm", "CommStats", "default_store", "even_sizes", "record_process", "wait_bounded"]
 
 UNPHASED = "unphased"
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -226,12 +229,47 @@ def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
         except Exception:  # noqa: BLE001 - naming is best effort
             posted = {}
     posted[rank] = mine
-    parts = [f"rank {r} {posted[r]}" if r in posted else f"rank {r} did not answer (dead, frozen, or busy outside canzona's collectives)"
-             for r in range(world)]
+    parts = [f"rank {r} {posted[r]}" if r in posted else f"rank {r} {_silent(store, r)}" for r in range(world)]
     line = ("canzona's collectives stopped matching across ranks: " + "; ".join(parts)
             + ". A rank skipped or added a step() or another collective call, or stopped; this process group cannot be used further")
     _verdict = (weakref.ref(dist.distributed_c10d._get_default_group()), line)  # noqa: SLF001
     return line
+
+
+def record_process(rank: int) -> None:
+    """Record this rank's host and process id in the default store (once per world, best effort),
+    so that a rank giving up can tell a stopped peer on its own host (:func:`_silent`)."""
+    store = default_store()
+    if store is not None:
+        try:
+            store.set(f"canzona/proc/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
+        except Exception:  # noqa: BLE001 - naming is best effort
+            pass
+
+
+def _silent(store: Any, rank: int) -> str:
+    """Words for a rank that did not say where it waits. A peer on this host whose process the
+    kernel reports stopped (state ``T``: SIGSTOP, or Ctrl-Z) is killed with SIGKILL: a stopped
+    process acts on no other signal, so its launcher (torchrun sends SIGTERM, then waits 30 s
+    before SIGKILL; a launcher that is itself killed never does) would otherwise wait for it or
+    leave it behind, and its process group is already beyond use. Nothing is done to any other
+    process (running, sleeping, traced by a debugger: state ``t``)."""
+    try:
+        host, pid_text = store.get(f"canzona/proc/{rank}").decode("utf-8").split("\n")
+        pid = int(pid_text)
+        if host != socket.gethostname() or pid == os.getpid():
+            raise LookupError(host)
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except Exception:  # noqa: BLE001 - another host, no record, no /proc: only name it
+        return "did not answer (dead, frozen, or busy outside canzona's collectives)"
+    if state != "T":
+        return f"did not answer (process {pid} on this host, state {state}: busy outside canzona's collectives, or frozen)"
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError as exc:
+        return f"is stopped (process {pid} on this host, SIGSTOP; could not kill it: {exc.strerror})"
+    return f"is stopped (process {pid} on this host, SIGSTOP) and was killed (SIGKILL), so that no launcher waits for it"
 
 
 class _BoundedWork:
