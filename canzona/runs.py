@@ -299,8 +299,11 @@ class MetricsLog:
             os.close(self._fd)
             self._fd = None
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except OSError as exc:  # TensorBoard's writer names no file
+                raise OSError(exc.errno, f"cannot write the TensorBoard scalars in {self.dir}: {exc.strerror or exc}") from None
 
     def __enter__(self) -> MetricsLog:
         return self
