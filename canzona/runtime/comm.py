@@ -89,7 +89,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 POLL_S = 0.25
 #: seconds a rank that gives up waits for the other ranks to say where they are waiting
 GATHER_S = 1.5
-_ABORT = "canzona/abort"  # store key: how many ranks gave up; ``_ABORT/<rank>``: where each waited
+_ABORT = "canzona.abort"  # store key: how many ranks gave up; ``_ABORT/<rank>``: where each waited
 
 
 def even_sizes(n: int, parts: int) -> list[int]:
@@ -242,7 +242,7 @@ def record_process(rank: int) -> None:
     store = default_store()
     if store is not None:
         try:
-            store.set(f"canzona/proc/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
+            store.set(f"canzona.proc/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
         except Exception:  # noqa: BLE001 - naming is best effort
             pass
 
@@ -255,7 +255,7 @@ def _silent(store: Any, rank: int) -> str:
     leave it behind, and its process group is already beyond use. Nothing is done to any other
     process (running, sleeping, traced by a debugger: state ``t``)."""
     try:
-        host, pid_text = store.get(f"canzona/proc/{rank}").decode("utf-8").split("\n")
+        host, pid_text = store.get(f"canzona.proc/{rank}").decode("utf-8").split("\n")
         pid = int(pid_text)
         if host != socket.gethostname() or pid == os.getpid():
             raise LookupError(host)
