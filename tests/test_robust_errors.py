@@ -409,7 +409,10 @@ def test_a_rank_that_skips_or_adds_a_step_is_named_on_every_rank_within_the_stat
         assert g[2] < UNMATCHED_BOUND_S + GATHER_S + 4 * POLL_S + 2.0, (rank, g[2])  # 2 s: a loaded machine
         lines.add(g[1].split(": ", 1)[1] if g[0] == "AgreementTimeout" else g[1])
     assert len(lines) == 1, lines  # the same positions on every rank
-    assert "status exchange (optimizer step)" in lines.pop()
+    line = lines.pop()
+    assert "status exchange (optimizer step)" in line
+    # the rank that skipped has begun one step() fewer, the one that added one more
+    assert f"Optimizer steps begun: rank 0 2, rank 1 {1 if how == 'skip' else 3}." in line, line
 
 
 # ------------------------------------------------------------------------------ the launcher

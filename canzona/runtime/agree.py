@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
-from canzona.runtime.comm import CollectiveTimeout, Comm, default_store, record_process, wait_bounded
+from canzona.runtime.comm import CollectiveTimeout, Comm, count_step, default_store, record_process, wait_bounded
 from canzona.runtime.phases import phase
 
 __all__ = [
@@ -84,6 +84,8 @@ __all__ = [
 STATUS_TIMEOUT_S = 60.0
 #: bytes of each rank's error message carried by the exchange (longer messages are cut)
 MESSAGE_BYTES = 1024
+#: ``what`` of the optimizer step's first status exchange (every layout's step calls it once)
+STEP = "optimizer step"
 
 _seq = itertools.count()  # every rank calls agree() in the same order, so this numbers the calls alike
 #: weak references to (the default process group, the status group made for it, None where the
@@ -336,6 +338,8 @@ def agree_start(
 def _launch(error: BaseException | None, what: str, flags: torch.Tensor | None, comm: Comm | None, timeout_s: float,
             mark: bool) -> PendingAgreement:
     comm = comm if comm is not None else Comm(status_group())
+    if what == STEP:
+        count_step()  # names a rank that skipped or added a step when the step's collectives stop matching
     tag = new_tag("agree") if mark else None
     if tag is not None:
         _mark(tag)

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from canzona.runtime.phases import base_phase, current_phase
 
-__all__ = ["GATHER_S", "POLL_S", "CollectiveTimeout", "Comm", "CommStats", "default_store", "even_sizes", "record_process", "wait_bounded"]
+__all__ = ["GATHER_S", "POLL_S", "CollectiveTimeout", "Comm", "CommStats", "count_step", "default_store", "even_sizes", "record_process", "steps_begun", "wait_bounded"]
 
 UNPHASED = "unphased"
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -210,15 +210,37 @@ def _check(store: Any, key: str) -> bool:
 
 def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
     """Post where this rank waited (and, when its own bound ran out, that it gave up), collect the
-    other ranks' positions for up to :data:`GATHER_S`, and return the line every rank raises."""
+    other ranks' positions for up to :data:`GATHER_S`, and return the line every rank raises: each
+    rank's position, and which ranks have begun fewer or more ``step()`` calls than the others."""
     global _verdict
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = f"waited {timeout_s:g} s in {where} and gave up" if timeout_s is not None else f"was waiting in {where}"
+    posted = _exchange_positions(store, rank, world, f"{steps_begun()}\n{mine}", first=timeout_s is not None)
+    steps: dict[int, int] = {}
+    parts = []
+    for r in range(world):
+        if r not in posted:
+            parts.append(f"rank {r} {_silent(store, r)}")
+            continue
+        count, text = posted[r].split("\n", 1)
+        steps[r] = int(count)
+        parts.append(f"rank {r} {text}")
+    line = "canzona's collectives stopped matching across ranks: " + "; ".join(parts) + ". "
+    if len(set(steps.values())) > 1:
+        line += "Optimizer steps begun: " + ", ".join(f"rank {r} {n}" for r, n in sorted(steps.items())) + ". "
+    line += "A rank skipped or added a step() or another collective call, or stopped; this process group cannot be used further"
+    _verdict = (weakref.ref(dist.distributed_c10d._get_default_group()), line)  # noqa: SLF001
+    return line
+
+
+def _exchange_positions(store: Any, rank: int, world: int, mine: str, *, first: bool) -> dict[int, str]:
+    """Write this rank's record (``first``: and count a rank that gave up), then read every rank's
+    until all have written or :data:`GATHER_S` passed; rank -> record."""
     posted: dict[int, str] = {}
     if store is not None:
         try:
             store.set(f"{_ABORT}/{rank}", mine)
-            if timeout_s is not None:
+            if first:
                 store.add(_ABORT, 1)
             end = time.monotonic() + GATHER_S
             while True:
@@ -229,11 +251,27 @@ def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
         except Exception:  # noqa: BLE001 - naming is best effort
             posted = {}
     posted[rank] = mine
-    parts = [f"rank {r} {posted[r]}" if r in posted else f"rank {r} {_silent(store, r)}" for r in range(world)]
-    line = ("canzona's collectives stopped matching across ranks: " + "; ".join(parts)
-            + ". A rank skipped or added a step() or another collective call, or stopped; this process group cannot be used further")
-    _verdict = (weakref.ref(dist.distributed_c10d._get_default_group()), line)  # noqa: SLF001
-    return line
+    return posted
+
+
+#: (weak reference to the default process group, optimizer steps begun in it by this rank)
+_steps: tuple[Any, int] | None = None
+
+
+def count_step() -> None:
+    """Count one optimizer ``step()`` begun in the current world (the step's status exchange
+    calls it), for the line a rank that gives up raises."""
+    global _steps
+    default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
+    _steps = (weakref.ref(default), steps_begun() + 1)
+
+
+def steps_begun() -> int:
+    """Optimizer steps this rank has begun in the current world (:func:`count_step`)."""
+    if _steps is None or not dist.is_initialized():
+        return 0
+    ref, n = _steps
+    return n if ref() is dist.distributed_c10d._get_default_group() else 0  # noqa: SLF001
 
 
 def record_process(rank: int) -> None:
