@@ -257,6 +257,7 @@ def _unmatched_steps(rank: int, how: str) -> tuple[str, str, float] | None:
     from canzona.runtime.checkpoint import save_checkpoint
 
     model = ToyModel()
+    dist.barrier()  # construction's exchanges have the same bound: start it together
     opt = _opt(model, status_timeout_s=UNMATCHED_BOUND_S)
     inject_grads(model, integer_grads(model, step=0, rank=rank))
     opt.step()
