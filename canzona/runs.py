@@ -29,7 +29,9 @@ note saying which file is shown and why, for the first output of a notebook or f
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -224,11 +226,18 @@ def new_run_dir(label: str) -> Path:
 
 
 class MetricsLog:
-    """Per-step loss and phase times of one run: ``metrics.csv`` (flushed every step, so a killed
+    """Per-step loss and phase times of one run: ``metrics.csv`` (appended every step, so a killed
     run keeps what it did) and TensorBoard scalars when ``tensorboard`` is importable
     (``tensorboard=None``) or asked for: ``loss``, ``time/step_ms``, ``time/<phase>_ms``,
     ``comm/<phase>/launch_ms``, ``comm/<phase>/wait_ms`` and ``comm/exposed_ms`` (phase names
-    without their ``canzona/`` prefix; zero-valued phases are not written)."""
+    without their ``canzona/`` prefix; zero-valued phases are not written).
+
+    The CSV never holds a torn row: each row (the header too) is one ``write`` to a descriptor
+    opened for appending; a write that fails or stops short (a full disk, a file-size limit) is
+    cut back to the end of the last whole row and raises ``OSError`` naming the file. A process
+    killed inside that one call of a few hundred bytes (or a machine that loses power before the
+    page cache reaches the disk) is the only way left to a partial last line, which then has no
+    line end."""
 
     def __init__(self, directory: str | Path, *, run: Mapping[str, Any] | None = None, tensorboard: bool | None = None) -> None:
         self.dir = Path(directory)
@@ -240,10 +249,9 @@ class MetricsLog:
             raise ValueError(f"{self.path} already exists; log each run into its own directory")
         if run is not None:
             (self.dir / RUN_JSON).write_text(json.dumps(dict(run), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        self._file = self.path.open("w", newline="", encoding="utf-8")
-        self._csv = csv.writer(self._file)
-        self._csv.writerow(METRICS_COLUMNS)
-        self._file.flush()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._size = 0
+        self._row(METRICS_COLUMNS)
         self.writer: Any = None
         if tensorboard is not False:
             try:
@@ -260,8 +268,7 @@ class MetricsLog:
         :data:`~canzona.phase_names.PHASES` have no column)."""
         m = step_metrics(phases)
         row = [int(step), _num(loss), _num(wall_s * 1e3), *(_num(v * 1e3) for v in m.values())]
-        self._csv.writerow(row)
-        self._file.flush()
+        self._row(row)
         if self.writer is not None:
             self.writer.add_scalar("loss", float(loss), int(step))
             if math.isfinite(wall_s):
@@ -270,12 +277,33 @@ class MetricsLog:
                 if v > 0:
                     self.writer.add_scalar(_tag(key), v * 1e3, int(step))
 
+    def _row(self, row: Any) -> None:
+        """Append one CSV row whole, or leave the file at its last whole row and raise."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        buf = io.StringIO()
+        csv.writer(buf).writerow(row)
+        data = buf.getvalue().encode("utf-8")
+        try:
+            n = os.write(self._fd, data)
+            if n != len(data):
+                raise OSError(f"only {n} of {len(data)} bytes written (the file system is full or the file size limit reached)")
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise OSError(exc.errno, f"cannot append to {self.path}: {exc.strerror or exc}") from None
+        self._size += n
+
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except OSError as exc:  # TensorBoard's writer names no file
+                raise OSError(exc.errno, f"cannot write the TensorBoard scalars in {self.dir}: {exc.strerror or exc}") from None
 
     def __enter__(self) -> MetricsLog:
         return self

@@ -261,3 +261,63 @@ def test_a_worker_failure_is_one_line_naming_the_rank(how: str, tmp_path: Path) 
             "stop": r"canzona train: error: rank [01] is frozen: (no heartbeat for [\d.]+ s )?\(process stopped",
             "timeout": r"canzona train: error: distributed run timed out after 1 s"}[how]
     assert re.match(want, lines[0]), lines[0]
+
+
+#: status_timeout_s of the torchrun case (a loaded machine may build the optimizer seconds apart)
+TORCHRUN_BOUND_S = 6
+
+_TORCHRUN_WORKER = '''
+import os, signal, sys, time
+import torch.distributed as dist
+from datetime import timedelta
+import canzona
+from validation.harness import ToyModel, inject_grads, integer_grads
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank = dist.get_rank()
+model = ToyModel()
+dist.barrier()  # construction's own exchanges have the same bound: start it together
+opt = canzona.DistributedOptimizer(model, "muon", optimizer_kwargs={"lr": 0.05}, elementwise_kwargs={"lr": 0.01},
+                                   bucket_numel=40, status_timeout_s=int(sys.argv[2]))
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+dist.barrier()
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(0.5)
+t0 = time.monotonic()
+try:
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    opt.step()
+except Exception as exc:
+    print(f"rank {rank} raised after {time.monotonic() - t0:.2f} s: {exc}", flush=True)
+    sys.exit(1)
+'''
+
+
+def test_a_stopped_worker_under_torchrun_is_named_and_not_left_behind(tmp_path: Path) -> None:
+    """torchrun (no canzona launcher), rank 1 SIGSTOPped after construction: rank 0's step gives
+    up within ``status_timeout_s`` naming rank 1 as stopped and kills it (a stopped process acts
+    on no signal but SIGKILL; torchrun alone would send SIGTERM and wait 30 s, and a torchrun that
+    is itself killed would leave it behind); torchrun then exits and no worker is left."""
+    script = tmp_path / "worker.py"
+    script.write_text(_TORCHRUN_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", "--monitor-interval", "0.2", str(script), str(tmp_path), str(TORCHRUN_BOUND_S)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=240)
+    took = time.monotonic() - t0
+    pids = {int((tmp_path / f"pid{r}").read_text()) for r in range(2) if (tmp_path / f"pid{r}").exists()}
+    left = {p for p in pids if _alive(p)}
+    for p in left:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    assert len(pids) == 2, proc.stderr[-3000:]
+    assert left == set(), f"worker(s) {left} left behind"
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank 0 raised after")]
+    assert said, (proc.stdout[-2000:], proc.stderr[-3000:])
+    print(f"\ntime-to-error torchrun, rank 1 SIGSTOPped: {said[0].split(':')[0]}; torchrun exited after {took:.1f} s in all")
+    assert "rank 1 is stopped (process" in said[0] and "was killed (SIGKILL)" in said[0], said[0]
+    assert float(said[0].split("after ")[1].split(" s")[0]) < TORCHRUN_BOUND_S + 1.5 + 4.0
+    assert proc.returncode != 0
+    # torchrun's own grace for a worker that ignores SIGTERM is 30 s: exiting sooner shows it did not wait
+    assert "Unable to shutdown process" not in proc.stderr, proc.stderr[-3000:]

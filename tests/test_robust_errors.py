@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona.runtime.launch import WorkerError, run_workers
+from canzona.runtime.launch import WorkerError, init_process_group, run_workers
 from harness import raised
 from validation.harness import ToyModel, inject_grads, integer_grads, pack, params_of, unpack
 
 pytestmark = pytest.mark.slow
 
 BOUND_S = 20.0  # time-to-error bound: a correctness bound, not a speed test
+UNMATCHED_BOUND_S = 3.0  # status_timeout_s of the unmatched-step cases (the process group's is 60 s)
 EW_KW = {"lr": 0.01, "weight_decay": 0.1}
 
 
@@ -231,13 +232,49 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     out["meta"] = raised(lambda: _opt(meta_model))
     dist.barrier()
 
-    # 8. last (leaves the group unusable): rank 1 never builds the optimizer
+    # 8. (leaves the group unusable): rank 1 never builds the optimizer
     if rank == 0:
         out["never_built"] = raised(lambda: _opt(ToyModel(), status_timeout_s=3))
     else:
         time.sleep(5)
     out["t_fail"] = t_fail
+
+    # 9. a rank that skips one step(), then one that takes an extra one and saves: each breaks
+    #    its world, so each gets a fresh one (destroying a broken gloo group returns at once)
+    for how in ("skip", "extra"):
+        dist.destroy_process_group()
+        init_process_group(rank, world, f"file://{Path(folder) / how}", timeout_s=60)
+        out[("unmatched", how)] = _unmatched_steps(rank, how)
     return pack(out)
+
+
+def _unmatched_steps(rank: int, how: str) -> tuple[str, str, float] | None:
+    """Rank 1 skips the step of iteration 1 (``skip``) or steps twice there and then saves
+    (``extra``); the others run three plain iterations. Returns what this rank raised and how long
+    after the shared start of iteration 1."""
+    import torch.distributed as dist
+
+    from canzona.runtime.checkpoint import save_checkpoint
+
+    model = ToyModel()
+    dist.barrier()  # construction's exchanges have the same bound: start it together
+    opt = _opt(model, status_timeout_s=UNMATCHED_BOUND_S)
+    inject_grads(model, integer_grads(model, step=0, rank=rank))
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+
+    def run() -> None:
+        for s in (1, 2, 3):
+            inject_grads(model, integer_grads(model, step=s, rank=rank))
+            if not (how == "skip" and rank == 1 and s == 1):
+                opt.step()
+            if how == "extra" and rank == 1 and s == 1:
+                opt.step()
+                save_checkpoint(opt, f"/nonexistent-never-written-{rank}.pt")
+            opt.zero_grad()
+
+    return raised(run)
 
 
 _RUN: list[dict] = []
@@ -354,6 +391,29 @@ def test_rank_that_never_builds_the_optimizer_is_named(res) -> None:
     print(f"\ntime-to-error rank 1 never builds the optimizer: rank 0 {g[2]:.2f} s (status_timeout_s=3)")
     assert g[0] == "RuntimeError" and "rank(s) [1] never joined it" in g[1], g
     assert g[2] < BOUND_S
+
+
+@pytest.mark.parametrize("how", ["skip", "extra"])
+def test_a_rank_that_skips_or_adds_a_step_is_named_on_every_rank_within_the_status_bound(res, how: str) -> None:
+    """Every rank, including the one waiting inside a gradient collective, raises within
+    ``status_timeout_s`` plus the naming window, one line giving each rank's position (without
+    the bound on the step's own collectives that rank waits for the process group's 60 s)."""
+    from canzona.runtime.comm import GATHER_S, POLL_S
+
+    got = [res[r][("unmatched", how)] for r in range(2)]
+    _report(f"rank 1 {'skips' if how == 'skip' else 'adds'} a step (status_timeout_s={UNMATCHED_BOUND_S:g})", got)
+    lines = set()
+    for rank, g in enumerate(got):
+        assert g is not None and g[0] in ("CollectiveTimeout", "AgreementTimeout"), (rank, g)
+        assert "canzona's collectives stopped matching across ranks: rank 0 " in g[1] and "; rank 1 " in g[1], g[1]
+        assert "skipped or added a step()" in g[1] and "and gave up" in g[1], g[1]
+        assert g[2] < UNMATCHED_BOUND_S + GATHER_S + 4 * POLL_S + 2.0, (rank, g[2])  # 2 s: a loaded machine
+        lines.add(g[1].split(": ", 1)[1] if g[0] == "AgreementTimeout" else g[1])
+    assert len(lines) == 1, lines  # the same positions on every rank
+    line = lines.pop()
+    assert "status exchange (optimizer step)" in line
+    # the rank that skipped has begun one step() fewer, the one that added one more
+    assert f"Optimizer steps begun: rank 0 2, rank 1 {1 if how == 'skip' else 3}." in line, line
 
 
 # ------------------------------------------------------------------------------ the launcher

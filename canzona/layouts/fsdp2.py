@@ -368,7 +368,7 @@ class FSDP2Layout(Layout):
         self, *, matrix_factory: OptimizerFactory, elementwise_factory: OptimizerFactory, comm_stats: CommStats, phase_times: PhaseTimer
     ) -> FSDPRuntime:
         plan = self.plan
-        self.comm = Comm(self._shard_group(), comm_stats)
+        self.comm = Comm(self._shard_group(), comm_stats, wait_timeout_s=self.settings.status_timeout_s)
         self.group_rank, self.group_size = self.comm.rank, self.comm.size
         named = dict(self.model.named_parameters())
         layouts = self._exchange_layouts(plan, named)

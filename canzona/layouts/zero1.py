@@ -192,8 +192,9 @@ class Zero1Layout(Layout):
     ) -> DPRuntime:
         mesh = self.mesh
         dp_group = mesh.get_group("dp") if mesh.ndim > 1 else mesh.get_group()
-        self.dp_comm = Comm(dp_group, comm_stats)
-        self.tp_comm = Comm(mesh.get_group("tp"), comm_stats) if self.tp > 1 else None
+        bound = self.settings.status_timeout_s  # every wait of the step's collectives (canzona.runtime.comm)
+        self.dp_comm = Comm(dp_group, comm_stats, wait_timeout_s=bound)
+        self.tp_comm = Comm(mesh.get_group("tp"), comm_stats, wait_timeout_s=bound) if self.tp > 1 else None
         named = dict(self.model.named_parameters())
         self.runtime = DPRuntime(
             self.plan,

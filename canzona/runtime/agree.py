@@ -18,7 +18,11 @@ rank chained from its own exception), so all ranks fail within the time of two s
 Both collectives wait at most ``timeout_s``; a rank that never arrives (dead, frozen, or not
 running this operation) makes the others raise :class:`AgreementTimeout`, naming the missing ranks
 when the default store can tell (every rank marks its arrival there first when ``mark=True``).
-After a timeout the process group has a collective in flight that will never match: destroy it.
+The waits are :func:`canzona.runtime.comm.wait_bounded`'s: the rank that gives up posts where it
+waited, and every rank inside another bounded wait of the step (a gradient collective a rank that
+skipped a ``step()`` sits in) raises the same line within a poll slice, naming each rank's
+position. After a timeout the process group has a collective in flight that will never match:
+destroy it.
 
 The exchange runs on CPU tensors (:func:`status_group`: the default process group when it can
 reduce CPU tensors, gloo or a ``cpu:gloo,cuda:nccl`` device map; otherwise, e.g. a world
@@ -44,14 +48,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from canzona.optim import nonfinite_flags
-from canzona.runtime.comm import Comm
+from canzona.runtime.comm import CollectiveTimeout, Comm, count_step, default_store, record_process, wait_bounded
 from canzona.runtime.phases import phase
 
 __all__ = [
@@ -81,6 +84,8 @@ __all__ = [
 STATUS_TIMEOUT_S = 60.0
 #: bytes of each rank's error message carried by the exchange (longer messages are cut)
 MESSAGE_BYTES = 1024
+#: ``what`` of the optimizer step's first status exchange (every layout's step calls it once)
+STEP = "optimizer step"
 
 _seq = itertools.count()  # every rank calls agree() in the same order, so this numbers the calls alike
 #: weak references to (the default process group, the status group made for it, None where the
@@ -113,6 +118,7 @@ def status_group() -> Any:
     default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
     if _status is None or _status[0]() is not default:
         own = dist.get_world_size() > 1 and not reduces_cpu_tensors(str(dist.get_backend()))
+        record_process(dist.get_rank())  # once per world: lets a rank that gives up tell a stopped peer
         group = dist.new_group(backend="gloo") if own else None
         _status = (weakref.ref(default), weakref.ref(group) if group is not None else None)
     if _status[1] is None:
@@ -133,8 +139,9 @@ class RankFailure(RuntimeError):
         super().__init__(f"{what} failed on {len(parts)} rank(s); " + "; ".join(parts))
 
 
-class AgreementTimeout(RuntimeError):
-    """Some rank did not join a status exchange within its time bound."""
+class AgreementTimeout(CollectiveTimeout):
+    """Some rank did not join a status exchange within its time bound (or another rank gave up on
+    the process group while this one waited in the exchange)."""
 
 
 class ReplicasDiverged(RuntimeError):
@@ -194,26 +201,17 @@ def describe(exc: BaseException) -> str:
 def _wait(work: Any, timeout_s: float, what: str, group: Any, tag: str | None) -> None:
     if work is None:  # one rank: nothing to wait for
         return
+    wait = getattr(work, "_work", work).wait  # a bounded work's own wait: the bound here is ``timeout_s``
     try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo raises "Operation timed out!"; other backends may return False
-        if "timed out" not in str(exc).lower():
-            raise
-        ok = False
-    if ok is False:
+        wait_bounded(wait, timeout_s, f"the status exchange ({what})")
+    except CollectiveTimeout as exc:
         missing = _missing(group, tag)
-        who = f"rank(s) {missing}" if missing else "some rank"
-        raise AgreementTimeout(
-            f"{what}: {who} did not join the status exchange within {timeout_s:g} s "
-            "(dead, frozen, or not running this operation); this process group cannot be used further"
-        )
+        who = f"rank(s) {missing} did not join the status exchange within {timeout_s:g} s (dead, frozen, or not running this operation); " if missing else ""
+        raise AgreementTimeout(f"{what}: {who}{exc}") from None
 
 
 def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - only to name missing ranks
-    except Exception:  # noqa: BLE001 - naming is best effort
-        return None
+    return default_store()
 
 
 def new_tag(kind: str) -> str:
@@ -340,6 +338,8 @@ def agree_start(
 def _launch(error: BaseException | None, what: str, flags: torch.Tensor | None, comm: Comm | None, timeout_s: float,
             mark: bool) -> PendingAgreement:
     comm = comm if comm is not None else Comm(status_group())
+    if what == STEP:
+        count_step()  # names a rank that skipped or added a step when the step's collectives stop matching
     tag = new_tag("agree") if mark else None
     if tag is not None:
         _mark(tag)

@@ -37,14 +37,40 @@ Collectives per backend (Section 3.1 needs one coalesced *variable-size* collect
   their own phase ``canzona/status`` (control traffic, apart from the paper's phases).
 
 Ranks are group-local everywhere in this API.
+
+Bounded waits. A rank that skips or adds a ``step()`` leaves the others in a collective that will
+never match; torch would keep them there for the process group's timeout (30 minutes by
+default) and then report a transport error naming nobody. A :class:`Comm` built with
+``wait_timeout_s`` (the optimizers pass their ``status_timeout_s``) returns works whose ``wait()``
+blocks at most that long, in slices of :data:`POLL_S`; between slices it looks at one key of the
+default store. The first rank whose bound runs out writes there where it was waiting; every other
+rank inside a bounded wait sees the key within a slice, adds where *it* was waiting, and all of
+them raise :class:`CollectiveTimeout` with the same line naming each rank and its position (a rank
+that never answers within :data:`GATHER_S`: dead, frozen, or busy outside canzona's collectives).
+The store is only read when a slice ran out, so a collective that completes in time costs one
+``wait`` as before. A timed-out gloo wait leaves the work intact (it can be waited again), which
+is what the slices rely on.
+
+On NCCL (a CUDA tensor on an NCCL group) the works are returned as they are: a bounded
+``wait(timeout)`` there makes the host block until the GPU collective finishes, which would undo
+the overlap the runtime is built on. The bound there is torch's: the process group's ``timeout=``
+enforced by the NCCL watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default, aborts the
+communicator and ends the process once a collective outlives it); docs/robustness.md says how to
+set it.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import socket
+import time
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,12 +78,18 @@ import torch.distributed as dist
 
 from canzona.runtime.phases import base_phase, current_phase
 
-__all__ = ["CommStats", "Comm", "even_sizes"]
+__all__ = ["GATHER_S", "POLL_S", "CollectiveTimeout", "Comm", "CommStats", "count_step", "default_store", "even_sizes", "record_process", "steps_begun", "wait_bounded"]
 
 UNPHASED = "unphased"
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; keep torch >= 2.9 working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: seconds of one slice of a bounded wait (the store is read between slices)
+POLL_S = 0.25
+#: seconds a rank that gives up waits for the other ranks to say where they are waiting
+GATHER_S = 1.5
+_ABORT = "canzona.abort"  # store key: how many ranks gave up; ``_ABORT/<rank>``: where each waited
 
 
 def even_sizes(n: int, parts: int) -> list[int]:
@@ -114,6 +146,201 @@ def _wait_for(work: Any, timeout: Any) -> None:
         work.wait(timeout)
 
 
+class CollectiveTimeout(RuntimeError):
+    """A bounded wait ran out, or another rank gave up on this process group (the message names
+    every rank and where it was waiting). The group cannot be used further: destroy it.
+    ``abandon_exchanges``: in-flight collectives are not waited for on the way out."""
+
+    abandon_exchanges = True
+
+
+def default_store() -> Any:
+    """The default process group's store (None when there is none)."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - control keys beside torch's
+    except Exception:  # noqa: BLE001 - no store: the bound still holds, only the naming is lost
+        return None
+
+
+#: (weak reference to the default process group, the line raised there): once a world gave up,
+#: every later bounded wait in it raises the same line at once
+_verdict: tuple[Any, str] | None = None
+
+
+def _timed_out(exc: RuntimeError) -> bool:
+    # c10d's Work::wait(timeout) raises exactly this when the slice ran out and the work goes on
+    return "operation timed out" in str(exc).lower()
+
+
+def wait_bounded(wait: Any, timeout_s: float, where: str) -> None:
+    """Call ``wait(timedelta)`` (a work's ``wait`` or ``advance``) in slices of :data:`POLL_S` until
+    it returns, at most ``timeout_s`` seconds; raise :class:`CollectiveTimeout` when the bound runs
+    out or another rank gave up (module docstring). ``where``: this rank's position, for the line."""
+    earlier = _earlier_verdict()
+    if earlier is not None:
+        raise CollectiveTimeout(earlier)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            wait(timedelta(seconds=max(0.001, min(POLL_S, left))))
+            return
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise
+        store = default_store()
+        told = store is not None and _check(store, _ABORT)
+        if told or time.monotonic() >= deadline:
+            raise CollectiveTimeout(_give_up(store, where, None if told else timeout_s))
+
+
+def _earlier_verdict() -> str | None:
+    if _verdict is None or not dist.is_initialized():
+        return None
+    ref, line = _verdict
+    return line if ref() is dist.distributed_c10d._get_default_group() else None  # noqa: SLF001
+
+
+def _check(store: Any, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:  # noqa: BLE001 - naming is best effort
+        return False
+
+
+def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
+    """Post where this rank waited (and, when its own bound ran out, that it gave up), collect the
+    other ranks' positions for up to :data:`GATHER_S`, and return the line every rank raises: each
+    rank's position, and which ranks have begun fewer or more ``step()`` calls than the others."""
+    global _verdict
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = f"waited {timeout_s:g} s in {where} and gave up" if timeout_s is not None else f"was waiting in {where}"
+    posted = _exchange_positions(store, rank, world, f"{steps_begun()}\n{mine}", first=timeout_s is not None)
+    steps: dict[int, int] = {}
+    parts = []
+    for r in range(world):
+        if r not in posted:
+            parts.append(f"rank {r} {_silent(store, r)}")
+            continue
+        count, text = posted[r].split("\n", 1)
+        steps[r] = int(count)
+        parts.append(f"rank {r} {text}")
+    line = "canzona's collectives stopped matching across ranks: " + "; ".join(parts) + ". "
+    if len(set(steps.values())) > 1:
+        line += "Optimizer steps begun: " + ", ".join(f"rank {r} {n}" for r, n in sorted(steps.items())) + ". "
+    line += "A rank skipped or added a step() or another collective call, or stopped; this process group cannot be used further"
+    _verdict = (weakref.ref(dist.distributed_c10d._get_default_group()), line)  # noqa: SLF001
+    return line
+
+
+def _exchange_positions(store: Any, rank: int, world: int, mine: str, *, first: bool) -> dict[int, str]:
+    """Write this rank's record (``first``: and count a rank that gave up), then read every rank's
+    until all have written or :data:`GATHER_S` passed; rank -> record."""
+    posted: dict[int, str] = {}
+    if store is not None:
+        try:
+            store.set(f"{_ABORT}/{rank}", mine)
+            if first:
+                store.add(_ABORT, 1)
+            end = time.monotonic() + GATHER_S
+            while True:
+                posted = {r: store.get(f"{_ABORT}/{r}").decode("utf-8", "replace") for r in range(world) if _check(store, f"{_ABORT}/{r}")}
+                if len(posted) == world or time.monotonic() >= end:
+                    break
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - naming is best effort
+            posted = {}
+    posted[rank] = mine
+    return posted
+
+
+#: (weak reference to the default process group, optimizer steps begun in it by this rank)
+_steps: tuple[Any, int] | None = None
+
+
+def count_step() -> None:
+    """Count one optimizer ``step()`` begun in the current world (the step's status exchange
+    calls it), for the line a rank that gives up raises."""
+    global _steps
+    default = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the current world
+    _steps = (weakref.ref(default), steps_begun() + 1)
+
+
+def steps_begun() -> int:
+    """Optimizer steps this rank has begun in the current world (:func:`count_step`)."""
+    if _steps is None or not dist.is_initialized():
+        return 0
+    ref, n = _steps
+    return n if ref() is dist.distributed_c10d._get_default_group() else 0  # noqa: SLF001
+
+
+def record_process(rank: int) -> None:
+    """Record this rank's host and process id in the default store (once per world, best effort),
+    so that a rank giving up can tell a stopped peer on its own host (:func:`_silent`)."""
+    store = default_store()
+    if store is not None:
+        try:
+            store.set(f"canzona.proc/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
+        except Exception:  # noqa: BLE001 - naming is best effort
+            pass
+
+
+def _silent(store: Any, rank: int) -> str:
+    """Words for a rank that did not say where it waits. A peer on this host whose process the
+    kernel reports stopped (state ``T``: SIGSTOP, or Ctrl-Z) is killed with SIGKILL: a stopped
+    process acts on no other signal, so its launcher (torchrun sends SIGTERM, then waits 30 s
+    before SIGKILL; a launcher that is itself killed never does) would otherwise wait for it or
+    leave it behind, and its process group is already beyond use. Nothing is done to any other
+    process (running, sleeping, traced by a debugger: state ``t``)."""
+    try:
+        host, pid_text = store.get(f"canzona.proc/{rank}").decode("utf-8").split("\n")
+        pid = int(pid_text)
+        if host != socket.gethostname() or pid == os.getpid():
+            raise LookupError(host)
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except Exception:  # noqa: BLE001 - another host, no record, no /proc: only name it
+        return "did not answer (dead, frozen, or busy outside canzona's collectives)"
+    if state != "T":
+        return f"did not answer (process {pid} on this host, state {state}: busy outside canzona's collectives, or frozen)"
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError as exc:
+        return f"is stopped (process {pid} on this host, SIGSTOP; could not kill it: {exc.strerror})"
+    return f"is stopped (process {pid} on this host, SIGSTOP) and was killed (SIGKILL), so that no launcher waits for it"
+
+
+class _BoundedWork:
+    """A work whose ``wait()`` with no argument is :func:`wait_bounded` (an explicit timeout is passed on)."""
+
+    __slots__ = ("_work", "_timeout_s", "_where")
+
+    def __init__(self, work: Any, timeout_s: float, where: str) -> None:
+        self._work, self._timeout_s, self._where = work, timeout_s, where
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is not None:
+            _wait_for(self._work, timeout)
+        else:
+            wait_bounded(self._work.wait, self._timeout_s, self._where)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+class _BoundedTwoStage(_BoundedWork):
+    """:class:`_BoundedWork` over a :class:`_TwoStageWork`: ``advance()`` is bounded too."""
+
+    __slots__ = ()
+
+    def advance(self, timeout: Any = None) -> None:
+        if timeout is not None:
+            self._work.advance(timeout)
+        else:
+            wait_bounded(self._work.advance, self._timeout_s, self._where)
+
+
 class _ThenWork:
     """An asynchronous collective whose ``wait()`` also runs a local step on its result, once."""
 
@@ -159,15 +386,31 @@ class _TwoStageWork:
 
 
 class Comm:
-    """Collectives over one process group (None: the default group), counted into ``stats``."""
+    """Collectives over one process group (None: the default group), counted into ``stats``.
+    ``wait_timeout_s``: the bound on each ``wait()`` of the works it returns (None: torch's own,
+    the process group's timeout; see the module docstring, "Bounded waits")."""
 
-    def __init__(self, group: Any = None, stats: CommStats | None = None) -> None:
+    def __init__(self, group: Any = None, stats: CommStats | None = None, *, wait_timeout_s: float | None = None) -> None:
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         #: backend name of the group ("gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl")
         self.backend = str(dist.get_backend(group))
+        if wait_timeout_s is not None and not wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be a positive number of seconds, got {wait_timeout_s!r}")
+        #: bound (seconds) on each wait of an asynchronous collective launched here (None: unbounded)
+        self.wait_timeout_s = None if wait_timeout_s is None else float(wait_timeout_s)
+
+    def _bounded(self, work: Any, t: torch.Tensor, op: str) -> Any:
+        """``work`` with its waits bounded by :attr:`wait_timeout_s` (as it is: none set, a
+        synchronous call, or NCCL, whose watchdog bounds it)."""
+        if work is None or self.wait_timeout_s is None or self._nccl(t):
+            return work
+        launched = current_phase()
+        where = f"{launched.removesuffix('/launch')} ({op})" if launched else op
+        kind = _BoundedTwoStage if isinstance(work, _TwoStageWork) else _BoundedWork
+        return kind(work, self.wait_timeout_s, where)
 
     def _nccl(self, t: torch.Tensor) -> bool:
         """Whether a collective on ``t`` runs on NCCL (CUDA tensor on a group with an NCCL backend)."""
@@ -191,7 +434,7 @@ class Comm:
         self._record_all_reduce(t)
         if self.size == 1:
             return None
-        return dist.all_reduce(t, op=reduce_op, group=self.group, async_op=async_op)
+        return self._bounded(dist.all_reduce(t, op=reduce_op, group=self.group, async_op=async_op), t, "all_reduce")
 
     def _record_all_reduce(self, t: torch.Tensor) -> list[int]:
         """Count an all-reduce of ``t`` (a reduce-scatter over even slices plus an all-gather of
@@ -237,7 +480,7 @@ class Comm:
         if not async_op:
             both.wait()
             return None
-        return both
+        return self._bounded(both, flat, "all_reduce in rank order")
 
     def _uncounted(self) -> "Comm":
         """A Comm over the same group whose traffic goes uncounted (for collectives made of others,
@@ -302,7 +545,7 @@ class Comm:
         if not async_op:
             total()
             return out, None
-        return out, _ThenWork(work, total)
+        return out, self._bounded(_ThenWork(work, total), flat, "reduce_scatter")
 
     # --------------------------------------------------------------------------------- gathers
     def all_gather_v(
@@ -334,7 +577,7 @@ class Comm:
             if not self._nccl(local) and not own and _overlaps(flat, out):
                 flat = flat.clone()
             work = _all_gather_single(out, flat, group=self.group, async_op=async_op)
-            return out, work
+            return out, self._bounded(work, flat, "all_gather")
         if self._nccl(local):
             work = dist.all_gather(list(out.split(sizes)), flat, group=self.group, async_op=async_op)
             return out, work
@@ -343,7 +586,7 @@ class Comm:
         work = dist.all_to_all_single(
             out, send, output_split_sizes=sizes, input_split_sizes=[flat.numel()] * self.size, group=self.group, async_op=async_op
         )
-        return out, work
+        return out, self._bounded(work, flat, "all_gather")
 
     def all_gather_equal(
         self, local: torch.Tensor, *, out: torch.Tensor | None = None, async_op: bool = False
@@ -378,7 +621,7 @@ class Comm:
         work = dist.all_to_all_single(
             out, send.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group, async_op=async_op
         )
-        return out, work
+        return out, self._bounded(work, send, "all_to_all")
 
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
         """Send ``t`` from group rank ``src`` to every rank in place (direct volume: src sends R-1 copies)."""
@@ -389,7 +632,7 @@ class Comm:
             self.stats.record(0, nbytes)
         if self.size == 1:
             return None
-        return dist.broadcast(t, src=self._global(src), group=self.group, async_op=async_op)
+        return self._bounded(dist.broadcast(t, src=self._global(src), group=self.group, async_op=async_op), t, "broadcast")
 
     def barrier(self) -> None:
         if self.size > 1:

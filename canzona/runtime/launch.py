@@ -222,107 +222,143 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    # the rendezvous file's directory: fresh per run, removed in the ``finally`` below
-    rendezvous = tempfile.mkdtemp(prefix="canzona-rendezvous-")
-    init_method = file_init_method(rendezvous)
-    # monotonic clock stamps (system-wide on Linux, so comparable across processes); 0: not up yet
-    beats = ctx.Array("d", world_size, lock=False)
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, init_method, backend, threads, pg_timeout_s, fn, args, results, os.getpid(), beats),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    run = _Run.make(world_size, backend, threads, pg_timeout_s, fn, args)
     interrupted: list[int] = []
+    handlers = _install_handlers(interrupted)
+    try:
+        for p in run.procs:
+            p.start()
+        run.collect(time.monotonic() + timeout_s, timeout_s, heartbeat_timeout_s)
+        if run.failures:
+            raise run.failure_error()
+        return [run.got[r] for r in range(world_size)]
+    except LaunchInterrupted:
+        raise LaunchInterrupted(interrupted[0], _stop(run.procs)) from None
+    finally:
+        run.close(clean=not run.failures and len(run.got) == world_size and not interrupted)
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+
+
+def _install_handlers(interrupted: list[int]) -> dict[int, Any]:
+    """SIGINT and SIGTERM raise :class:`LaunchInterrupted` (recording the signal in
+    ``interrupted``); returns the handlers to restore. Only the main thread may install handlers;
+    elsewhere (a test runner's thread) the defaults stay."""
 
     def on_signal(signum: int, _frame: Any) -> None:
         interrupted.append(signum)
         raise LaunchInterrupted(signum, 0)
 
-    # Only the main thread may install handlers; elsewhere (a test runner's thread) keep the defaults.
     handlers: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, on_signal)
-    deadline = time.monotonic() + timeout_s
-    got: dict[int, Any] = {}
-    failures: list[str] = []
-    try:
-        for p in procs:
-            p.start()
-        while len(got) + len(failures) < world_size:
+    return handlers
+
+
+class _Run:
+    """The workers of one :func:`run_workers` call, what came back from them, and its clean-up."""
+
+    def __init__(self, procs: list[Any], results: Any, beats: Any, rendezvous: str) -> None:
+        self.procs, self.results, self.beats, self.rendezvous = procs, results, beats, rendezvous
+        self.world_size = len(procs)
+        self.got: dict[int, Any] = {}
+        self.failures: list[str] = []
+
+    @classmethod
+    def make(cls, world_size: int, backend: str, threads: int, pg_timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> "_Run":
+        """The processes (not started), the result queue, the heartbeat array and the rendezvous."""
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        # the rendezvous file's directory: fresh per run, removed by close()
+        rendezvous = tempfile.mkdtemp(prefix="canzona-rendezvous-")
+        init_method = file_init_method(rendezvous)
+        # monotonic clock stamps (system-wide on Linux, so comparable across processes); 0: not up yet
+        beats = ctx.Array("d", world_size, lock=False)
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, init_method, backend, threads, pg_timeout_s, fn, args, results, os.getpid(), beats),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        return cls(procs, results, beats, rendezvous)
+
+    def collect(self, deadline: float, timeout_s: float, heartbeat_timeout_s: float) -> None:
+        """Take results until every rank answered or one failed; :class:`WorkerError` for a run
+        past its deadline, a dead worker or a frozen one."""
+        while len(self.got) + len(self.failures) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(got))
+                missing = sorted(set(range(self.world_size)) - set(self.got))
                 raise WorkerError(f"distributed run timed out after {timeout_s:.0f} s; ranks {missing} did not finish")
             try:
-                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+                rank, ok, payload = self.results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead and results.empty():
-                    time.sleep(0.2)
-                    if results.empty():
-                        what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
-                        raise WorkerError(f"{what} (the other ranks were stopped)") from None
-                now = time.monotonic()
-                frozen = [i for i in range(world_size) if i not in got and beats[i] > 0 and now - beats[i] > heartbeat_timeout_s]
-                if frozen:
-                    what = "; ".join(
-                        f"rank {i} is frozen: no heartbeat for {now - beats[i]:.1f} s (process {_process_state(procs[i].pid)})"
-                        for i in frozen
-                    )
-                    raise WorkerError(f"{what}; every worker was killed") from None
+                self._check_alive(heartbeat_timeout_s)
                 continue
             if ok:
-                got[rank] = pickle.loads(payload)  # bytes from our own child process, never from a file
+                self.got[rank] = pickle.loads(payload)  # bytes from our own child process, never from a file
             else:
-                failures.append(f"rank {rank}: {payload}")
+                self.failures.append(f"rank {rank}: {payload}")
                 # One failed rank usually leaves the others blocked in a collective: stop now.
-                break
-        if failures:
-            first = failures[0].rstrip()
-            # A survivor's error is often only the echo of a rank that died ("Connection closed by
-            # peer"): name the dead rank and its signal first when there is one.
-            reported = {int(f.split(":", 1)[0].split()[1]) for f in failures}
-            until = time.monotonic() + 1.0
-            dead: list[int] = []
-            while not dead and time.monotonic() < until:
-                dead = [i for i, p in enumerate(procs) if i not in reported and i not in got and p.exitcode not in (None, 0)]
-                if not dead:
-                    time.sleep(0.05)
-            if dead:
+                return
+
+    def _check_alive(self, heartbeat_timeout_s: float) -> None:
+        """Raise :class:`WorkerError` naming workers that died, or whose heartbeat is too old."""
+        procs, beats, got = self.procs, self.beats, self.got
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+        if dead and self.results.empty():
+            time.sleep(0.2)
+            if self.results.empty():
                 what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
-                raise WorkerError(f"{what}; then {first}")
-            # ... or of a rank that froze (SIGSTOP): a survivor's status exchange can time out
-            # before the heartbeat limit; a beat several intervals old names the frozen rank
-            now = time.monotonic()
-            stale = [i for i in range(world_size) if i not in reported and i not in got and (
-                (beats[i] > 0 and now - beats[i] > 5 * HEARTBEAT_INTERVAL_S) or _process_state(procs[i].pid).startswith("stopped"))]
-            if stale:
-                what = "; ".join(
-                    f"rank {i} is frozen: "
-                    + (f"no heartbeat for {now - beats[i]:.1f} s " if beats[i] > 0 else "")
-                    + f"(process {_process_state(procs[i].pid)})"
-                    for i in stale
-                )
-                raise WorkerError(f"{what}; then {first}")
-            raise WorkerError(first)
-        return [got[r] for r in range(world_size)]
-    except LaunchInterrupted:
-        raise LaunchInterrupted(interrupted[0], _stop(procs)) from None
-    finally:
-        clean = not failures and len(got) == world_size and not interrupted
-        for p in procs:
+                raise WorkerError(f"{what} (the other ranks were stopped)") from None
+        now = time.monotonic()
+        frozen = [i for i in range(self.world_size) if i not in got and beats[i] > 0 and now - beats[i] > heartbeat_timeout_s]
+        if frozen:
+            what = "; ".join(
+                f"rank {i} is frozen: no heartbeat for {now - beats[i]:.1f} s (process {_process_state(procs[i].pid)})" for i in frozen
+            )
+            raise WorkerError(f"{what}; every worker was killed") from None
+
+    def failure_error(self) -> WorkerError:
+        """The error for a rank that reported a failure, naming first a rank that died or froze
+        meanwhile: a survivor's error is often only the echo of that rank ("Connection closed by
+        peer", a status exchange that timed out before the heartbeat limit)."""
+        procs, beats, got = self.procs, self.beats, self.got
+        first = self.failures[0].rstrip()
+        reported = {int(f.split(":", 1)[0].split()[1]) for f in self.failures}
+        until = time.monotonic() + 1.0
+        dead: list[int] = []
+        while not dead and time.monotonic() < until:
+            dead = [i for i, p in enumerate(procs) if i not in reported and i not in got and p.exitcode not in (None, 0)]
+            if not dead:
+                time.sleep(0.05)
+        if dead:
+            what = "; ".join(f"rank {i} died: {describe_exit(procs[i].exitcode)}" for i in dead)
+            return WorkerError(f"{what}; then {first}")
+        # a beat several intervals old (or a stopped process) names the frozen rank
+        now = time.monotonic()
+        stale = [i for i in range(self.world_size) if i not in reported and i not in got and (
+            (beats[i] > 0 and now - beats[i] > 5 * HEARTBEAT_INTERVAL_S) or _process_state(procs[i].pid).startswith("stopped"))]
+        if stale:
+            what = "; ".join(
+                f"rank {i} is frozen: "
+                + (f"no heartbeat for {now - beats[i]:.1f} s " if beats[i] > 0 else "")
+                + f"(process {_process_state(procs[i].pid)})"
+                for i in stale
+            )
+            return WorkerError(f"{what}; then {first}")
+        return WorkerError(first)
+
+    def close(self, *, clean: bool) -> None:
+        """Join the workers (briefly unless the run ended cleanly), stop what is left, remove the rendezvous."""
+        for p in self.procs:
             if p.pid is not None:  # a start() that failed leaves the rest unstarted
                 p.join(timeout=5 if clean else 0.5)
-        _stop(procs)
-        shutil.rmtree(rendezvous, ignore_errors=True)
-        for sig, old in handlers.items():
-            signal.signal(sig, old)
+        _stop(self.procs)
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
 
 
 def _stop(procs: list[Any]) -> int:
