@@ -228,8 +228,10 @@ class EPLayout(Layout):
             expert_group = self.mesh.get_group("dp")
         else:  # ("ep",): every rank is its own expert-DP group
             expert_group, _ = dist.new_subgroups(group_size=1)
-        self.dense_comm = Comm(None, comm_stats)
-        self.expert_comm = Comm(expert_group, comm_stats)
+        # every collective the step launches waits at most status_timeout_s, as on the other layouts
+        bound = self.settings.status_timeout_s
+        self.dense_comm = Comm(None, comm_stats, wait_timeout_s=bound)
+        self.expert_comm = Comm(expert_group, comm_stats, wait_timeout_s=bound)
         named = dict(self.model.named_parameters())
         common = dict(matrix_factory=matrix_factory, elementwise_factory=elementwise_factory, settings=self.settings)
         dense = DPRuntime(self.plan.dense, {p.name: named[p.name] for p in self.plan.dense.params}, dp_comm=self.dense_comm, **common)
