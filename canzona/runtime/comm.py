@@ -228,7 +228,11 @@ def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
     line = "canzona's collectives stopped matching across ranks: " + "; ".join(parts) + ". "
     if len(set(steps.values())) > 1:
         line += "Optimizer steps begun: " + ", ".join(f"rank {r} {n}" for r, n in sorted(steps.items())) + ". "
-    line += "A rank skipped or added a step() or another collective call, or stopped; this process group cannot be used further"
+    line += (
+        "A rank skipped or added a step() or another collective call, or stopped, or worked alone for longer than "
+        "status_timeout_s (a save or an evaluation on one rank: raise status_timeout_s or call dist.barrier() after it); "
+        "this process group cannot be used further"
+    )
     _verdict = (weakref.ref(dist.distributed_c10d._get_default_group()), line)  # noqa: SLF001
     return line
 
