@@ -241,9 +241,10 @@ def cost_arrays(specs: Sequence[ParamSpec], optimizer: str, flops_shape: str = "
         if kind == "elementwise":
             rows.append((False, shape[0], shape[-1] if len(shape) == 2 else 1, s.tp if split else 1,
                          s.tp_dim if split else -1, math.prod(shape), 1))
-        else:  # experts and reshaped/transposed matrices: n_tasks x the logical (M, N) task (never TP-split)
+        else:  # experts and reshaped/transposed matrices: n_tasks x the logical (M, N) task
             m, n = s.task_shape
-            rows.append((True, m, n, s.tp if split else 1, s.tp_dim if split else -1, math.prod(shape), s.n_tasks))
+            # a TP-split expert stack (rows or columns of every expert): the task's own split dim
+            rows.append((True, m, n, s.tp if split else 1, s.task_tp_dim if split else -1, math.prod(shape), s.n_tasks))
     if not rows:
         return np.zeros(0), np.zeros(0)
     t = np.array(rows, dtype=np.float64)

@@ -38,6 +38,8 @@ __all__ = [
     "RoleError",
     "check_transposed_support",
     "default_role",
+    "expert_task_name",
+    "split_task_name",
     "module_roles",
     "ParamSpec",
     "LAYOUTS",
@@ -58,7 +60,9 @@ Roles = Callable[[str, "torch.Tensor"], "str | None"] | Mapping[str, str]
 Layout = Literal["megatron", "hf"]
 LAYOUTS: tuple[str, ...] = ("megatron", "hf")
 #: how :func:`specs_from_config` lays out a MoE layer's experts
-EXPERT_LAYOUTS: tuple[str, ...] = ("stacked", "separate")
+#: (``stacked``: ``(E, M, N)`` stacks replicated over TP; ``stacked-tp``: the same stacks split over
+#: TP as Megatron-Core's expert tensor parallelism does, each expert a TP task; ``separate``: 2-D matrices)
+EXPERT_LAYOUTS: tuple[str, ...] = ("stacked", "separate", "stacked-tp")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Name fragments (case-insensitive) of 2-D weights that stay with the element-wise optimizer, as in
@@ -129,7 +133,12 @@ class ParamSpec:
                 raise ValueError(
                     f"{self.name}: dimension {self.tp_dim} of shape {self.shape} does not divide by tp={self.tp}"
                 )
-            if self.tp > 1 and (self.kind == "experts" or self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
+            if self.tp > 1 and self.kind == "experts" and self.tp_dim == 0:
+                raise ValueError(
+                    f"{self.name}: an expert stack split over TP on its expert dim (dim 0) holds whole experts per rank, which "
+                    "is expert parallelism, not a TP split; shard the rows (dim 1) or columns (dim 2) over tp, or use an ep mesh dimension"
+                )
+            if self.tp > 1 and (self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
                 raise ValueError(
                     f"{self.name}: a tensor-parallel split of a {'stored-transposed ' if self.transposed else ''}"
                     f"{len(self.shape)}-D {self.kind} parameter is not supported; mark it 'elementwise' with roles= "
@@ -155,6 +164,18 @@ class ParamSpec:
                 return (self.shape[1], self.shape[0])
             return (self.shape[0], math.prod(self.shape[1:]))
         return self.shape
+
+    @property
+    def task_tp_dim(self) -> int | None:
+        """The split dim of one task's matrix (an expert's ``(M, N)``: the stack's split dim less one)."""
+        if not self.tp_split:
+            return None
+        return self.tp_dim - 1 if self.kind == "experts" else self.tp_dim  # type: ignore[operator]
+
+    @property
+    def local_task_shape(self) -> tuple[int, ...]:
+        """One task's shard on one TP rank: an expert's ``(M, N)`` TP shard, or the local shape."""
+        return self.local_shape[1:] if self.kind == "experts" else self.local_shape
 
     @property
     def tp_split(self) -> bool:
@@ -186,6 +207,21 @@ class ParamSpec:
         """Transformer layer index parsed from the name (``...layers.<i>....``), None outside layers."""
         m = _LAYER_RE.search(self.name)
         return int(m.group(1)) if m else None
+
+
+_TASK_RE = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def expert_task_name(name: str, expert: int) -> str:
+    """The task name of expert ``expert`` of stack ``name`` (``name[expert]``): how micro-groups and
+    the TP engine name one expert of a TP-split stack (a parameter name never holds brackets)."""
+    return f"{name}[{expert}]"
+
+
+def split_task_name(task: str) -> tuple[str, int | None]:
+    """``(parameter name, expert index or None)`` of a task name (inverse of :func:`expert_task_name`)."""
+    m = _TASK_RE.match(task)
+    return (m.group(1), int(m.group(2))) if m else (task, None)
 
 
 class RoleError(ValueError):
@@ -301,10 +337,12 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
     MoE layers replace the MLP with a router (replicated, element-wise) and ``num_experts``
     experts. ``experts="stacked"`` (default) keeps them as transformers 5.x and
     :class:`canzona.models.Qwen3MoE` do: two ``experts`` stacks per layer, ``E`` matrix tasks
-    each, replicated over TP (a TP split of a stack is not supported), registered before the
-    router (``hf``: ``mlp.experts.gate_up_proj`` ``(E, 2F, H)``, ``mlp.experts.down_proj``
-    ``(E, H, F)``; ``megatron``: ``mlp.experts.linear_fc1.weight`` ``(E, 2F, H)``,
-    ``mlp.experts.linear_fc2.weight`` ``(E, H, F)``). ``experts="separate"`` is the older form:
+    each, replicated over TP, registered before the router (``hf``: ``mlp.experts.gate_up_proj``
+    ``(E, 2F, H)``, ``mlp.experts.down_proj`` ``(E, H, F)``; ``megatron``:
+    ``mlp.experts.linear_fc1.weight`` ``(E, 2F, H)``, ``mlp.experts.linear_fc2.weight``
+    ``(E, H, F)``). ``experts="stacked-tp"`` splits the same stacks over TP (expert tensor
+    parallelism: the up stack on its rows, dim 1, the down stack on its columns, dim 2), which makes
+    every expert a TP task with a host (``E`` tasks per stack). ``experts="separate"`` is the older form:
     router first, then every expert as its own dense MLP of 2-D matrices, TP-split like one.
     """
     if layout not in LAYOUTS:
@@ -324,12 +362,13 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
         assert cfg.moe is not None
         e, f = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
         up, down = ("linear_fc1.weight", "linear_fc2.weight") if layout == "megatron" else ("gate_up_proj", "down_proj")
-        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp=tp))
-        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp=tp))
+        split = experts == "stacked-tp"  # column-parallel up (rows, dim 1), row-parallel down (columns, dim 2)
+        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp_dim=1 if split else None, tp=tp))
+        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp_dim=2 if split else None, tp=tp))
 
     def moe(prefix: str, router: str, expert_prefix: str) -> None:
         assert cfg.moe is not None
-        if experts == "stacked":
+        if experts != "separate":
             stacks(prefix)
             add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
             return

@@ -22,7 +22,7 @@ from typing import Any
 from canzona.fileio import atomic_write, read_json
 from canzona.plan.errors import PlanError
 from canzona.plan.strategies import GRAD_COLLECTIVES, PARAM_RETURNS, ROLES, Strategy, get_strategy, param_role, paper_strategy_names, strategy_names
-from canzona.specs import ParamSpec
+from canzona.specs import ParamSpec, expert_task_name, split_task_name
 
 __all__ = [
     "SCHEMA",
@@ -444,7 +444,8 @@ class Plan:
         return seen
 
     def _check_task(self, r: int, k: int, n: str, h: int, seen: set[str]) -> None:
-        p = self._index.get(n)
+        base, expert = split_task_name(n)
+        p = self._index.get(base)
         if p is None:
             raise PlanError(f"micro-group lists unknown parameter {n!r}")
         if n in seen:
@@ -452,14 +453,34 @@ class Plan:
         seen.add(n)
         if not 0 <= h < self.inputs.tp:
             raise PlanError(f"{n}: host {h} outside tp={self.inputs.tp}")
+        if expert is not None:
+            self._check_expert_task(r, n, p, expert)
+            return
         if p.tp_host != h or p.micro_group != k:
             raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
         if not p.replicated and p.dp_owner != r:
             raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
 
+    def _check_expert_task(self, r: int, n: str, p: ParamPlan, expert: int) -> None:
+        """Task ``n`` is expert ``expert`` of a TP-split stack that dp rank ``r`` updates."""
+        if p.role != "experts" or not p.spec.tp_split:
+            raise PlanError(f"{n}: names an expert of {p.name}, which is not a TP-split expert stack")
+        if not 0 <= expert < p.spec.shape[0]:
+            raise PlanError(f"{n}: expert index outside the stack's {p.spec.shape[0]} experts")
+        if p.replicated or p.dp_owner == r:
+            return
+        unit = p.spec.local_numel // p.spec.shape[0]
+        if not any(q == r and a <= expert * unit < b for q, a, b in p.dp_ranges):
+            raise PlanError(f"{n}: in a micro-group of dp rank {r}, which does not update that expert")
+
     def _check_tp_hosts(self, grouped: bool, seen: set[str]) -> None:
-        """Every TP task of a grouped schedule is in a group; nothing else has a host."""
+        """Every TP task of a grouped schedule is in a group (each expert of a TP-split stack
+        too); nothing else has a host (an expert stack's hosts are its experts' groups)."""
         for p in self.params:
+            if grouped and p.role == "experts" and p.spec.tp_split:
+                lost = [k for k in range(p.spec.shape[0]) if expert_task_name(p.name, k) not in seen]
+                if lost:
+                    raise PlanError(f"{p.name}: expert {lost[0]} of a TP-split expert stack in no micro-group")
             if grouped and p.role == "tp-task":
                 if p.spec.name not in seen:
                     raise PlanError(f"{p.spec.name}: TP-split matrix parameter in no micro-group")

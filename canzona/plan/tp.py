@@ -30,8 +30,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver"]
+__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver", "expert_tp_summary"]
 
 GROUP_SCHEDULES: tuple[str, ...] = ("lpt", "lpt-carry", "round-robin", "no-fuse")
 
@@ -173,3 +174,23 @@ def schedule_tasks(tasks: Sequence[Task], tp: int, schedule: str, cmax_bytes: in
     if schedule == "no-fuse":
         return _no_fuse(ordered, tp, cmax_bytes)
     return _round_robin(tasks, tp, cmax_bytes)
+
+
+def expert_tp_summary(params: Sequence[Any], tp: int) -> str | None:
+    """One line on a plan's expert stacks (``params``: its ParamPlans): how many are split over TP
+    (each expert a TP task with a host) and how many replicated (every TP rank updates every expert
+    of its DP share); None without expert stacks. Expert tasks are named ``stack[e]`` in the
+    micro-groups and scheduled like any other task (cost of one ``(M, N)`` expert)."""
+    stacks = [p.spec for p in params if p.role == "experts"]
+    if not stacks:
+        return None
+    split = [s for s in stacks if s.tp_split]
+    n_split = sum(s.shape[0] for s in split)
+    parts = []
+    if split:
+        dims = sorted({("rows" if s.tp_dim == 1 else "columns") for s in split})
+        parts.append(f"{len(split)} stacks TP-split over tp={tp} ({' and '.join(dims)}): {n_split} expert tasks with TP hosts")
+    if len(split) < len(stacks):
+        rest = len(stacks) - len(split)
+        parts.append(f"{rest} stacks replicated over TP ({sum(s.shape[0] for s in stacks if not s.tp_split)} experts)")
+    return "; ".join(parts)
