@@ -39,7 +39,7 @@ from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import ParamSpec, check_transposed_support, specs_from_module
+from canzona.specs import ParamSpec, check_transposed_support, specs_from_module, split_task_name
 
 __all__ = ["Zero1Layout", "check_zero1_mesh"]
 
@@ -277,7 +277,10 @@ class Zero1Layout(Layout):
             # under the sync schedule every TP rank holds it: TP rank 0's is canonical
             for name in eng.hosted:
                 canonical = not replica and (not eng.sync or self.tp_rank == 0)
-                out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
+                base, k = split_task_name(name)  # one expert (name[k]) of a TP-split stack: its (M, N) box, re-sliced
+                shape = rt.specs[base].shape
+                box = whole_box(shape) if k is None else ((k,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
+                out.append(Held(base, (box,), None, eng.optimizer, eng.masters[name], k is not None, canonical))
         return out
 
     def model_pieces(self) -> list[ModelPiece]:

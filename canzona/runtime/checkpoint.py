@@ -386,10 +386,11 @@ def _exports(src: Checkpointable) -> list[dict[str, Any]]:
         state: dict[str, Any] = {}
         for k, v in h.state().items():
             if torch.is_tensor(v) and h.sliced and v.dim() > 0:
-                if h.master is None or tuple(v.shape) != tuple(h.master.shape):
+                ref = h.master if h.master is not None else h.param  # a TP host's expert: its full (M, N) master
+                if ref is None or tuple(v.shape) != tuple(ref.shape):
                     raise CheckpointError(
                         f"{h.name}: element-wise optimizer state {k!r} has shape {tuple(v.shape)}, not the "
-                        f"parameter's {tuple(h.master.shape) if h.master is not None else '?'}; it cannot be re-sliced"
+                        f"parameter's {tuple(ref.shape) if ref is not None else '?'}; it cannot be re-sliced"
                     )
                 state[k] = ("sliced", _cpu(v).reshape(-1))
             else:
@@ -730,7 +731,8 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
             new: dict[str, Any] = {}
             for k, v in states.get(h.name, {}).items():
                 if torch.is_tensor(v) and h.sliced and v.dim() > 0:  # full-shape: _check_document checked it
-                    shape = h.master.shape if h.master is not None else (region_numel(h.region),)
+                    ref = h.master if h.master is not None else h.param  # a TP host's expert: (M, N)
+                    shape = ref.shape if ref.numel() == region_numel(h.region) else (region_numel(h.region),)
                     new[k] = _region_values(v, h.region).reshape(shape).to(dev, copy=True)
                 elif torch.is_tensor(v):
                     new[k] = v.clone().to(dev)

@@ -73,6 +73,7 @@ from canzona.plan.plan import Plan
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import Block, ExchangeTask, MicroGroupEngine, PieceLayout, assemble_at_host, from_hosts_recv_sizes
 from canzona.runtime.exchange import pack_from_hosts, pack_to_hosts, to_hosts_recv_sizes, unpack_from_hosts
+from canzona.specs import split_task_name
 
 __all__ = [
     "TPTask",
@@ -189,6 +190,19 @@ def sync_groups(tasks: Sequence[TPTask], tp: int, cmax_bytes: int, element_size:
 # ============================================================================ the engine
 
 
+def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
+    """Plan order of a task: its parameter's index, then its expert index (experts of one stack in order)."""
+    base, expert = split_task_name(name)
+    return order[base], -1 if expert is None else expert
+
+
+def _is_tp_task(p: Any, expert: int | None) -> bool:
+    """Whether plan parameter ``p`` (expert ``expert`` of it, for a stack) is a TP engine task."""
+    if expert is None:
+        return p.role == "tp-task"
+    return p.role == "experts" and p.spec.tp_split and 0 <= expert < p.spec.shape[0]
+
+
 class TPEngine(MicroGroupEngine):
     """Section 4's TP optimizer step for one DP rank's TP group (see the module docstring).
 
@@ -226,12 +240,12 @@ class TPEngine(MicroGroupEngine):
         # device of the exchange buffers (masters live on the model's device; none: nothing to exchange)
         device = next(iter(local_masters.values())).device if local_masters else torch.device("cpu")
         order = {p.name: i for i, p in enumerate(plan.params)}
-        names = sorted(local_masters, key=order.__getitem__)
+        names = sorted(local_masters, key=lambda n: _task_order(order, n))
         es = torch.empty(0, dtype=dtype).element_size()
 
         def task(name: str, host: int) -> TPTask:
-            spec = by_name[name].spec
-            return TPTask(name, host, spec.local_shape, int(spec.tp_dim))  # type: ignore[arg-type]
+            spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
+            return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
 
         groups: list[list[TPTask]] = []
         if self.schedule == "sync":
@@ -263,17 +277,18 @@ class TPEngine(MicroGroupEngine):
     def _check_masters(self, by_name: Mapping[str, Any]) -> torch.dtype:
         dtypes = set()
         for name, t in self.local_masters.items():
-            if name not in by_name:
+            base, expert = split_task_name(name)
+            if base not in by_name:
                 raise ValueError(f"{name!r} is not a parameter of the plan")
-            p = by_name[name]
+            p = by_name[base]
             spec = p.spec
-            if p.role != "tp-task":
-                raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters only")
-            if not p.replicated and p.dp_owner != self.dp_rank:
+            if not _is_tp_task(p, expert):
+                raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters (and experts of TP-split stacks) only")
+            if expert is None and not p.replicated and p.dp_owner != self.dp_rank:
                 raise ValueError(f"{name}: owned by dp rank {p.dp_owner}, not by this rank ({self.dp_rank})")
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_task_shape:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: local master has shape {shape}, expected {spec.local_shape}")
+                raise ValueError(f"{name}: local master has shape {shape}, expected {spec.local_task_shape}")
             if not t.is_floating_point():
                 raise TypeError(f"{name}: masters must be floating point, got {t.dtype}")
             dtypes.add(t.dtype)
@@ -299,6 +314,8 @@ class TPEngine(MicroGroupEngine):
         TP ranks are waiting in them): that host returns its unchanged values for the group, runs
         the remaining groups' exchanges, and raises the first error at the end."""
         self._check_grads(local_grads)
+        if skip:  # a skipped expert stack skips each of its expert tasks
+            skip = frozenset(n for n in self.local_masters if n in skip or split_task_name(n)[0] in skip)
         self.run(local_grads, self.local_masters, skip=skip)
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
