@@ -458,11 +458,7 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
                 raise ValueError(f"{name}: a DTensor carries its own placement; do not declare tp_dims for it")
             strided = [pl for pl in p.placements if type(pl) not in (Shard, Replicate)]
             if strided and len(p.placements) == 1:
-                raise ValueError(
-                    f"{name}: TP placement {strided[0]!r} (transformers' packed_colwise: each rank holds its slice of every "
-                    "packed block, e.g. gate and up) is not a plain Shard(d), which canzona's TP path reads; drop its "
-                    "entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"
-                )
+                raise ValueError(_packed_refusal(name, p, strided[0]))
             shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard)]
             if len(shard_axes) > 1:
                 raise ValueError(f"{name}: sharded on more than one mesh dimension; only 1-D TP sharding is supported")
@@ -487,6 +483,25 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
         except ValueError as exc:
             raise RoleError(str(exc)) from None
     return out
+
+
+def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:
+    """The one line refusing a strided TP placement (transformers' ``packed_colwise``: each rank holds
+    its slice of every packed block, e.g. half of gate and half of up). canzona's TP hosts join the
+    shards end to end, which would put the rows of the packed matrix out of order, and neither
+    Newton-Schulz nor Shampoo is bitwise invariant to row order: refused rather than updated wrong."""
+    head = (
+        f"{name}: TP placement {placement!r} (transformers' packed_colwise: each rank holds its slice of every packed "
+        "block, e.g. half of gate and half of up) is not a plain Shard(d), and joining its shards would reorder the "
+        "matrix's rows; "
+    )
+    if p.dim() == 3:
+        module = name.rpartition(".")[0]
+        return head + (
+            f"keep the experts replicated over TP by dropping the entries of {module} and its parameters from the TP plan "
+            "(canzona.hf.apply_tp_plan(..., plan=...)), or shard the model with FSDP2"
+        )
+    return head + "drop its entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"
 
 
 def total_numel(specs: Iterable[ParamSpec]) -> int:

@@ -171,8 +171,49 @@ def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy
     return {"resumed_equal": same, "doc_momentum": momentum}
 
 
+def _qwen3_moe(rank: int, world: int) -> dict:
+    """transformers' Qwen3MoeForCausalLM under its own TP plan: the packed_colwise gate_up stack is
+    refused in one line naming it; with the experts' entries dropped from the plan (what that line
+    advises) the experts stay replicated over TP and the optimizer steps a real batch."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+    from canzona.hf import apply_tp_plan
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    out: dict = {}
+    torch.manual_seed(0)
+    model = apply_tp_plan(transformers.Qwen3MoeForCausalLM(cfg).float(), mesh["tp"])
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh)
+        out["refused"] = None
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    plan = {k: v for k, v in model.tp_plan.items() if "mlp.experts" not in k}
+    model = apply_tp_plan(model, mesh["tp"], plan=plan)
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    stacks = {n: p for n, p in model.named_parameters() if p.dim() == 3}
+    out["stacks"] = {n: (opt.plan.param(n).role, opt.plan.param(n).spec.tp_split, type(p).__name__, p.detach().clone()) for n, p in stacks.items()}
+    out["loss"] = float(loss.detach())
+    return out
+
+
 def tp_experts_worker(rank: int, world: int) -> bytes:
     out = {}
+    try:
+        out["qwen3_moe"] = _qwen3_moe(rank, world) if world == 2 else None
+    except Exception as exc:  # noqa: BLE001 - read by its own test
+        out["qwen3_moe"] = f"{type(exc).__name__}: {exc}"
     for name, optimizer, strategy, schedule, bucket_numel in CASES:
         try:
             out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel)
@@ -284,6 +325,25 @@ def test_consolidated_checkpoint_holds_every_expert_and_resumes_bitwise(results,
     for n, m in doc.items():
         want = torch.stack([want_states[-1][n, k]["momentum_buffer"] for k in range(E)])
         assert torch.equal(m, want), f"{n}: consolidated momentum differs from the per-expert reference"
+
+
+@pytest.mark.slow
+def test_transformers_packed_colwise_refused_in_one_line_and_the_advice_works(results) -> None:
+    world, res = results
+    if world != 2:
+        pytest.skip("run in the world-2 spawn only")
+    for r, got in enumerate(res):
+        got = got["qwen3_moe"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        msg = got["refused"]
+        assert msg is not None and "\n" not in msg, msg
+        assert "model.layers.0.mlp.experts.gate_up_proj" in msg and "packed_colwise" in msg and "dropping the entries" in msg
+        assert sorted(got["stacks"]) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+        for n, (role, split, cls, _) in got["stacks"].items():
+            assert (role, split, cls) == ("experts", False, "Parameter"), (n, role, split, cls)
+        assert got["loss"] == got["loss"]  # finite, not NaN
+    for n in res[0]["qwen3_moe"]["stacks"]:  # replicated over TP: both TP ranks hold the same experts
+        assert torch.equal(res[0]["qwen3_moe"]["stacks"][n][3], res[1]["qwen3_moe"]["stacks"][n][3]), n
 
 
 # ------------------------------------------------------------------------------ unit tests
