@@ -171,12 +171,12 @@ def param_flops(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> f
     _check(optimizer, flops_shape)
     if spec.kind == "elementwise":
         return float(adamw_flops(spec.local_numel))
-    if not spec.tp_split:  # E tasks of the logical (M, N) shape (one for a matrix); never TP-split
+    if not spec.tp_split:  # E tasks of the logical (M, N) shape (one for a matrix)
         return float(spec.n_tasks * matrix_flops(optimizer, spec.task_shape))
+    # TP-split: one task (a matrix) or E (an expert stack split on its rows or columns)
     if flops_shape == "local":
-        return float(matrix_flops(optimizer, spec.local_shape))
-    full = matrix_flops(optimizer, spec.shape)
-    return full / spec.tp if spec.tp_split else float(full)
+        return float(spec.n_tasks * matrix_flops(optimizer, spec.local_task_shape))
+    return spec.n_tasks * matrix_flops(optimizer, spec.task_shape) / spec.tp
 
 
 def param_memory(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> float:
@@ -192,9 +192,8 @@ def param_memory(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> 
     if not spec.tp_split:
         return float(spec.n_tasks * state_bytes(optimizer, spec.task_shape))
     if flops_shape == "local":
-        return float(state_bytes(optimizer, spec.local_shape))
-    full = state_bytes(optimizer, spec.shape)
-    return full / spec.tp if spec.tp_split else float(full)
+        return float(spec.n_tasks * state_bytes(optimizer, spec.local_task_shape))
+    return spec.n_tasks * state_bytes(optimizer, spec.task_shape) / spec.tp
 
 
 def param_cost(spec: ParamSpec, cost: str, optimizer: str = "muon", flops_shape: str = "full") -> float:

@@ -452,3 +452,27 @@ def test_canzona_plan_says_where_experts_are_tp_split(capsys) -> None:
     assert main(["plan", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "64", "--experts", "stacked-tp"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
+
+
+def test_costs_and_role_table_of_tp_split_stacks() -> None:
+    import numpy as np
+
+    from canzona.cost import cost_arrays, matrix_flops, param_flops, param_memory, state_bytes
+    from canzona.plan.describe import describe_plan
+
+    up = ParamSpec("m.experts.up", (4, 12, 8), "experts", tp_dim=1, tp=2)
+    down = ParamSpec("m.experts.down", (4, 8, 6), "experts", tp_dim=2, tp=2)
+    for s in (up, down):
+        assert param_flops(s, "muon") == 4 * matrix_flops("muon", s.task_shape) / 2  # E full tasks over tp hosts
+        assert param_flops(s, "muon", "local") == 4 * matrix_flops("muon", s.local_task_shape)
+        assert param_memory(s, "shampoo") == 4 * state_bytes("shampoo", s.task_shape) / 2
+    specs = list(_moe_plan(experts="stacked-tp").specs)
+    for opt in ("muon", "shampoo"):
+        for fs in ("full", "local"):
+            f, m = cost_arrays(specs, opt, fs)  # the vectorised form the planner uses agrees
+            assert np.allclose(f, [param_flops(s, opt, fs) for s in specs], rtol=1e-12, atol=0)
+            assert np.allclose(m, [param_memory(s, opt, fs) for s in specs], rtol=1e-12, atol=0)
+    rows = [ln for ln in describe_plan(_moe_plan(experts="stacked-tp")).splitlines() if "experts.linear_fc1" in ln]
+    assert rows and all("TP-split on dim 1, TP hosts" in ln for ln in rows), rows
+    rows = [ln for ln in describe_plan(_moe_plan(experts="stacked-tp", tp_schedule="sync")).splitlines() if "experts.linear_fc2" in ln]
+    assert rows and all("TP-split on dim 2, every TP rank" in ln for ln in rows), rows

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver", "expert_tp_summary"]
+__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver", "expert_tp_summary", "expert_hosts"]
 
 GROUP_SCHEDULES: tuple[str, ...] = ("lpt", "lpt-carry", "round-robin", "no-fuse")
 
@@ -194,3 +194,19 @@ def expert_tp_summary(params: Sequence[Any], tp: int) -> str | None:
         rest = len(stacks) - len(split)
         parts.append(f"{rest} stacks replicated over TP ({sum(s.shape[0] for s in stacks if not s.tp_split)} experts)")
     return "; ".join(parts)
+
+
+def expert_hosts(micro_groups: Sequence[Sequence[Any]], name: str) -> str:
+    """Where the expert tasks of TP-split stack ``name`` are hosted, from a plan's micro-groups
+    (per DP rank, groups with ``params`` and ``hosts``): ``"TP hosts 0: 3 experts, 1: 5 experts"``;
+    ``"every TP rank"`` when no group names them (the ``sync`` schedule)."""
+    count: dict[int, int] = {}
+    prefix = f"{name}["
+    for groups in micro_groups:
+        for g in groups:
+            for t, h in zip(g.params, g.hosts):
+                if t.startswith(prefix):
+                    count[h] = count.get(h, 0) + 1
+    if not count:
+        return "every TP rank"
+    return "TP hosts " + ", ".join(f"{h}: {n} expert{'s' if n > 1 else ''}" for h, n in sorted(count.items()))
