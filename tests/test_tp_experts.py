@@ -476,3 +476,11 @@ def test_costs_and_role_table_of_tp_split_stacks() -> None:
     assert rows and all("TP-split on dim 1, TP hosts" in ln for ln in rows), rows
     rows = [ln for ln in describe_plan(_moe_plan(experts="stacked-tp", tp_schedule="sync")).splitlines() if "experts.linear_fc2" in ln]
     assert rows and all("TP-split on dim 2, every TP rank" in ln for ln in rows), rows
+
+
+def test_fsdp2_planner_refuses_a_tp_split_stack_in_one_line() -> None:
+    from canzona.plan.fsdp import plan_fsdp_model
+
+    with pytest.raises(ValueError) as exc:
+        plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2, experts="stacked-tp")
+    assert "experts" in str(exc.value) and "TP-split" in str(exc.value) and "\n" not in str(exc.value)
