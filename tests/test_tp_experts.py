@@ -484,3 +484,15 @@ def test_fsdp2_planner_refuses_a_tp_split_stack_in_one_line() -> None:
     with pytest.raises(ValueError) as exc:
         plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2, experts="stacked-tp")
     assert "experts" in str(exc.value) and "TP-split" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_microgroup_explorer_reads_expert_tasks() -> None:
+    from canzona.cost import matrix_flops
+    from canzona.viz.microgroups import task_table
+
+    plan = _moe_plan(experts="stacked-tp")
+    rows = task_table(plan, 1)
+    experts = rows[rows.param.str.contains("experts.linear_fc2.weight[", regex=False)]
+    assert len(experts) and set(experts["shape"]) == {"64 x 32"}  # one (M, N) expert per row
+    assert set(experts["work"]) == {float(matrix_flops("muon", (64, 32)))}
+    assert set(experts["grad_bytes"]) == {4 * 64 * 32}
