@@ -98,7 +98,9 @@ class ParamSpec:
     ``shape`` is the global (unsplit) shape; ``tp_dim`` the dimension split across ``tp`` tensor-
     parallel ranks (None: replicated on every TP rank). ``kind`` is ``matrix`` (atomic for the
     matrix optimizer), ``experts`` (an ``(E, M, N)`` stack: ``E`` independent ``(M, N)`` matrix
-    tasks) or ``elementwise``. A ``matrix`` of more than two dimensions (a conv weight the user
+    tasks; split over TP on its rows, ``tp_dim=1``, or columns, ``tp_dim=2``, each expert is a TP
+    task; ``tp_dim=0`` is refused: whole experts per rank is expert parallelism) or
+    ``elementwise``. A ``matrix`` of more than two dimensions (a conv weight the user
     opted in) is updated as the ``(shape[0], prod(shape[1:]))`` matrix it reshapes to.
     ``transposed``: the weight is stored ``(in, out)`` (GPT-2's ``Conv1D``), so the matrix the
     optimizer must see, and whose shape scales its learning rate, is the transpose.

@@ -3,7 +3,10 @@
 Within one DP rank, every owned TP-split matrix parameter is a *task*: one host TP rank gathers
 the full gradient (fused all-to-all), runs the optimizer on the full tensor with state it keeps
 for good, and scatters the updated shards back (Section 4.1). Replicated parameters need no
-task: their DP owner updates them on every TP rank, each rank holding the same replica.
+task: their DP owner updates them on every TP rank, each rank holding the same replica. An
+expert stack split over TP (rows or columns of every expert) is one task per expert, named
+``stack[e]`` (:func:`canzona.specs.expert_task_name`), costed on that expert's ``(M, N)`` matrix
+and scheduled like any other task; a stack replicated over TP needs none.
 
 Schedules (``PlanInputs.tp_schedule``):
 

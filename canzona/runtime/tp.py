@@ -208,7 +208,8 @@ class TPEngine(MicroGroupEngine):
 
     ``comm`` is a :class:`Comm` over this DP rank's TP group (group-local ranks = TP ranks).
     ``local_masters`` are the fp32 TP-local master shards (``spec.local_shape``) of the TP-split
-    matrix parameters this DP rank updates; :meth:`step` updates them in place.
+    matrix parameters this DP rank updates, and of each expert (``stack[e]``, its ``(M, N)``
+    shard) of the TP-split expert stacks it updates; :meth:`step` updates them in place.
     ``optimizer_factory`` builds ONE per-parameter optimizer over the full-shape masters hosted
     here (not called when this rank hosts nothing). Exchange slots, schedule and state interface
     are :class:`~canzona.runtime.exchange.MicroGroupEngine`'s (``slots``,
