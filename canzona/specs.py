@@ -104,6 +104,9 @@ class ParamSpec:
     opted in) is updated as the ``(shape[0], prod(shape[1:]))`` matrix it reshapes to.
     ``transposed``: the weight is stored ``(in, out)`` (GPT-2's ``Conv1D``), so the matrix the
     optimizer must see, and whose shape scales its learning rate, is the transpose.
+    ``tp_blocks``: the split dim packs that many equal blocks (transformers' ``packed_colwise``
+    ``[gate; up]``, a ``_StridedShard``), each split over TP on its own, so a rank holds its slice
+    of every block; only for the rows of a TP-split expert stack (``tp_dim=1``).
     """
 
     name: str
@@ -112,6 +115,7 @@ class ParamSpec:
     tp_dim: int | None = None
     tp: int = 1
     transposed: bool = False
+    tp_blocks: int = 1
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -126,6 +130,8 @@ class ParamSpec:
             raise ValueError(f"{self.name}: an expert stack must be 3-D (experts, rows, cols), got shape {self.shape}")
         if self.tp < 1:
             raise ValueError(f"{self.name}: tp must be >= 1, got {self.tp}")
+        if not isinstance(self.tp_blocks, int) or self.tp_blocks < 1 or (self.tp_blocks > 1 and self.tp_dim is None):
+            raise ValueError(f"{self.name}: tp_blocks must be a positive int, and above 1 only for a TP-split parameter")
         if self.transposed and (self.kind != "matrix" or len(self.shape) != 2):
             raise ValueError(f"{self.name}: only a 2-D matrix parameter can be stored transposed")
         if self.tp_dim is not None:
@@ -139,6 +145,11 @@ class ParamSpec:
                 raise ValueError(
                     f"{self.name}: an expert stack split over TP on its expert dim (dim 0) holds whole experts per rank, which "
                     "is expert parallelism, not a TP split; shard the rows (dim 1) or columns (dim 2) over tp, or use an ep mesh dimension"
+                )
+            if self.tp_blocks != 1 and (self.kind != "experts" or self.tp_dim != 1 or self.shape[1] % (self.tp * self.tp_blocks)):
+                raise ValueError(
+                    f"{self.name}: {self.tp_blocks} packed blocks split over tp={self.tp} are supported on the rows (dim 1) of an "
+                    f"expert stack whose rows divide by {self.tp * self.tp_blocks}, got a {self.kind} of shape {self.shape} split on dim {self.tp_dim}"
                 )
             if self.tp > 1 and (self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
                 raise ValueError(
@@ -454,14 +465,17 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
     decided = module_roles(module, roles)
     out: list[ParamSpec] = []
     for name, p in module.named_parameters():
-        ptp = tp
+        ptp, blocks = tp, 1
+        kind, transposed = decided[name]
+        if name in kinds:
+            kind, transposed = kinds[name], transposed and kinds[name] == "matrix"
         if isinstance(p, DTensor):
             if name in tp_dims:
                 raise ValueError(f"{name}: a DTensor carries its own placement; do not declare tp_dims for it")
             strided = [pl for pl in p.placements if type(pl) not in (Shard, Replicate)]
             if strided and len(p.placements) == 1:
-                raise ValueError(_packed_refusal(name, p, strided[0]))
-            shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+                blocks = _packed_blocks(name, p, strided[0], kind)
+            shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard) or (pl in strided and len(p.placements) == 1)]
             if len(shard_axes) > 1:
                 raise ValueError(f"{name}: sharded on more than one mesh dimension; only 1-D TP sharding is supported")
             shape = tuple(p.shape)
@@ -477,14 +491,22 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
                 s = list(shape)
                 s[tp_dim] *= tp
                 shape = tuple(s)
-        kind, transposed = decided[name]
-        if name in kinds:
-            kind, transposed = kinds[name], transposed and kinds[name] == "matrix"
         try:
-            out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp, transposed=transposed))
+            out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp, transposed=transposed,
+                                 tp_blocks=blocks if ptp > 1 else 1))
         except ValueError as exc:
             raise RoleError(str(exc)) from None
     return out
+
+
+def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> int:
+    """The packed blocks of a strided TP placement canzona un-packs exactly: the rows (dim 1) of an
+    expert stack, ``split_factor`` blocks (transformers' ``packed_colwise`` ``[gate; up]``); any
+    other strided placement is refused (:func:`_packed_refusal`)."""
+    factor = getattr(placement, "split_factor", None)
+    if kind == "experts" and p.dim() == 3 and getattr(placement, "dim", None) == 1 and isinstance(factor, int) and factor >= 1:
+        return factor
+    raise ValueError(_packed_refusal(name, p, placement))
 
 
 def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:

@@ -33,7 +33,7 @@ from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import agree
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
+from canzona.runtime.checkpoint import CheckpointError, Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
@@ -256,7 +256,17 @@ class Zero1Layout(Layout):
         off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
         return tuple(off), box[1]
 
+    def _refuse_packed(self) -> None:
+        """A packed stack's TP shard is a slice of each of its blocks, not one box of the stack, so
+        the checkpoint regions below would misplace it: refused, on every rank alike."""
+        packed = [s.name for s in self.plan.specs if s.tp_blocks > 1]
+        if packed:
+            raise CheckpointError(
+                f"{packed[0]}: checkpoints of a packed expert stack split over TP (transformers' packed_colwise) are not supported yet"
+            )
+
     def held(self) -> list[Held]:
+        self._refuse_packed()
         rt = self.runtime
         # every DP rank holds the same values under sc: DP rank 0's copy is canonical
         replica = rt.plan.every_rank_updates and rt.dp_rank != 0
@@ -284,6 +294,7 @@ class Zero1Layout(Layout):
         return out
 
     def model_pieces(self) -> list[ModelPiece]:
+        self._refuse_packed()
         rt = self.runtime
         return [
             ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))

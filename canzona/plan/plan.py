@@ -504,6 +504,7 @@ class Plan:
                     "tp_dim": p.spec.tp_dim,
                     "kind": p.spec.kind,
                     **({"transposed": True} if p.spec.transposed else {}),
+                    **({"tp_blocks": p.spec.tp_blocks} if p.spec.tp_blocks > 1 else {}),
                     "bucket": p.bucket,
                     "offset": p.offset,
                     "numel": p.numel,
@@ -563,6 +564,9 @@ class Plan:
         transposed = [p.name for p in self.params if p.spec.transposed]
         if transposed:  # added later: plans without a stored-transposed weight keep their fingerprint
             doc["transposed"] = transposed
+        packed = [[p.name, p.spec.tp_blocks] for p in self.params if p.spec.tp_blocks > 1]
+        if packed:  # added later, the same way: plans without a packed stack keep their fingerprint
+            doc["tp_blocks"] = packed
         if version >= 2:
             doc["roles"] = [p.role for p in self.params]
             doc["collectives"] = [[b.collective, b.param_return] for b in self.buckets]
@@ -594,7 +598,8 @@ class Plan:
             tp = inputs.tp
             record = get_strategy(inputs.strategy)
             specs = [
-                ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
+                ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)),
+                          tp_blocks=q.get("tp_blocks", 1))
                 for q in doc["params"]
             ]
             params = tuple(

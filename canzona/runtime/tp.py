@@ -196,6 +196,21 @@ def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
     return order[base], -1 if expert is None else expert
 
 
+def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+    """The experts of packed stacks (``tp_blocks`` > 1) among ``names``: each as its exchange piece
+    shape ``(blocks, M / (blocks tp), N)`` (rank ``r`` holds rows ``r`` of every block) and its
+    ``(M, N)`` matrix. The host assembles ``(blocks, M / blocks, N)``, which is the matrix with its
+    rows in order, so the update is the single-device one bit for bit."""
+    out = {}
+    for n in names:
+        base, expert = split_task_name(n)
+        spec = by_name[base].spec
+        if expert is not None and spec.tp_blocks > 1:
+            b, (m, k) = spec.tp_blocks, spec.task_shape
+            out[n] = ((b, m // (b * tp), k), (m, k))
+    return out
+
+
 def _is_tp_task(p: Any, expert: int | None) -> bool:
     """Whether plan parameter ``p`` (expert ``expert`` of it, for a stack) is a TP engine task."""
     if expert is None:
@@ -244,8 +259,18 @@ class TPEngine(MicroGroupEngine):
         names = sorted(local_masters, key=lambda n: _task_order(order, n))
         es = torch.empty(0, dtype=dtype).element_size()
 
+        #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
+        self._packed = _packed_tasks(by_name, local_masters, self.tp)
+        if self._packed and self.schedule == "sync":
+            raise ValueError(
+                f"{next(iter(self._packed))}: an expert of a packed stack (packed_colwise) needs a grouped TP schedule "
+                "(lpt, lpt-carry, round-robin or no-fuse), not sync"
+            )
+
         def task(name: str, host: int) -> TPTask:
             spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
+            if name in self._packed:  # its blocks stacked on a leading dim: one rectangular piece per rank
+                return TPTask(name, host, self._packed[name][0], 1)
             return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
 
         groups: list[list[TPTask]] = []
@@ -302,7 +327,33 @@ class TPEngine(MicroGroupEngine):
         (one exchange per group, through the gather slot). Called at construction; call it again
         after overwriting ``local_masters`` from outside (e.g. a checkpoint load). Optimizer state
         is kept."""
-        super().refresh_masters(self.local_masters if values is None else values)
+        super().refresh_masters(self._pieces(self.local_masters if values is None else values))
+
+    # ------------------------------------------------------------------------- packed expert stacks
+    def _pieces(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """This rank's pieces as the exchange lays them out: a packed expert's ``(M / tp, N)`` shard
+        (its slice of each block, one after another) viewed as ``(blocks, M / (blocks tp), N)``."""
+        if not self._packed:
+            return tensors
+        return {n: t.view(self._packed[n][0]) if n in self._packed else t for n, t in tensors.items()}
+
+    def _unpack_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # the assembled (blocks, M / blocks, N) tensor of a packed expert holds its rows in the
+        # stack's own order ([gate; up]): the optimizer sees it as the (M, N) matrix it is
+        full = super()._unpack_gather(g, pieces)
+        for n in self._packed.keys() & full.keys():
+            full[n] = full[n].view(self._packed[n][1])
+        return full
+
+    def _blocks(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hosted values back in the exchange's layout (a packed expert as its stacked blocks)."""
+        return {n: (v.view(self._packed[n][0][0], -1, v.shape[-1]) if n in self._packed else v) for n, v in values.items()}
+
+    def _compute(self, g: Any, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        return self._blocks(super()._compute(g, full_grads, skip))
+
+    def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor]) -> Any:
+        return super()._launch_scatter(g, self._blocks(updated))
 
     # ------------------------------------------------------------------------- the step
     def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
@@ -317,7 +368,7 @@ class TPEngine(MicroGroupEngine):
         self._check_grads(local_grads)
         if skip:  # a skipped expert stack skips each of its expert tasks
             skip = frozenset(n for n in self.local_masters if n in skip or split_task_name(n)[0] in skip)
-        self.run(local_grads, self.local_masters, skip=skip)
+        self.run(self._pieces(local_grads), self._pieces(self.local_masters), skip=skip)
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):
