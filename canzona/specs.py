@@ -510,10 +510,10 @@ def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> 
 
 
 def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:
-    """The one line refusing a strided TP placement (transformers' ``packed_colwise``: each rank holds
-    its slice of every packed block, e.g. half of gate and half of up). canzona's TP hosts join the
-    shards end to end, which would put the rows of the packed matrix out of order, and neither
-    Newton-Schulz nor Shampoo is bitwise invariant to row order: refused rather than updated wrong."""
+    """The one line refusing a strided TP placement canzona does not un-pack (:func:`_packed_blocks`
+    takes the rows of an expert stack): joining such shards end to end would put the rows of the
+    packed matrix out of order, and neither Newton-Schulz nor Shampoo is bitwise invariant to row
+    order, so it is refused rather than updated wrong (or, element-wise, checkpointed wrong)."""
     head = (
         f"{name}: TP placement {placement!r} (transformers' packed_colwise: each rank holds its slice of every packed "
         "block, e.g. half of gate and half of up) is not a plain Shard(d), and joining its shards would reorder the "
@@ -522,7 +522,8 @@ def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:
     if p.dim() == 3:
         module = name.rpartition(".")[0]
         return head + (
-            f"keep the experts replicated over TP by dropping the entries of {module} and its parameters from the TP plan "
+            "canzona un-packs it only as an expert stack packed on its rows (role 'experts', the default); otherwise keep the "
+            f"experts replicated over TP by dropping the entries of {module} and its parameters from the TP plan "
             "(canzona.hf.apply_tp_plan(..., plan=...)), or shard the model with FSDP2"
         )
     return head + "drop its entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"

@@ -571,3 +571,23 @@ def test_microgroup_explorer_reads_expert_tasks() -> None:
     assert len(experts) and set(experts["shape"]) == {"64 x 32"}  # one (M, N) expert per row
     assert set(experts["work"]) == {float(matrix_flops("muon", (64, 32)))}
     assert set(experts["grad_bytes"]) == {4 * 64 * 32}
+
+
+def test_packed_stack_spec_and_plan_document() -> None:
+    from canzona.plan.build import make_plan
+    from canzona.plan.plan import Plan, PlanInputs
+
+    packed = ParamSpec("m.experts.gate_up_proj", (4, 16, 8), "experts", tp_dim=1, tp=2, tp_blocks=2)
+    for bad in (dict(tp_dim=2), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0)):
+        with pytest.raises(ValueError, match="packed blocks"):
+            ParamSpec(**{**dict(name="m.experts.gate_up_proj", shape=(4, 16, 8), kind="experts", tp_dim=1, tp=2, tp_blocks=2), **bad})
+    inp = PlanInputs(model="x", layout="hf", dp=2, tp=2, optimizer="muon", strategy="lb-asc", tp_schedule="lpt-carry", bucket_numel=100)
+    rest = [ParamSpec("m.experts.down_proj", (4, 8, 8), "experts", tp_dim=2, tp=2), ParamSpec("m.norm.weight", (8,), "elementwise", tp=2)]
+    plan = make_plan([packed, *rest], inp)
+    doc = json.loads(plan.to_json())
+    assert [p.get("tp_blocks") for p in doc["params"]] == [2, None, None]
+    back = Plan.from_dict(doc)
+    assert back == plan and back.param("m.experts.gate_up_proj").spec.tp_blocks == 2
+    plain = make_plan([dataclasses.replace(packed, tp_blocks=1), *rest], inp)
+    assert plain.fingerprint != plan.fingerprint  # the packing is part of what the plan is
+    assert "tp_blocks" not in json.dumps(json.loads(plain.to_json())["params"])
