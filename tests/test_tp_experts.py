@@ -218,6 +218,11 @@ def _qwen3_moe(rank: int, world: int) -> dict:
         out["elementwise_refused"] = None
     except ValueError as exc:
         out["elementwise_refused"] = str(exc)
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh, tp_schedule="sync")
+        out["sync_refused"] = None
+    except ValueError as exc:
+        out["sync_refused"] = str(exc)
     opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW, bucket_numel=3000)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     stacks = [n for n in shapes if ".experts." in n]
@@ -433,6 +438,8 @@ def test_what_packed_colwise_still_refuses_in_one_line(results) -> None:
         assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "packed_colwise" in msg, msg
         msg = got["ckpt_refused"]
         assert msg is not None and "gate_up_proj" in msg and "packed expert stack" in msg, msg
+        msg = got["sync_refused"]
+        assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "not sync" in msg, msg
 
 
 # ------------------------------------------------------------------------------ unit tests

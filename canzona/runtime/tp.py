@@ -261,9 +261,10 @@ class TPEngine(MicroGroupEngine):
 
         #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
         self._packed = _packed_tasks(by_name, local_masters, self.tp)
-        if self._packed and self.schedule == "sync":
+        packed = [p.name for p in plan.params if p.spec.tp_blocks > 1]  # the whole plan: every rank refuses alike
+        if packed and self.schedule == "sync":
             raise ValueError(
-                f"{next(iter(self._packed))}: an expert of a packed stack (packed_colwise) needs a grouped TP schedule "
+                f"{packed[0]}: a packed expert stack (packed_colwise) needs a grouped TP schedule "
                 "(lpt, lpt-carry, round-robin or no-fuse), not sync"
             )
 
