@@ -133,7 +133,7 @@ def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | 
     groups = [list(g.params) for g in opt.plan.micro_groups[dp_rank]] if opt.plan.micro_groups else []
     cut = sorted(p.name for p in opt.plan.params if p.role == "experts" and p.dp_ranges)
     out = {"params": params, "states": states, "groups": groups, "dp_rank": dp_rank, "tp_rank": tp_rank, "cut": cut}
-    if optimizer == "muon" and strategy != "sc":
+    if optimizer == "muon" and bucket_numel == 50:  # the cut stacks, and the sync schedule's replicated hosts
         out.update(_round_trip(rank, mesh, opt, model, optimizer, strategy, schedule, bucket_numel))
     elif optimizer == "shampoo":
         try:  # Shampoo's state is not shaped like the matrix: its expert checkpoint is refused, not mis-sliced
@@ -382,7 +382,7 @@ def test_every_expert_is_one_task_of_one_dp_rank(results, case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["muon-lb-asc", "muon-asc-cut", "muon-lb-asc-sync"])
+@pytest.mark.parametrize("case", ["muon-asc-cut", "muon-lb-asc-sync"])
 def test_consolidated_checkpoint_holds_every_expert_and_resumes_bitwise(results, case: str) -> None:
     world, res = results
     _, want_states = reference("muon", world // 2)
