@@ -171,12 +171,12 @@ def param_flops(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> f
     _check(optimizer, flops_shape)
     if spec.kind == "elementwise":
         return float(adamw_flops(spec.local_numel))
-    if not spec.tp_split:  # E tasks of the logical (M, N) shape (one for a matrix); never TP-split
+    if not spec.tp_split:  # E tasks of the logical (M, N) shape (one for a matrix)
         return float(spec.n_tasks * matrix_flops(optimizer, spec.task_shape))
+    # TP-split: one task (a matrix) or E (an expert stack split on its rows or columns)
     if flops_shape == "local":
-        return float(matrix_flops(optimizer, spec.local_shape))
-    full = matrix_flops(optimizer, spec.shape)
-    return full / spec.tp if spec.tp_split else float(full)
+        return float(spec.n_tasks * matrix_flops(optimizer, spec.local_task_shape))
+    return spec.n_tasks * matrix_flops(optimizer, spec.task_shape) / spec.tp
 
 
 def param_memory(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> float:
@@ -192,9 +192,8 @@ def param_memory(spec: ParamSpec, optimizer: str, flops_shape: str = "full") -> 
     if not spec.tp_split:
         return float(spec.n_tasks * state_bytes(optimizer, spec.task_shape))
     if flops_shape == "local":
-        return float(state_bytes(optimizer, spec.local_shape))
-    full = state_bytes(optimizer, spec.shape)
-    return full / spec.tp if spec.tp_split else float(full)
+        return float(spec.n_tasks * state_bytes(optimizer, spec.local_task_shape))
+    return spec.n_tasks * state_bytes(optimizer, spec.task_shape) / spec.tp
 
 
 def param_cost(spec: ParamSpec, cost: str, optimizer: str = "muon", flops_shape: str = "full") -> float:
@@ -241,9 +240,10 @@ def cost_arrays(specs: Sequence[ParamSpec], optimizer: str, flops_shape: str = "
         if kind == "elementwise":
             rows.append((False, shape[0], shape[-1] if len(shape) == 2 else 1, s.tp if split else 1,
                          s.tp_dim if split else -1, math.prod(shape), 1))
-        else:  # experts and reshaped/transposed matrices: n_tasks x the logical (M, N) task (never TP-split)
+        else:  # experts and reshaped/transposed matrices: n_tasks x the logical (M, N) task
             m, n = s.task_shape
-            rows.append((True, m, n, s.tp if split else 1, s.tp_dim if split else -1, math.prod(shape), s.n_tasks))
+            # a TP-split expert stack (rows or columns of every expert): the task's own split dim
+            rows.append((True, m, n, s.tp if split else 1, s.task_tp_dim if split else -1, math.prod(shape), s.n_tasks))
     if not rows:
         return np.zeros(0), np.zeros(0)
     t = np.array(rows, dtype=np.float64)

@@ -38,6 +38,8 @@ __all__ = [
     "RoleError",
     "check_transposed_support",
     "default_role",
+    "expert_task_name",
+    "split_task_name",
     "module_roles",
     "ParamSpec",
     "LAYOUTS",
@@ -58,7 +60,9 @@ Roles = Callable[[str, "torch.Tensor"], "str | None"] | Mapping[str, str]
 Layout = Literal["megatron", "hf"]
 LAYOUTS: tuple[str, ...] = ("megatron", "hf")
 #: how :func:`specs_from_config` lays out a MoE layer's experts
-EXPERT_LAYOUTS: tuple[str, ...] = ("stacked", "separate")
+#: (``stacked``: ``(E, M, N)`` stacks replicated over TP; ``stacked-tp``: the same stacks split over
+#: TP as Megatron-Core's expert tensor parallelism does, each expert a TP task; ``separate``: 2-D matrices)
+EXPERT_LAYOUTS: tuple[str, ...] = ("stacked", "separate", "stacked-tp")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Name fragments (case-insensitive) of 2-D weights that stay with the element-wise optimizer, as in
@@ -94,10 +98,15 @@ class ParamSpec:
     ``shape`` is the global (unsplit) shape; ``tp_dim`` the dimension split across ``tp`` tensor-
     parallel ranks (None: replicated on every TP rank). ``kind`` is ``matrix`` (atomic for the
     matrix optimizer), ``experts`` (an ``(E, M, N)`` stack: ``E`` independent ``(M, N)`` matrix
-    tasks) or ``elementwise``. A ``matrix`` of more than two dimensions (a conv weight the user
+    tasks; split over TP on its rows, ``tp_dim=1``, or columns, ``tp_dim=2``, each expert is a TP
+    task; ``tp_dim=0`` is refused: whole experts per rank is expert parallelism) or
+    ``elementwise``. A ``matrix`` of more than two dimensions (a conv weight the user
     opted in) is updated as the ``(shape[0], prod(shape[1:]))`` matrix it reshapes to.
     ``transposed``: the weight is stored ``(in, out)`` (GPT-2's ``Conv1D``), so the matrix the
     optimizer must see, and whose shape scales its learning rate, is the transpose.
+    ``tp_blocks``: the split dim packs that many equal blocks (transformers' ``packed_colwise``
+    ``[gate; up]``, a ``_StridedShard``), each split over TP on its own, so a rank holds its slice
+    of every block; only for the rows of a TP-split expert stack (``tp_dim=1``).
     """
 
     name: str
@@ -106,6 +115,7 @@ class ParamSpec:
     tp_dim: int | None = None
     tp: int = 1
     transposed: bool = False
+    tp_blocks: int = 1
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -120,6 +130,8 @@ class ParamSpec:
             raise ValueError(f"{self.name}: an expert stack must be 3-D (experts, rows, cols), got shape {self.shape}")
         if self.tp < 1:
             raise ValueError(f"{self.name}: tp must be >= 1, got {self.tp}")
+        if not isinstance(self.tp_blocks, int) or self.tp_blocks < 1 or (self.tp_blocks > 1 and self.tp_dim is None):
+            raise ValueError(f"{self.name}: tp_blocks must be a positive int, and above 1 only for a TP-split parameter")
         if self.transposed and (self.kind != "matrix" or len(self.shape) != 2):
             raise ValueError(f"{self.name}: only a 2-D matrix parameter can be stored transposed")
         if self.tp_dim is not None:
@@ -129,7 +141,17 @@ class ParamSpec:
                 raise ValueError(
                     f"{self.name}: dimension {self.tp_dim} of shape {self.shape} does not divide by tp={self.tp}"
                 )
-            if self.tp > 1 and (self.kind == "experts" or self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
+            if self.tp > 1 and self.kind == "experts" and self.tp_dim == 0:
+                raise ValueError(
+                    f"{self.name}: an expert stack split over TP on its expert dim (dim 0) holds whole experts per rank, which "
+                    "is expert parallelism, not a TP split; shard the rows (dim 1) or columns (dim 2) over tp, or use an ep mesh dimension"
+                )
+            if self.tp_blocks != 1 and (self.kind != "experts" or self.tp_dim != 1 or self.shape[1] % (self.tp * self.tp_blocks)):
+                raise ValueError(
+                    f"{self.name}: {self.tp_blocks} packed blocks split over tp={self.tp} are supported on the rows (dim 1) of an "
+                    f"expert stack whose rows divide by {self.tp * self.tp_blocks}, got a {self.kind} of shape {self.shape} split on dim {self.tp_dim}"
+                )
+            if self.tp > 1 and (self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
                 raise ValueError(
                     f"{self.name}: a tensor-parallel split of a {'stored-transposed ' if self.transposed else ''}"
                     f"{len(self.shape)}-D {self.kind} parameter is not supported; mark it 'elementwise' with roles= "
@@ -155,6 +177,18 @@ class ParamSpec:
                 return (self.shape[1], self.shape[0])
             return (self.shape[0], math.prod(self.shape[1:]))
         return self.shape
+
+    @property
+    def task_tp_dim(self) -> int | None:
+        """The split dim of one task's matrix (an expert's ``(M, N)``: the stack's split dim less one)."""
+        if not self.tp_split:
+            return None
+        return self.tp_dim - 1 if self.kind == "experts" else self.tp_dim  # type: ignore[operator]
+
+    @property
+    def local_task_shape(self) -> tuple[int, ...]:
+        """One task's shard on one TP rank: an expert's ``(M, N)`` TP shard, or the local shape."""
+        return self.local_shape[1:] if self.kind == "experts" else self.local_shape
 
     @property
     def tp_split(self) -> bool:
@@ -186,6 +220,21 @@ class ParamSpec:
         """Transformer layer index parsed from the name (``...layers.<i>....``), None outside layers."""
         m = _LAYER_RE.search(self.name)
         return int(m.group(1)) if m else None
+
+
+_TASK_RE = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def expert_task_name(name: str, expert: int) -> str:
+    """The task name of expert ``expert`` of stack ``name`` (``name[expert]``): how micro-groups and
+    the TP engine name one expert of a TP-split stack (a parameter name never holds brackets)."""
+    return f"{name}[{expert}]"
+
+
+def split_task_name(task: str) -> tuple[str, int | None]:
+    """``(parameter name, expert index or None)`` of a task name (inverse of :func:`expert_task_name`)."""
+    m = _TASK_RE.match(task)
+    return (m.group(1), int(m.group(2))) if m else (task, None)
 
 
 class RoleError(ValueError):
@@ -301,10 +350,12 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
     MoE layers replace the MLP with a router (replicated, element-wise) and ``num_experts``
     experts. ``experts="stacked"`` (default) keeps them as transformers 5.x and
     :class:`canzona.models.Qwen3MoE` do: two ``experts`` stacks per layer, ``E`` matrix tasks
-    each, replicated over TP (a TP split of a stack is not supported), registered before the
-    router (``hf``: ``mlp.experts.gate_up_proj`` ``(E, 2F, H)``, ``mlp.experts.down_proj``
-    ``(E, H, F)``; ``megatron``: ``mlp.experts.linear_fc1.weight`` ``(E, 2F, H)``,
-    ``mlp.experts.linear_fc2.weight`` ``(E, H, F)``). ``experts="separate"`` is the older form:
+    each, replicated over TP, registered before the router (``hf``: ``mlp.experts.gate_up_proj``
+    ``(E, 2F, H)``, ``mlp.experts.down_proj`` ``(E, H, F)``; ``megatron``:
+    ``mlp.experts.linear_fc1.weight`` ``(E, 2F, H)``, ``mlp.experts.linear_fc2.weight``
+    ``(E, H, F)``). ``experts="stacked-tp"`` splits the same stacks over TP (expert tensor
+    parallelism: the up stack on its rows, dim 1, the down stack on its columns, dim 2), which makes
+    every expert a TP task with a host (``E`` tasks per stack). ``experts="separate"`` is the older form:
     router first, then every expert as its own dense MLP of 2-D matrices, TP-split like one.
     """
     if layout not in LAYOUTS:
@@ -324,12 +375,13 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
         assert cfg.moe is not None
         e, f = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
         up, down = ("linear_fc1.weight", "linear_fc2.weight") if layout == "megatron" else ("gate_up_proj", "down_proj")
-        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp=tp))
-        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp=tp))
+        split = experts == "stacked-tp"  # column-parallel up (rows, dim 1), row-parallel down (columns, dim 2)
+        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp_dim=1 if split else None, tp=tp))
+        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp_dim=2 if split else None, tp=tp))
 
     def moe(prefix: str, router: str, expert_prefix: str) -> None:
         assert cfg.moe is not None
-        if experts == "stacked":
+        if experts != "separate":
             stacks(prefix)
             add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
             return
@@ -413,18 +465,17 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
     decided = module_roles(module, roles)
     out: list[ParamSpec] = []
     for name, p in module.named_parameters():
-        ptp = tp
+        ptp, blocks = tp, 1
+        kind, transposed = decided[name]
+        if name in kinds:
+            kind, transposed = kinds[name], transposed and kinds[name] == "matrix"
         if isinstance(p, DTensor):
             if name in tp_dims:
                 raise ValueError(f"{name}: a DTensor carries its own placement; do not declare tp_dims for it")
             strided = [pl for pl in p.placements if type(pl) not in (Shard, Replicate)]
             if strided and len(p.placements) == 1:
-                raise ValueError(
-                    f"{name}: TP placement {strided[0]!r} (transformers' packed_colwise: each rank holds its slice of every "
-                    "packed block, e.g. gate and up) is not a plain Shard(d), which canzona's TP path reads; drop its "
-                    "entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"
-                )
-            shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+                blocks = _packed_blocks(name, p, strided[0], kind)
+            shard_axes = [(axis, pl.dim) for axis, pl in enumerate(p.placements) if isinstance(pl, Shard) or (pl in strided and len(p.placements) == 1)]
             if len(shard_axes) > 1:
                 raise ValueError(f"{name}: sharded on more than one mesh dimension; only 1-D TP sharding is supported")
             shape = tuple(p.shape)
@@ -440,14 +491,42 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
                 s = list(shape)
                 s[tp_dim] *= tp
                 shape = tuple(s)
-        kind, transposed = decided[name]
-        if name in kinds:
-            kind, transposed = kinds[name], transposed and kinds[name] == "matrix"
         try:
-            out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp, transposed=transposed))
+            out.append(ParamSpec(name=name, shape=shape, kind=kind, tp_dim=tp_dim, tp=ptp, transposed=transposed,
+                                 tp_blocks=blocks if ptp > 1 else 1))
         except ValueError as exc:
             raise RoleError(str(exc)) from None
     return out
+
+
+def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> int:
+    """The packed blocks of a strided TP placement canzona un-packs exactly: the rows (dim 1) of an
+    expert stack, ``split_factor`` blocks (transformers' ``packed_colwise`` ``[gate; up]``); any
+    other strided placement is refused (:func:`_packed_refusal`)."""
+    factor = getattr(placement, "split_factor", None)
+    if kind == "experts" and p.dim() == 3 and getattr(placement, "dim", None) == 1 and isinstance(factor, int) and factor >= 1:
+        return factor
+    raise ValueError(_packed_refusal(name, p, placement))
+
+
+def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:
+    """The one line refusing a strided TP placement canzona does not un-pack (:func:`_packed_blocks`
+    takes the rows of an expert stack): joining such shards end to end would put the rows of the
+    packed matrix out of order, and neither Newton-Schulz nor Shampoo is bitwise invariant to row
+    order, so it is refused rather than updated wrong (or, element-wise, checkpointed wrong)."""
+    head = (
+        f"{name}: TP placement {placement!r} (transformers' packed_colwise: each rank holds its slice of every packed "
+        "block, e.g. half of gate and half of up) is not a plain Shard(d), and joining its shards would reorder the "
+        "matrix's rows; "
+    )
+    if p.dim() == 3:
+        module = name.rpartition(".")[0]
+        return head + (
+            "canzona un-packs it only as an expert stack packed on its rows (role 'experts', the default); otherwise keep the "
+            f"experts replicated over TP by dropping the entries of {module} and its parameters from the TP plan "
+            "(canzona.hf.apply_tp_plan(..., plan=...)), or shard the model with FSDP2"
+        )
+    return head + "drop its entry from the TP plan (canzona.hf.apply_tp_plan(..., plan=...)) so it stays whole, or shard the model with FSDP2"
 
 
 def total_numel(specs: Iterable[ParamSpec]) -> int:

@@ -45,7 +45,8 @@ from canzona.plan.convention import PAPER, AuthorsPlan, authors_plan, convention
 from canzona.plan.pipeline import StagedPlan, plan_stages, split_stages
 from canzona.plan.strategies import FSDP_STRATEGIES
 from canzona.plan.strategies import get_strategy, strategy_names
-from canzona.specs import LAYOUTS, specs_from_config
+from canzona.plan.tp import expert_tp_summary
+from canzona.specs import EXPERT_LAYOUTS, LAYOUTS, specs_from_config
 
 __all__ = [
     "add_arguments",
@@ -100,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buffers", choices=("joint", "split"), default="joint",
                         help="'split': matrix-optimizer and element-wise parameters in buffers of their own (the paper "
                              "authors' layout; element-wise buckets in equal chunks); default one joint buffer")
+    parser.add_argument("--experts", choices=EXPERT_LAYOUTS, default="stacked",
+                        help="MoE experts: (E, M, N) stacks replicated over TP (stacked, default), stacks split over TP "
+                             "with each expert a TP task (stacked-tp, Megatron's expert tensor parallelism), or 2-D matrices (separate)")
     parser.add_argument("--pp", type=_int, default=1,
                         help="pipeline stages: layers split evenly as Megatron does, embedding on the first stage, "
                              "output layer on the last; each stage planned on its own (default 1)")
@@ -135,6 +139,7 @@ def _plan(args: argparse.Namespace, strategy: str, schedule: str | None) -> tupl
             tp_schedule=schedule,
             grad_bytes=args.grad_bytes,
             buffers=args.buffers,
+            experts=args.experts,
         )
     return plan, [str(w.message) for w in caught]
 
@@ -181,6 +186,7 @@ def format_plan(plan: Plan, notes: list[str] = ()) -> str:  # type: ignore[assig
         "",
         f"  {'buckets':<24}{d['n_buckets']}",
         f"  {'micro-groups':<24}{d['n_micro_groups']} (at most {d['max_micro_groups_per_rank']} per DP rank)",
+        *([f"  {'experts':<24}{ex}"] if (ex := expert_tp_summary(plan.params, i.tp)) else []),
         f"  {'DP FLOPs ratio':<24}{m.dp_flops_ratio:.3f}",
         f"  {'DP memory ratio':<24}{m.dp_memory_ratio:.3f}   (numel ratio {d['dp_numel_ratio']:.3f})",
         f"  {'TP FLOPs ratio':<24}{m.tp_flops_ratio:.3f}   (worst DP rank's TP group"

@@ -33,13 +33,13 @@ from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import agree
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
+from canzona.runtime.checkpoint import CheckpointError, Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import ParamSpec, check_transposed_support, specs_from_module
+from canzona.specs import ParamSpec, check_transposed_support, specs_from_module, split_task_name
 
 __all__ = ["Zero1Layout", "check_zero1_mesh", "dp_held"]
 
@@ -258,10 +258,21 @@ class Zero1Layout(Layout):
         off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
         return tuple(off), box[1]
 
+    def _refuse_packed(self) -> None:
+        """A packed stack's TP shard is a slice of each of its blocks, not one box of the stack, so
+        the checkpoint regions below would misplace it: refused, on every rank alike."""
+        packed = [s.name for s in self.plan.specs if s.tp_blocks > 1]
+        if packed:
+            raise CheckpointError(
+                f"{packed[0]}: checkpoints of a packed expert stack split over TP (transformers' packed_colwise) are not supported yet"
+            )
+
     def held(self) -> list[Held]:
+        self._refuse_packed()
         return dp_held(self.runtime, self._tp_box, self.tp_rank)
 
     def model_pieces(self) -> list[ModelPiece]:
+        self._refuse_packed()
         rt = self.runtime
         return [
             ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))
@@ -306,5 +317,8 @@ def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
         # under the sync schedule every TP rank holds it: TP rank 0's is canonical
         for name in eng.hosted:
             canonical = not replica and (not eng.sync or tp_rank == 0)
-            out.append(Held(name, (whole_box(rt.specs[name].shape),), None, eng.optimizer, eng.masters[name], False, canonical))
+            base, k = split_task_name(name)  # one expert (name[k]) of a TP-split stack: its (M, N) box and state entry
+            shape = rt.specs[base].shape
+            box = whole_box(shape) if k is None else ((k,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
+            out.append(Held(base, (box,), None, eng.optimizer, eng.masters[name], k is not None, canonical, k))
     return out

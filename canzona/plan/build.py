@@ -34,7 +34,7 @@ from canzona.plan.plan import (
 from canzona.plan.shard import plan_shard, shard_inputs, shard_specs
 from canzona.plan.strategies import PartitionInput, Strategy, get_strategy, param_role
 from canzona.plan.tp import Group, Task, schedule_tasks
-from canzona.specs import ParamSpec, specs_from_config
+from canzona.specs import ParamSpec, expert_task_name, specs_from_config
 
 __all__ = [
     "MAX_DP",
@@ -96,8 +96,11 @@ def resolve_model(model: str | Path | ModelConfig) -> ModelConfig:
 def _task_metric(spec: ParamSpec, optimizer: str, flops_shape: str) -> tuple[float, float, float]:
     """(flops, state bytes, numel) of a TP task as its host runs it (full shape, or the shard
     shape under the paper's ``local`` accounting)."""
-    shape = spec.shape if flops_shape == "full" else spec.local_shape
-    numel = spec.numel if flops_shape == "full" else spec.local_numel
+    if spec.kind == "experts":  # one expert of a TP-split stack
+        shape = spec.task_shape if flops_shape == "full" else spec.local_task_shape
+    else:
+        shape = spec.shape if flops_shape == "full" else spec.local_shape
+    numel = math.prod(shape)
     return float(matrix_flops(optimizer, shape)), float(state_bytes(optimizer, shape)), float(numel)
 
 
@@ -251,12 +254,22 @@ class _TPTasks:
 
 
 def _tp_tasks(
-    sp: Sequence[ParamSpec], roles: Sequence[str], owner: Sequence[int], loads: LoadVectors, record: Strategy, inp: PlanInputs
+    sp: Sequence[ParamSpec],
+    roles: Sequence[str],
+    owner: Sequence[int],
+    loads: LoadVectors,
+    record: Strategy,
+    inp: PlanInputs,
+    ranges: dict[int, tuple[tuple[int, int, int], ...]],
 ) -> _TPTasks:
-    """Every ``tp-task`` parameter becomes a task of its owner (of every rank when all update)."""
+    """Every ``tp-task`` parameter becomes a task of its owner (of every rank when all update); every
+    expert of a TP-split stack a task ``name[e]`` of the DP rank that updates that expert."""
     cost_at = _TASK_COST_INDEX[inp.cost]
     tasks = _TPTasks(per_rank=[[] for _ in range(inp.dp)], avg={}, full={})
     for i, s in enumerate(sp):
+        if roles[i] == "experts" and s.tp_split:
+            _expert_tp_tasks(tasks, s, i, owner, loads, record, inp, ranges.get(i, ()))
+            continue
         if roles[i] != "tp-task":
             continue
         full = tasks.full[s.name] = _task_metric(s, inp.optimizer, inp.flops_shape)
@@ -268,6 +281,31 @@ def _tp_tasks(
         elif owner[i] >= 0:
             tasks.per_rank[owner[i]].append(task)
     return tasks
+
+
+def _expert_tp_tasks(
+    tasks: _TPTasks, s: ParamSpec, i: int, owner: Sequence[int], loads: LoadVectors, record: Strategy, inp: PlanInputs,
+    ranges: tuple[tuple[int, int, int], ...],
+) -> None:
+    """The ``E`` experts of TP-split stack ``s`` (buffer index ``i``) as TP tasks of the DP ranks
+    that update them: the owner of the whole stack, or each rank for the experts of its ranges
+    (a stack is cut only between experts), every rank under an every-rank strategy."""
+    e = s.shape[0]
+    full = _task_metric(s, inp.optimizer, inp.flops_shape)
+    avg = (float(loads.flops[i]) / e, float(loads.memory[i]) / e, float(loads.numel[i]) / e)
+    nbytes = inp.grad_bytes * math.prod(s.task_shape)
+    unit = s.local_numel // e
+    if record.every_rank_updates:
+        mine = [(r, 0, e) for r in range(inp.dp)]
+    elif owner[i] >= 0:
+        mine = [(owner[i], 0, e)]
+    else:
+        mine = [(r, a // unit, b // unit) for r, a, b in ranges]
+    for r, lo, hi in mine:
+        for k in range(lo, hi):
+            name = expert_task_name(s.name, k)
+            tasks.full[name], tasks.avg[name] = full, avg
+            tasks.per_rank[r].append(Task(name, full[_TASK_COST_INDEX[inp.cost]], nbytes))
 
 
 def _schedule(per_rank: list[list[Task]], inp: PlanInputs, grouped: bool) -> tuple[list[list[Group]], list[list[str]], dict[str, tuple[int, int]]]:
@@ -373,7 +411,7 @@ def make_plan(specs: Sequence[ParamSpec], inputs: PlanInputs, *, preload: Sequen
     roles = [param_role(record, s.kind, s.tp_split) for s in sp]
     assignment, ranges = _partition(record, layout, sp, loads, inp, roles, preload)
     owner = assignment.owner.tolist()
-    tasks = _tp_tasks(sp, roles, owner, loads, record, inp)
+    tasks = _tp_tasks(sp, roles, owner, loads, record, inp, ranges)
     grouped = inp.tp > 1 and inp.tp_schedule != "sync" and not record.sync_tp_only
     groups, sync_tasks, host_of = _schedule(tasks.per_rank, inp, grouped)
     params = _param_plans(specs, layout, owner, roles, ranges, host_of)

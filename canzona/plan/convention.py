@@ -46,7 +46,7 @@ import numpy as np
 
 from canzona.cost import matrix_flops
 from canzona.plan.plan import PlanError
-from canzona.specs import ParamSpec
+from canzona.specs import ParamSpec, split_task_name
 
 __all__ = [
     "Convention",
@@ -295,7 +295,8 @@ def worst_tp_group_bound(plan: Any) -> float:
     if not names or not hosts.size or hosts.mean() <= 0:
         return 1.0
     by = {s.name: s for s in plan.specs}
-    largest = max(float(matrix_flops(plan.inputs.optimizer, by[n].task_shape)) for n in names)
+    # an expert task (name[e]) of a TP-split stack is one (M, N) matrix of its stack
+    largest = max(float(matrix_flops(plan.inputs.optimizer, by[split_task_name(n)[0]].task_shape)) for n in names)
     return max(1.0, largest / float(hosts.mean()))
 
 

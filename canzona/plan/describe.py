@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from canzona.cost import param_flops, param_memory
 from canzona.plan.plan import ParamPlan, Plan
+from canzona.plan.tp import expert_hosts
 
 __all__ = ["RoleRow", "describe_plan", "role_rows"]
 
@@ -62,7 +63,10 @@ def role_rows(plan: Plan) -> list[RoleRow]:
         spec = pp.spec
         flops = param_flops(spec, "adamw" if pp.role == "elementwise" else opt, shape)
         mem = param_memory(spec, "adamw" if pp.role == "elementwise" else opt, shape)
-        out.append(RoleRow(pp.name, pp.role, tuple(spec.shape), _tasks(pp), flops, mem, _owners(pp)))
+        owners = _owners(pp)
+        if pp.role == "experts" and spec.tp_split:  # each expert a TP task: where they are hosted
+            owners += f", TP-split on dim {spec.tp_dim}, {expert_hosts(plan.micro_groups, pp.name)}"
+        out.append(RoleRow(pp.name, pp.role, tuple(spec.shape), _tasks(pp), flops, mem, owners))
     return out
 
 

@@ -33,7 +33,7 @@ from canzona.plan.strategies import (
     fsdp_schedule,
     strategy_names,
 )
-from canzona.specs import ParamSpec
+from canzona.specs import ParamSpec, expert_task_name, split_task_name
 
 __all__ = [
     "SCHEMA",
@@ -513,7 +513,8 @@ class Plan:
         return seen
 
     def _check_task(self, r: int, k: int, n: str, h: int, seen: set[str]) -> None:
-        p = self._index.get(n)
+        base, expert = split_task_name(n)
+        p = self._index.get(base)
         if p is None:
             raise PlanError(f"micro-group lists unknown parameter {n!r}")
         if n in seen:
@@ -521,14 +522,34 @@ class Plan:
         seen.add(n)
         if not 0 <= h < self.inputs.tp:
             raise PlanError(f"{n}: host {h} outside tp={self.inputs.tp}")
+        if expert is not None:
+            self._check_expert_task(r, n, p, expert)
+            return
         if p.tp_host != h or p.micro_group != k:
             raise PlanError(f"{n}: tp_host/micro_group disagree with group {k}")
         if not p.replicated and p.dp_owner != r:
             raise PlanError(f"{n}: in a micro-group of dp rank {r} but owned by {p.dp_owner}")
 
+    def _check_expert_task(self, r: int, n: str, p: ParamPlan, expert: int) -> None:
+        """Task ``n`` is expert ``expert`` of a TP-split stack that dp rank ``r`` updates."""
+        if p.role != "experts" or not p.spec.tp_split:
+            raise PlanError(f"{n}: names an expert of {p.name}, which is not a TP-split expert stack")
+        if not 0 <= expert < p.spec.shape[0]:
+            raise PlanError(f"{n}: expert index outside the stack's {p.spec.shape[0]} experts")
+        if p.replicated or p.dp_owner == r:
+            return
+        unit = p.spec.local_numel // p.spec.shape[0]
+        if not any(q == r and a <= expert * unit < b for q, a, b in p.dp_ranges):
+            raise PlanError(f"{n}: in a micro-group of dp rank {r}, which does not update that expert")
+
     def _check_tp_hosts(self, grouped: bool, seen: set[str]) -> None:
-        """Every TP task of a grouped schedule is in a group; nothing else has a host."""
+        """Every TP task of a grouped schedule is in a group (each expert of a TP-split stack
+        too); nothing else has a host (an expert stack's hosts are its experts' groups)."""
         for p in self.params:
+            if grouped and p.role == "experts" and p.spec.tp_split:
+                lost = [k for k in range(p.spec.shape[0]) if expert_task_name(p.name, k) not in seen]
+                if lost:
+                    raise PlanError(f"{p.name}: expert {lost[0]} of a TP-split expert stack in no micro-group")
             if grouped and p.role == "tp-task":
                 if p.spec.name not in seen:
                     raise PlanError(f"{p.spec.name}: TP-split matrix parameter in no micro-group")
@@ -602,6 +623,7 @@ class Plan:
                     "tp_dim": p.spec.tp_dim,
                     "kind": p.spec.kind,
                     **({"transposed": True} if p.spec.transposed else {}),
+                    **({"tp_blocks": p.spec.tp_blocks} if p.spec.tp_blocks > 1 else {}),
                     "bucket": p.bucket,
                     "offset": p.offset,
                     "numel": p.numel,
@@ -665,6 +687,9 @@ class Plan:
         transposed = [p.name for p in self.params if p.spec.transposed]
         if transposed:  # added later: plans without a stored-transposed weight keep their fingerprint
             doc["transposed"] = transposed
+        packed = [[p.name, p.spec.tp_blocks] for p in self.params if p.spec.tp_blocks > 1]
+        if packed:  # added later, the same way: plans without a packed stack keep their fingerprint
+            doc["tp_blocks"] = packed
         if version >= 2:
             doc["roles"] = [p.role for p in self.params]
             doc["collectives"] = [[b.collective, b.param_return] for b in self.buckets]
@@ -751,7 +776,10 @@ class Plan:
 def _params_from_doc(rows: Any, tp: int, version: int, record: Strategy | None) -> tuple[ParamPlan, ...]:
     """The ``params`` entries of a document (a version-1 document's roles from its strategy's record)."""
     specs = [
-        ParamSpec(name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp, transposed=_flag(q.get("transposed", False)))
+        ParamSpec(
+            name=q["name"], shape=tuple(q["shape"]), kind=q["kind"], tp_dim=q["tp_dim"], tp=tp,
+            transposed=_flag(q.get("transposed", False)), tp_blocks=q.get("tp_blocks", 1),
+        )
         for q in rows
     ]
     return tuple(

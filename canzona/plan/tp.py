@@ -3,7 +3,10 @@
 Within one DP rank, every owned TP-split matrix parameter is a *task*: one host TP rank gathers
 the full gradient (fused all-to-all), runs the optimizer on the full tensor with state it keeps
 for good, and scatters the updated shards back (Section 4.1). Replicated parameters need no
-task: their DP owner updates them on every TP rank, each rank holding the same replica.
+task: their DP owner updates them on every TP rank, each rank holding the same replica. An
+expert stack split over TP (rows or columns of every expert) is one task per expert, named
+``stack[e]`` (:func:`canzona.specs.expert_task_name`), costed on that expert's ``(M, N)`` matrix
+and scheduled like any other task; a stack replicated over TP needs none.
 
 Schedules (``PlanInputs.tp_schedule``):
 
@@ -30,8 +33,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver"]
+__all__ = ["Task", "Group", "GROUP_SCHEDULES", "schedule_tasks", "min_heap_solver", "expert_tp_summary", "expert_hosts"]
 
 GROUP_SCHEDULES: tuple[str, ...] = ("lpt", "lpt-carry", "round-robin", "no-fuse")
 
@@ -173,3 +177,39 @@ def schedule_tasks(tasks: Sequence[Task], tp: int, schedule: str, cmax_bytes: in
     if schedule == "no-fuse":
         return _no_fuse(ordered, tp, cmax_bytes)
     return _round_robin(tasks, tp, cmax_bytes)
+
+
+def expert_tp_summary(params: Sequence[Any], tp: int) -> str | None:
+    """One line on a plan's expert stacks (``params``: its ParamPlans): how many are split over TP
+    (each expert a TP task with a host) and how many replicated (every TP rank updates every expert
+    of its DP share); None without expert stacks. Expert tasks are named ``stack[e]`` in the
+    micro-groups and scheduled like any other task (cost of one ``(M, N)`` expert)."""
+    stacks = [p.spec for p in params if p.role == "experts"]
+    if not stacks:
+        return None
+    split = [s for s in stacks if s.tp_split]
+    n_split = sum(s.shape[0] for s in split)
+    parts = []
+    if split:
+        dims = sorted({("rows" if s.tp_dim == 1 else "columns") for s in split})
+        parts.append(f"{len(split)} stacks TP-split over tp={tp} ({' and '.join(dims)}): {n_split} expert tasks with TP hosts")
+    if len(split) < len(stacks):
+        rest = len(stacks) - len(split)
+        parts.append(f"{rest} stacks replicated over TP ({sum(s.shape[0] for s in stacks if not s.tp_split)} experts)")
+    return "; ".join(parts)
+
+
+def expert_hosts(micro_groups: Sequence[Sequence[Any]], name: str) -> str:
+    """Where the expert tasks of TP-split stack ``name`` are hosted, from a plan's micro-groups
+    (per DP rank, groups with ``params`` and ``hosts``): ``"TP hosts 0: 3 experts, 1: 5 experts"``;
+    ``"every TP rank"`` when no group names them (the ``sync`` schedule)."""
+    count: dict[int, int] = {}
+    prefix = f"{name}["
+    for groups in micro_groups:
+        for g in groups:
+            for t, h in zip(g.params, g.hosts):
+                if t.startswith(prefix):
+                    count[h] = count.get(h, 0) + 1
+    if not count:
+        return "every TP rank"
+    return "TP hosts " + ", ".join(f"{h}: {n} expert{'s' if n > 1 else ''}" for h, n in sorted(count.items()))

@@ -405,7 +405,7 @@ def _exports(src: Checkpointable) -> list[dict[str, Any]]:
                 if h.master is None or tuple(v.shape) != tuple(h.master.shape):
                     raise CheckpointError(
                         f"{h.name}: element-wise optimizer state {k!r} has shape {tuple(v.shape)}, not the "
-                        f"parameter's {tuple(h.master.shape) if h.master is not None else '?'}; it cannot be re-sliced"
+                        f"parameter's {tuple(ref.shape) if ref is not None else '?'}; it cannot be re-sliced"
                     )
                 state[k] = ("sliced", _cpu(v).reshape(-1))
             else:

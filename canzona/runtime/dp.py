@@ -142,6 +142,7 @@ from canzona.runtime.phases import (
     timing,
 )
 from canzona.settings import OptimizerSettings
+from canzona.specs import expert_task_name
 
 __all__ = [
     "DPRuntime",
@@ -186,6 +187,12 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    @property
+    def task(self) -> str:
+        """The name the TP engine knows this piece by: the parameter's, or ``name[e]`` for one
+        expert of a TP-split stack (each expert its own TP task)."""
+        return self.name if self.expert is None or self.role != "tp" else expert_task_name(self.name, self.expert)
 
 
 @dataclass(slots=True)
@@ -235,12 +242,14 @@ def pieces_for_rank(plan: Plan, dp_rank: int) -> list[Piece]:
 def _expert_pieces(pp: Any, dp_rank: int, base: int) -> list[Piece]:
     """One matrix piece per expert of an ``(E, M, N)`` stack that DP rank ``dp_rank`` updates (the
     whole stack when it owns it, the experts of its ranges when the plan cut the stack between
-    experts): each its own ``(M, N)`` master, task and optimizer state."""
+    experts): each its own ``(M, N)`` master, task and optimizer state. A TP-split stack's experts
+    are TP pieces (this rank's ``(M, N)`` TP shard of each, for the TP engine's expert tasks)."""
     unit = pp.numel // pp.spec.shape[0]
     mine = [(0, pp.numel)] if pp.replicated or pp.dp_owner == dp_rank else [(s, e) for r, s, e in pp.dp_ranges if r == dp_rank]
-    shape = tuple(pp.spec.task_shape)
+    shape = tuple(pp.spec.local_task_shape)
+    role = "tp" if pp.spec.tp_split else "matrix"
     return [
-        Piece(pp.name, pp.bucket, k * unit, (k + 1) * unit, False, "matrix", pp.offset + k * unit - base, shape=shape, expert=k)
+        Piece(pp.name, pp.bucket, k * unit, (k + 1) * unit, False, role, pp.offset + k * unit - base, shape=shape, expert=k)
         for s, e in mine
         for k in range(s // unit, e // unit)
     ]
@@ -423,7 +432,7 @@ class DPRuntime:
                 if opt is not None and mine:
                     steps.append((opt, mine, [self.masters[pc] for pc in mine]))
             self._local_steps.append(steps)
-        tp_masters = {pc.name: self.masters[pc] for pc in self.pieces if pc.role == "tp"}
+        tp_masters = {pc.task: self.masters[pc] for pc in self.pieces if pc.role == "tp"}
         self.tp_engine: Any = None
         if tp_masters:
             if tp_engine_factory is None:
@@ -892,7 +901,7 @@ class DPRuntime:
         # piece, so the flags are exactly those of the per-piece test in every case.
         if self.pieces and bool(nonfinite([self._grad_source(i) for i in range(len(self.plan.buckets))], self.buffer.data.device).any()):
             device = self.buffer.data.device
-            used = [self._tp_grads.get(pc.name) if pc.role == "tp" else self._piece_grads.get(pc) for pc in self.pieces]
+            used = [self._tp_grads.get(pc.task) if pc.role == "tp" else self._piece_grads.get(pc) for pc in self.pieces]
             # a parameter is non-finite when any of its pieces is (several cut pieces per parameter)
             bad = bad.to(device).index_add_(0, self._piece_param_index, nonfinite(used, device).to(torch.int64))
         return step_flags(digest, received, bad > 0)
@@ -966,7 +975,7 @@ class DPRuntime:
             src.div_(self.grad_divisor)
         for pc, g in self._grad_views[i]:
             if pc.role == "tp":
-                self._tp_grads[pc.name] = g
+                self._tp_grads[pc.task] = g
             else:
                 self._piece_grads[pc] = g
 

@@ -73,6 +73,7 @@ from canzona.plan.plan import Plan
 from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import Block, ExchangeTask, MicroGroupEngine, PieceLayout, assemble_at_host, from_hosts_recv_sizes
 from canzona.runtime.exchange import pack_from_hosts, pack_to_hosts, to_hosts_recv_sizes, unpack_from_hosts
+from canzona.specs import split_task_name
 
 __all__ = [
     "TPTask",
@@ -189,12 +190,41 @@ def sync_groups(tasks: Sequence[TPTask], tp: int, cmax_bytes: int, element_size:
 # ============================================================================ the engine
 
 
+def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
+    """Plan order of a task: its parameter's index, then its expert index (experts of one stack in order)."""
+    base, expert = split_task_name(name)
+    return order[base], -1 if expert is None else expert
+
+
+def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+    """The experts of packed stacks (``tp_blocks`` > 1) among ``names``: each as its exchange piece
+    shape ``(blocks, M / (blocks tp), N)`` (rank ``r`` holds rows ``r`` of every block) and its
+    ``(M, N)`` matrix. The host assembles ``(blocks, M / blocks, N)``, which is the matrix with its
+    rows in order, so the update is the single-device one bit for bit."""
+    out = {}
+    for n in names:
+        base, expert = split_task_name(n)
+        spec = by_name[base].spec
+        if expert is not None and spec.tp_blocks > 1:
+            b, (m, k) = spec.tp_blocks, spec.task_shape
+            out[n] = ((b, m // (b * tp), k), (m, k))
+    return out
+
+
+def _is_tp_task(p: Any, expert: int | None) -> bool:
+    """Whether plan parameter ``p`` (expert ``expert`` of it, for a stack) is a TP engine task."""
+    if expert is None:
+        return p.role == "tp-task"
+    return p.role == "experts" and p.spec.tp_split and 0 <= expert < p.spec.shape[0]
+
+
 class TPEngine(MicroGroupEngine):
     """Section 4's TP optimizer step for one DP rank's TP group (see the module docstring).
 
     ``comm`` is a :class:`Comm` over this DP rank's TP group (group-local ranks = TP ranks).
     ``local_masters`` are the fp32 TP-local master shards (``spec.local_shape``) of the TP-split
-    matrix parameters this DP rank updates; :meth:`step` updates them in place.
+    matrix parameters this DP rank updates, and of each expert (``stack[e]``, its ``(M, N)``
+    shard) of the TP-split expert stacks it updates; :meth:`step` updates them in place.
     ``optimizer_factory`` builds ONE per-parameter optimizer over the full-shape masters hosted
     here (not called when this rank hosts nothing). Exchange slots, schedule and state interface
     are :class:`~canzona.runtime.exchange.MicroGroupEngine`'s (``slots``,
@@ -226,12 +256,23 @@ class TPEngine(MicroGroupEngine):
         # device of the exchange buffers (masters live on the model's device; none: nothing to exchange)
         device = next(iter(local_masters.values())).device if local_masters else torch.device("cpu")
         order = {p.name: i for i, p in enumerate(plan.params)}
-        names = sorted(local_masters, key=order.__getitem__)
+        names = sorted(local_masters, key=lambda n: _task_order(order, n))
         es = torch.empty(0, dtype=dtype).element_size()
 
+        #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
+        self._packed = _packed_tasks(by_name, local_masters, self.tp)
+        packed = [p.name for p in plan.params if p.spec.tp_blocks > 1]  # the whole plan: every rank refuses alike
+        if packed and self.schedule == "sync":
+            raise ValueError(
+                f"{packed[0]}: a packed expert stack (packed_colwise) needs a grouped TP schedule "
+                "(lpt, lpt-carry, round-robin or no-fuse), not sync"
+            )
+
         def task(name: str, host: int) -> TPTask:
-            spec = by_name[name].spec
-            return TPTask(name, host, spec.local_shape, int(spec.tp_dim))  # type: ignore[arg-type]
+            spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
+            if name in self._packed:  # its blocks stacked on a leading dim: one rectangular piece per rank
+                return TPTask(name, host, self._packed[name][0], 1)
+            return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
 
         groups: list[list[TPTask]] = []
         if self.schedule == "sync":
@@ -263,17 +304,18 @@ class TPEngine(MicroGroupEngine):
     def _check_masters(self, by_name: Mapping[str, Any]) -> torch.dtype:
         dtypes = set()
         for name, t in self.local_masters.items():
-            if name not in by_name:
+            base, expert = split_task_name(name)
+            if base not in by_name:
                 raise ValueError(f"{name!r} is not a parameter of the plan")
-            p = by_name[name]
+            p = by_name[base]
             spec = p.spec
-            if p.role != "tp-task":
-                raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters only")
-            if not p.replicated and p.dp_owner != self.dp_rank:
+            if not _is_tp_task(p, expert):
+                raise ValueError(f"{name}: the TP engine handles TP-split matrix parameters (and experts of TP-split stacks) only")
+            if expert is None and not p.replicated and p.dp_owner != self.dp_rank:
                 raise ValueError(f"{name}: owned by dp rank {p.dp_owner}, not by this rank ({self.dp_rank})")
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_task_shape:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: local master has shape {shape}, expected {spec.local_shape}")
+                raise ValueError(f"{name}: local master has shape {shape}, expected {spec.local_task_shape}")
             if not t.is_floating_point():
                 raise TypeError(f"{name}: masters must be floating point, got {t.dtype}")
             dtypes.add(t.dtype)
@@ -286,7 +328,33 @@ class TPEngine(MicroGroupEngine):
         (one exchange per group, through the gather slot). Called at construction; call it again
         after overwriting ``local_masters`` from outside (e.g. a checkpoint load). Optimizer state
         is kept."""
-        super().refresh_masters(self.local_masters if values is None else values)
+        super().refresh_masters(self._pieces(self.local_masters if values is None else values))
+
+    # ------------------------------------------------------------------------- packed expert stacks
+    def _pieces(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """This rank's pieces as the exchange lays them out: a packed expert's ``(M / tp, N)`` shard
+        (its slice of each block, one after another) viewed as ``(blocks, M / (blocks tp), N)``."""
+        if not self._packed:
+            return tensors
+        return {n: t.view(self._packed[n][0]) if n in self._packed else t for n, t in tensors.items()}
+
+    def _unpack_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # the assembled (blocks, M / blocks, N) tensor of a packed expert holds its rows in the
+        # stack's own order ([gate; up]): the optimizer sees it as the (M, N) matrix it is
+        full = super()._unpack_gather(g, pieces)
+        for n in self._packed.keys() & full.keys():
+            full[n] = full[n].view(self._packed[n][1])
+        return full
+
+    def _blocks(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hosted values back in the exchange's layout (a packed expert as its stacked blocks)."""
+        return {n: (v.view(self._packed[n][0][0], -1, v.shape[-1]) if n in self._packed else v) for n, v in values.items()}
+
+    def _compute(self, g: Any, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        return self._blocks(super()._compute(g, full_grads, skip))
+
+    def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor]) -> Any:
+        return super()._launch_scatter(g, self._blocks(updated))
 
     # ------------------------------------------------------------------------- the step
     def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
@@ -299,7 +367,9 @@ class TPEngine(MicroGroupEngine):
         TP ranks are waiting in them): that host returns its unchanged values for the group, runs
         the remaining groups' exchanges, and raises the first error at the end."""
         self._check_grads(local_grads)
-        self.run(local_grads, self.local_masters, skip=skip)
+        if skip:  # a skipped expert stack skips each of its expert tasks
+            skip = frozenset(n for n in self.local_masters if n in skip or split_task_name(n)[0] in skip)
+        self.run(self._pieces(local_grads), self._pieces(self.local_masters), skip=skip)
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):

@@ -53,6 +53,7 @@ from canzona.sim.comm import (
 )
 from canzona.sim.configs import resolve_sim_model
 from canzona.sim.hardware import FLOPS_PER_MAC, HardwareProfile, ns_efficiency, peak_flops
+from canzona.specs import split_task_name
 
 __all__ = [
     "SIM_STRATEGIES",
@@ -561,14 +562,16 @@ def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup
         host_t = [0.0] * tp
         a = 0.0
         for name, h in zip(g.params, g.hosts):
-            i = index[name]
-            ln = params[i].spec.local_numel
+            base, expert = split_task_name(name)
+            i = index[base]
+            share = 1 if expert is None else params[i].spec.shape[0]  # one expert of a TP-split stack
+            ln = params[i].spec.local_numel // share
             for t in range(tp):
                 if t != h:
                     send[t] += ln
             recv[h] += ln * (tp - 1)
-            host_t[h] += ns_time[i]
-            a += apply_local[i]
+            host_t[h] += ns_time[i] / share
+            a += apply_local[i] / share
         gath.append(all_to_all_time(tp_link, [x * setup.grad_bytes for x in send], [x * setup.grad_bytes for x in recv]))
         # the scatter reverses the flows: hosts send (tp - 1) shards, everyone receives its own
         scat.append(all_to_all_time(tp_link, [x * setup.update_bytes for x in recv], [x * setup.update_bytes for x in send]))

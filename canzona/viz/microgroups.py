@@ -16,7 +16,8 @@ simulator's and the profiler's job).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -27,7 +28,7 @@ from canzona.cost import matrix_flops, param_flops, param_memory, state_bytes
 from canzona.paper import paper_value
 from canzona.plan.build import cmax_from_bytes, cmax_to_bytes, plan_model
 from canzona.plan.plan import DEFAULT_FLOPS_SHAPE, Plan
-from canzona.specs import ParamSpec
+from canzona.specs import ParamSpec, split_task_name
 from canzona.viz._style import GFLOP, GIB, MEGA, categorical_colors, finish, line_style, log_ticks
 from canzona.viz.partition import load_ratio, plan_label, rank_experts, rank_loads
 
@@ -81,6 +82,16 @@ def task_work(spec: ParamSpec, optimizer: str, flops_shape: str, metric: str = "
     return float(np.prod(shape))
 
 
+def _task_spec(by_name: Mapping[str, Any], task: str) -> ParamSpec:
+    """The spec of one micro-group task: its parameter's, or for ``stack[e]`` (an expert of a
+    TP-split stack) the ``(M, N)`` matrix of that expert with the stack's TP split."""
+    base, expert = split_task_name(task)
+    spec = by_name[base].spec
+    if expert is None:
+        return spec
+    return ParamSpec(task, spec.task_shape, "matrix", spec.task_tp_dim, spec.tp)
+
+
 def _check_rank(plan: Plan, dp_rank: int) -> None:
     if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < plan.inputs.dp:
         raise ValueError(f"dp_rank must be in [0, {plan.inputs.dp}), got {dp_rank!r}")
@@ -107,7 +118,7 @@ def task_table(plan: Plan, dp_rank: int = 0, *, metric: str = "flops") -> pd.Dat
     for g in plan.micro_groups[dp_rank]:
         clock = np.zeros(inp.tp)
         for n, h in zip(g.params, g.hosts):
-            spec = by_name[n].spec
+            spec = _task_spec(by_name, n)
             w = task_work(spec, inp.optimizer, inp.flops_shape, metric)
             rows.append(
                 (g.index, h, n, " x ".join(map(str, spec.shape)), w, inp.grad_bytes * spec.numel,
@@ -402,10 +413,10 @@ def one_host_groups(plan: Plan, dp_rank: int) -> list[str]:
     for g in groups:
         if len(g.params) != 1:
             continue
-        p = plan.param(g.params[0])
-        nbytes = i.grad_bytes * p.spec.numel
+        spec = _task_spec(plan.by_name(), g.params[0])
+        nbytes = i.grad_bytes * spec.numel
         if nbytes > i.cmax_bytes:
-            out.append(f"group {g.index}: {p.name} alone is {nbytes / GIB:.2f} GiB of gathered gradient "
+            out.append(f"group {g.index}: {spec.name} alone is {nbytes / GIB:.2f} GiB of gathered gradient "
                        f"> C_max {i.cmax_bytes / GIB:.2f} GiB, so it is a group of its own (host TP {g.hosts[0]})")
     return out
 

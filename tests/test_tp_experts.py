@@ -1,0 +1,600 @@
+"""Expert stacks split over TP on the ZeRO-1 layout: every expert a TP task.
+
+An ``(E, M, N)`` stack sharded ``Shard(1)`` (rows: column-parallel up projections) or ``Shard(2)``
+(columns: row-parallel down projections) over the ``tp`` mesh dimension is ``E`` TP tasks of shape
+``(M, N)``: the planner balances them like any TP task, the host of each expert gathers its TP
+shards, updates the whole ``(M, N)`` matrix with its own state and scatters the values back.
+
+Unit part: specs (split dims, the refusal of a TP split on the expert dim), the plan of a config
+with ``experts="stacked-tp"`` (every expert in exactly one micro-group of the DP rank that updates
+it, validation catching a lost or misplaced expert task), the ``canzona plan`` line.
+Distributed part (one spawn per world size: dp x tp = 1 x 2 at world 2, 2 x 2 at world 4): a model
+with a TP-split gate_up/down stack next to a TP-split dense matrix, stepped by Muon and Shampoo
+under several strategies and TP schedules, every expert's values and state bitwise against the
+single-device optimizer applied to that ``(M, N)`` matrix alone, including a step where one expert
+got no tokens (a zero gradient). transformers' ``packed_colwise`` expert stacks (a
+``_StridedShard`` placement) stay refused with one line naming the parameter
+(``tests/test_hf.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from canzona.runtime.launch import run_workers
+from canzona.specs import ParamSpec, expert_task_name, split_task_name
+from validation.harness import integer_grads, mean_grads, pack, unpack
+
+E, H, F = 4, 8, 6
+#: the expert that routes no token at step 1 (zero gradient in both stacks)
+IDLE = 2
+STEPS = 3
+#: (case name, matrix optimizer, strategy, TP schedule or None for the strategy's own, bucket size):
+#: 200-element buckets give each DP rank whole stacks, 50-element ones cut the stacks between
+#: experts at dp 2 (some experts of a stack on each DP rank, each rank's in its own micro-groups)
+CASES = (
+    ("muon-lb-asc", "muon", "lb-asc", None, 200),
+    ("muon-asc-cut", "muon", "asc", None, 50),
+    ("muon-lb-asc-sync", "muon", "lb-asc", "sync", 50),
+    ("muon-sc", "muon", "sc", None, 200),
+    ("shampoo-lb-asc-cut", "shampoo", "lb-asc", None, 50),
+)
+KW = {"muon": {"lr": 0.05, "adjust_lr_fn": "spectral"}, "shampoo": {"lr": 0.05}}
+EKW = {"lr": 0.01, "weight_decay": 0.1}
+#: the split dim of each TP-split parameter of :class:`TPExpertsModel`
+SPLITS = {"experts.gate_up_proj": 1, "experts.down_proj": 2, "proj.weight": 0}
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * F, H) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(E, H, F) * 0.2)
+
+
+class TPExpertsModel(nn.Module):
+    """A stacked-expert pair (as transformers 5.x and canzona's Qwen3MoE keep them), a dense
+    matrix and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = _Experts()
+        self.proj = nn.Linear(H, 2 * H, bias=False)
+        self.norm = nn.LayerNorm(2 * H)
+
+
+def _shard(model: nn.Module, tp_mesh) -> None:
+    """Each TP-split parameter becomes a ``Shard(d)`` DTensor holding this rank's ``torch.chunk``
+    (what ColwiseParallel/RowwiseParallel and Megatron's expert TP lay out)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    r, tp = tp_mesh.get_local_rank(), tp_mesh.size()
+    for name, d in SPLITS.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        full = getattr(mod, attr).detach()
+        local = full.chunk(tp, dim=d)[r].contiguous()
+        setattr(mod, attr, nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(d)], run_check=False)))
+
+
+def _local_grads(full: dict[str, torch.Tensor], tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    return {n: (g.chunk(tp, dim=SPLITS[n])[tp_rank].contiguous() if n in SPLITS else g) for n, g in full.items()}
+
+
+def full_grads(model: nn.Module, step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """The full-shape gradient DP rank ``dp_rank`` contributes at ``step`` (exact integers times a
+    power of two, so the DP mean is exact); the idle expert gets zeros at step 1."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    g = integer_grads(shapes, step=step, rank=dp_rank)
+    if step == 1:
+        g["experts.gate_up_proj"][IDLE] = 0
+        g["experts.down_proj"][IDLE] = 0
+    return g
+
+
+def _expert_state(opt, name: str, k: int) -> dict[str, torch.Tensor] | None:
+    """The optimizer state of expert ``k`` of stack ``name`` on this rank, when this rank hosts it."""
+    eng = opt.runtime.tp_engine
+    task = expert_task_name(name, k)
+    if eng is None or eng.optimizer is None or task not in eng.hosted:
+        return None
+    st = eng.optimizer.state.get(eng.masters[task], {})
+    return {key: v.detach().clone() for key, v in st.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+
+def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+
+    dp, tp = world // 2, 2
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = TPExpertsModel()
+    _shard(model, mesh["tp"])
+    opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, tp_schedule=schedule,
+                                       optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel)
+    from validation.harness import inject_grads
+
+    states = []
+    for step in range(STEPS):
+        inject_grads(model, _local_grads(full_grads(TPExpertsModel(), step, dp_rank), tp_rank, tp))
+        opt.step()
+        opt.zero_grad()
+        states.append({(n, k): st for n in ("experts.gate_up_proj", "experts.down_proj") for k in range(E)
+                       if (st := _expert_state(opt, n, k)) is not None})
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    groups = [list(g.params) for g in opt.plan.micro_groups[dp_rank]] if opt.plan.micro_groups else []
+    cut = sorted(p.name for p in opt.plan.params if p.role == "experts" and p.dp_ranges)
+    out = {"params": params, "states": states, "groups": groups, "dp_rank": dp_rank, "tp_rank": tp_rank, "cut": cut}
+    if optimizer == "muon" and bucket_numel == 50:  # the cut stacks, and the sync schedule's replicated hosts
+        out.update(_round_trip(rank, mesh, opt, model, optimizer, strategy, schedule, bucket_numel))
+    elif optimizer == "shampoo":
+        try:  # Shampoo's state is not shaped like the matrix: its expert checkpoint is refused, not mis-sliced
+            opt.consolidated_state_dict()
+            out["ckpt_error"] = None
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out["ckpt_error"] = str(exc)
+    return out
+
+
+def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int) -> dict:
+    """A consolidated checkpoint (every expert's state from its host) loaded into a fresh
+    optimizer on a fresh model takes the same next step as the running one."""
+    import torch.distributed as dist
+
+    import canzona
+    from validation.harness import inject_grads
+
+    doc = opt.consolidated_state_dict()
+    objs = [doc if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    resumed = []
+    for source in (objs[0],):
+        fresh_model = TPExpertsModel()
+        _shard(fresh_model, mesh["tp"])
+        fresh = canzona.DistributedOptimizer(fresh_model, optimizer, strategy=strategy, mesh=mesh, tp_schedule=schedule,
+                                             optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel)
+        fresh.load_state_dict(source)
+        resumed.append((fresh_model, fresh))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    for m, o in ((model, opt), *resumed):
+        inject_grads(m, _local_grads(full_grads(TPExpertsModel(), STEPS, dp_rank), tp_rank, 2))
+        o.step()
+        o.zero_grad()
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    same = [all(torch.equal(full(a), full(b)) for a, b in zip(model.parameters(), m.parameters())) for m, _ in resumed]
+    momentum = {n: st["momentum_buffer"].clone() for n, st in doc.get("state", {}).items() if n.startswith("experts.") and "momentum_buffer" in st}
+    return {"resumed_equal": same, "doc_momentum": momentum}
+
+
+def _qwen3_moe_config():
+    import transformers
+
+    # sides multiple of 4: transformers' grouped_mm expert kernel needs 16-byte strides
+    return transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                       num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def _hf_grads(shapes: dict[str, tuple[int, ...]], step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    g = integer_grads(shapes, step=step, rank=dp_rank)
+    if step == 1:  # an expert with no routed token: zero gradient in both stacks
+        for n in g:
+            if ".experts." in n:
+                g[n][IDLE] = 0
+    return g
+
+
+def _qwen3_moe(rank: int, world: int) -> dict:
+    """transformers' Qwen3MoeForCausalLM under its own TP plan (packed_colwise gate_up stack,
+    rowwise down stack, colwise/rowwise attention): every parameter and expert state after a few
+    steps on injected gradients, and the one-line refusals that remain (the packed stack marked
+    element-wise; a checkpoint of a packed stack)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import canzona
+    from canzona.hf import apply_tp_plan
+    from validation.harness import inject_grads
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    model = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
+    out: dict = {"placements": {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}}
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh, roles={"*experts*": "elementwise"})
+        out["elementwise_refused"] = None
+    except ValueError as exc:
+        out["elementwise_refused"] = str(exc)
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh, tp_schedule="sync")
+        out["sync_refused"] = None
+    except ValueError as exc:
+        out["sync_refused"] = str(exc)
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW, bucket_numel=3000)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    stacks = [n for n in shapes if ".experts." in n]
+    states = []
+    for step in range(STEPS):
+        full = _hf_grads(shapes, step, dp_rank)
+        local = {n: (distribute_tensor(full[n], mesh["tp"], p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else full[n])
+                 for n, p in model.named_parameters()}
+        inject_grads(model, local)
+        opt.step()
+        opt.zero_grad()
+        states.append({(n, k): st for n in stacks for k in range(E) if (st := _expert_state(opt, n, k)) is not None})
+    out["params"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    out["states"] = states
+    out["stacks"] = {n: (opt.plan.param(n).spec.tp_dim, opt.plan.param(n).spec.tp_blocks) for n in stacks}
+    try:
+        opt.consolidated_state_dict()
+        out["ckpt_refused"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["ckpt_refused"] = str(exc)
+    return out
+
+
+def _hf_reference(dp: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Single device: the same model unsharded, Muon on every matrix task alone (each expert its
+    own (M, N) matrix with its rows in the stack's order), AdamW on the rest, stepped on the DP
+    mean of the gradients the ranks injected."""
+    import transformers
+
+    from canzona.optim import Muon
+    from canzona.specs import module_roles
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float()
+    roles = module_roles(model)
+    named = dict(model.named_parameters())
+    tasks = {n: ([p.detach()[k].clone() for k in range(p.shape[0])] if roles[n][0] == "experts" else [p.detach().clone()])
+             for n, p in named.items()}
+    mat = [t for n, ts in tasks.items() if roles[n][0] != "elementwise" for t in ts]
+    ew = [t for n, ts in tasks.items() if roles[n][0] == "elementwise" for t in ts]
+    opts = [Muon(mat, **KW["muon"]), torch.optim.AdamW(ew, **EKW)]
+    shapes = {n: tuple(p.shape) for n, p in named.items()}
+    states = []
+    for step in range(STEPS):
+        g = mean_grads([_hf_grads(shapes, step, r) for r in range(dp)])
+        for n, ts in tasks.items():
+            for k, t in enumerate(ts):
+                t.grad = (g[n][k] if roles[n][0] == "experts" else g[n]).clone()
+        for o in opts:
+            o.step()
+        states.append({(n, k): {key: v.clone() for key, v in opts[0].state[t].items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+                       for n, ts in tasks.items() if roles[n][0] == "experts" for k, t in enumerate(ts)})
+    params = {n: (torch.stack(ts) if roles[n][0] == "experts" else ts[0]) for n, ts in tasks.items()}
+    return params, states
+
+
+def tp_experts_worker(rank: int, world: int) -> bytes:
+    out = {}
+    try:
+        out["qwen3_moe"] = _qwen3_moe(rank, world)
+    except Exception as exc:  # noqa: BLE001 - read by its own test
+        out["qwen3_moe"] = f"{type(exc).__name__}: {exc}"
+    for name, optimizer, strategy, schedule, bucket_numel in CASES:
+        try:
+            out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel)
+        except Exception as exc:  # noqa: BLE001 - each case fails on its own, in the test that reads it
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return pack(out)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["1x2", "2x2"])
+def results(request) -> tuple[int, list[dict]]:
+    world = request.param
+    return world, [unpack(r) for r in run_workers(tp_experts_worker, world, timeout_s=300)]
+
+
+# ------------------------------------------------------------------------------ reference
+def _reference(optimizer: str, dp: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Single device: the optimizer on every matrix task alone (each expert its own (M, N) matrix,
+    the dense weight), AdamW on the norm, stepped on the DP mean of the ranks' gradients."""
+    from canzona.optim import Muon, Shampoo
+
+    cls = {"muon": Muon, "shampoo": Shampoo}[optimizer]
+    model = TPExpertsModel()
+    tasks = {n: ([p.detach()[k].clone() for k in range(E)] if n.startswith("experts.") else [p.detach().clone()])
+             for n, p in model.named_parameters()}
+    mat = [t for n, ts in tasks.items() if n != "norm.weight" and n != "norm.bias" for t in ts]
+    ew = tasks["norm.weight"] + tasks["norm.bias"]
+    opts = [cls(mat, **KW[optimizer]), torch.optim.AdamW(ew, **EKW)]
+    states = []
+    for step in range(STEPS):
+        g = mean_grads([full_grads(model, step, r) for r in range(dp)])
+        for n, ts in tasks.items():
+            gs = [g[n][k] for k in range(E)] if n.startswith("experts.") else [g[n]]
+            for t, gt in zip(ts, gs):
+                t.grad = gt.clone()
+        for o in opts:
+            o.step()
+        states.append({(n, k): {key: v.clone() for key, v in opts[0].state[tasks[n][k]].items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+                       for n in ("experts.gate_up_proj", "experts.down_proj") for k in range(E)})
+    params = {n: (torch.stack(ts) if n.startswith("experts.") else ts[0]) for n, ts in tasks.items()}
+    return params, states
+
+
+_REF: dict[tuple[str, int], tuple] = {}
+
+
+def reference(optimizer: str, dp: int) -> tuple:
+    if (optimizer, dp) not in _REF:
+        _REF[optimizer, dp] = _reference(optimizer, dp)
+    return _REF[optimizer, dp]
+
+
+# ------------------------------------------------------------------------------ distributed tests
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_every_expert_bitwise_against_the_single_device_optimizer(results, case: str) -> None:
+    world, res = results
+    optimizer = next(c[1] for c in CASES if c[0] == case)
+    want, want_states = reference(optimizer, world // 2)
+    for r, got in enumerate(res):
+        got = got[case]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        for n, w in want.items():
+            assert torch.equal(got["params"][n], w), f"rank {r} ({world // 2}x2, {case}): {n} differs from one device"
+    # every expert's state: held by exactly the ranks that update it whole, bitwise the reference's
+    for step in range(STEPS):
+        held: dict[tuple, int] = {}
+        for r, got in enumerate(res):
+            for key, st in got[case]["states"][step].items():
+                held[key] = held.get(key, 0) + 1
+                want_st = want_states[step][key]
+                assert st.keys() == want_st.keys(), f"rank {r} step {step}: {key} state keys {sorted(st)}"
+                for sk, v in st.items():
+                    assert torch.equal(v, want_st[sk]), f"rank {r} step {step}: expert {key} state {sk} differs"
+        assert len(held) == 2 * E, f"step {step}: state of {2 * E - len(held)} experts held nowhere"
+        # one host per expert; every TP rank of its DP owner under sync; every rank under sc
+        copies = 2 if case.endswith("-sync") else world if case.endswith("-sc") else 1
+        assert set(held.values()) == {copies}, f"step {step}: copies of each expert's state {sorted(set(held.values()))}, expected {copies}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["muon-lb-asc", "muon-asc-cut"])
+def test_every_expert_is_one_task_of_one_dp_rank(results, case: str) -> None:
+    world, res = results
+    assert not any(isinstance(r[case], str) for r in res), [r[case] for r in res if isinstance(r[case], str)]
+    firsts = [r[case] for r in res if r[case]["tp_rank"] == 0]  # one TP group per DP rank
+    every = [t for r in firsts for g in r["groups"] for t in g]
+    experts = sorted(t for t in every if split_task_name(t)[1] is not None)
+    assert experts == sorted(expert_task_name(n, k) for n in ("experts.gate_up_proj", "experts.down_proj") for k in range(E))
+    if world == 4 and case.endswith("-cut"):
+        # the stacks were cut between experts: both DP ranks host experts of the same stack
+        assert firsts[0]["cut"], "the case meant to cut a stack between experts did not"
+        for n in firsts[0]["cut"]:
+            owners = [r["dp_rank"] for r in firsts for g in r["groups"] for t in g if split_task_name(t)[0] == n]
+            assert len(set(owners)) == 2, f"{n}: experts on dp ranks {sorted(set(owners))}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["muon-asc-cut", "muon-lb-asc-sync"])
+def test_consolidated_checkpoint_holds_every_expert_and_resumes_bitwise(results, case: str) -> None:
+    world, res = results
+    _, want_states = reference("muon", world // 2)
+    for r, got in enumerate(res):
+        got = got[case]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        (consolidated,) = got["resumed_equal"]
+        assert consolidated, f"rank {r}: the optimizer resumed from the consolidated document steps differently"
+    doc = res[0][case]["doc_momentum"]
+    assert sorted(doc) == ["experts.down_proj", "experts.gate_up_proj"], sorted(doc)
+    for n, m in doc.items():
+        want = torch.stack([want_states[-1][n, k]["momentum_buffer"] for k in range(E)])
+        assert torch.equal(m, want), f"{n}: consolidated momentum differs from the per-expert reference"
+
+
+@pytest.mark.slow
+def test_shampoo_expert_checkpoint_refused_naming_the_stack(results) -> None:
+    _, res = results
+    for r, got in enumerate(res):
+        msg = got["shampoo-lb-asc-cut"]["ckpt_error"]
+        assert msg is not None and "CheckpointError" in msg and "experts." in msg and "cannot be re-sliced" in msg, f"rank {r}: {msg}"
+
+
+@pytest.mark.slow
+def test_transformers_qwen3_moe_under_its_tp_plan_bitwise(results) -> None:
+    """packed_colwise un-packed on the host: each expert's [gate; up] rows in the stack's order."""
+    world, res = results
+    want, want_states = _hf_reference(world // 2)
+    for r, got in enumerate(res):
+        got = got["qwen3_moe"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        assert got["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == "(_StridedShard(dim=1, sf=2),)"
+        assert got["stacks"] == {"model.layers.0.mlp.experts.gate_up_proj": (1, 2), "model.layers.0.mlp.experts.down_proj": (2, 1)}
+        for n, w in want.items():
+            assert torch.equal(got["params"][n], w), f"rank {r} ({world // 2}x2): {n} differs from one device"
+    for step in range(STEPS):
+        held: dict[tuple, int] = {}
+        for r, got in enumerate(res):
+            for key, st in got["qwen3_moe"]["states"][step].items():
+                held[key] = held.get(key, 0) + 1
+                for sk, v in st.items():
+                    assert torch.equal(v, want_states[step][key][sk]), f"rank {r} step {step}: expert {key} state {sk} differs"
+        assert sorted(held) == sorted(want_states[step]) and set(held.values()) == {1}, f"step {step}: {sorted(held.items())}"
+
+
+@pytest.mark.slow
+def test_what_packed_colwise_still_refuses_in_one_line(results) -> None:
+    _, res = results
+    for r, got in enumerate(res):
+        got = got["qwen3_moe"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        msg = got["elementwise_refused"]  # element-wise pieces of a strided stack: its regions would be wrong
+        assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "packed_colwise" in msg, msg
+        msg = got["ckpt_refused"]
+        assert msg is not None and "gate_up_proj" in msg and "packed expert stack" in msg, msg
+        msg = got["sync_refused"]
+        assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "not sync" in msg, msg
+
+
+# ------------------------------------------------------------------------------ unit tests
+def test_spec_split_dims_and_the_expert_dim_refused() -> None:
+    up = ParamSpec("m.experts.up", (4, 12, 8), "experts", tp_dim=1, tp=2)
+    down = ParamSpec("m.experts.down", (4, 8, 6), "experts", tp_dim=2, tp=2)
+    assert (up.task_tp_dim, up.local_task_shape, up.task_shape) == (0, (6, 8), (12, 8))
+    assert (down.task_tp_dim, down.local_task_shape) == (1, (8, 3))
+    with pytest.raises(ValueError, match="expert parallelism") as exc:
+        ParamSpec("m.experts.up", (4, 12, 8), "experts", tp_dim=0, tp=2)
+    assert "m.experts.up" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="does not divide"):
+        ParamSpec("m.experts.down", (4, 8, 5), "experts", tp_dim=2, tp=2)
+    assert split_task_name(expert_task_name("a.b", 7)) == ("a.b", 7) and split_task_name("a.b") == ("a.b", None)
+
+
+def _moe_plan(**kw):
+    from canzona.plan.build import plan_model
+
+    # small buckets: the planner cuts the stacks between experts (expert tasks on both DP ranks)
+    return plan_model("qwen3-moe-tiny", dp=2, tp=2, bucket_numel=2000, **kw)
+
+
+def test_stacked_tp_plan_hosts_every_expert_once_on_its_dp_owner() -> None:
+    plan = _moe_plan(experts="stacked-tp")
+    plan.validate()
+    stacks = [p for p in plan.params if p.role == "experts"]
+    assert stacks and all(p.spec.tp_split and p.spec.tp_dim in (1, 2) for p in stacks)
+    assert all(p.tp_host is None for p in stacks)
+    seen: dict[str, int] = {}
+    for r, groups in enumerate(plan.micro_groups):
+        for g in groups:
+            for t in g.params:
+                base, k = split_task_name(t)
+                if k is not None:
+                    assert t not in seen
+                    seen[t] = r
+    assert len(seen) == sum(p.spec.shape[0] for p in stacks)
+    # each expert task sits with the DP rank whose buffer range holds that expert
+    assert any(p.dp_ranges for p in stacks), "no stack was cut between experts"
+    for p in stacks:
+        unit = p.spec.local_numel // p.spec.shape[0]
+        for k in range(p.spec.shape[0]):
+            owner = p.dp_owner if p.dp_owner is not None else next(r for r, a, b in p.dp_ranges if a <= k * unit < b)
+            assert seen[expert_task_name(p.name, k)] == owner
+    # the host loads count every expert: the TP FLOPs ratio stays near 1 with 8 experts per stack
+    assert plan.metrics.tp_flops_ratio < 1.1
+    # the default keeps stacks replicated over TP, with no expert task
+    default = _moe_plan()
+    assert all(not p.spec.tp_split for p in default.params if p.role == "experts")
+    assert not any(split_task_name(t)[1] is not None for gs in default.micro_groups for g in gs for t in g.params)
+
+
+def test_plan_validation_catches_lost_and_misplaced_expert_tasks() -> None:
+    from canzona.plan.plan import MicroGroup, Plan, PlanError
+
+    plan = _moe_plan(experts="stacked-tp")
+    doc = plan.to_dict()
+    assert Plan.from_dict(json.loads(json.dumps(doc))) == plan
+    groups = [list(gs) for gs in plan.micro_groups]
+    r = next(i for i, gs in enumerate(groups) if any(split_task_name(t)[1] is not None for g in gs for t in g.params))
+    g = next(g for g in groups[r] if any(split_task_name(t)[1] is not None for t in g.params))
+    j = next(i for i, t in enumerate(g.params) if split_task_name(t)[1] is not None)
+    lost = dataclasses.replace(g, params=g.params[:j] + g.params[j + 1:], hosts=g.hosts[:j] + g.hosts[j + 1:])
+    bad = [list(gs) for gs in groups]
+    bad[r][g.index] = lost
+    with pytest.raises(PlanError, match="in no micro-group"):
+        dataclasses.replace(plan, micro_groups=tuple(tuple(gs) for gs in bad)).validate()
+    moved = [list(gs) for gs in groups]
+    other = (r + 1) % len(groups)
+    moved[r][g.index] = lost
+    extra = MicroGroup(index=len(moved[other]), params=(g.params[j],), hosts=(0,), loads=(0.0,) * plan.inputs.tp)
+    moved[other].append(extra)
+    with pytest.raises(PlanError, match="does not update that expert"):
+        dataclasses.replace(plan, micro_groups=tuple(tuple(gs) for gs in moved)).validate()
+    wrong = [list(gs) for gs in groups]
+    wrong[r][g.index] = dataclasses.replace(g, params=g.params[:j] + (expert_task_name(split_task_name(g.params[j])[0], 999),) + g.params[j + 1:])
+    with pytest.raises(PlanError, match="outside the stack"):
+        dataclasses.replace(plan, micro_groups=tuple(tuple(gs) for gs in wrong)).validate()
+
+
+def test_canzona_plan_says_where_experts_are_tp_split(capsys) -> None:
+    from canzona.cli import main
+
+    assert main(["plan", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "2", "--experts", "stacked-tp"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("experts"))
+    assert "4 stacks TP-split over tp=2 (columns and rows): 32 expert tasks" in line, line
+    assert main(["plan", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "2"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("experts"))
+    assert "4 stacks replicated over TP (32 experts)" in line, line
+    # a TP degree that does not divide the experts' rows or columns: one line, exit 2
+    assert main(["plan", "--model", "qwen3-moe-tiny", "--dp", "2", "--tp", "64", "--experts", "stacked-tp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+
+
+def test_costs_and_role_table_of_tp_split_stacks() -> None:
+    import numpy as np
+
+    from canzona.cost import cost_arrays, matrix_flops, param_flops, param_memory, state_bytes
+    from canzona.plan.describe import describe_plan
+
+    up = ParamSpec("m.experts.up", (4, 12, 8), "experts", tp_dim=1, tp=2)
+    down = ParamSpec("m.experts.down", (4, 8, 6), "experts", tp_dim=2, tp=2)
+    for s in (up, down):
+        assert param_flops(s, "muon") == 4 * matrix_flops("muon", s.task_shape) / 2  # E full tasks over tp hosts
+        assert param_flops(s, "muon", "local") == 4 * matrix_flops("muon", s.local_task_shape)
+        assert param_memory(s, "shampoo") == 4 * state_bytes("shampoo", s.task_shape) / 2
+    specs = list(_moe_plan(experts="stacked-tp").specs)
+    for opt in ("muon", "shampoo"):
+        for fs in ("full", "local"):
+            f, m = cost_arrays(specs, opt, fs)  # the vectorised form the planner uses agrees
+            assert np.allclose(f, [param_flops(s, opt, fs) for s in specs], rtol=1e-12, atol=0)
+            assert np.allclose(m, [param_memory(s, opt, fs) for s in specs], rtol=1e-12, atol=0)
+    rows = [ln for ln in describe_plan(_moe_plan(experts="stacked-tp")).splitlines() if "experts.linear_fc1" in ln]
+    assert rows and all("TP-split on dim 1, TP hosts" in ln for ln in rows), rows
+    rows = [ln for ln in describe_plan(_moe_plan(experts="stacked-tp", tp_schedule="sync")).splitlines() if "experts.linear_fc2" in ln]
+    assert rows and all("TP-split on dim 2, every TP rank" in ln for ln in rows), rows
+
+
+def test_fsdp2_planner_refuses_a_tp_split_stack_in_one_line() -> None:
+    from canzona.plan.fsdp import plan_fsdp_model
+
+    with pytest.raises(ValueError) as exc:
+        plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2, experts="stacked-tp")
+    assert "experts" in str(exc.value) and "TP-split" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_microgroup_explorer_reads_expert_tasks() -> None:
+    from canzona.cost import matrix_flops
+    from canzona.viz.microgroups import task_table
+
+    plan = _moe_plan(experts="stacked-tp")
+    rows = task_table(plan, 1)
+    experts = rows[rows.param.str.contains("experts.linear_fc2.weight[", regex=False)]
+    assert len(experts) and set(experts["shape"]) == {"64 x 32"}  # one (M, N) expert per row
+    assert set(experts["work"]) == {float(matrix_flops("muon", (64, 32)))}
+    assert set(experts["grad_bytes"]) == {4 * 64 * 32}
+
+
+def test_packed_stack_spec_and_plan_document() -> None:
+    from canzona.plan.build import make_plan
+    from canzona.plan.plan import Plan, PlanInputs
+
+    packed = ParamSpec("m.experts.gate_up_proj", (4, 16, 8), "experts", tp_dim=1, tp=2, tp_blocks=2)
+    for bad in (dict(tp_dim=2), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0)):
+        with pytest.raises(ValueError, match="packed blocks"):
+            ParamSpec(**{**dict(name="m.experts.gate_up_proj", shape=(4, 16, 8), kind="experts", tp_dim=1, tp=2, tp_blocks=2), **bad})
+    inp = PlanInputs(model="x", layout="hf", dp=2, tp=2, optimizer="muon", strategy="lb-asc", tp_schedule="lpt-carry", bucket_numel=100)
+    rest = [ParamSpec("m.experts.down_proj", (4, 8, 8), "experts", tp_dim=2, tp=2), ParamSpec("m.norm.weight", (8,), "elementwise", tp=2)]
+    plan = make_plan([packed, *rest], inp)
+    doc = json.loads(plan.to_json())
+    assert [p.get("tp_blocks") for p in doc["params"]] == [2, None, None]
+    back = Plan.from_dict(doc)
+    assert back == plan and back.param("m.experts.gate_up_proj").spec.tp_blocks == 2
+    plain = make_plan([dataclasses.replace(packed, tp_blocks=1), *rest], inp)
+    assert plain.fingerprint != plan.fingerprint  # the packing is part of what the plan is
+    assert "tp_blocks" not in json.dumps(json.loads(plain.to_json())["params"])
