@@ -69,7 +69,7 @@ def test_run_takes_fsdp_mesh_names_strictly() -> None:
     one-line errors before any process starts."""
     with pytest.raises(ValueError, match="^unknown FSDP2 mesh 'fsdp8'; the FSDP2 meshes are fsdp2, fsdp4, fsdp2xtp2, hsdp2x2$"):
         run("muon", meshes="dp2,fsdp8")
-    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy model"):
+    with pytest.raises(ValueError, match="FSDP2 meshes run only the fsdp-toy and fsdp-moe models"):
         run("muon", "awkward", meshes=["FSDP2"])
     cells = build_matrix(Selection(optimizers=(SIGN,), meshes=("fsdp2xtp2",), level="full"))
     assert {(c.model, c.check) for c in cells} == {("fsdp-toy", "injected")} and {c.optimizer for c in cells} == {SIGN}
