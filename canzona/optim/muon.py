@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._common import _verified as _finite_verified
 from ._common import (
     MatrixOptimizerMixin,
     check_beta,
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_NS_STEPS",
     "Muon",
     "AUTO_BATCH_MIN_SIDE",
+    "MATRIX_INPUT_DTYPES",
     "adjust_lr",
     "batched_newton_schulz",
     "batching_is_bitwise",
@@ -70,6 +72,13 @@ AUTO_BATCH_MIN_SIDE = 16
 #: (one stacked copy of the chain's inputs and its temporaries) while keeping the speed-up
 AUTO_BATCH_MAX = 64
 _AUTO_BATCH_DTYPES = (torch.bfloat16, torch.float32)
+#: parameter (master) dtypes for which :class:`Muon`'s split step (:meth:`Muon.matrix_input` ...)
+#: is bitwise equal to :meth:`Muon.step`: its element-wise kernels (``lerp``, ``mul``, ``add`` with
+#: ``alpha``, the cast to the Newton-Schulz dtype) give every element the same bits whatever its
+#: position in the tensor (vectorized body or scalar tail; measured on AVX2/AVX512 CPU and pinned by
+#: ``tests/test_ns_exchange.py``). bfloat16 parameters are not: ``add_`` with ``alpha`` rounds
+#: differently in the scalar tail there.
+MATRIX_INPUT_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_ns_args(
@@ -373,14 +382,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         p.add_(ortho.T, alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
 
     @staticmethod
-    def _batch_chains(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
-        """Split ``params`` into the lists run as one chain each: same shape, dtype and device;
-        under ``"auto"`` only where :func:`batching_is_bitwise` holds (elsewhere one per chain)
-        and at most :data:`AUTO_BATCH_MAX` per chain."""
-        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Tensor]] = {}
-        for p in params:
-            by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
-        chains: list[list[Tensor]] = []
+    def _chains(group: dict[str, Any], tensors: Sequence[Tensor], items: Sequence[Any]) -> list[list[Any]]:
+        """Split ``items`` (one per tensor of ``tensors``) into the lists run as one chain each:
+        same shape, dtype and device; under ``"auto"`` only where :func:`batching_is_bitwise`
+        holds (elsewhere one per chain) and at most :data:`AUTO_BATCH_MAX` per chain."""
+        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Any]] = {}
+        for t, item in zip(tensors, items):
+            by_shape.setdefault((t.shape, t.dtype, t.device), []).append(item)
+        chains: list[list[Any]] = []
         for (shape, dtype, device), same in by_shape.items():
             if group["batched"] is True:
                 chains.append(same)
@@ -389,8 +398,13 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             if len(shape) == 2 and batching_is_bitwise(shape, work_dtype, device):
                 chains.extend(same[i : i + AUTO_BATCH_MAX] for i in range(0, len(same), AUTO_BATCH_MAX))
             else:
-                chains.extend([p] for p in same)
+                chains.extend([x] for x in same)
         return chains
+
+    @classmethod
+    def _batch_chains(cls, group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
+        """:meth:`_chains` over the parameters themselves."""
+        return cls._chains(group, params, params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -426,3 +440,94 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                 for p, o in zip(chain, ortho):
                     self._apply(group, p, o)
         return loss
+
+    # ------------------------------------------------------------------ the split step
+    # Muon is element-wise before and after one whole-matrix operation (Newton-Schulz). A
+    # distributed engine may therefore keep the momentum on the shards where the gradient lies,
+    # move only the pieces of the Newton-Schulz input to the matrix's host (in the dtype
+    # Newton-Schulz computes in), orthogonalize there and send the result back for the
+    # element-wise update on the shards. The three methods below are that step cut in three,
+    # each doing op for op what :meth:`step` does on the whole matrix, so the result is bitwise
+    # :meth:`step`'s (for :data:`MATRIX_INPUT_DTYPES`). Nothing changes state before
+    # :meth:`matrix_apply`.
+
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        index = getattr(self, "_split_groups", None)
+        if index is None or id(p) not in index:
+            index = {id(q): g for g in self.param_groups for q in g["params"]}
+            self._split_groups = index
+        return index[id(p)]
+
+    def matrix_input_dtype(self) -> torch.dtype | None:
+        """The dtype the split step exchanges (the Newton-Schulz compute dtype), or None when it is
+        not bitwise equal to :meth:`step` here (a parameter dtype outside
+        :data:`MATRIX_INPUT_DTYPES`, or param groups with different compute dtypes)."""
+        dtypes = set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dtype not in MATRIX_INPUT_DTYPES:
+                    return None
+                dtypes.add(p.dtype if g["ns_dtype"] is None else g["ns_dtype"])
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    @torch.no_grad()
+    def matrix_input(self, p: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """For the piece ``p`` with gradient piece ``grad``: ``(new momentum, Newton-Schulz input
+        piece)``, the momentum advanced out of place (``state`` is not touched; pass the first to
+        :meth:`matrix_apply`)."""
+        group = self._group_of(p)
+        buf = self.state[p].get("momentum_buffer")
+        momentum = group["momentum"]
+        if buf is None:
+            new = torch.zeros_like(grad, memory_format=torch.preserve_format).lerp_(grad, 1 - momentum)
+        else:
+            new = buf.lerp(grad, 1 - momentum)
+        return new, (grad.lerp(new, momentum) if group["nesterov"] else new)
+
+    @torch.no_grad()
+    def matrix_output(self, params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
+        """Host side: Newton-Schulz of each whole input (stored shape, in the compute dtype) as
+        :meth:`step` runs it for the parameter ``params[i]`` belongs to (any piece of it stands
+        for its param group), batched where :meth:`step` would batch; results in stored shape."""
+        out: list[Tensor | None] = [None] * len(inputs)
+        by_group: dict[int, list[int]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(params):
+            g = self._group_of(p)
+            by_group.setdefault(id(g), []).append(i)
+            groups[id(g)] = g
+        if not getattr(_finite_verified, "depth", 0):
+            for i, x in enumerate(inputs):
+                if x.numel() and not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{self._name}: the Newton-Schulz input of matrix {i} (shape {tuple(x.shape)}) is not finite")
+        for gid, idx in by_group.items():
+            group = groups[gid]
+            abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+            checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
+            if group.get("transposed", False):
+                for i in idx:
+                    out[i] = _newton_schulz(inputs[i].T.contiguous(), *checked).T
+                continue
+            if group["batched"] is False:
+                for i in idx:
+                    out[i] = _newton_schulz(inputs[i], *checked)
+                continue
+            ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+            for chain in self._chains(group, [inputs[i] for i in idx], idx):
+                if len(chain) == 1:
+                    out[chain[0]] = _newton_schulz(inputs[chain[0]], *checked)
+                else:
+                    for i, o in zip(chain, batched_newton_schulz([inputs[i] for i in chain], *ns_args).unbind(0)):
+                        out[i] = o
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def matrix_apply(self, p: Tensor, momentum: Tensor, output: Tensor, full_shape: Sequence[int]) -> None:
+        """Commit ``momentum`` (from :meth:`matrix_input`) and update the piece ``p`` with its
+        block ``output`` of the Newton-Schulz result of the ``full_shape`` (stored) matrix."""
+        group = self._group_of(p)
+        self.state[p]["momentum_buffer"] = momentum
+        shape = tuple(full_shape)[::-1] if group.get("transposed", False) else tuple(full_shape)
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(output, alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))

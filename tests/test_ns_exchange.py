@@ -1,0 +1,295 @@
+"""Muon's split step (momentum on the pieces, Newton-Schulz on the whole matrix, the update on the
+pieces) against the single-device Muon, bitwise; and the element-wise kernels it relies on, at
+every shard offset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from canzona.optim import Muon
+from canzona.optim.muon import MATRIX_INPUT_DTYPES
+
+
+def _ops(g: torch.Tensor, b: torch.Tensor, p: torch.Tensor, o: torch.Tensor) -> list[torch.Tensor]:
+    """The split step's element-wise kernels, in its order."""
+    new = b.lerp(g, 0.05)
+    nest = g.lerp(new, 0.95)
+    q = p.clone()
+    q.mul_(1 - 0.02 * 0.1)
+    q.add_(o, alpha=-0.02 * 1.7320508)
+    return [new, nest, nest.to(torch.bfloat16), q]
+
+
+@pytest.mark.parametrize("dtype", MATRIX_INPUT_DTYPES)
+def test_element_wise_kernels_do_not_depend_on_the_piece_offset(dtype: torch.dtype) -> None:
+    """Every element gets the same bits on a piece starting at any offset (vectorized body and
+    scalar tail alike): the premise of computing the momentum on the shards."""
+    torch.manual_seed(0)
+    n = 700
+    g, b, p = (torch.randn(n, dtype=dtype) * s for s in (1e-3, 1.0, 3.0))
+    o = torch.randn(n, dtype=torch.bfloat16)
+    whole = _ops(g, b, p, o)
+    for start in range(65):
+        for length in (1, 7, 15, 17, 31, 33, 63, 129, 300):
+            sl = slice(start, start + length)
+            part = _ops(g[sl].clone(), b[sl].clone(), p[sl].clone(), o[sl].clone())
+            for w, x in zip(whole, part):
+                assert torch.equal(w[sl], x), (start, length)
+
+
+def test_bfloat16_parameters_are_not_offered_the_split_step() -> None:
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))]).matrix_input_dtype() is None
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4))]).matrix_input_dtype() == torch.bfloat16
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype=None).matrix_input_dtype() == torch.float32
+
+
+def _row_pieces(rows: int, cuts: list[int]) -> list[slice]:
+    edges = [0, *sorted(c for c in cuts if 0 < c < rows), rows]
+    return [slice(a, b) for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", MATRIX_INPUT_DTYPES)
+def test_split_step_equals_step(ns_dtype: torch.dtype | None, nesterov: bool, dtype: torch.dtype) -> None:
+    """Pieces cut at odd rows (offsets not multiples of the vector width), several steps, tall,
+    wide and same-shape (batched) matrices: parameters and momentum equal ``step()``'s bitwise."""
+    torch.manual_seed(1)
+    shapes = [(37, 23), (19, 53), (24, 24), (24, 24), (5, 3)]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_dtype=ns_dtype, adjust_lr_fn="match_rms_adamw")
+    ref = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+    ref_opt = Muon(ref, **kw)
+    cuts = [[3, 11, 12, 30], [1, 7], [5, 13], [24], [2]]
+    slices = [_row_pieces(s[0], c) for s, c in zip(shapes, cuts)]
+    pieces = [[torch.nn.Parameter(r.detach()[sl].clone()) for sl in sls] for r, sls in zip(ref, slices)]
+    opt = Muon([q for ps in pieces for q in ps], **kw)
+    work = ns_dtype or dtype
+    assert opt.matrix_input_dtype() == work
+    for _ in range(3):
+        grads = [torch.randn(s, dtype=dtype) for s in shapes]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        ref_opt.step()
+        inputs, moms = [], []
+        for ps, sls, g in zip(pieces, slices, grads):
+            full = torch.empty(g.shape, dtype=work)
+            mm = []
+            for q, sl in zip(ps, sls):
+                mom, x = opt.matrix_input(q, g[sl].clone())
+                full[sl] = x  # the exchange's cast to the compute dtype
+                mm.append(mom)
+            inputs.append(full)
+            moms.append(mm)
+        outs = opt.matrix_output([ps[0] for ps in pieces], inputs)
+        for ps, sls, mm, o in zip(pieces, slices, moms, outs):
+            for q, sl, mom in zip(ps, sls, mm):
+                opt.matrix_apply(q, mom, o[sl], o.shape)
+    for r, ps, sls in zip(ref, pieces, slices):
+        for q, sl in zip(ps, sls):
+            assert torch.equal(r.detach()[sl], q.detach())
+            assert torch.equal(ref_opt.state[r]["momentum_buffer"][sl], opt.state[q]["momentum_buffer"])
+
+
+def test_split_step_of_a_transposed_group_equals_step() -> None:
+    torch.manual_seed(2)
+    ref = torch.nn.Parameter(torch.randn(29, 17))
+    ref_opt = Muon([{"params": [ref], "transposed": True}], lr=0.03)
+    sls = _row_pieces(29, [9, 10])
+    pieces = [torch.nn.Parameter(ref.detach()[sl].clone()) for sl in sls]
+    opt = Muon([{"params": pieces, "transposed": True}], lr=0.03)
+    for _ in range(2):
+        g = torch.randn(29, 17)
+        ref.grad = g.clone()
+        ref_opt.step()
+        full = torch.empty(29, 17, dtype=torch.bfloat16)
+        moms = []
+        for q, sl in zip(pieces, sls):
+            mom, x = opt.matrix_input(q, g[sl].clone())
+            full[sl] = x
+            moms.append(mom)
+        (o,) = opt.matrix_output([pieces[0]], [full])
+        for q, sl, mom in zip(pieces, sls, moms):
+            opt.matrix_apply(q, mom, o[sl], o.shape)
+    for q, sl in zip(pieces, sls):
+        assert torch.equal(ref.detach()[sl], q.detach())
+
+
+# ============================================================================ FSDP2, spawned
+# One spawn per world size serves every case (module-scoped results); each case is its own test.
+
+# (label, matrix optimizer, its kwargs, strategy, parameter dtype, exchange)
+FSDP_CASES: list[tuple[str, str, dict, str, str, str]] = [
+    ("muon/lb-asc", "muon", {"lr": 0.02}, "lb-asc", "float32", "ns-input"),
+    ("muon/asc/fp32-ns", "muon", {"lr": 0.02, "ns_dtype": None}, "asc", "float32", "ns-input"),
+    ("muon/sc/no-nesterov", "muon", {"lr": 0.02, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"}, "sc", "float32", "ns-input"),
+    ("muon/lb-asc/bf16-params", "muon", {"lr": 0.02}, "lb-asc", "bfloat16", "ns-input"),
+    ("shampoo/lb-asc/auto", "shampoo", {"lr": 0.01}, "lb-asc", "float32", "auto"),
+]
+FSDP_MESH_KEYS = {2: ("dp_shard2",), 4: ("dp_shard4", "dp_shard2_tp2")}
+EW = {"lr": 0.01, "weight_decay": 0.1}
+NS_STEPS = 3
+
+
+def _fsdp_case(mesh, opt_name: str, kw: dict, strategy: str, dtype: torch.dtype, exchange: str) -> dict:
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.distributed import resolve_optimizer
+    from validation.fsdp_harness import _dp, _full_params, build_fsdp_toy, compare_with_reference, fsdp_local_grads, fsdp_reference
+
+    model = build_fsdp_toy(mesh, dtype)
+    opt = canzona.DistributedOptimizer(model, opt_name, strategy=strategy, mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW,
+                                       exchange=exchange)
+    for s in range(NS_STEPS):
+        model(fsdp_local_grads(mesh, s)).backward()
+        opt.step()
+        opt.zero_grad()
+    # the steps' bytes (the consolidated document below is counted too)
+    out = {"split": opt.runtime.engine.split, "sent": opt.comm_stats.total_sent(), "state_bytes": opt.state_bytes(), "mismatches": None}
+    params, doc = _full_params(model), opt.consolidated_state_dict()
+    if dist.get_rank() == 0:
+        ref = fsdp_reference(resolve_optimizer(opt_name), kw, EW, dtype=dtype, dp=_dp(mesh)[1], steps=NS_STEPS)
+        out["mismatches"] = compare_with_reference(params, doc, ref)
+    return out
+
+
+def _resume_case(rank: int, mesh) -> dict:
+    """Save after 2 split steps, load into a fresh model and optimizer (``gradients`` and
+    ``ns-input``), step once more: both equal 3 uninterrupted steps."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from validation.fsdp_harness import _full_params, build_fsdp_toy, fsdp_local_grads
+
+    def make(exchange: str):
+        m = build_fsdp_toy(mesh, torch.float32)
+        return m, canzona.DistributedOptimizer(m, "muon", mesh=mesh, optimizer_kwargs={"lr": 0.02}, elementwise_kwargs=EW, exchange=exchange)
+
+    def run(m, o, steps) -> None:
+        for s in steps:
+            m(fsdp_local_grads(mesh, s)).backward()
+            o.step()
+            o.zero_grad()
+
+    model, opt = make("ns-input")
+    run(model, opt, range(2))
+    path = [os.path.join(tempfile.mkdtemp(prefix="canzona-ns-"), "opt.pt") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    save_checkpoint(opt, path[0])
+    run(model, opt, range(2, 3))
+    out = {"straight": _full_params(model)}
+    for exchange in ("ns-input", "gradients"):
+        fresh, opt2 = make(exchange)
+        load_checkpoint(opt2, path[0])
+        run(fresh, opt2, range(2, 3))
+        out[exchange] = _full_params(fresh)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path[0])
+        os.rmdir(os.path.dirname(path[0]))
+    return out
+
+
+def _refusals(mesh) -> dict:
+    import canzona
+    from validation.fsdp_harness import build_fsdp_toy
+
+    out = {}
+    for key, kw in {"shampoo": {"optimizer": "shampoo", "exchange": "ns-input"}, "bad": {"optimizer": "muon", "exchange": "values"}}.items():
+        try:
+            canzona.DistributedOptimizer(build_fsdp_toy(mesh), mesh=mesh, **kw)
+            out[key] = None
+        except (ValueError, TypeError) as exc:
+            out[key] = str(exc)
+    opt = canzona.DistributedOptimizer(build_fsdp_toy(mesh), "muon", mesh=mesh, exchange="ns-input")
+    try:
+        opt.register_update_hook(lambda *a: None)
+        out["hook"] = None
+    except ValueError as exc:
+        out["hook"] = str(exc)
+    return out
+
+
+def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from validation.fsdp_harness import FSDP_MESHES
+    from validation.harness import pack
+
+    out: dict[str, object] = {}
+    for key in keys:
+        shape, names = FSDP_MESHES[key]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for label, opt_name, kw, strategy, dtype, exchange in FSDP_CASES:
+            for mode in (exchange, "gradients") if label == "muon/lb-asc" else (exchange,):
+                try:
+                    out[f"{key}/{label}/{mode}"] = _fsdp_case(mesh, opt_name, kw, strategy, getattr(torch, dtype), mode)
+                except Exception as exc:  # noqa: BLE001 - one case fails on its own
+                    out[f"{key}/{label}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                dist.barrier()
+        if key in ("dp_shard2", "dp_shard2_tp2"):
+            try:
+                out[f"{key}/resume"] = _resume_case(rank, mesh)
+            except Exception as exc:  # noqa: BLE001
+                out[f"{key}/resume"] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[f"{key}/refusals"] = _refusals(mesh)
+    return pack(out)
+
+
+_results: dict[int, list[dict]] = {}
+
+
+def _fsdp_results(world: int) -> list[dict]:
+    from canzona.runtime.launch import run_workers
+    from validation.harness import unpack
+
+    if world not in _results:
+        _results[world] = [unpack(b) for b in run_workers(_ns_worker, world, FSDP_MESH_KEYS[world], timeout_s=400)]
+    return _results[world]
+
+
+_IDS = [(w, k, c[0]) for w, keys in FSDP_MESH_KEYS.items() for k in keys for c in FSDP_CASES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "key", "label"), _IDS, ids=[f"{k}-{c}" for _, k, c in _IDS])
+def test_fsdp2_split_step_matches_single_device_bitwise(world: int, key: str, label: str) -> None:
+    """Parameters, masters and momentum equal the single-device optimizer's bitwise under
+    ``ns-input``; Muon takes the split step (fewer bytes than ``gradients``, the same state
+    sharded), Shampoo keeps the generic path under ``auto``."""
+    res = _fsdp_results(world)
+    case = next(c for c in FSDP_CASES if c[0] == label)
+    split = res[0][f"{key}/{label}/{case[5]}"]
+    assert "error" not in split, split.get("error")
+    assert split["mismatches"] == []
+    muon = case[1] == "muon"
+    assert all(r[f"{key}/{label}/{case[5]}"]["split"] is muon for r in res)
+    if label == "muon/lb-asc":  # the same momentum in all, sharded instead of hosted; fewer bytes
+        assert res[0][f"{key}/{label}/gradients"]["mismatches"] == []
+        assert sum(r[f"{key}/{label}/{case[5]}"]["sent"] for r in res) < sum(r[f"{key}/{label}/gradients"]["sent"] for r in res)
+        if key != "dp_shard2_tp2":  # (there pieces replicated over tp hold their momentum twice)
+            assert sum(r[f"{key}/{label}/{case[5]}"]["state_bytes"] for r in res) == sum(r[f"{key}/{label}/gradients"]["state_bytes"] for r in res)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "key"), [(2, "dp_shard2"), (4, "dp_shard2_tp2")])
+def test_fsdp2_split_step_checkpoint_resumes_bitwise_under_either_exchange(world: int, key: str) -> None:
+    got = _fsdp_results(world)[0][f"{key}/resume"]
+    assert "error" not in got, got.get("error")
+    for exchange in ("ns-input", "gradients"):
+        bad = [n for n in got["straight"] if not torch.equal(got["straight"][n], got[exchange][n])]
+        assert bad == [], (exchange, bad)
+
+
+@pytest.mark.slow
+def test_fsdp2_split_step_refusals_are_one_clear_line() -> None:
+    got = _fsdp_results(2)[0]["dp_shard2/refusals"]
+    assert "exchange='ns-input' needs a matrix optimizer" in got["shampoo"]
+    assert "exchange must be one of" in got["bad"]
+    assert "exchange='gradients'" in got["hook"]
