@@ -4,6 +4,9 @@ every shard offset."""
 
 from __future__ import annotations
 
+import sys
+import traceback
+
 import pytest
 import torch
 
@@ -215,6 +218,59 @@ def _refusals(mesh) -> dict:
     return out
 
 
+# ============================================================================ TP engine (ZeRO-1's TP micro-groups)
+
+TP_CASES = [("sc", "sync"), ("asc", "round-robin"), ("lb-asc", "lpt")]
+TP_STEPS = 3
+
+
+def _tp_case(strategy: str, schedule: str, exchange: str) -> dict:
+    """The TP engine over the whole world (dp 1) on qwen3-tiny's TP-split matrices, against one
+    single-device Muon over the full matrices: shards and momentum bitwise."""
+    import zlib
+
+    from canzona.config import load_model_config
+    from canzona.models import Qwen3
+    from canzona.plan import PlanInputs, make_plan
+    from canzona.runtime.comm import Comm, CommStats
+    from canzona.runtime.tp import TPEngine
+    from canzona.specs import specs_from_config
+
+    cfg = load_model_config("qwen3-tiny")
+    tp = 2
+    plan = make_plan(specs_from_config(cfg, tp=tp, layout="hf"), PlanInputs(
+        model=cfg.name, layout="hf", dp=1, tp=tp, optimizer="muon", strategy=strategy, tp_schedule=schedule,
+        bucket_numel=20_000, cmax_bytes=2**16))
+    comm = Comm(None, CommStats())
+    full = {n: p.detach().clone() for n, p in Qwen3(cfg, seed=5).named_parameters()}
+    mine = [p for p in plan.params if p.spec.kind == "matrix" and p.spec.tp_split]
+    local = {p.name: full[p.name].chunk(tp, dim=p.spec.tp_dim)[comm.rank].clone() for p in mine}
+    kw = {"lr": 0.02, "weight_decay": 0.01}
+    engine = TPEngine(plan, dp_rank=0, comm=comm, optimizer_factory=lambda ps: Muon(ps, **kw), local_masters=local, exchange=exchange)
+    comm.stats.reset()
+    ref = {p.name: torch.nn.Parameter(full[p.name].clone()) for p in mine}
+    ref_opt = Muon(list(ref.values()), **kw)
+    for step in range(TP_STEPS):
+        grads = {}
+        for p in mine:
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{p.name}/{step}".encode()))
+            g = torch.randn(p.spec.shape, generator=gen)
+            ref[p.name].grad = g
+            grads[p.name] = g.chunk(tp, dim=p.spec.tp_dim)[comm.rank].clone()
+        engine.step(grads)
+        ref_opt.step()
+    bad = []
+    for p in mine:
+        cut = lambda t: t.chunk(tp, dim=p.spec.tp_dim)[comm.rank]  # noqa: E731
+        if not torch.equal(local[p.name], cut(ref[p.name].detach())):
+            bad.append(f"param:{p.name}")
+        st = engine.state_dict().get(p.name) if engine.split else None
+        if st is not None and not torch.equal(st["momentum_buffer"], cut(ref_opt.state[ref[p.name]]["momentum_buffer"])):
+            bad.append(f"state:{p.name}")
+    return {"split": engine.split, "mismatches": bad, "sent": comm.stats.total_sent(), "state_bytes": engine.state_bytes(),
+            "tasks": len(mine)}
+
+
 def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -223,6 +279,14 @@ def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
     from validation.harness import pack
 
     out: dict[str, object] = {}
+    if world == 2:
+        for strategy, schedule in TP_CASES:
+            for exchange in ("ns-input", "gradients"):
+                try:
+                    out[f"tp/{strategy}/{exchange}"] = _tp_case(strategy, schedule, exchange)
+                except Exception as exc:  # noqa: BLE001 - one case fails on its own
+                    out[f"tp/{strategy}/{exchange}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                dist.barrier()
     for key in keys:
         shape, names = FSDP_MESHES[key]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -231,6 +295,7 @@ def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
                 try:
                     out[f"{key}/{label}/{mode}"] = _fsdp_case(mesh, opt_name, kw, strategy, getattr(torch, dtype), mode)
                 except Exception as exc:  # noqa: BLE001 - one case fails on its own
+                    traceback.print_exc(file=sys.stderr)
                     out[f"{key}/{label}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 dist.barrier()
         if key in ("dp_shard2", "dp_shard2_tp2"):
@@ -242,16 +307,23 @@ def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
     return pack(out)
 
 
-_results: dict[int, list[dict]] = {}
+_results: dict[int, list[dict] | Exception] = {}
 
 
 def _fsdp_results(world: int) -> list[dict]:
+    """The spawn of ``world`` ranks, run once for every test that reads it (a failed spawn too)."""
     from canzona.runtime.launch import run_workers
     from validation.harness import unpack
 
     if world not in _results:
-        _results[world] = [unpack(b) for b in run_workers(_ns_worker, world, FSDP_MESH_KEYS[world], timeout_s=400)]
-    return _results[world]
+        try:
+            _results[world] = [unpack(b) for b in run_workers(_ns_worker, world, FSDP_MESH_KEYS[world], timeout_s=400)]
+        except Exception as exc:  # noqa: BLE001 - reported by every test that needs it
+            _results[world] = exc
+    got = _results[world]
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 _IDS = [(w, k, c[0]) for w, keys in FSDP_MESH_KEYS.items() for k in keys for c in FSDP_CASES]
@@ -293,3 +365,19 @@ def test_fsdp2_split_step_refusals_are_one_clear_line() -> None:
     assert "exchange='ns-input' needs a matrix optimizer" in got["shampoo"]
     assert "exchange must be one of" in got["bad"]
     assert "exchange='gradients'" in got["hook"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [c[0] for c in TP_CASES])
+def test_tp_split_step_matches_single_device_bitwise(strategy: str) -> None:
+    """The TP engine's split step: shards and sharded momentum equal the single-device Muon's;
+    fewer bytes than the gradients exchange, the same momentum in total."""
+    res = _fsdp_results(2)
+    split, plain = ([r[f"tp/{strategy}/{m}"] for r in res] for m in ("ns-input", "gradients"))
+    for r in split + plain:
+        assert "error" not in r, r.get("error")
+        assert r["tasks"] > 0 and r["mismatches"] == []
+    assert all(r["split"] for r in split) and not any(r["split"] for r in plain)
+    assert sum(r["sent"] for r in split) < sum(r["sent"] for r in plain)
+    if strategy != "sc":  # (under sc every TP rank holds the whole state of everything)
+        assert sum(r["state_bytes"] for r in split) == sum(r["state_bytes"] for r in plain)

@@ -585,6 +585,7 @@ class MicroGroupEngine:
         self.masters: dict[str, nn.Parameter] = {}
         #: the split step: this rank's piece master of every task (the caller's tensors)
         self.pieces: dict[str, torch.Tensor] = {}
+        self._opt_params: dict[str, torch.Tensor] = {}  # what stands for each piece in the optimizer
         self.optimizer: torch.optim.Optimizer | None = None
         self.split = self._try_split(groups, exchange, optimizer_factory, initial)
         #: dtype of the exchange buffers (the masters' or, split, the matrix operation's)
@@ -644,7 +645,12 @@ class MicroGroupEngine:
         for n, t in pieces.items():
             if t.dtype != self.master_dtype:
                 raise TypeError(f"{n}: the split step updates piece masters of {self.master_dtype}, got {t.dtype}")
-        opt = factory(list(pieces.values()))
+        # an empty piece (FSDP2's trailing ranks) enters the optimizer as a 1 x 1 stand-in: every
+        # rank then builds the same param groups (optimizers refuse empty tensors), and a host
+        # holding no rows of a matrix still finds its group; a stand-in never gets state
+        self._opt_params = {n: t if t.numel() else nn.Parameter(torch.zeros(1, 1, dtype=t.dtype, device=t.device))
+                            for n, t in pieces.items()}
+        opt = factory(list(self._opt_params.values()))
         if split_dtype(opt) is None:
             if exchange == "ns-input":
                 raise ValueError(
@@ -653,7 +659,7 @@ class MicroGroupEngine:
                 )
             return False
         self.optimizer, self.pieces = opt, pieces
-        self._check_optimizer(list(pieces.values()))
+        self._check_optimizer(list(self._opt_params.values()))
         return True
 
     def _reserve_slots(self) -> None:
@@ -823,7 +829,7 @@ class MicroGroupEngine:
         live = [n for n in g.hosted if n not in skip]
         out = dict(full)
         if live:
-            results = self.optimizer.matrix_output([self.pieces[n] for n in live], [full[n] for n in live])  # type: ignore[union-attr]
+            results = self.optimizer.matrix_output([self._opt_params[n] for n in live], [full[n] for n in live])  # type: ignore[union-attr]
             out.update(zip(live, results))
         return out
 
@@ -945,8 +951,8 @@ class MicroGroupEngine:
     @property
     def state_names(self) -> tuple[str, ...]:
         """The parameters whose optimizer state this rank holds: the hosted ones (full shape) or,
-        split, every task's piece (shaped like the piece)."""
-        return tuple(self.pieces) if self.split else self.hosted
+        split, every task's non-empty piece (shaped like the piece)."""
+        return tuple(n for n, t in self.pieces.items() if t.numel()) if self.split else self.hosted
 
     def _state_param(self, name: str) -> torch.Tensor:
         return self.pieces[name] if self.split else self.masters[name]

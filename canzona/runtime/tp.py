@@ -194,7 +194,10 @@ class TPEngine(MicroGroupEngine):
 
     ``comm`` is a :class:`Comm` over this DP rank's TP group (group-local ranks = TP ranks).
     ``local_masters`` are the fp32 TP-local master shards (``spec.local_shape``) of the TP-split
-    matrix parameters this DP rank updates; :meth:`step` updates them in place.
+    matrix parameters this DP rank updates; :meth:`step` updates them in place. ``exchange``:
+    ``"ns-input"`` (or ``"auto"``) runs the split step (:class:`~canzona.runtime.exchange.MicroGroupEngine`):
+    the optimizer is built over ``local_masters`` themselves, its element-wise state (Muon's
+    momentum) lives with each shard, and only the Newton-Schulz input and output are exchanged.
     ``optimizer_factory`` builds ONE per-parameter optimizer over the full-shape masters hosted
     here (not called when this rank hosts nothing). Exchange slots, schedule and state interface
     are :class:`~canzona.runtime.exchange.MicroGroupEngine`'s (``slots``,
@@ -209,6 +212,7 @@ class TPEngine(MicroGroupEngine):
         comm: Comm,
         optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         local_masters: dict[str, torch.Tensor],
+        exchange: str = "gradients",
     ) -> None:
         inp = plan.inputs
         self.plan = plan
@@ -256,6 +260,7 @@ class TPEngine(MicroGroupEngine):
             dtype=dtype,
             device=device,
             phases=exchange_phases("canzona/tp/gather", "canzona/tp/compute", "canzona/tp/scatter", "canzona/tp/apply"),
+            exchange=exchange,
         )
         self.sync = self.schedule == "sync"
 
