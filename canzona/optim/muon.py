@@ -123,15 +123,17 @@ def newton_schulz(
     return _newton_schulz(grad, steps, _check_ns_args(coefficients, steps, eps, dtype), eps, dtype)
 
 
-def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], eps: float, dtype: torch.dtype | None) -> Tensor:
+def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], eps: float, dtype: torch.dtype | None,
+                   owned: bool = False) -> Tensor:
     """:func:`newton_schulz` on arguments already checked (:class:`Muon` checks them once per group
-    and step, not once per matrix)."""
+    and step, not once per matrix). ``owned``: ``grad`` is the caller's scratch and may be
+    overwritten (no copy when it is already in the compute dtype; the values are the same)."""
     a, b, c = abc
     work_dtype = grad.dtype if dtype is None else dtype
     # copy=True: with a bf16 input, .to() would alias it and the in-place normalisation below
     # would overwrite the caller's tensor (torch 2.13 does exactly that to the bf16 momentum buffer).
     # (keyword form: torch's fastest overload of .to for a plain dtype conversion)
-    x = grad.to(dtype=work_dtype, copy=True)
+    x = grad if owned and grad.dtype == work_dtype else grad.to(dtype=work_dtype, copy=True)
     tall = grad.shape[0] > grad.shape[1]
     if tall:
         x = x.T
@@ -206,7 +208,8 @@ def batched_newton_schulz(
         raise ValueError("batched_newton_schulz needs at least one matrix")
     a, b, c = _check_ns_args(coefficients, steps, eps, dtype)
     work_dtype = stack.dtype if dtype is None else dtype
-    x = stack.to(work_dtype, copy=True)
+    # a stack built here is already a copy: no second one (the values are the same)
+    x = stack.to(work_dtype, copy=isinstance(grads, Tensor))
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -488,7 +491,8 @@ class Muon(MatrixOptimizerMixin, Optimizer):
     def matrix_output(self, params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
         """Host side: Newton-Schulz of each whole input (stored shape, in the compute dtype) as
         :meth:`step` runs it for the parameter ``params[i]`` belongs to (any piece of it stands
-        for its param group), batched where :meth:`step` would batch; results in stored shape."""
+        for its param group), batched where :meth:`step` would batch; results in stored shape.
+        The inputs are the caller's scratch: they may be overwritten."""
         out: list[Tensor | None] = [None] * len(inputs)
         by_group: dict[int, list[int]] = {}
         groups: dict[int, dict[str, Any]] = {}
@@ -506,16 +510,16 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
             if group.get("transposed", False):
                 for i in idx:
-                    out[i] = _newton_schulz(inputs[i].T.contiguous(), *checked).T
+                    out[i] = _newton_schulz(inputs[i].T.contiguous(), *checked, owned=True).T
                 continue
             if group["batched"] is False:
                 for i in idx:
-                    out[i] = _newton_schulz(inputs[i], *checked)
+                    out[i] = _newton_schulz(inputs[i], *checked, owned=True)
                 continue
             ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
             for chain in self._chains(group, [inputs[i] for i in idx], idx):
                 if len(chain) == 1:
-                    out[chain[0]] = _newton_schulz(inputs[chain[0]], *checked)
+                    out[chain[0]] = _newton_schulz(inputs[chain[0]], *checked, owned=True)
                 else:
                     for i, o in zip(chain, batched_newton_schulz([inputs[i] for i in chain], *ns_args).unbind(0)):
                         out[i] = o
