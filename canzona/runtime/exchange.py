@@ -40,6 +40,19 @@ compute ``k``, and scatter ``k`` lands during compute ``k+1``. At most one gathe
 are in flight, so two exchange slots (:class:`ExchangeSlots`) reserved at construction, each
 buffer as long as the largest group needs, serve every group of every step.
 
+The split step (``exchange="ns-input"``, an optimizer with ``matrix_input`` / ``matrix_output`` /
+``matrix_apply`` such as :class:`canzona.optim.Muon`): every rank computes the element-wise part
+before the matrix operation on its own pieces, the gather carries only the matrix operation's
+input (in its compute dtype) to the host, the host runs that operation on the whole matrix, the
+scatter returns its result, led by one flag element per peer (did the host compute the group),
+and every rank finishes the element-wise update on its own piece masters. The element-wise state
+(Muon's momentum) then lives with the pieces; the values are bitwise those of the whole-matrix
+step (see ``docs/runtime.md``, "The split step").
+
+:meth:`MicroGroupEngine.run` walks the schedule and hands each event to its handler
+(``_gather_launch``, ``_gather_wait``, ``_compute_event``, ``_scatter_launch``, ``_scatter_wait``,
+``_apply``); what one step carries between events is a :class:`_Run`.
+
 Errors: an exception in one host's compute does not stop the exchanges (the other ranks wait in
 them): that host returns unchanged values for the group, runs the remaining exchanges and raises
 the first error at the end; on any exception the collectives still in flight are waited for
