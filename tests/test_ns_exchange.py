@@ -41,10 +41,15 @@ def test_element_wise_kernels_do_not_depend_on_the_piece_offset(dtype: torch.dty
                 assert torch.equal(w[sl], x), (start, length)
 
 
-def test_bfloat16_parameters_are_not_offered_the_split_step() -> None:
+def test_the_split_step_is_offered_only_where_it_is_bitwise() -> None:
     assert Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))]).matrix_input_dtype() is None
     assert Muon([torch.nn.Parameter(torch.zeros(4, 4))]).matrix_input_dtype() == torch.bfloat16
     assert Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype=None).matrix_input_dtype() == torch.float32
+    # off the CPU (not measured there): not offered
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4, device="meta"))]).matrix_input_dtype() is None
+    # param groups computing in different dtypes: one exchange dtype is impossible
+    two = Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))]}, {"params": [torch.nn.Parameter(torch.zeros(4, 4))], "ns_dtype": None}])
+    assert two.matrix_input_dtype() is None
 
 
 def _row_pieces(rows: int, cuts: list[int]) -> list[slice]:

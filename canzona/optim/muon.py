@@ -463,12 +463,15 @@ class Muon(MatrixOptimizerMixin, Optimizer):
 
     def matrix_input_dtype(self) -> torch.dtype | None:
         """The dtype the split step exchanges (the Newton-Schulz compute dtype), or None when it is
-        not bitwise equal to :meth:`step` here (a parameter dtype outside
-        :data:`MATRIX_INPUT_DTYPES`, or param groups with different compute dtypes)."""
+        not known to be bitwise equal to :meth:`step` here (a parameter dtype outside
+        :data:`MATRIX_INPUT_DTYPES`, a parameter off the CPU, or param groups with different
+        compute dtypes)."""
         dtypes = set()
         for g in self.param_groups:
             for p in g["params"]:
-                if p.dtype not in MATRIX_INPUT_DTYPES:
+                # CPU only: the position-independence of the element-wise kernels is measured
+                # there; on CUDA it has not been checked yet, so the whole-matrix step stays
+                if p.dtype not in MATRIX_INPUT_DTYPES or p.device.type != "cpu":
                     return None
                 dtypes.add(p.dtype if g["ns_dtype"] is None else g["ns_dtype"])
         return dtypes.pop() if len(dtypes) == 1 else None
