@@ -276,6 +276,70 @@ def _tp_case(strategy: str, schedule: str, exchange: str) -> dict:
             "tasks": len(mine)}
 
 
+def _zero1_tp_case(rank: int) -> dict:
+    """The front end on the ZeRO-1 path at dp 1 x tp 2 (the TP engine's split step inside
+    ``DistributedOptimizer``): model values bitwise the single-device run's; a checkpoint written
+    after 2 steps loads under ``gradients`` and the third step agrees; update hooks refused."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.distributed import DistributedOptimizer
+    from canzona.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from validation.checks import ELEMENTWISE_KWARGS, OPTIMIZER_KWARGS
+    from validation.harness import ReferenceRunner, inject_grads, integer_grads, params_of, tensors_equal, tp_cut
+    from validation.models import build_model
+
+    tp, tp_rank = 2, rank
+    mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+    kw = OPTIMIZER_KWARGS["muon"]
+
+    def make(exchange: str):
+        model, full, tp_dims, bucket_numel = build_model("awkward", torch.float32, tp_rank=tp_rank, tp=tp)
+        opt = DistributedOptimizer(model, Muon, strategy="lb-asc", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=ELEMENTWISE_KWARGS,
+                                   tp_dims=tp_dims or None, bucket_numel=bucket_numel, roles=getattr(model, "canzona_roles", None),
+                                   exchange=exchange)
+        return model, full, tp_dims, opt
+
+    model, full, tp_dims, opt = make("ns-input")
+    shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
+
+    def run(m, o, steps) -> None:
+        for step in steps:
+            inject_grads(m, tp_cut(integer_grads(shapes, step=step, rank=0, exponent=-6), tp_dims, tp_rank, tp))
+            o.step()
+            o.zero_grad()
+
+    run(model, opt, range(1, 3))
+    path = [os.path.join(tempfile.mkdtemp(prefix="canzona-ns-tp-"), "opt.pt") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    save_checkpoint(opt, path[0])
+    run(model, opt, range(3, 4))
+    runner = ReferenceRunner(full, Muon, kw, torch.optim.AdamW, ELEMENTWISE_KWARGS)
+    for step in range(1, 4):
+        runner.step(integer_grads(shapes, step=step, rank=0, exponent=-6))
+    out = {"split": opt.runtime.tp_engine is not None and opt.runtime.tp_engine.split,
+           "mismatches": tensors_equal(params_of(model), tp_cut(runner.params(), tp_dims, tp_rank, tp))}
+    model2, _, _, opt2 = make("gradients")
+    load_checkpoint(opt2, path[0])
+    run(model2, opt2, range(3, 4))
+    out["resumed"] = tensors_equal(params_of(model2), params_of(model))
+    try:
+        opt.register_update_hook(lambda *a: None)
+        out["hook"] = None
+    except ValueError as exc:
+        out["hook"] = str(exc)
+    for o in (opt, opt2):
+        o.runtime.detach()
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path[0])
+        os.rmdir(os.path.dirname(path[0]))
+    return out
+
+
 def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -292,6 +356,12 @@ def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
                 except Exception as exc:  # noqa: BLE001 - one case fails on its own
                     out[f"tp/{strategy}/{exchange}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 dist.barrier()
+        try:
+            out["zero1-tp"] = _zero1_tp_case(rank)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            out["zero1-tp"] = {"error": f"{type(exc).__name__}: {exc}"}
+        dist.barrier()
     for key in keys:
         shape, names = FSDP_MESHES[key]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -386,3 +456,12 @@ def test_tp_split_step_matches_single_device_bitwise(strategy: str) -> None:
     assert sum(r["sent"] for r in split) < sum(r["sent"] for r in plain)
     if strategy != "sc":  # (under sc every TP rank holds the whole state of everything)
         assert sum(r["state_bytes"] for r in split) == sum(r["state_bytes"] for r in plain)
+
+
+@pytest.mark.slow
+def test_zero1_tp_front_end_split_step_is_bitwise_and_checkpoints_across_exchanges() -> None:
+    for r in _fsdp_results(2):
+        got = r["zero1-tp"]
+        assert "error" not in got, got.get("error")
+        assert got["split"] and got["mismatches"] == [] and got["resumed"] == []
+        assert "exchange='gradients'" in got["hook"]
