@@ -77,7 +77,9 @@ class OptimizerSettings:
     """What the matrix micro-groups exchange (FSDP2 and TP): ``gradients`` (gradient pieces to the
     host, updated values back, fp32) or ``ns-input`` (Muon: momentum on the shards, only the
     Newton-Schulz input and output travel, in its compute dtype; bitwise the same step);
-    ``auto``: ``ns-input`` where the matrix optimizer offers it, else ``gradients``."""
+    ``auto``: ``ns-input`` where the matrix optimizer offers it, else ``gradients``. The default
+    stays ``gradients``: ``ns-input`` refuses per-update hooks (no rank updates a matrix whole)
+    and is offered on CPU parameters only so far (docs/runtime.md, "The split step")."""
     roles: Any = None
     """Parameter roles the user decides (``matrix``, ``experts``, ``elementwise``): a callable
     ``(name, param) -> role | None`` or a mapping of glob patterns to roles (first match wins);
