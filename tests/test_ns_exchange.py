@@ -79,20 +79,13 @@ def test_split_step_equals_step(ns_dtype: torch.dtype | None, nesterov: bool, dt
         for r, g in zip(ref, grads):
             r.grad = g.clone()
         ref_opt.step()
-        inputs, moms = [], []
-        for ps, sls, g in zip(pieces, slices, grads):
-            full = torch.empty(g.shape, dtype=work)
-            mm = []
-            for q, sl in zip(ps, sls):
-                mom, x = opt.matrix_input(q, g[sl].clone())
-                full[sl] = x  # the exchange's cast to the compute dtype
-                mm.append(mom)
-            inputs.append(full)
-            moms.append(mm)
+        flat = [(k, q, sl) for k, (ps, sls) in enumerate(zip(pieces, slices)) for q, sl in zip(ps, sls)]
+        moms, xs = opt.matrix_input([q for _, q, _ in flat], [grads[k][sl].clone() for k, _, sl in flat])
+        inputs = [torch.empty(g.shape, dtype=work) for g in grads]
+        for (k, _, sl), x in zip(flat, xs):
+            inputs[k][sl] = x  # the exchange's cast to the compute dtype
         outs = opt.matrix_output([ps[0] for ps in pieces], inputs)
-        for ps, sls, mm, o in zip(pieces, slices, moms, outs):
-            for q, sl, mom in zip(ps, sls, mm):
-                opt.matrix_apply(q, mom, o[sl], o.shape)
+        opt.matrix_apply([q for _, q, _ in flat], moms, [outs[k][sl] for k, _, sl in flat], [outs[k].shape for k, _, _ in flat])
     for r, ps, sls in zip(ref, pieces, slices):
         for q, sl in zip(ps, sls):
             assert torch.equal(r.detach()[sl], q.detach())
@@ -111,14 +104,11 @@ def test_split_step_of_a_transposed_group_equals_step() -> None:
         ref.grad = g.clone()
         ref_opt.step()
         full = torch.empty(29, 17, dtype=torch.bfloat16)
-        moms = []
-        for q, sl in zip(pieces, sls):
-            mom, x = opt.matrix_input(q, g[sl].clone())
+        moms, xs = opt.matrix_input(pieces, [g[sl].clone() for sl in sls])
+        for sl, x in zip(sls, xs):
             full[sl] = x
-            moms.append(mom)
         (o,) = opt.matrix_output([pieces[0]], [full])
-        for q, sl, mom in zip(pieces, sls, moms):
-            opt.matrix_apply(q, mom, o[sl], o.shape)
+        opt.matrix_apply(pieces, moms, [o[sl] for sl in sls], [o.shape] * len(sls))
     for q, sl in zip(pieces, sls):
         assert torch.equal(ref.detach()[sl], q.detach())
 

@@ -476,19 +476,42 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                 dtypes.add(p.dtype if g["ns_dtype"] is None else g["ns_dtype"])
         return dtypes.pop() if len(dtypes) == 1 else None
 
+    def _by_group(self, params: Sequence[Tensor]) -> list[tuple[dict[str, Any], list[int]]]:
+        """Indices of ``params`` per param group, groups in first-seen order."""
+        out: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        for i, p in enumerate(params):
+            g = self._group_of(p)
+            out.setdefault(id(g), (g, []))[1].append(i)
+        return list(out.values())
+
     @torch.no_grad()
-    def matrix_input(self, p: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-        """For the piece ``p`` with gradient piece ``grad``: ``(new momentum, Newton-Schulz input
-        piece)``, the momentum advanced out of place (``state`` is not touched; pass the first to
-        :meth:`matrix_apply`)."""
-        group = self._group_of(p)
-        buf = self.state[p].get("momentum_buffer")
-        momentum = group["momentum"]
-        if buf is None:
-            new = torch.zeros_like(grad, memory_format=torch.preserve_format).lerp_(grad, 1 - momentum)
-        else:
-            new = buf.lerp(grad, 1 - momentum)
-        return new, (grad.lerp(new, momentum) if group["nesterov"] else new)
+    def matrix_input(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """For the pieces ``params`` with gradient pieces ``grads``: ``(new momenta, Newton-Schulz
+        input pieces)``, the momentum advanced out of place (``state`` is not touched; pass the
+        first list to :meth:`matrix_apply`). One ``torch._foreach_*`` call per param group and
+        kind instead of one call per piece: on CPU the same per-tensor kernels, hence the same bits."""
+        moms: list[Tensor | None] = [None] * len(params)
+        inputs: list[Tensor | None] = [None] * len(params)
+        for group, idx in self._by_group(params):
+            w = 1 - group["momentum"]
+            have = [i for i in idx if "momentum_buffer" in self.state[params[i]]]
+            fresh = [i for i in idx if "momentum_buffer" not in self.state[params[i]]]
+            if have:
+                new = torch._foreach_lerp([self.state[params[i]]["momentum_buffer"] for i in have], [grads[i] for i in have], w)
+                for i, m in zip(have, new):
+                    moms[i] = m
+            if fresh:
+                new = [torch.zeros_like(grads[i], memory_format=torch.preserve_format) for i in fresh]
+                torch._foreach_lerp_(new, [grads[i] for i in fresh], w)
+                for i, m in zip(fresh, new):
+                    moms[i] = m
+            if group["nesterov"]:
+                for i, x in zip(idx, torch._foreach_lerp([grads[i] for i in idx], [moms[i] for i in idx], group["momentum"])):
+                    inputs[i] = x
+            else:
+                for i in idx:
+                    inputs[i] = moms[i]
+        return moms, inputs  # type: ignore[return-value]
 
     @torch.no_grad()
     def matrix_output(self, params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
@@ -529,12 +552,20 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
-    def matrix_apply(self, p: Tensor, momentum: Tensor, output: Tensor, full_shape: Sequence[int]) -> None:
-        """Commit ``momentum`` (from :meth:`matrix_input`) and update the piece ``p`` with its
-        block ``output`` of the Newton-Schulz result of the ``full_shape`` (stored) matrix."""
-        group = self._group_of(p)
-        self.state[p]["momentum_buffer"] = momentum
-        shape = tuple(full_shape)[::-1] if group.get("transposed", False) else tuple(full_shape)
-        lr = group["lr"]
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(output, alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))
+    def matrix_apply(self, params: Sequence[Tensor], momenta: Sequence[Tensor], outputs: Sequence[Tensor],
+                     full_shapes: Sequence[Sequence[int]]) -> None:
+        """Commit ``momenta`` (from :meth:`matrix_input`) and update each piece ``params[i]`` with
+        its block ``outputs[i]`` of the Newton-Schulz result of its ``full_shapes[i]`` (stored)
+        matrix: weight decay, then the update scaled by the full shape's learning rate, as
+        :meth:`step` (one ``_foreach`` call per group, per learning-rate scale)."""
+        for group, idx in self._by_group(params):
+            for i in idx:
+                self.state[params[i]]["momentum_buffer"] = momenta[i]
+            lr = group["lr"]
+            torch._foreach_mul_([params[i] for i in idx], 1 - lr * group["weight_decay"])
+            by_alpha: dict[float, list[int]] = {}
+            for i in idx:
+                shape = tuple(full_shapes[i])[::-1] if group.get("transposed", False) else tuple(full_shapes[i])
+                by_alpha.setdefault(-adjust_lr(lr, group["adjust_lr_fn"], shape), []).append(i)
+            for alpha, same in by_alpha.items():
+                torch._foreach_add_([params[i] for i in same], [outputs[i] for i in same], alpha=alpha)

@@ -823,17 +823,19 @@ class MicroGroupEngine:
         opt = self.optimizer
         assert opt is not None
         with phase(f"{self.phases.compute}/{g.phase_index}"):
+            live = []
             for t in g.tasks:
-                name = t.name
-                grad = r.grads[name]
-                if not grad.numel() or r.error is not None:
-                    r.inputs[name] = grad
-                    continue
+                r.inputs[t.name] = r.grads[t.name]  # empty pieces (and the error path) send the gradient as it is
+                if r.grads[t.name].numel() and r.error is None:
+                    live.append(t.name)
+            if live:
                 try:
-                    r.momenta[name], r.inputs[name] = opt.matrix_input(self.pieces[name], grad)  # type: ignore[attr-defined]
+                    moms, inputs = opt.matrix_input([self.pieces[n] for n in live], [r.grads[n] for n in live])  # type: ignore[attr-defined]
                 except Exception as exc:  # noqa: BLE001 - the other ranks wait in the exchanges
                     r.error = exc
-                    r.inputs[name] = grad
+                else:
+                    r.momenta.update(zip(live, moms))
+                    r.inputs.update(zip(live, inputs))
         return r.inputs
 
     def _split_compute(self, g: ExchangeGroup, full: Mapping[str, torch.Tensor], skip: Collection[str]) -> dict[str, torch.Tensor]:
@@ -861,17 +863,22 @@ class MicroGroupEngine:
             mine = r.own_results.pop(g.index, {})
             ok = r.valid.get(g.index, False)
             blocks += [(c.name, mine[c.name][c.index], ok) for c in g.local_back]
-        opt = self.optimizer
+        names, moms, outs = [], [], []
         for name, block, computed_ok in blocks:
             momentum = r.momenta.pop(name, None)
-            if not computed_ok or momentum is None or name in r.skip:
-                continue
-            piece = self.pieces[name]
-            opt.matrix_apply(piece, momentum, block, self.tasks[name].layout.full_shape)  # type: ignore[union-attr]
-            if r.dest[name] is not piece:
-                r.dest[name].copy_(piece)
+            if computed_ok and momentum is not None and name not in r.skip:
+                names.append(name)
+                moms.append(momentum)
+                outs.append(block)
         for t in g.tasks:  # tasks this rank has no block of, or skipped: nothing is kept
             r.momenta.pop(t.name, None)
+        if not names:
+            return
+        pieces = [self.pieces[n] for n in names]
+        self.optimizer.matrix_apply(pieces, moms, outs, [self.tasks[n].layout.full_shape for n in names])  # type: ignore[union-attr]
+        copy = [(r.dest[n], piece) for n, piece in zip(names, pieces) if r.dest[n] is not piece]
+        if copy:
+            torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
 
     @staticmethod
     def _wait(work: Any) -> None:
