@@ -379,7 +379,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     listed in ``runtime.copied_params``).
     ``grad_views=True`` (default) lets autograd accumulate the gradients of plain parameters of the
     master dtype straight into the gradient buffer. Both are exact (the same values bit for bit);
-    False restores the copies. The FSDP2 layout refuses the ZeRO-1 options (``grad_reduce``,
+    False restores the copies.
+
+    ``exchange`` (docs/runtime.md, "The split step"): ``"gradients"`` (default) sends fp32 gradient
+    pieces to each matrix's host and its updated values back; ``"ns-input"`` keeps Muon's momentum on
+    the shards and exchanges only the Newton-Schulz input and output, in its compute dtype (about
+    half the bytes in bf16, momentum sharded; the same values bit for bit; no update hooks);
+    ``"auto"``: ``"ns-input"`` where the matrix optimizer offers it. FSDP2 and the TP micro-groups.
+    The FSDP2 layout refuses the ZeRO-1 options (``grad_reduce``,
     ``param_sync``, ``bucket_numel``, ``tp_dims``, ``param_views``, ``grad_views``,
     ``overlap_updates``, ``alpha``, ``tp_schedule``) when they differ from their defaults.
     """
@@ -409,6 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param_views: bool = True,
         grad_views: bool = True,
         roles: Any = None,
+        exchange: str = "gradients",
         cmax_mb: Any = None,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
@@ -423,7 +431,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
             cmax=cmax, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
             status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
-            roles=roles,
+            roles=roles, exchange=exchange,
         )
         self._set_settings(settings)
         matrix_cls, ew_cls = self._resolve_optimizers(optimizer, optimizer_kwargs, elementwise_optimizer, elementwise_kwargs)

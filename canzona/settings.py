@@ -33,6 +33,7 @@ __all__ = ["OptimizerSettings", "check_hyperparams"]
 _GRAD_REDUCE = ("mean", "sum")
 _PARAM_SYNC = ("eager", "lazy")
 _MASTER_DTYPES = (torch.float32, torch.float64)
+_EXCHANGES = ("gradients", "ns-input", "auto")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +73,13 @@ class OptimizerSettings:
     """ZeRO-1 buffer: make parameters views of the flat parameter buffer the all-gather writes."""
     grad_views: bool = True
     """ZeRO-1 buffer: let autograd accumulate gradients straight into the gradient buffer."""
+    exchange: str = "gradients"
+    """What the matrix micro-groups exchange (FSDP2 and TP): ``gradients`` (gradient pieces to the
+    host, updated values back, fp32) or ``ns-input`` (Muon: momentum on the shards, only the
+    Newton-Schulz input and output travel, in its compute dtype; bitwise the same step);
+    ``auto``: ``ns-input`` where the matrix optimizer offers it, else ``gradients``. The default
+    stays ``gradients``: ``ns-input`` refuses per-update hooks (no rank updates a matrix whole)
+    and is offered on CPU parameters only so far (docs/runtime.md, "The split step")."""
     roles: Any = None
     """Parameter roles the user decides (``matrix``, ``experts``, ``elementwise``): a callable
     ``(name, param) -> role | None`` or a mapping of glob patterns to roles (first match wins);
@@ -86,6 +94,8 @@ class OptimizerSettings:
             raise ValueError(f"param_sync must be 'eager' or 'lazy', got {self.param_sync!r}")
         if self.master_dtype not in _MASTER_DTYPES:
             raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {self.master_dtype}")
+        if self.exchange not in _EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(map(repr, _EXCHANGES))}, got {self.exchange!r}")
         for flag in ("overlap_updates", "param_views", "grad_views"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")

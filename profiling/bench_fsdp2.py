@@ -3,6 +3,8 @@
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion,muon-fsdp2
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion --worlds 2 --repeat 3
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers none --phases   # canzona only
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion --exchange ns-input,gradients
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python profiling/bench_fsdp2.py --peers dion --tiny 500 --ns shared --strategies lb-asc
 
 The peers are benchmark-only installs, never canzona dependencies (docs/profiling.md, "Peers"):
 dion is not on the package index (``git clone https://github.com/microsoft/dion`` and
@@ -71,11 +73,25 @@ def _config(args: argparse.Namespace) -> Any:
     )
 
 
-def _build(args: argparse.Namespace, mesh: Any) -> nn.Module:
+class TinyMatrices(nn.Module):
+    """``count`` square ``side x side`` weight matrices and nothing else: a step is almost all
+    per-parameter overhead (the ``--tiny`` case)."""
+
+    def __init__(self, count: int, side: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(side, side, bias=False) for _ in range(count))
+
+
+def _build(args: argparse.Namespace, mesh: Any, shard: bool = True) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)  # the same initial weights for every contender
+    if args.tiny:
+        model = TinyMatrices(args.tiny, args.tiny_side)
+        if shard:
+            fully_shard(model, mesh=mesh)
+        return model
     model = LlamaForCausalLM(_config(args))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -100,7 +116,8 @@ def _pieces(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
     (``distribute_tensor`` cuts it as FSDP2 cuts the parameter)."""
     from torch.distributed.tensor import distribute_tensor
 
-    return {n: distribute_tensor(full[n], p.device_mesh, p.placements) for n, p in model.named_parameters()}
+    return {n: distribute_tensor(full[n], p.device_mesh, p.placements) if hasattr(p, "device_mesh") else full[n].clone()
+            for n, p in model.named_parameters()}
 
 
 # ============================================================================ the shared Newton-Schulz
@@ -271,10 +288,19 @@ def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict
     out: dict[str, dict[str, Any]] = {}
     for s in args.strategies:
         for cmax in args.cmax:
-            model = _build(args, mesh)
-            opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops", cmax=cmax)
-            label = f"canzona {s}" + (f" (C_max {cmax:g})" if len(args.cmax) > 1 else "")
-            out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
+            for exchange in args.exchange:
+                model = _build(args, mesh)
+                opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops",
+                                                   cmax=cmax, exchange=exchange)
+                extra = [f"C_max {cmax:g}"] if len(args.cmax) > 1 else []
+                extra += [exchange] if len(args.exchange) > 1 else []
+                label = f"canzona {s}" + (f" ({', '.join(extra)})" if extra else "")
+                out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
+    if args.tiny:
+        # what DDP's optimizer step is: torch's Muon over the full (replicated) matrices, no exchange
+        model = _build(args, mesh, shard=False)
+        out["DDP + torch.optim.Muon"] = {"model": model, "opt": torch.optim.Muon(model.parameters(), lr=args.lr), "ns": "both",
+                                         "ctx": contextlib.nullcontext, "sent": 0}
     for mode in args.ns:
         shared = mode == "shared"
         if "dion" in available and available["dion"]:
@@ -343,7 +369,8 @@ def _record(c: dict[str, Any], walls: list[float], cpus: list[float], procs: lis
         sent, state = opt.comm_stats.total_sent() / steps, opt.state_bytes()
     else:
         sent, state = c["sent"] / world, _state_bytes(opt)  # per rank on average; summed over ranks in the report
-    rec: dict[str, Any] = {"walls": walls, "cpus": cpus, "procs": procs, "sent": sent, "state": state, "ns": c["ns"]}
+    rec: dict[str, Any] = {"walls": walls, "cpus": cpus, "procs": procs, "sent": sent, "state": state, "ns": c["ns"],
+                           "params": sum(1 for _ in c["model"].parameters())}
     if hasattr(opt, "phase_times"):
         pt = opt.phase_times
         rec["phases"] = {k: (pt.wall[k] / steps, pt.cpu[k] / steps, pt.calls[k] / steps) for k in pt.wall}
@@ -369,6 +396,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "proc_ms": max(statistics.median(r["procs"]) for r in rows) * 1e3,
             "mb_sent": sum(r["sent"] for r in rows) / 1e6,
             "state_mb": max(r["state"] for r in rows) / 1e6,
+            "us_param": statistics.median(per_step) * 1e6 / rows[0]["params"],
         }
     return out
 
@@ -383,7 +411,7 @@ def format_table(world: int, mode: str, runs: list[dict[str, dict[str, float]]],
     each run's ratio to the base (dion, else canzona lb-asc) listed at the end of the row."""
     labels = [lab for lab in runs[0] if ns[lab] in ("both", mode)]
     base = _base(labels, mode)
-    head = (f"{'contender':<44}{'step ms':>9}{'min ms':>8}{'cpu ms':>8}{'proc ms':>9}{'MB sent':>9}{'state MB':>9}"
+    head = (f"{'contender':<44}{'step ms':>9}{'min ms':>8}{'cpu ms':>8}{'proc ms':>9}{'MB sent':>9}{'state MB':>9}{'us/param':>9}"
             f"{'vs ' + base.split(' (')[0]:>12}  per run")
     lines = [f"\nworld {world}, {mode} Newton-Schulz (gloo, one thread per rank; median of {len(runs)} run(s))", head, "-" * len(head)]
     for lab in labels:
@@ -391,7 +419,7 @@ def format_table(world: int, mode: str, runs: list[dict[str, dict[str, float]]],
         ratios = [r[lab]["step_ms"] / r[base]["step_ms"] for r in runs]
         lines.append(
             f"{lab:<44}{med['step_ms']:>9.1f}{med['min_ms']:>8.1f}{med['cpu_ms']:>8.1f}{med['proc_ms']:>9.1f}{med['mb_sent']:>9.2f}"
-            f"{med['state_mb']:>9.2f}{statistics.median(ratios):>12.3f}  {' '.join(f'{x:.3f}' for x in ratios)}"
+            f"{med['state_mb']:>9.2f}{med['us_param']:>9.1f}{statistics.median(ratios):>12.3f}  {' '.join(f'{x:.3f}' for x in ratios)}"
         )
     return "\n".join(lines)
 
@@ -424,8 +452,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first (default 2)")
     p.add_argument("--repeat", type=int, default=1, help="whole runs in fresh processes; medians over runs (default 1)")
     p.add_argument("--cmax", default="2", help="canzona's micro-group capacity C_max in 2**20 TP-local gradient elements per host (2 = 8 MiB of fp32 at TP 1), or a comma list (one contender each; default 2)")
+    p.add_argument("--exchange", default="ns-input", help="canzona's exchange= (ns-input, gradients), or a comma list (one contender each; default ns-input)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
+    p.add_argument("--tiny", type=int, default=0, help="instead of the Llama: this many square matrices (e.g. 500), "
+                   "with DDP + torch.optim.Muon as a contender; the us/param column is the per-parameter cost")
+    p.add_argument("--tiny-side", type=int, default=16, help="side of the --tiny matrices (default 16)")
     args = p.parse_args(argv)
     try:
         args.worlds = [int(w) for w in args.worlds.split(",")]
@@ -439,9 +471,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.strategies = [s.strip() for s in args.strategies.split(",")]
     if not args.strategies or any(s not in STRATEGIES for s in args.strategies):
         p.error(f"--strategies must be a comma list among {', '.join(STRATEGIES)}, got {','.join(args.strategies)!r}")
+    args.exchange = [s.strip() for s in args.exchange.split(",")]
+    if not args.exchange or any(s not in ("ns-input", "gradients") for s in args.exchange):
+        p.error(f"--exchange must be a comma list among ns-input, gradients, got {','.join(args.exchange)!r}")
     args.ns = [s.strip() for s in args.ns.split(",")]
     if not args.ns or any(s not in NS_MODES for s in args.ns):
         p.error(f"--ns must be a comma list among {', '.join(NS_MODES)}, got {','.join(args.ns)!r}")
+    if args.tiny < 0 or args.tiny_side < 1:
+        p.error("--tiny must be >= 0 and --tiny-side >= 1")
     for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "steps", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -461,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     from canzona.runtime.launch import run_workers
 
     head_dim = args.hidden // args.heads
-    widths = (args.hidden, args.heads * head_dim, args.kv_heads * head_dim, args.ffn, args.vocab)
+    widths = (args.tiny_side,) if args.tiny else (args.hidden, args.heads * head_dim, args.kv_heads * head_dim, args.ffn, args.vocab)
     for w in args.worlds:
         if bad := [d for d in widths if d % w]:
             print(f"bench_fsdp2: error: every width must divide by the world ({bad[0]} % {w}); muon-fsdp2 needs even shards", file=sys.stderr)
@@ -470,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print(line)
     args.available = available
+    if args.tiny:
+        print(f"{args.tiny} matrices of {args.tiny_side} x {args.tiny_side} under one fully_shard")
     print(
         f"transformers Llama: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}, "
         f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax)} (x 2**20 elements); {args.steps} interleaved timed steps after "

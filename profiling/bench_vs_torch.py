@@ -10,8 +10,9 @@ rank, or NCCL with ``--backend nccl`` on GPUs. Cases:
 - ``stack-w2``, ``stack-w4``: a stack of 384 x 384 bias-free linears (``--depth``), batch 16 per
   rank, DP = world: an optimizer-bound model where Canzona's partitioning should pay;
 - ``qwen3-w4``: the tiny Qwen3, canzona at dp2 x tp2 (TP engine), DDP at dp4 (the ordinary way);
-- ``tiny-w2``: 500 parameters of 4 x 4, where compute is negligible: the per-parameter Python
-  overhead of a step (``us/param`` column = step time / parameter count).
+- ``tiny-w2``, ``tiny16-w2``: 500 parameters of 4 x 4 (16 x 16), where compute is negligible: the
+  per-parameter Python overhead of a step (``us/param`` column = step time / parameter count;
+  ``profiling/bench_fsdp2.py --tiny 500`` prints the same beside dion on FSDP2).
 
 Variants: ``ddp`` (DDP + torch.optim.Muon on every rank), canzona ``sc``, ``layerwise``, ``asc``,
 ``lb-asc``; ``--views both`` runs every canzona variant twice, once as ``<variant>/copy``
@@ -64,6 +65,7 @@ def CASES(depth: int, steps: int, warmup: int) -> dict[str, Case]:  # noqa: N802
         "stack-w4": Case("stack-w4", "stack", 4, depth=depth, steps=steps, warmup=warmup),
         "qwen3-w4": Case("qwen3-w4", "qwen3", 4, tp=2, batch=4, seq_len=32, steps=steps, warmup=warmup, bucket_numel=40_000),
         "tiny-w2": Case("tiny-w2", "stack", 2, depth=500, width=4, steps=steps, warmup=warmup, bucket_numel=2_000),
+        "tiny16-w2": Case("tiny16-w2", "stack", 2, depth=500, width=16, steps=steps, warmup=warmup, bucket_numel=32_000),
     }
 
 

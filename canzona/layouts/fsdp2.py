@@ -482,7 +482,13 @@ class FSDP2Layout(Layout):
             lay = rt.layouts[name]
             b = lay.blocks[self.group_rank]
             out.append(Held(name, ((b.offset, b.shape),), m, rt.ew_optimizer, m, True, first and lay.sources[self.group_rank]))
-        for name in eng.hosted:
+        if eng.split:  # the split step: every matrix piece with its momentum, like an element-wise piece
+            for name, m in eng.pieces.items():
+                lay = rt.layouts[name]
+                b = lay.blocks[self.group_rank]
+                if b.numel:
+                    out.append(Held(name, ((b.offset, b.shape),), m, eng.optimizer, m, True, first and lay.sources[self.group_rank]))
+        for name in () if eng.split else eng.hosted:
             m = eng.masters[name]
             canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
             out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))

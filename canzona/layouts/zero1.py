@@ -216,8 +216,8 @@ class Zero1Layout(Layout):
             return None
         from canzona.runtime.tp import TPEngine
 
-        plan, dp_rank, comm = self.plan, self.dp_rank, self.tp_comm
-        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters)
+        plan, dp_rank, comm, exchange = self.plan, self.dp_rank, self.tp_comm, self.settings.exchange
+        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters, exchange=exchange)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
         from canzona.runtime.clip import clip_zero1
@@ -298,21 +298,25 @@ def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
     # every DP rank holds the same values under sc: DP rank 0's copy is canonical
     replica = rt.plan.every_rank_updates and rt.dp_rank != 0
     out: list[Held] = []
+    # the TP engine's split step keeps each TP shard's state with the shard, shaped like it
+    split_tp = rt.tp_engine is not None and rt.tp_engine.split
     for pc in rt.pieces:
         spec = rt.specs[pc.name]
         region = tuple(box_of(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
         m = rt.masters[pc]
-        opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt}.get(pc.role)
+        opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt, "tp": rt.tp_engine.optimizer if split_tp else None}.get(pc.role)
         # replicated across TP: TP rank 0's copy is canonical
         canonical = not replica and (spec.tp_split or tp_rank == 0)
         # an expert's state is shaped like its (M, N) master and re-sliced like the stack
-        sliced = pc.role == "elementwise" or pc.expert is not None
+        # (a TP piece holds state only under the split step, sliced like its shard)
+        sliced = split_tp if pc.role == "tp" else (pc.role == "elementwise" or pc.expert is not None)
         # the expert's index in the full stack is where its box starts along dim 0 (box_of maps an
-        # EP rank's local expert k to ep_rank * E_local + k)
-        expert = region[0][0][0] if pc.expert is not None else None
+        # EP rank's local expert k to ep_rank * E_local + k); a TP piece of an expert is a TP shard,
+        # whose state (if any) is sliced like the shard, not one expert's whole entry
+        expert = region[0][0][0] if pc.expert is not None and pc.role != "tp" else None
         out.append(Held(pc.name, region, m, opt, m if opt is not None else None, sliced, canonical, expert))
     eng = rt.tp_engine
-    if eng is not None:
+    if eng is not None and not eng.split:
         # TP hosts hold each task's full state (its full master is re-assembled from the shards);
         # under the sync schedule every TP rank holds it: TP rank 0's is canonical
         for name in eng.hosted:

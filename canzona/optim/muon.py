@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._common import _verified as _finite_verified
 from ._common import (
     MatrixOptimizerMixin,
     check_beta,
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_NS_STEPS",
     "Muon",
     "AUTO_BATCH_MIN_SIDE",
+    "MATRIX_INPUT_DTYPES",
     "adjust_lr",
     "batched_newton_schulz",
     "batching_is_bitwise",
@@ -70,6 +72,13 @@ AUTO_BATCH_MIN_SIDE = 16
 #: (one stacked copy of the chain's inputs and its temporaries) while keeping the speed-up
 AUTO_BATCH_MAX = 64
 _AUTO_BATCH_DTYPES = (torch.bfloat16, torch.float32)
+#: parameter (master) dtypes for which :class:`Muon`'s split step (:meth:`Muon.matrix_input` ...)
+#: is bitwise equal to :meth:`Muon.step`: its element-wise kernels (``lerp``, ``mul``, ``add`` with
+#: ``alpha``, the cast to the Newton-Schulz dtype) give every element the same bits whatever its
+#: position in the tensor (vectorized body or scalar tail; measured on AVX2/AVX512 CPU and pinned by
+#: ``tests/test_ns_exchange.py``). bfloat16 parameters are not: ``add_`` with ``alpha`` rounds
+#: differently in the scalar tail there.
+MATRIX_INPUT_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_ns_args(
@@ -114,15 +123,17 @@ def newton_schulz(
     return _newton_schulz(grad, steps, _check_ns_args(coefficients, steps, eps, dtype), eps, dtype)
 
 
-def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], eps: float, dtype: torch.dtype | None) -> Tensor:
+def _newton_schulz(grad: Tensor, steps: int, abc: tuple[float, float, float], eps: float, dtype: torch.dtype | None,
+                   owned: bool = False) -> Tensor:
     """:func:`newton_schulz` on arguments already checked (:class:`Muon` checks them once per group
-    and step, not once per matrix)."""
+    and step, not once per matrix). ``owned``: ``grad`` is the caller's scratch and may be
+    overwritten (no copy when it is already in the compute dtype; the values are the same)."""
     a, b, c = abc
     work_dtype = grad.dtype if dtype is None else dtype
     # copy=True: with a bf16 input, .to() would alias it and the in-place normalisation below
     # would overwrite the caller's tensor (torch 2.13 does exactly that to the bf16 momentum buffer).
     # (keyword form: torch's fastest overload of .to for a plain dtype conversion)
-    x = grad.to(dtype=work_dtype, copy=True)
+    x = grad if owned and grad.dtype == work_dtype else grad.to(dtype=work_dtype, copy=True)
     tall = grad.shape[0] > grad.shape[1]
     if tall:
         x = x.T
@@ -197,7 +208,8 @@ def batched_newton_schulz(
         raise ValueError("batched_newton_schulz needs at least one matrix")
     a, b, c = _check_ns_args(coefficients, steps, eps, dtype)
     work_dtype = stack.dtype if dtype is None else dtype
-    x = stack.to(work_dtype, copy=True)
+    # a stack built here is already a copy: no second one (the values are the same)
+    x = stack.to(work_dtype, copy=isinstance(grads, Tensor))
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -373,14 +385,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         p.add_(ortho.T, alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
 
     @staticmethod
-    def _batch_chains(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
-        """Split ``params`` into the lists run as one chain each: same shape, dtype and device;
-        under ``"auto"`` only where :func:`batching_is_bitwise` holds (elsewhere one per chain)
-        and at most :data:`AUTO_BATCH_MAX` per chain."""
-        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Tensor]] = {}
-        for p in params:
-            by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
-        chains: list[list[Tensor]] = []
+    def _chains(group: dict[str, Any], tensors: Sequence[Tensor], items: Sequence[Any]) -> list[list[Any]]:
+        """Split ``items`` (one per tensor of ``tensors``) into the lists run as one chain each:
+        same shape, dtype and device; under ``"auto"`` only where :func:`batching_is_bitwise`
+        holds (elsewhere one per chain) and at most :data:`AUTO_BATCH_MAX` per chain."""
+        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Any]] = {}
+        for t, item in zip(tensors, items):
+            by_shape.setdefault((t.shape, t.dtype, t.device), []).append(item)
+        chains: list[list[Any]] = []
         for (shape, dtype, device), same in by_shape.items():
             if group["batched"] is True:
                 chains.append(same)
@@ -389,8 +401,13 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             if len(shape) == 2 and batching_is_bitwise(shape, work_dtype, device):
                 chains.extend(same[i : i + AUTO_BATCH_MAX] for i in range(0, len(same), AUTO_BATCH_MAX))
             else:
-                chains.extend([p] for p in same)
+                chains.extend([x] for x in same)
         return chains
+
+    @classmethod
+    def _batch_chains(cls, group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
+        """:meth:`_chains` over the parameters themselves."""
+        return cls._chains(group, params, params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -426,3 +443,129 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                 for p, o in zip(chain, ortho):
                     self._apply(group, p, o)
         return loss
+
+    # ------------------------------------------------------------------ the split step
+    # Muon is element-wise before and after one whole-matrix operation (Newton-Schulz). A
+    # distributed engine may therefore keep the momentum on the shards where the gradient lies,
+    # move only the pieces of the Newton-Schulz input to the matrix's host (in the dtype
+    # Newton-Schulz computes in), orthogonalize there and send the result back for the
+    # element-wise update on the shards. The three methods below are that step cut in three,
+    # each doing op for op what :meth:`step` does on the whole matrix, so the result is bitwise
+    # :meth:`step`'s (for :data:`MATRIX_INPUT_DTYPES`). Nothing changes state before
+    # :meth:`matrix_apply`.
+
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        index = getattr(self, "_split_groups", None)
+        if index is None or id(p) not in index:
+            index = {id(q): g for g in self.param_groups for q in g["params"]}
+            self._split_groups = index
+        return index[id(p)]
+
+    def matrix_input_dtype(self) -> torch.dtype | None:
+        """The dtype the split step exchanges (the Newton-Schulz compute dtype), or None when it is
+        not known to be bitwise equal to :meth:`step` here (a parameter dtype outside
+        :data:`MATRIX_INPUT_DTYPES`, a parameter off the CPU, or param groups with different
+        compute dtypes)."""
+        dtypes = set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                # CPU only: the position-independence of the element-wise kernels is measured
+                # there; on CUDA it has not been checked yet, so the whole-matrix step stays
+                if p.dtype not in MATRIX_INPUT_DTYPES or p.device.type != "cpu":
+                    return None
+                dtypes.add(p.dtype if g["ns_dtype"] is None else g["ns_dtype"])
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    def _by_group(self, params: Sequence[Tensor]) -> list[tuple[dict[str, Any], list[int]]]:
+        """Indices of ``params`` per param group, groups in first-seen order."""
+        out: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        for i, p in enumerate(params):
+            g = self._group_of(p)
+            out.setdefault(id(g), (g, []))[1].append(i)
+        return list(out.values())
+
+    @torch.no_grad()
+    def matrix_input(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """For the pieces ``params`` with gradient pieces ``grads``: ``(new momenta, Newton-Schulz
+        input pieces)``, the momentum advanced out of place (``state`` is not touched; pass the
+        first list to :meth:`matrix_apply`). One ``torch._foreach_*`` call per param group and
+        kind instead of one call per piece: on CPU the same per-tensor kernels, hence the same bits."""
+        moms: list[Tensor | None] = [None] * len(params)
+        inputs: list[Tensor | None] = [None] * len(params)
+        for group, idx in self._by_group(params):
+            w = 1 - group["momentum"]
+            have = [i for i in idx if "momentum_buffer" in self.state[params[i]]]
+            fresh = [i for i in idx if "momentum_buffer" not in self.state[params[i]]]
+            if have:
+                new = torch._foreach_lerp([self.state[params[i]]["momentum_buffer"] for i in have], [grads[i] for i in have], w)
+                for i, m in zip(have, new):
+                    moms[i] = m
+            if fresh:
+                new = [torch.zeros_like(grads[i], memory_format=torch.preserve_format) for i in fresh]
+                torch._foreach_lerp_(new, [grads[i] for i in fresh], w)
+                for i, m in zip(fresh, new):
+                    moms[i] = m
+            if group["nesterov"]:
+                for i, x in zip(idx, torch._foreach_lerp([grads[i] for i in idx], [moms[i] for i in idx], group["momentum"])):
+                    inputs[i] = x
+            else:
+                for i in idx:
+                    inputs[i] = moms[i]
+        return moms, inputs  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def matrix_output(self, params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
+        """Host side: Newton-Schulz of each whole input (stored shape, in the compute dtype) as
+        :meth:`step` runs it for the parameter ``params[i]`` belongs to (any piece of it stands
+        for its param group), batched where :meth:`step` would batch; results in stored shape.
+        The inputs are the caller's scratch: they may be overwritten."""
+        out: list[Tensor | None] = [None] * len(inputs)
+        by_group: dict[int, list[int]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(params):
+            g = self._group_of(p)
+            by_group.setdefault(id(g), []).append(i)
+            groups[id(g)] = g
+        if not getattr(_finite_verified, "depth", 0):
+            for i, x in enumerate(inputs):
+                if x.numel() and not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{self._name}: the Newton-Schulz input of matrix {i} (shape {tuple(x.shape)}) is not finite")
+        for gid, idx in by_group.items():
+            group = groups[gid]
+            abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+            checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
+            if group.get("transposed", False):
+                for i in idx:
+                    out[i] = _newton_schulz(inputs[i].T.contiguous(), *checked, owned=True).T
+                continue
+            if group["batched"] is False:
+                for i in idx:
+                    out[i] = _newton_schulz(inputs[i], *checked, owned=True)
+                continue
+            ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+            for chain in self._chains(group, [inputs[i] for i in idx], idx):
+                if len(chain) == 1:
+                    out[chain[0]] = _newton_schulz(inputs[chain[0]], *checked, owned=True)
+                else:
+                    for i, o in zip(chain, batched_newton_schulz([inputs[i] for i in chain], *ns_args).unbind(0)):
+                        out[i] = o
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def matrix_apply(self, params: Sequence[Tensor], momenta: Sequence[Tensor], outputs: Sequence[Tensor],
+                     full_shapes: Sequence[Sequence[int]]) -> None:
+        """Commit ``momenta`` (from :meth:`matrix_input`) and update each piece ``params[i]`` with
+        its block ``outputs[i]`` of the Newton-Schulz result of its ``full_shapes[i]`` (stored)
+        matrix: weight decay, then the update scaled by the full shape's learning rate, as
+        :meth:`step` (one ``_foreach`` call per group, per learning-rate scale)."""
+        for group, idx in self._by_group(params):
+            for i in idx:
+                self.state[params[i]]["momentum_buffer"] = momenta[i]
+            lr = group["lr"]
+            torch._foreach_mul_([params[i] for i in idx], 1 - lr * group["weight_decay"])
+            by_alpha: dict[float, list[int]] = {}
+            for i in idx:
+                shape = tuple(full_shapes[i])[::-1] if group.get("transposed", False) else tuple(full_shapes[i])
+                by_alpha.setdefault(-adjust_lr(lr, group["adjust_lr_fn"], shape), []).append(i)
+            for alpha, same in by_alpha.items():
+                torch._foreach_add_([params[i] for i in same], [outputs[i] for i in same], alpha=alpha)

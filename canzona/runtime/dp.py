@@ -642,6 +642,8 @@ class DPRuntime:
         """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
         rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
         handle whose ``remove()`` detaches it."""
+        if self.tp_engine is not None and self.tp_engine.split:
+            return self.tp_engine.register_update_hook(hook)  # refused: the split step updates no TP matrix whole
         return self.update_hooks.register(hook)
 
     def start_grad_sync(self, i: int) -> None:

@@ -40,6 +40,19 @@ compute ``k``, and scatter ``k`` lands during compute ``k+1``. At most one gathe
 are in flight, so two exchange slots (:class:`ExchangeSlots`) reserved at construction, each
 buffer as long as the largest group needs, serve every group of every step.
 
+The split step (``exchange="ns-input"``, an optimizer with ``matrix_input`` / ``matrix_output`` /
+``matrix_apply`` such as :class:`canzona.optim.Muon`): every rank computes the element-wise part
+before the matrix operation on its own pieces, the gather carries only the matrix operation's
+input (in its compute dtype) to the host, the host runs that operation on the whole matrix, the
+scatter returns its result, led by one flag element per peer (did the host compute the group),
+and every rank finishes the element-wise update on its own piece masters. The element-wise state
+(Muon's momentum) then lives with the pieces; the values are bitwise those of the whole-matrix
+step (see ``docs/runtime.md``, "The split step").
+
+:meth:`MicroGroupEngine.run` walks the schedule and hands each event to its handler
+(``_gather_launch``, ``_gather_wait``, ``_compute_event``, ``_scatter_launch``, ``_scatter_wait``,
+``_apply``); what one step carries between events is a :class:`_Run`.
+
 Errors: an exception in one host's compute does not stop the exchanges (the other ranks wait in
 them): that host returns unchanged values for the group, runs the remaining exchanges and raises
 the first error at the end; on any exception the collectives still in flight are waited for
@@ -71,6 +84,7 @@ __all__ = [
     "Block",
     "ExchangeGroup",
     "ExchangeSlots",
+    "EXCHANGES",
     "ExchangeTask",
     "MicroGroupEngine",
     "PieceLayout",
@@ -80,6 +94,7 @@ __all__ = [
     "pack_from_hosts",
     "pack_to_hosts",
     "pipeline",
+    "split_dtype",
     "to_hosts_recv_sizes",
     "unpack_from_hosts",
 ]
@@ -183,16 +198,19 @@ def _copy(name: str, offset: int, b: Block) -> _Copy:
 
 
 def _routes(
-    tasks: Sequence[ExchangeTask], n: int, take: Callable[[ExchangeTask, int], bool], block: Callable[[ExchangeTask, int], Block]
+    tasks: Sequence[ExchangeTask], n: int, take: Callable[[ExchangeTask, int], bool], block: Callable[[ExchangeTask, int], Block],
+    lead: int = 0,
 ) -> tuple[list[_Copy], list[int]]:
     """Block copies into one flat buffer, peer by peer (rank order) and task by task within a peer:
     ``take(task, peer)`` says whether the task has a block in that peer's part, ``block(task,
-    peer)`` which. Returns (copies, split size per peer)."""
+    peer)`` which; ``lead`` elements are kept free at the start of every peer's part (a flag).
+    Returns (copies, split size per peer)."""
     copies: list[_Copy] = []
     sizes: list[int] = []
     off = 0
     for peer in range(n):
-        k = 0
+        k = lead
+        off += lead
         for t in tasks:
             if take(t, peer):
                 b = block(t, peer)
@@ -222,16 +240,25 @@ def _to_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: 
                    lambda t, src: t.layout.blocks[src])
 
 
-def _from_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
+def _from_hosts_send(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False, lead: int = 0) -> tuple[list[_Copy], list[int]]:
     """Scatter send on host ``rank``: per destination its block of each task hosted here; duplicated
     blocks go to every rank holding one (``skip_self``: none to ``rank`` itself)."""
-    return _routes(tasks, n, lambda t, dest: not (skip_self and dest == rank) and t.host == rank, lambda t, dest: t.layout.blocks[dest])
+    return _routes(tasks, n, lambda t, dest: not (skip_self and dest == rank) and t.host == rank, lambda t, dest: t.layout.blocks[dest], lead)
 
 
-def _from_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False) -> tuple[list[_Copy], list[int]]:
+def _from_hosts_recv(tasks: Sequence[ExchangeTask], rank: int, n: int, skip_self: bool = False, lead: int = 0) -> tuple[list[_Copy], list[int]]:
     """Scatter receive on ``rank``: from each host this rank's block of its tasks (``skip_self``:
     nothing from ``rank`` itself)."""
-    return _routes(tasks, n, lambda t, host: not (skip_self and host == rank) and t.host == host, lambda t, _: t.layout.blocks[rank])
+    return _routes(tasks, n, lambda t, host: not (skip_self and host == rank) and t.host == host, lambda t, _: t.layout.blocks[rank], lead)
+
+
+def _starts(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each peer's part of a flat buffer split by ``sizes`` begins."""
+    out, off = [], 0
+    for s in sizes:
+        out.append(off)
+        off += s
+    return tuple(out)
 
 
 def _into(out: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str) -> Callable[[int], torch.Tensor]:
@@ -432,6 +459,10 @@ class ExchangeGroup:
     #: it hosts (full result -> destination), copied in place instead of through the exchanges
     local_in: tuple[_Copy, ...] = ()
     local_back: tuple[_Copy, ...] = ()
+    #: ``flags`` (the split step): where each peer's part of the scatter send / receive begins; its
+    #: first element says whether the host computed the group (1) or not (0: leave the tasks alone)
+    flag_send: tuple[int, ...] = ()
+    flag_recv: tuple[int, ...] = ()
 
     @property
     def phase_index(self) -> str:
@@ -447,7 +478,7 @@ class ExchangeGroup:
         return sum(self.gather_send), sum(self.gather_recv), sum(self.scatter_send), sum(self.scatter_recv)
 
 
-def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, direct: bool = False) -> ExchangeGroup:
+def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, direct: bool = False, flags: bool = False) -> ExchangeGroup:
     """What ``rank`` of ``n`` copies and exchanges for micro-group ``k`` of ``tasks`` (all hosted,
     or all ``-1``: every rank computes every task).
 
@@ -455,7 +486,10 @@ def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, 
     (their split is 0): its piece is copied straight into the full tensor (``local_in``) and the
     block of the result straight into the destination (``local_back``). One copy each way instead
     of three (pack, the collective's copy to itself, unpack); the values are the same, since every
-    route copies them unchanged (a cast to the exchange dtype either way)."""
+    route copies them unchanged (a cast to the exchange dtype either way).
+
+    ``flags`` (hosted groups only): every peer's part of the scatter starts with one flag element
+    (``flag_send`` / ``flag_recv``), the host's word on whether it computed the group."""
     tasks = tuple(tasks)
     sync = bool(tasks) and all(t.host == -1 for t in tasks)
     if not sync and any(t.host == -1 for t in tasks):
@@ -473,14 +507,50 @@ def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, 
         return ExchangeGroup(k, tasks, hosted, True, tuple(send), tuple(recv), (), (), tuple(pack), replicate,
                              tuple(assemble), shapes, (), (), own)
     pack, send = _to_hosts_send(tasks, rank, n, direct)
-    pack_back, back_send = _from_hosts_send(tasks, rank, n, direct)
-    unpack_back, back_recv = _from_hosts_recv(tasks, rank, n, direct)
+    lead = int(flags)
+    pack_back, back_send = _from_hosts_send(tasks, rank, n, direct, lead)
+    unpack_back, back_recv = _from_hosts_recv(tasks, rank, n, direct, lead)
     mine = [t for t in tasks if direct and t.host == rank and t.layout.blocks[rank].numel]
     local_in = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in mine if t.layout.sources[rank])
     local_back = tuple(_copy(t.name, 0, t.layout.blocks[rank]) for t in mine)
     return ExchangeGroup(k, tasks, hosted, False, tuple(send), tuple(recv), tuple(back_send), tuple(back_recv),
                          tuple(pack), False, tuple(assemble), shapes, tuple(pack_back), tuple(unpack_back), (),
-                         local_in, local_back)
+                         local_in, local_back, _starts(back_send) if flags else (), _starts(back_recv) if flags else ())
+
+
+class _Run:
+    """What one :meth:`MicroGroupEngine.run` carries from event to event."""
+
+    __slots__ = ("dest", "error", "events", "full", "grads", "inputs", "momenta", "overlap", "own_results", "skip",
+                 "updated", "valid", "works")
+
+    def __init__(self, grads: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor], skip: Collection[str],
+                 overlap: Callable[[], None] | None) -> None:
+        self.grads, self.dest, self.skip, self.overlap = grads, dest, skip, overlap
+        self.events: list[tuple[str, int]] = []
+        self.works: dict[tuple[str, int], Any] = {}
+        self.full: dict[str, torch.Tensor] = {}  # the full tensors of the group about to compute
+        self.updated: dict[str, torch.Tensor] = {}  # its results, until the scatter is packed
+        self.own_results: dict[int, dict[str, torch.Tensor]] = {}  # direct: group -> results its own blocks come from
+        self.error: Exception | None = None
+        # the split step only: this rank's matrix-input pieces (until unpacked), the advanced
+        # momenta (until applied) and whether this rank computed each group it hosts
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.momenta: dict[str, torch.Tensor] = {}
+        self.valid: dict[int, bool] = {}
+
+
+#: what ``exchange=`` may ask for (:class:`canzona.settings.OptimizerSettings`)
+EXCHANGES = ("auto", "ns-input", "gradients")
+
+
+def split_dtype(optimizer: Any) -> torch.dtype | None:
+    """The dtype an optimizer's split step exchanges (:meth:`canzona.optim.Muon.matrix_input_dtype`),
+    or None when it has no split step, or none that is bitwise equal to its ``step()`` here."""
+    probe = getattr(optimizer, "matrix_input_dtype", None)
+    if not callable(probe) or not all(callable(getattr(optimizer, m, None)) for m in ("matrix_input", "matrix_output", "matrix_apply")):
+        return None
+    return probe()
 
 
 class MicroGroupEngine:
@@ -492,6 +562,14 @@ class MicroGroupEngine:
     full masters (``dtype``) from it with one exchange per group. ``optimizer_factory`` builds ONE
     per-parameter optimizer over the hosted full masters (not called when this rank hosts
     nothing). :meth:`run` is one step.
+
+    ``exchange``: ``"gradients"`` is the step above. ``"ns-input"`` is the split step, for an
+    optimizer that is element-wise before and after one whole-matrix operation (Muon): then
+    ``initial`` holds this rank's piece masters (``dtype``; the engine updates them in place),
+    ``optimizer_factory`` builds the optimizer over them (its element-wise state is sharded like
+    them), only the matrix operation's input pieces travel to the host and its result back, in the
+    dtype it computes in (:func:`split_dtype`), and a host keeps no full master. ``"auto"`` takes
+    the split step where the optimizer offers a bitwise one and the other otherwise.
     """
 
     def __init__(
@@ -505,27 +583,31 @@ class MicroGroupEngine:
         device: torch.device | str | None = None,
         direct: bool = False,
         phases: ExchangePhases,
+        exchange: str = "gradients",
     ) -> None:
         self.phases = phases  # the owner's names for the four phases (canzona.phase_names)
         self.comm = comm
         self.rank, self.n = comm.rank, comm.size
-        self.dtype = dtype
+        self.master_dtype = dtype
         #: per-update hooks (:mod:`canzona.runtime.hooks`); a runtime driving this engine may share its own
         self.update_hooks = UpdateHooks()
-        self._es = torch.empty(0, dtype=dtype).element_size()
         if device is None:
             device = next(iter(initial.values())).device if initial else torch.device("cpu")
         self._device = torch.device(device)
-        for g in groups:
-            for t in g:
-                if t.layout.size != self.n:
-                    raise ValueError(f"{t.name}: layout has {t.layout.size} blocks, the exchange group {self.n} ranks")
-                if not (t.host == -1 or 0 <= t.host < self.n):
-                    raise ValueError(f"{t.name}: host {t.host} out of range for {self.n} ranks")
+        self._check_tasks(groups)
+        self.masters: dict[str, nn.Parameter] = {}
+        #: the split step: this rank's piece master of every task (the caller's tensors)
+        self.pieces: dict[str, torch.Tensor] = {}
+        self._opt_params: dict[str, torch.Tensor] = {}  # what stands for each piece in the optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.split = self._try_split(groups, exchange, optimizer_factory, initial)
+        #: dtype of the exchange buffers (the masters' or, split, the matrix operation's)
+        self.dtype = split_dtype(self.optimizer) if self.split else dtype
+        self._es = torch.empty(0, dtype=self.dtype).element_size()
         #: a host copies its own blocks in place instead of sending them to itself (see :func:`describe_group`)
         self.direct = bool(direct)
         self.groups: tuple[ExchangeGroup, ...] = tuple(
-            describe_group(k, g, self.rank, self.n, direct=self.direct) for k, g in enumerate(groups)
+            describe_group(k, g, self.rank, self.n, direct=self.direct, flags=self.split) for k, g in enumerate(groups)
         )
         kinds = {g.sync for g in self.groups}
         if len(kinds) > 1:
@@ -533,37 +615,88 @@ class MicroGroupEngine:
         #: every rank computes every task (no scatter)
         self.sync: bool = kinds == {True}
         self.tasks: dict[str, ExchangeTask] = {t.name: t for g in self.groups for t in g.tasks}
-        #: names whose full master and optimizer state live on this rank
+        #: names whose matrix operation runs on this rank (and, unless split, whose full master and state live here)
         self.hosted: tuple[str, ...] = tuple(n for g in self.groups for n in g.hosted)
+        self._reserve_slots()
+        #: ``(event, group)`` as the last :meth:`run` executed them (equals ``schedule_events``)
+        self.last_events: list[tuple[str, int]] = []
+        self._handlers: dict[str, Callable[[_Run, ExchangeGroup], None]] = {
+            GATHER_LAUNCH: self._gather_launch, GATHER_WAIT: self._gather_wait, COMPUTE: self._compute_event,
+            SCATTER_LAUNCH: self._scatter_launch, SCATTER_WAIT: self._scatter_wait, APPLY: self._apply,
+        }
+        if not self.split:
+            self.refresh_masters(initial)
+            params = [self.masters[n] for n in self.hosted]
+            self.optimizer = optimizer_factory(params) if params else None
+            self._check_optimizer(params)
+
+    def _check_tasks(self, groups: Sequence[Sequence[ExchangeTask]]) -> None:
+        for g in groups:
+            for t in g:
+                if t.layout.size != self.n:
+                    raise ValueError(f"{t.name}: layout has {t.layout.size} blocks, the exchange group {self.n} ranks")
+                if not (t.host == -1 or 0 <= t.host < self.n):
+                    raise ValueError(f"{t.name}: host {t.host} out of range for {self.n} ranks")
+
+    def _check_optimizer(self, params: Sequence[torch.Tensor]) -> None:
+        if self.optimizer is not None:
+            got = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            if got != {id(p) for p in params}:
+                raise ValueError("optimizer_factory must build an optimizer over exactly the parameters it is given")
+
+    def _try_split(self, groups: Sequence[Sequence[ExchangeTask]], exchange: str,
+                   factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], initial: Mapping[str, torch.Tensor]) -> bool:
+        """Build the optimizer over the piece masters and keep it when the split step is asked for
+        (``ns-input``, or ``auto``) and the optimizer offers a bitwise one; refuse ``ns-input``
+        otherwise. The answer is the same on every rank (it depends on the options and dtypes only)."""
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        names = [t.name for g in groups for t in g]
+        if exchange == "gradients" or not names:
+            return False
+        pieces = {n: initial[n] for n in names}
+        for n, t in pieces.items():
+            if t.dtype != self.master_dtype:
+                raise TypeError(f"{n}: the split step updates piece masters of {self.master_dtype}, got {t.dtype}")
+        # an empty piece (FSDP2's trailing ranks) enters the optimizer as a 1 x 1 stand-in: every
+        # rank then builds the same param groups (optimizers refuse empty tensors), and a host
+        # holding no rows of a matrix still finds its group; a stand-in never gets state
+        self._opt_params = {n: t if t.numel() else nn.Parameter(torch.zeros(1, 1, dtype=t.dtype, device=t.device))
+                            for n, t in pieces.items()}
+        opt = factory(list(self._opt_params.values()))
+        if split_dtype(opt) is None:
+            if exchange == "ns-input":
+                raise ValueError(
+                    f"exchange='ns-input' needs a matrix optimizer with a bitwise split step (canzona's Muon on "
+                    f"float32/float64 masters, one Newton-Schulz dtype); {type(opt).__name__} has none here: use exchange='gradients'"
+                )
+            return False
+        self.optimizer, self.pieces = opt, pieces
+        self._check_optimizer(list(self._opt_params.values()))
+        return True
+
+    def _reserve_slots(self) -> None:
         sizes = [g.numels() for g in self.groups] or [(0, 0, 0, 0)]
         biggest = [max(s[i] for s in sizes) for i in range(4)]
         #: largest single exchange buffer (bytes) of one group on this rank
         self.peak_exchange_bytes: int = max(biggest) * self._es
         #: the schedule :meth:`run` executes (see :func:`pipeline`)
         self.schedule_events: tuple[tuple[str, int], ...] = tuple(pipeline(len(self.groups), sync=self.sync))
-
-        def reserve(n: int) -> torch.Tensor:
-            return torch.empty(n, dtype=dtype, device=self._device)
-
         #: exchange buffers reserved once (two slots; ``reserved_exchange_bytes`` in total)
-        self.slots = ExchangeSlots(*(reserve(n) for n in biggest))
+        self.slots = ExchangeSlots(*(torch.empty(n, dtype=self.dtype, device=self._device) for n in biggest))
         self.reserved_exchange_bytes: int = self.slots.nbytes
-        #: ``(event, group)`` as the last :meth:`run` executed them (equals ``schedule_events``)
-        self.last_events: list[tuple[str, int]] = []
-        self.masters: dict[str, nn.Parameter] = {}
-        self.refresh_masters(initial)
-        params = [self.masters[n] for n in self.hosted]
-        self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params) if params else None
-        if self.optimizer is not None:
-            got = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-            if got != {id(p) for p in params}:
-                raise ValueError("optimizer_factory must build an optimizer over exactly the parameters it is given")
 
     # ------------------------------------------------------------------------- masters
     @torch.no_grad()
     def refresh_masters(self, values: Mapping[str, torch.Tensor]) -> None:
         """(Re)assemble the hosted full masters from every rank's blocks ``values`` (one exchange
-        per group, through the gather slot). Optimizer state is kept."""
+        per group, through the gather slot). Optimizer state is kept. Split step: copy ``values``
+        into the piece masters (no exchange)."""
+        if self.split:
+            for name, piece in self.pieces.items():
+                if values[name] is not piece:
+                    piece.copy_(values[name])
+            return
         for g in self.groups:
             self._wait(self._launch_gather(g, values))
             for name, t in self._unpack_gather(g, values).items():
@@ -592,80 +725,160 @@ class MicroGroupEngine:
         is true): only for an outcome every rank reaches alike, such as a refusal by a status
         exchange; a rank-local error must be kept and reported later instead (the other ranks are
         waiting in the exchanges)."""
-        self.last_events = events = []
-        groups = self.groups
-        works: dict[tuple[str, int], Any] = {}
-        full_grads: dict[str, torch.Tensor] = {}
-        updated: dict[str, torch.Tensor] = {}
-        own_results: dict[int, dict[str, torch.Tensor]] = {}  # direct: group -> results its own blocks come from
-        error: Exception | None = None
-        peers = self.n
+        r = _Run(grads, dest, skip, overlap)
+        self.last_events = r.events
         try:
             for ev, k in self.schedule_events:
-                g = groups[k]
-                events.append((ev, k))
-                if ev == GATHER_LAUNCH:
-                    with phase(f"{self.phases.gather}/{g.phase_index}/launch", bytes=g.send_numel * self._es, group=k, peers=peers):
-                        works[GATHER_WAIT, k] = self._launch_gather(g, grads)
-                    if overlap is not None:
-                        overlap()
-                        overlap = None
-                elif ev == GATHER_WAIT:
-                    with phase(f"{self.phases.gather}/{g.phase_index}/wait", bytes=sum(g.gather_recv) * self._es, group=k, peers=peers):
-                        self._wait(works.pop((GATHER_WAIT, k)))
-                    # unpacking copies out of the gather slot, which the next launch reuses at once
-                    with phase(f"{self.phases.compute}/{g.phase_index}"):
-                        full_grads = self._unpack_gather(g, grads)
-                elif ev == COMPUTE:
-                    with phase(f"{self.phases.compute}/{g.phase_index}"):
-                        try:
-                            if error is not None:
-                                raise error
-                            updated = self._compute(g, full_grads, skip)
-                        except Exception as exc:  # noqa: BLE001 - finish the exchanges, raise afterwards
-                            error = error or exc
-                            updated = {name: self.masters[name].detach() for name in g.hosted}
-                    full_grads = {}
-                elif ev == SCATTER_LAUNCH:
-                    with phase(f"{self.phases.scatter}/{g.phase_index}/launch", bytes=sum(g.scatter_send) * self._es, group=k, peers=peers):
-                        works[SCATTER_WAIT, k] = self._launch_scatter(g, updated)
-                    if g.local_back:
-                        # the hosted masters (or the error path's unchanged values); a later
-                        # group's compute steps only its own parameters, so they hold until APPLY
-                        own_results[k] = updated
-                    updated = {}
-                elif ev == SCATTER_WAIT:
-                    with phase(f"{self.phases.scatter}/{g.phase_index}/wait", bytes=sum(g.scatter_recv) * self._es, group=k, peers=peers):
-                        self._wait(works.pop((SCATTER_WAIT, k)))
-                else:  # APPLY
-                    with phase(f"{self.phases.apply}/{g.phase_index}"), torch.no_grad():
-                        if g.sync:
-                            for c in g.own:
-                                dest[c.name].copy_(updated[c.name][c.index])
-                            updated = {}
-                        else:
-                            recv = self.slots.scatter_shard
-                            for c in g.unpack_back:
-                                if c.numel:
-                                    dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
-                            mine = own_results.pop(k, {})
-                            for c in g.local_back:
-                                dest[c.name].copy_(mine[c.name][c.index])
-            if overlap is not None:  # no micro-group at all
-                overlap()
+                r.events.append((ev, k))
+                self._handlers[ev](r, self.groups[k])
+            if r.overlap is not None:  # no micro-group at all
+                r.overlap()
         except BaseException as exc:
-            # Exchanges still in flight write into the reserved slots: let them land before the
-            # error leaves, so a later step never shares a buffer with a stale collective. Every
-            # peer launched them before its own compute, so these waits cannot hang on a live group.
-            # An error that marks the group unusable (a status timeout: some rank never came) leaves
-            # at once; the group must be destroyed anyway.
-            if not getattr(exc, "abandon_exchanges", False):
-                for w in works.values():
-                    with contextlib.suppress(Exception):
-                        self._wait(w)
+            self._land(r.works, exc)
             raise
-        if error is not None:
-            raise error
+        if r.error is not None:
+            raise r.error
+
+    def _land(self, works: Mapping[tuple[str, int], Any], exc: BaseException) -> None:
+        """Exchanges still in flight write into the reserved slots: let them land before an error
+        leaves, so a later step never shares a buffer with a stale collective. Every peer launched
+        them before its own compute, so these waits cannot hang on a live group. An error that
+        marks the group unusable (``abandon_exchanges``: a status timeout, some rank never came)
+        leaves at once; the group must be destroyed anyway."""
+        if not getattr(exc, "abandon_exchanges", False):
+            for w in works.values():
+                with contextlib.suppress(Exception):
+                    self._wait(w)
+
+    def _gather_launch(self, r: _Run, g: ExchangeGroup) -> None:
+        pieces = self._split_inputs(r, g) if self.split else r.grads
+        with phase(f"{self.phases.gather}/{g.phase_index}/launch", bytes=g.send_numel * self._es, group=g.index, peers=self.n):
+            r.works[GATHER_WAIT, g.index] = self._launch_gather(g, pieces)
+        if r.overlap is not None:
+            overlap, r.overlap = r.overlap, None
+            overlap()
+
+    def _gather_wait(self, r: _Run, g: ExchangeGroup) -> None:
+        with phase(f"{self.phases.gather}/{g.phase_index}/wait", bytes=sum(g.gather_recv) * self._es, group=g.index, peers=self.n):
+            self._wait(r.works.pop((GATHER_WAIT, g.index)))
+        # unpacking copies out of the gather slot, which the next launch reuses at once
+        with phase(f"{self.phases.compute}/{g.phase_index}"):
+            r.full = self._unpack_gather(g, r.inputs if self.split else r.grads)
+            if self.split:
+                for t in g.tasks:
+                    r.inputs.pop(t.name, None)
+
+    def _compute_event(self, r: _Run, g: ExchangeGroup) -> None:
+        with phase(f"{self.phases.compute}/{g.phase_index}"):
+            try:
+                if r.error is not None:
+                    raise r.error
+                r.updated = self._split_compute(g, r.full, r.skip) if self.split else self._compute(g, r.full, r.skip)
+                r.valid[g.index] = True
+            except Exception as exc:  # noqa: BLE001 - finish the exchanges, raise afterwards
+                r.error = r.error or exc
+                r.valid[g.index] = False
+                # unchanged values (split: anything of the right shape, flagged as not computed)
+                r.updated = dict(r.full) if self.split else {name: self.masters[name].detach() for name in g.hosted}
+        r.full = {}
+
+    def _scatter_launch(self, r: _Run, g: ExchangeGroup) -> None:
+        with phase(f"{self.phases.scatter}/{g.phase_index}/launch", bytes=sum(g.scatter_send) * self._es, group=g.index, peers=self.n):
+            r.works[SCATTER_WAIT, g.index] = self._launch_scatter(g, r.updated, r.valid.get(g.index, False))
+        if g.local_back:
+            # the hosted results (or the error path's unchanged values); a later group's compute
+            # steps only its own parameters, so they hold until APPLY
+            r.own_results[g.index] = r.updated
+        r.updated = {}
+
+    def _scatter_wait(self, r: _Run, g: ExchangeGroup) -> None:
+        with phase(f"{self.phases.scatter}/{g.phase_index}/wait", bytes=sum(g.scatter_recv) * self._es, group=g.index, peers=self.n):
+            self._wait(r.works.pop((SCATTER_WAIT, g.index)))
+
+    @torch.no_grad()
+    def _apply(self, r: _Run, g: ExchangeGroup) -> None:
+        with phase(f"{self.phases.apply}/{g.phase_index}"):
+            if self.split:
+                self._split_apply(r, g)
+                return
+            dest = r.dest
+            if g.sync:
+                for c in g.own:
+                    dest[c.name].copy_(r.updated[c.name][c.index])
+                r.updated = {}
+                return
+            recv = self.slots.scatter_shard
+            for c in g.unpack_back:
+                if c.numel:
+                    dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
+            mine = r.own_results.pop(g.index, {})
+            for c in g.local_back:
+                dest[c.name].copy_(mine[c.name][c.index])
+
+    # ------------------------------------------------------------------------- the split step
+    def _split_inputs(self, r: _Run, g: ExchangeGroup) -> dict[str, torch.Tensor]:
+        """This rank's matrix-input piece of every task of ``g`` (the momentum advanced out of place
+        and kept for :meth:`_split_apply`; nothing changes before it). A rank-local error is kept
+        (the step then computes nothing here and reports it at the end)."""
+        opt = self.optimizer
+        assert opt is not None
+        with phase(f"{self.phases.compute}/{g.phase_index}"):
+            live = []
+            for t in g.tasks:
+                r.inputs[t.name] = r.grads[t.name]  # empty pieces (and the error path) send the gradient as it is
+                if r.grads[t.name].numel() and r.error is None:
+                    live.append(t.name)
+            if live:
+                try:
+                    moms, inputs = opt.matrix_input([self.pieces[n] for n in live], [r.grads[n] for n in live])  # type: ignore[attr-defined]
+                except Exception as exc:  # noqa: BLE001 - the other ranks wait in the exchanges
+                    r.error = exc
+                else:
+                    r.momenta.update(zip(live, moms))
+                    r.inputs.update(zip(live, inputs))
+        return r.inputs
+
+    def _split_compute(self, g: ExchangeGroup, full: Mapping[str, torch.Tensor], skip: Collection[str]) -> dict[str, torch.Tensor]:
+        """Host side of the split step: the matrix operation on the whole inputs of the group's
+        live tasks hosted here (skipped ones return their input, which nobody applies)."""
+        live = [n for n in g.hosted if n not in skip]
+        out = dict(full)
+        if live:
+            results = self.optimizer.matrix_output([self._opt_params[n] for n in live], [full[n] for n in live])  # type: ignore[union-attr]
+            out.update(zip(live, results))
+        return out
+
+    def _split_apply(self, r: _Run, g: ExchangeGroup) -> None:
+        """The element-wise update of this rank's pieces from their blocks of the results, where the
+        host computed them (flag) and the task is not skipped; then into ``dest``."""
+        if g.sync:
+            ok = r.valid.get(g.index, False)
+            blocks = [(c.name, r.updated[c.name][c.index], ok) for c in g.own]
+            r.updated = {}
+        else:
+            recv = self.slots.scatter_shard
+            computed = [bool(v) for v in recv[list(g.flag_recv)].tolist()] if g.flag_recv else []
+            blocks = [(c.name, recv[c.offset : c.offset + c.numel].view(c.shape), computed[self.tasks[c.name].host])
+                      for c in g.unpack_back if c.numel]
+            mine = r.own_results.pop(g.index, {})
+            ok = r.valid.get(g.index, False)
+            blocks += [(c.name, mine[c.name][c.index], ok) for c in g.local_back]
+        names, moms, outs = [], [], []
+        for name, block, computed_ok in blocks:
+            momentum = r.momenta.pop(name, None)
+            if computed_ok and momentum is not None and name not in r.skip:
+                names.append(name)
+                moms.append(momentum)
+                outs.append(block)
+        for t in g.tasks:  # tasks this rank has no block of, or skipped: nothing is kept
+            r.momenta.pop(t.name, None)
+        if not names:
+            return
+        pieces = [self.pieces[n] for n in names]
+        self.optimizer.matrix_apply(pieces, moms, outs, [self.tasks[n].layout.full_shape for n in names])  # type: ignore[union-attr]
+        copy = [(r.dest[n], piece) for n, piece in zip(names, pieces) if r.dest[n] is not piece]
+        if copy:
+            torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
 
     @staticmethod
     def _wait(work: Any) -> None:
@@ -727,17 +940,22 @@ class MicroGroupEngine:
     def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
         """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
         rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
-        handle whose ``remove()`` detaches it."""
+        handle whose ``remove()`` detaches it. The split step updates no matrix whole: refused."""
+        if self.split:
+            raise ValueError("update hooks see each matrix updated whole, which exchange='ns-input' never does: use exchange='gradients'")
         return self.update_hooks.register(hook)
 
     @torch.no_grad()
-    def _launch_scatter(self, g: ExchangeGroup, updated: Mapping[str, torch.Tensor]) -> Any:
+    def _launch_scatter(self, g: ExchangeGroup, updated: Mapping[str, torch.Tensor], computed: bool = True) -> Any:
         """Pack this host's updated values into the scatter slot and start the fused all-to-all back
         to every rank (async). Values, never deltas; the slot holds copies, so the masters may
-        change before it lands."""
+        change before it lands. Split step: the results of the matrix operation, each peer's part
+        led by the flag ``computed``."""
         slots = self.slots
         send = slots.scatter_full[: sum(g.scatter_send)]
         _pack_blocks(send, g.pack_back, updated)
+        for at in g.flag_send:
+            send[at] = 1.0 if computed else 0.0
         out = slots.scatter_shard[: sum(g.scatter_recv)]
         _, work = self.comm.all_to_all_v(send, list(g.scatter_send), list(g.scatter_recv), out=out, async_op=True)
         return work
@@ -750,28 +968,38 @@ class MicroGroupEngine:
             for group in self.optimizer.param_groups:
                 group.update(values)
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The parameters whose optimizer state this rank holds: the hosted ones (full shape) or,
+        split, every task's non-empty piece (shaped like the piece)."""
+        return tuple(n for n, t in self.pieces.items() if t.numel()) if self.split else self.hosted
+
+    def _state_param(self, name: str) -> torch.Tensor:
+        return self.pieces[name] if self.split else self.masters[name]
+
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Full-shape optimizer state of the parameters hosted here, keyed by parameter name
+        """Optimizer state of :attr:`state_names` (full-shape, or piece-shaped under the split step), keyed by parameter name
         (tensors cloned; non-tensor entries such as integer step counters kept as they are)."""
         if self.optimizer is None:
             return {}
         out: dict[str, dict[str, Any]] = {}
-        for name in self.hosted:
-            st = self.optimizer.state.get(self.masters[name], {})
+        for name in self.state_names:
+            st = self.optimizer.state.get(self._state_param(name), {})
             out[name] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
         return out
 
     def load_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
         """Restore :meth:`state_dict`'s output (names must be exactly the hosted parameters)."""
-        if set(states) != set(self.hosted):
+        mine = set(self.state_names)
+        if set(states) != mine:
             raise ValueError(
-                f"state names differ from the parameters hosted on this rank: missing {sorted(set(self.hosted) - set(states))[:3]}, "
-                f"unexpected {sorted(set(states) - set(self.hosted))[:3]}"
+                f"state names differ from the parameters hosted on this rank: missing {sorted(mine - set(states))[:3]}, "
+                f"unexpected {sorted(set(states) - mine)[:3]}"
             )
         if self.optimizer is None:
             return
         for name, st in states.items():
-            p = self.masters[name]
+            p = self._state_param(name)
             self.optimizer.state[p] = {
                 k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v) for k, v in st.items()
             }

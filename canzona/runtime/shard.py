@@ -113,7 +113,7 @@ class FSDPEngine(MicroGroupEngine):
     def load_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> None:
         """Restore :meth:`state_dict`'s output for the hosted parameters (others are ignored; a
         hosted parameter absent from ``states`` gets an empty state)."""
-        super().load_state_dict({name: states.get(name, {}) for name in self.hosted})
+        super().load_state_dict({name: states.get(name, {}) for name in self.state_names})
 
 
 # ============================================================================ the whole step
@@ -177,7 +177,12 @@ class FSDPRuntime:
         self._init_experts(matrix_factory)
         tasks = [[ExchangeTask(self.layouts[n], h) for n, h in g] for g in groups]
         initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
-        self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype)
+        if settings.exchange != "gradients":
+            # the split step's piece masters (every matrix, empty pieces too: a piece stands for
+            # its matrix's param group on the host); unused and dropped on the other path
+            initial = {n: nn.Parameter(t.to(master_dtype, copy=True)) for n, t in initial.items()}
+        self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype,
+                                 exchange=settings.exchange)
         self.update_hooks = self.engine.update_hooks  # one registry for the whole step
         #: under the sync schedule every rank computes every matrix, keeping its own copy of their
         #: masters and state: after an update that failed on some ranks only, steps are refused
@@ -338,7 +343,7 @@ class FSDPRuntime:
         """Call ``hook(name, param, optimizer)`` after each local step for every parameter this
         rank updated whole, before the value is sent (:mod:`canzona.runtime.hooks`); returns a
         handle whose ``remove()`` detaches it."""
-        return self.update_hooks.register(hook)
+        return self.engine.register_update_hook(hook)
 
     def discard_grads(self) -> None:
         """Nothing to discard: gradients live in ``p.grad`` (the front end clears them)."""

@@ -224,7 +224,10 @@ class TPEngine(MicroGroupEngine):
     ``comm`` is a :class:`Comm` over this DP rank's TP group (group-local ranks = TP ranks).
     ``local_masters`` are the fp32 TP-local master shards (``spec.local_shape``) of the TP-split
     matrix parameters this DP rank updates, and of each expert (``stack[e]``, its ``(M, N)``
-    shard) of the TP-split expert stacks it updates; :meth:`step` updates them in place.
+    shard) of the TP-split expert stacks it updates; :meth:`step` updates them in place. ``exchange``:
+    ``"ns-input"`` (or ``"auto"``) runs the split step (:class:`~canzona.runtime.exchange.MicroGroupEngine`):
+    the optimizer is built over ``local_masters`` themselves, its element-wise state (Muon's
+    momentum) lives with each shard, and only the Newton-Schulz input and output are exchanged.
     ``optimizer_factory`` builds ONE per-parameter optimizer over the full-shape masters hosted
     here (not called when this rank hosts nothing). Exchange slots, schedule and state interface
     are :class:`~canzona.runtime.exchange.MicroGroupEngine`'s (``slots``,
@@ -239,6 +242,7 @@ class TPEngine(MicroGroupEngine):
         comm: Comm,
         optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         local_masters: dict[str, torch.Tensor],
+        exchange: str = "gradients",
     ) -> None:
         inp = plan.inputs
         self.plan = plan
@@ -274,6 +278,17 @@ class TPEngine(MicroGroupEngine):
                 return TPTask(name, host, self._packed[name][0], 1)
             return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
 
+        # the split step (exchange='ns-input') is not yet verified on expert tasks (a stack's TP shards,
+        # packed or not): refused when asked for, the generic exchange under 'auto' (the whole plan
+        # decides, so every rank chooses alike)
+        experts = [p.name for p in plan.params if p.role == "experts" and p.spec.tp_split]
+        if experts and exchange == "ns-input":
+            raise ValueError(
+                f"{experts[0]}: exchange='ns-input' does not run TP-split expert stacks yet; use exchange='gradients' (or 'auto')"
+            )
+        if experts:
+            exchange = "gradients"
+
         groups: list[list[TPTask]] = []
         if self.schedule == "sync":
             # Every TP rank computes every update: host -1, all tasks are local everywhere.
@@ -297,6 +312,7 @@ class TPEngine(MicroGroupEngine):
             dtype=dtype,
             device=device,
             phases=exchange_phases("canzona/tp/gather", "canzona/tp/compute", "canzona/tp/scatter", "canzona/tp/apply"),
+            exchange=exchange,
         )
         self.sync = self.schedule == "sync"
 
@@ -353,8 +369,8 @@ class TPEngine(MicroGroupEngine):
     def _compute(self, g: Any, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         return self._blocks(super()._compute(g, full_grads, skip))
 
-    def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor]) -> Any:
-        return super()._launch_scatter(g, self._blocks(updated))
+    def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor], computed: bool = True) -> Any:
+        return super()._launch_scatter(g, self._blocks(updated), computed)
 
     # ------------------------------------------------------------------------- the step
     def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
