@@ -284,7 +284,28 @@ def tp_experts_worker(rank: int, world: int) -> bytes:
             out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel)
         except Exception as exc:  # noqa: BLE001 - each case fails on its own, in the test that reads it
             out[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        out["ns_input"] = _ns_input_refusal(world)
+    except Exception as exc:  # noqa: BLE001 - read by its own test
+        out["ns_input"] = f"unexpected {type(exc).__name__}: {exc}"
     return pack(out)
+
+
+def _ns_input_refusal(world: int) -> str | None:
+    """exchange='ns-input' on TP-split expert stacks: refused in one line at construction."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import canzona
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = TPExpertsModel()
+    _shard(model, mesh["tp"])
+    try:
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
+                                     bucket_numel=200, exchange="ns-input")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["1x2", "2x2"])
@@ -596,3 +617,11 @@ def test_packed_stack_spec_and_plan_document() -> None:
     plain = make_plan([dataclasses.replace(packed, tp_blocks=1), *rest], inp)
     assert plain.fingerprint != plan.fingerprint  # the packing is part of what the plan is
     assert "tp_blocks" not in json.dumps(json.loads(plain.to_json())["params"])
+
+
+@pytest.mark.slow
+def test_split_exchange_refuses_tp_split_expert_stacks(results) -> None:
+    _, res = results
+    for r, got in enumerate(res):
+        msg = got["ns_input"]
+        assert msg is not None and "exchange='ns-input' does not run TP-split expert stacks" in msg and "\n" not in msg, f"rank {r}: {msg}"
