@@ -42,7 +42,13 @@ SKIPPED: dict[str, str] = {
 #: exact command line -> why the test does not run it
 SKIPPED_EXACT: dict[str, str] = {
     "canzona profile --tensorboard runs/prof": "the profiling block runs the same command (with --steps 3) and reads its traces",
+    "canzona train --dp 2 --tp 2 --steps 20": "at the test's size it is the same run as the table's `canzona train --nproc 4 ...` "
+                                              "(lb-asc and muon are the defaults, --nproc defaults to dp x tp; "
+                                              "test_readme_has_commands_and_every_skip_is_used checks that), which runs",
 }
+
+#: skipped command line -> the README command that runs the same training once both are made small
+SAME_TRAINING = {"canzona train --dp 2 --tp 2 --steps 20": "canzona train --nproc 4 --dp 2 --tp 2 --strategy lb-asc --optimizer muon"}
 
 #: command prefix -> options appended (argparse keeps the last value of an option) to run it small
 SMALLER: dict[str, str] = {
@@ -102,6 +108,22 @@ def test_readme_has_commands_and_every_skip_is_used() -> None:
         assert any(ln.startswith(prefix) for ln in lines), f"{prefix!r} is no longer in the README: drop it from the test"
     for line in SKIPPED_EXACT:
         assert line in lines, f"{line!r} is no longer in the README: drop it from the test"
+    for skipped, ran in SAME_TRAINING.items():
+        assert ran in lines and not _skip_reason(ran), f"{ran!r} no longer runs: run {skipped!r} again"
+        assert _train_run(skipped) == _train_run(ran), f"{skipped!r} and {ran!r} are no longer the same run: run both"
+
+
+def _train_run(line: str) -> tuple[dict, int]:
+    """The training configuration and the number of local workers ``line`` starts at the test's size."""
+    import argparse
+
+    from canzona.commands.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(_argv(line)[4:])  # after python -m canzona train
+    workers = args.nproc if args.nproc is not None else args.dp * args.tp
+    return {k: v for k, v in vars(args).items() if k != "nproc"}, workers
 
 
 GROUPS = readme_commands()
