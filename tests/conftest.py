@@ -1,9 +1,12 @@
 """Suite-wide settings: runs that commands log by default (``canzona train`` writes a metrics log
 under ``runs/``) go to a temporary folder, never into the working tree, and the figures' "newest
-run" lookup sees only what a test wrote there."""
+run" lookup sees only what a test wrote there. The quick gate (``pytest -m "not slow"``) starts no
+worker process: a test (or a fixture it sets up) that starts one without the ``slow`` mark fails
+with the line naming the mark."""
 
 from __future__ import annotations
 
+import multiprocessing.process
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +17,30 @@ from harness import case_results
 
 #: the plugin test drives a nested pytest run (tests/test_validation_api.py)
 pytest_plugins = ["pytester"]
+
+
+#: the test being set up, run or torn down, while it is not marked slow
+_QUICK_TEST: list[str | None] = [None]
+_start_process = multiprocessing.process.BaseProcess.start
+
+
+def _guarded_start(self: multiprocessing.process.BaseProcess) -> None:
+    if _QUICK_TEST[0] is not None:
+        raise RuntimeError(f"{_QUICK_TEST[0]} starts a worker process but is not marked @pytest.mark.slow "
+                           "(the quick gate `pytest -m \"not slow\"` starts none)")
+    _start_process(self)
+
+
+multiprocessing.process.BaseProcess.start = _guarded_start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    _QUICK_TEST[0] = None if item.get_closest_marker("slow") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _QUICK_TEST[0] = None
 
 
 @pytest.fixture(autouse=True)

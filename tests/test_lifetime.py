@@ -83,6 +83,7 @@ def lifetime_run() -> list:
     return run_workers(lifetime_worker, 2, timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_dropped_optimizer_and_model_are_freed(lifetime_run, case: str) -> None:
     """Two steps of lb-asc (ZeRO-1 DP at world 2, DTensor TP dp1 x tp2, FSDP2), then every

@@ -66,7 +66,8 @@ def test_a_mistaken_argument_is_one_line_and_status_2(capsys: pytest.CaptureFixt
 
 #: (script, tiny-size arguments, lines the output must hold)
 RUNS = [
-    ("bench_annotation", ["--steps", "3", "--block", "1", "--calls", "10"], ["annotation overhead per training step, no profiler attached: estimate"]),
+    # dp2 x tp1: the same A/B loop as the default dp2 x tp2 on half the processes
+    ("bench_annotation", ["--steps", "3", "--block", "1", "--calls", "10", "--tp", "1"], ["annotation overhead per training step, no profiler attached: estimate"]),
     ("bench_checkpoint", ["--hidden", "64", "--layers", "1", "--ffn", "64", "--vocab", "64", "--chunk-mib", "0.01"],
      ["sharded chunk cap: 0.01 MiB", "consolidated load"]),
     ("bench_fsdp2", ["--worlds", "2", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "64",

@@ -137,6 +137,7 @@ def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_run_workers_returns_results_in_rank_order_with_tensors(tmp_tempdir: Path) -> None:
     res = run_workers(_echo, 2, timeout_s=120)
     assert [r["rank"] for r in res] == [0, 1]
@@ -147,6 +148,7 @@ def test_run_workers_returns_results_in_rank_order_with_tensors(tmp_tempdir: Pat
     assert list(tmp_tempdir.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_named_and_nothing_hangs(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: planted failure"):
@@ -155,6 +157,7 @@ def test_a_failing_rank_is_named_and_nothing_hangs(tmp_tempdir: Path) -> None:
     assert list(tmp_tempdir.iterdir()) == []  # the rendezvous directory is gone after a failure too
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_raises_its_error_and_stops_the_others(tmp_tempdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1's process fails to start (e.g. out of process slots): the launcher raises that error,
     not one of its own clean-up, stops rank 0, and removes the rendezvous directory."""
@@ -175,6 +178,7 @@ def test_a_worker_that_cannot_start_raises_its_error_and_stops_the_others(tmp_te
     assert list(tmp_tempdir.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_run_deadline_kills_workers(tmp_tempdir: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="timed out"):
@@ -189,6 +193,7 @@ def test_world_size_must_be_positive() -> None:
 
 
 # ----------------------------------------------------------------------------- collectives
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_uneven_collectives_and_their_byte_counts(comm_runs, world: int) -> None:
     res = comm_runs(world, "collectives")

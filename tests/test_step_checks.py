@@ -243,6 +243,7 @@ def _same_reads(small: dict, large: dict, what: str) -> None:
                                    f"(small: {where_small}; large: {where_large})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,optname", READ_CASES, ids=[f"{s}-{o}" for s, o in READ_CASES])
 def test_host_reads_of_a_step_do_not_grow_with_parameters_or_buckets(reads_run, strategy: str, optname: str) -> None:
     """The same number of host reads (on CUDA: synchronizations) in a step of 4 and of 16
@@ -257,6 +258,7 @@ def test_host_reads_of_a_step_do_not_grow_with_parameters_or_buckets(reads_run, 
             assert 0 < _device_reads(where) <= MAX_READS, where
 
 
+@pytest.mark.slow
 def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> None:
     """DP1 x TP2, the tiny Qwen3: 12 micro-groups or 1, the same host reads in a step (those of
     the element-wise pieces' AdamW, whose step counter is a CPU tensor, included)."""
@@ -266,6 +268,7 @@ def test_host_reads_of_a_tp_step_do_not_grow_with_micro_groups(reads_run) -> Non
         _same_reads(a, b, f"TP rank {rank}")
 
 
+@pytest.mark.slow
 def test_host_reads_of_an_fsdp2_step_do_not_grow_with_parameters(reads_run) -> None:
     """FSDP2 (``fully_shard`` per layer, dp_shard 2), lb-asc: a step of 4 and of 16 matrices
     reads the same values back, at most :data:`MAX_READS`."""
