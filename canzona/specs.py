@@ -358,12 +358,61 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
     every expert a TP task with a host (``E`` tasks per stack). ``experts="separate"`` is the older form:
     router first, then every expert as its own dense MLP of 2-D matrices, TP-split like one.
     """
+    _check_spec_options(layout, experts, tp)
+    build = _megatron_specs if layout == "megatron" else _hf_specs
+    return build(cfg, tp=tp, experts=experts)
+
+
+def _check_spec_options(layout: str, experts: str, tp: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if experts not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown experts layout {experts!r}; choose one of {', '.join(EXPERT_LAYOUTS)}")
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
+
+
+def _mlp_specs(prefix: str, ffn: int, *, h: int, tp: int, layout: str) -> list[ParamSpec]:
+    """A dense MLP of hidden ``h`` and width ``ffn``: up projections column-, down row-parallel."""
+    if layout == "megatron":
+        return [_spec(f"{prefix}.linear_fc1.weight", (2 * ffn, h), 0, tp), _spec(f"{prefix}.linear_fc2.weight", (h, ffn), 1, tp)]
+    return [
+        _spec(f"{prefix}.gate_proj.weight", (ffn, h), 0, tp),
+        _spec(f"{prefix}.up_proj.weight", (ffn, h), 0, tp),
+        _spec(f"{prefix}.down_proj.weight", (h, ffn), 1, tp),
+    ]
+
+
+def _expert_stack_specs(cfg: ModelConfig, prefix: str, *, tp: int, layout: str, experts: str) -> list[ParamSpec]:
+    """The up and down ``experts`` stacks of one MoE layer, replicated or (``stacked-tp``) TP-split."""
+    assert cfg.moe is not None
+    h = cfg.hidden_size
+    e, f = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+    up, down = ("linear_fc1.weight", "linear_fc2.weight") if layout == "megatron" else ("gate_up_proj", "down_proj")
+    split = experts == "stacked-tp"  # column-parallel up (rows, dim 1), row-parallel down (columns, dim 2)
+    return [
+        ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp_dim=1 if split else None, tp=tp),
+        ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp_dim=2 if split else None, tp=tp),
+    ]
+
+
+def _moe_specs(cfg: ModelConfig, prefix: str, router: str, expert_prefix: str, *, tp: int, layout: str,
+               experts: str) -> list[ParamSpec]:
+    """One MoE layer's MLP: the expert stacks then the router, or (``separate``) the router then one MLP per expert."""
+    assert cfg.moe is not None
+    h = cfg.hidden_size
+    if experts != "separate":
+        out = _expert_stack_specs(cfg, prefix, tp=tp, layout=layout, experts=experts)
+        out.append(_spec(f"{prefix}.{router}", (cfg.moe.num_experts, h), None, tp))
+        return out
+    out = [_spec(f"{prefix}.{router}", (cfg.moe.num_experts, h), None, tp)]
+    for e in range(cfg.moe.num_experts):
+        out += _mlp_specs(f"{prefix}.{expert_prefix}.{e}", cfg.moe.moe_intermediate_size, h=h, tp=tp, layout=layout)
+    return out
+
+
+def _megatron_specs(cfg: ModelConfig, *, tp: int, experts: str) -> list[ParamSpec]:
+    """Megatron-Core GPT naming and order (see :func:`specs_from_config`)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     out: list[ParamSpec] = []
@@ -371,69 +420,52 @@ def specs_from_config(cfg: ModelConfig, *, tp: int = 1, layout: str = "megatron"
     def add(name: str, shape: tuple[int, ...], tp_dim: int | None) -> None:
         out.append(_spec(name, shape, tp_dim, tp))
 
-    def stacks(prefix: str) -> None:
-        assert cfg.moe is not None
-        e, f = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
-        up, down = ("linear_fc1.weight", "linear_fc2.weight") if layout == "megatron" else ("gate_up_proj", "down_proj")
-        split = experts == "stacked-tp"  # column-parallel up (rows, dim 1), row-parallel down (columns, dim 2)
-        out.append(ParamSpec(name=f"{prefix}.experts.{up}", shape=(e, 2 * f, h), kind="experts", tp_dim=1 if split else None, tp=tp))
-        out.append(ParamSpec(name=f"{prefix}.experts.{down}", shape=(e, h, f), kind="experts", tp_dim=2 if split else None, tp=tp))
-
-    def moe(prefix: str, router: str, expert_prefix: str) -> None:
-        assert cfg.moe is not None
-        if experts != "separate":
-            stacks(prefix)
-            add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
-            return
-        add(f"{prefix}.{router}", (cfg.moe.num_experts, h), None)
-        for e in range(cfg.moe.num_experts):
-            mlp(f"{prefix}.{expert_prefix}.{e}", cfg.moe.moe_intermediate_size)
-
-    def mlp(prefix: str, ffn: int) -> None:
-        if layout == "megatron":
-            add(f"{prefix}.linear_fc1.weight", (2 * ffn, h), 0)
-            add(f"{prefix}.linear_fc2.weight", (h, ffn), 1)
+    add("embedding.word_embeddings.weight", (cfg.vocab_size, h), 0)
+    for i in range(cfg.num_hidden_layers):
+        p = f"decoder.layers.{i}"
+        add(f"{p}.input_layernorm.weight", (h,), None)
+        add(f"{p}.self_attention.linear_qkv.weight", (q + 2 * kv, h), 0)
+        add(f"{p}.self_attention.q_layernorm.weight", (hd,), None)
+        add(f"{p}.self_attention.k_layernorm.weight", (hd,), None)
+        add(f"{p}.self_attention.linear_proj.weight", (h, q), 1)
+        add(f"{p}.pre_mlp_layernorm.weight", (h,), None)
+        if cfg.moe is None:
+            out += _mlp_specs(f"{p}.mlp", cfg.intermediate_size, h=h, tp=tp, layout="megatron")
         else:
-            add(f"{prefix}.gate_proj.weight", (ffn, h), 0)
-            add(f"{prefix}.up_proj.weight", (ffn, h), 0)
-            add(f"{prefix}.down_proj.weight", (h, ffn), 1)
+            out += _moe_specs(cfg, f"{p}.mlp", "router.weight", "experts.local_experts", tp=tp, layout="megatron", experts=experts)
+    add("decoder.final_layernorm.weight", (h,), None)
+    if not cfg.tie_word_embeddings:
+        add("output_layer.weight", (cfg.vocab_size, h), 0)
+    return out
 
-    if layout == "megatron":
-        add("embedding.word_embeddings.weight", (cfg.vocab_size, h), 0)
-        for i in range(cfg.num_hidden_layers):
-            p = f"decoder.layers.{i}"
-            add(f"{p}.input_layernorm.weight", (h,), None)
-            add(f"{p}.self_attention.linear_qkv.weight", (q + 2 * kv, h), 0)
-            add(f"{p}.self_attention.q_layernorm.weight", (hd,), None)
-            add(f"{p}.self_attention.k_layernorm.weight", (hd,), None)
-            add(f"{p}.self_attention.linear_proj.weight", (h, q), 1)
-            add(f"{p}.pre_mlp_layernorm.weight", (h,), None)
-            if cfg.moe is None:
-                mlp(f"{p}.mlp", cfg.intermediate_size)
-            else:
-                moe(f"{p}.mlp", "router.weight", "experts.local_experts")
-        add("decoder.final_layernorm.weight", (h,), None)
-        if not cfg.tie_word_embeddings:
-            add("output_layer.weight", (cfg.vocab_size, h), 0)
-    else:
-        add("model.embed_tokens.weight", (cfg.vocab_size, h), 0)
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            add(f"{p}.self_attn.q_proj.weight", (q, h), 0)
-            add(f"{p}.self_attn.k_proj.weight", (kv, h), 0)
-            add(f"{p}.self_attn.v_proj.weight", (kv, h), 0)
-            add(f"{p}.self_attn.o_proj.weight", (h, q), 1)
-            add(f"{p}.self_attn.q_norm.weight", (hd,), None)
-            add(f"{p}.self_attn.k_norm.weight", (hd,), None)
-            if cfg.moe is None:
-                mlp(f"{p}.mlp", cfg.intermediate_size)
-            else:
-                moe(f"{p}.mlp", "gate.weight", "experts")
-            add(f"{p}.input_layernorm.weight", (h,), None)
-            add(f"{p}.post_attention_layernorm.weight", (h,), None)
-        add("model.norm.weight", (h,), None)
-        if not cfg.tie_word_embeddings:
-            add("lm_head.weight", (cfg.vocab_size, h), 0)
+
+def _hf_specs(cfg: ModelConfig, *, tp: int, experts: str) -> list[ParamSpec]:
+    """Hugging Face Qwen3 naming and order (see :func:`specs_from_config`)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out: list[ParamSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], tp_dim: int | None) -> None:
+        out.append(_spec(name, shape, tp_dim, tp))
+
+    add("model.embed_tokens.weight", (cfg.vocab_size, h), 0)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        add(f"{p}.self_attn.q_proj.weight", (q, h), 0)
+        add(f"{p}.self_attn.k_proj.weight", (kv, h), 0)
+        add(f"{p}.self_attn.v_proj.weight", (kv, h), 0)
+        add(f"{p}.self_attn.o_proj.weight", (h, q), 1)
+        add(f"{p}.self_attn.q_norm.weight", (hd,), None)
+        add(f"{p}.self_attn.k_norm.weight", (hd,), None)
+        if cfg.moe is None:
+            out += _mlp_specs(f"{p}.mlp", cfg.intermediate_size, h=h, tp=tp, layout="hf")
+        else:
+            out += _moe_specs(cfg, f"{p}.mlp", "gate.weight", "experts", tp=tp, layout="hf", experts=experts)
+        add(f"{p}.input_layernorm.weight", (h,), None)
+        add(f"{p}.post_attention_layernorm.weight", (h,), None)
+    add("model.norm.weight", (h,), None)
+    if not cfg.tie_word_embeddings:
+        add("lm_head.weight", (cfg.vocab_size, h), 0)
     return out
 
 

@@ -27,6 +27,7 @@ notebook: the user's optimizer and model by name, class or import path, returnin
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,9 +187,38 @@ def run_suite(
     thread while the workers run. ``probe``: import and construct the user's optimizer and model
     and probe the optimizer's separability (:mod:`validation.probe`) before any process starts.
     """
-    from canzona.runtime.launch import WorkerError, run_workers
-
     cells = build_matrix(sel)
+    planted = _planted_faults(fault, cells)
+    if probe:
+        preflight(cells, sel)
+    if report_path is not None:
+        check_writable(report_path)
+    say = progress or (lambda _m: None)
+    events, reader, stop = _start_cell_reader(on_cell)
+    options = {"optimizer_kwargs": sel.optimizer_kwargs, "model_kwargs": sel.model_kwargs, "progress": events}
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    by_mesh = group_by_mesh(cells)
+    for group in process_groups(by_mesh):
+        results.extend(_run_mesh_group(group, by_mesh, planted, options, mesh_timeout_s, say))
+    if reader is not None:
+        stop.set()
+        reader.join(timeout=5.0)
+    explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.meshes, sel.dtypes, sel.checks, sel.models, sel.steps))
+    level = "custom" if explicit else sel.level
+    report = build_report(results, level=level, command=command, seconds=time.perf_counter() - t0, settings=settings())
+    paths, write_error = None, None
+    if report_path is not None:
+        try:
+            paths = write_report(report, report_path)
+        except (OSError, ValueError) as exc:
+            # keep what was computed: the caller prints the table, then this line
+            write_error = f"cannot write the report {report_path}: {getattr(exc, 'strerror', None) or exc}"
+    return SuiteResult(report, paths, write_error)
+
+
+def _planted_faults(fault: PlantedFault | Sequence[PlantedFault] | None, cells: Sequence[Cell]) -> list[PlantedFault]:
+    """``fault`` as a list, refused unless each names a distinct selected cell whose mesh takes its mode."""
     planted = [] if fault is None else [fault] if isinstance(fault, PlantedFault) else list(fault)
     if len({f.cell for f in planted}) != len(planted):
         raise ValueError("at most one planted fault per cell")
@@ -197,14 +227,14 @@ def run_suite(
             raise ValueError(f"fault cell {f.cell!r} is not among the selected cells")
         if f.mode != "runtime" and parse_mesh(next(c.mesh for c in cells if c.name == f.cell)).fsdp is not None:
             raise ValueError(f"fault cell {f.cell!r} is on an FSDP2 mesh, which takes runtime faults only (not {f.mode!r})")
-    if probe:
-        preflight(cells, sel)
-    if report_path is not None:
-        check_writable(report_path)
-    say = progress or (lambda _m: None)
+    return planted
+
+
+def _start_cell_reader(on_cell: Callable[[dict[str, Any]], None] | None) -> tuple[Any, threading.Thread | None, threading.Event]:
+    """The queue the workers post finished cells to and a started thread handing each to
+    ``on_cell`` until the stop event is set (no queue and no thread without ``on_cell``)."""
     import multiprocessing as mp
     import queue as queue_mod
-    import threading
 
     events = mp.get_context("spawn").Queue() if on_cell is not None else None
     stop = threading.Event()
@@ -223,44 +253,42 @@ def run_suite(
     reader = threading.Thread(target=drain, daemon=True) if events is not None else None
     if reader is not None:
         reader.start()
-    options = {"optimizer_kwargs": sel.optimizer_kwargs, "model_kwargs": sel.model_kwargs, "progress": events}
-    t0 = time.perf_counter()
+    return events, reader, stop
+
+
+def _run_mesh_group(
+    group: Sequence[str],
+    by_mesh: dict[str, list[Cell]],
+    planted: Sequence[PlantedFault],
+    options: dict[str, Any],
+    mesh_timeout_s: float,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Run the meshes of one process group in one spawn; a result per cell, in cell order (a
+    worker failure or a missing result fails the cells it concerns)."""
+    from canzona.runtime.launch import WorkerError, run_workers
+
     results: list[dict[str, Any]] = []
-    by_mesh = group_by_mesh(cells)
-    for group in process_groups(by_mesh):
-        parts = [(m, list(by_mesh[m])) for m in group]
-        mesh_cells = [c for _, mc in parts for c in mc]
-        mesh_name = " + ".join(group)
-        world = parse_mesh(group[0]).world
-        say(f"mesh {mesh_name}: {len(mesh_cells)} cells on {world} processes ...")
-        t1 = time.perf_counter()
-        arg = [(f.cell, f.mode, f.fault) for f in planted if f.cell in {c.name for c in mesh_cells}] or None
-        try:
-            out = run_workers(run_group, world, parts, arg, options, timeout_s=mesh_timeout_s * len(parts), pg_timeout_s=120.0)
-            got = out[0] or []
-            by_name = {r["cell"]: r for r in got}
-            missing = [c for c in mesh_cells if c.name not in by_name]
-            results.extend(by_name[c.name] for c in mesh_cells if c.name in by_name)
-            if missing:
-                results.extend(_mesh_failure(missing, "the worker returned no result for these cells", 0.0, mesh_name))
-        except WorkerError as exc:
-            results.extend(_mesh_failure(mesh_cells, str(exc), time.perf_counter() - t1, mesh_name))
-        n_pass = sum(1 for r in results[-len(mesh_cells) :] if r["passed"])
-        say(f"mesh {mesh_name}: {n_pass}/{len(mesh_cells)} passed in {time.perf_counter() - t1:.1f} s")
-    if reader is not None:
-        stop.set()
-        reader.join(timeout=5.0)
-    explicit = any(v is not None for v in (sel.optimizers, sel.strategies, sel.meshes, sel.dtypes, sel.checks, sel.models, sel.steps))
-    level = "custom" if explicit else sel.level
-    report = build_report(results, level=level, command=command, seconds=time.perf_counter() - t0, settings=settings())
-    paths, write_error = None, None
-    if report_path is not None:
-        try:
-            paths = write_report(report, report_path)
-        except (OSError, ValueError) as exc:
-            # keep what was computed: the caller prints the table, then this line
-            write_error = f"cannot write the report {report_path}: {getattr(exc, 'strerror', None) or exc}"
-    return SuiteResult(report, paths, write_error)
+    parts = [(m, list(by_mesh[m])) for m in group]
+    mesh_cells = [c for _, mc in parts for c in mc]
+    mesh_name = " + ".join(group)
+    world = parse_mesh(group[0]).world
+    say(f"mesh {mesh_name}: {len(mesh_cells)} cells on {world} processes ...")
+    t1 = time.perf_counter()
+    arg = [(f.cell, f.mode, f.fault) for f in planted if f.cell in {c.name for c in mesh_cells}] or None
+    try:
+        out = run_workers(run_group, world, parts, arg, options, timeout_s=mesh_timeout_s * len(parts), pg_timeout_s=120.0)
+        got = out[0] or []
+        by_name = {r["cell"]: r for r in got}
+        missing = [c for c in mesh_cells if c.name not in by_name]
+        results.extend(by_name[c.name] for c in mesh_cells if c.name in by_name)
+        if missing:
+            results.extend(_mesh_failure(missing, "the worker returned no result for these cells", 0.0, mesh_name))
+    except WorkerError as exc:
+        results.extend(_mesh_failure(mesh_cells, str(exc), time.perf_counter() - t1, mesh_name))
+    n_pass = sum(1 for r in results[-len(mesh_cells) :] if r["passed"])
+    say(f"mesh {mesh_name}: {n_pass}/{len(mesh_cells)} passed in {time.perf_counter() - t1:.1f} s")
+    return results
 
 
 def run_group(

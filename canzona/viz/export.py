@@ -140,11 +140,29 @@ def main_figures(
     ``loss_curves`` draws every run with a metrics log under ``runs/`` (skipped when there is none).
     ``only``: names from :data:`FIGURE_NAMES` to build (all by default).
     """
+    wanted = _wanted_figures(only)
+    out = FigureSet()
+    builders = _plan_builders(model, dp=dp, tp=tp, optimizer=optimizer, flops_shape=flops_shape)
+    _add_profile_builders(builders, out, wanted, profile)
+    _add_report_builders(builders, out, wanted, report)
+    _add_loss_curves_builder(builders, out, wanted)
+    for name in FIGURE_NAMES:
+        if name in wanted and name in builders:
+            out.figures[name] = builders[name]()
+    return out
+
+
+def _wanted_figures(only: Sequence[str] | None) -> list[str]:
+    """The figure names to build, in the caller's order; unknown names are refused."""
     wanted = list(FIGURE_NAMES if only is None else only)
     unknown = [n for n in wanted if n not in FIGURE_NAMES]
     if unknown:
         raise ValueError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURE_NAMES)}")
-    out = FigureSet()
+    return wanted
+
+
+def _plan_builders(model: str, *, dp: int, tp: int, optimizer: str, flops_shape: str) -> dict[str, Callable[[], go.Figure]]:
+    """Builders of the figures drawn from plans and sweeps (no input files); each plan is made once."""
     base = dict(dp=dp, tp=tp, optimizer=optimizer, flops_shape=flops_shape)
     plans: dict[str, object] = {}
 
@@ -153,7 +171,7 @@ def main_figures(
             plans[strategy] = _plan(model, strategy=strategy, **base)
         return plans[strategy]
 
-    builders: dict[str, Callable[[], go.Figure]] = {
+    return {
         "partition_map": lambda: fig_partition_map(plan("lb-asc")),
         "strategy_loads": lambda: fig_strategy_comparison([plan(s) for s in ("zero1", "asc", "lb-asc", "layerwise")], memory="numel"),
         "balance_vs_paper": lambda: fig_balance_vs_paper(strategy_summary([plan(s) for s in ("asc", "lb-asc", "lb-asc-joint", "layerwise")])),
@@ -181,6 +199,11 @@ def main_figures(
         "time_breakdown": lambda: _time_breakdown(model, dp, tp, optimizer),
         "time_components": lambda: _time_components(model, dp, tp, optimizer),
     }
+
+
+def _add_profile_builders(builders: dict[str, Callable[[], go.Figure]], out: FigureSet, wanted: list[str],
+                          profile: str | Path | None) -> None:
+    """Add the timeline figures from ``profile`` (resolving :data:`LATEST`), or record why they are skipped."""
     prof = None
     if profile == LATEST and any(n in wanted for n in ("timeline", "critical_path")):
         profile, note = resolve_profile(None)
@@ -196,6 +219,11 @@ def main_figures(
     elif profile is None:
         for n in ("timeline", "critical_path"):
             out.skipped[n] = "no profile given"
+
+
+def _add_report_builders(builders: dict[str, Callable[[], go.Figure]], out: FigureSet, wanted: list[str],
+                         report: str | Path | None) -> None:
+    """Add the validation-report figures (resolving ``report=None`` to the newest run's or the sample)."""
     rep_path = Path(report) if report is not None else SAMPLE_REPORT
     if any(n in wanted for n in ("validation_matrix", "loss_trajectories")):
         if report is None:
@@ -210,6 +238,10 @@ def main_figures(
         else:
             for n in ("validation_matrix", "loss_trajectories"):
                 out.skipped[n] = f"no validation report at {DEFAULT_REPORT} or {SAMPLE_REPORT}"
+
+
+def _add_loss_curves_builder(builders: dict[str, Callable[[], go.Figure]], out: FigureSet, wanted: list[str]) -> None:
+    """Add the loss-curve figure over every run with a metrics log, or record that there is none."""
     if "loss_curves" in wanted:
         from canzona.viz.training import discover_runs, fig_loss_curves
 
@@ -218,10 +250,6 @@ def main_figures(
             builders["loss_curves"] = lambda: fig_loss_curves(runs)
         else:
             out.skipped["loss_curves"] = "no metrics logs under runs/ (canzona train writes them)"
-    for name in FIGURE_NAMES:
-        if name in wanted and name in builders:
-            out.figures[name] = builders[name]()
-    return out
 
 
 def _time_breakdown(model: str, dp: int, tp: int, optimizer: str) -> go.Figure:

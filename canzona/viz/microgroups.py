@@ -322,41 +322,7 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     fig = go.Figure()
     s_col, e_col = ("start", "end") if timeline == "sync" else ("start_free", "end_free")
     if len(t):
-        groups = sorted(int(k) for k in t["group"].unique())
-        # beyond a qualitative palette's worth of groups distinct colours stop being readable (and
-        # the legend scrolls): alternate two shades; the group number is printed on every bar
-        many = len(groups) > LEGEND_MAX_GROUPS
-        palette = categorical_colors(2 if many else len(groups))
-        if many:
-            parity = t["group"].to_numpy() % 2
-            series = [(f"{'even' if k == 0 else 'odd'} micro-groups", palette[k], t[parity == k]) for k in (0, 1)]
-        else:
-            series = [(f"micro-group {k}", palette[i], t[t["group"] == k]) for i, k in enumerate(groups)]
-        for name, color, g in series:
-            if not len(g):
-                continue
-            fig.add_trace(
-                go.Bar(
-                    orientation="h",
-                    y=[f"TP rank {h}" for h in g["host"]],
-                    x=(g["work"] / scale).to_numpy(),
-                    base=(g[s_col] / scale).to_numpy(),
-                    name=name,
-                    marker=dict(color=color, line=dict(color="white", width=0.6)),
-                    text=[f"g{k}" for k in g["group"]],
-                    textposition="inside",
-                    insidetextanchor="middle",
-                    textangle=0,
-                    customdata=np.stack(
-                        [g["param"], g["shape"], g["group"], g["grad_bytes"] / 2**20, g[s_col] / scale, g[e_col] / scale], axis=-1
-                    ),
-                    hovertemplate=(
-                        "%{customdata[0]}<br>full shape %{customdata[1]}<br>micro-group %{customdata[2]}, "
-                        "%{customdata[3]:.0f} MiB gradient<br>%{customdata[4]:.4g} .. %{customdata[5]:.4g} " + unit
-                        + " (%{x:.4g})<extra>%{y}</extra>"
-                    ),
-                )
-            )
+        _add_task_bars(fig, t, s_col, e_col, scale, unit)
         if timeline == "sync":
             bounds = t.groupby("group")["end"].max().sort_index().to_numpy() / scale
             for x in bounds[:-1]:
@@ -369,7 +335,6 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
         span = sum(task_work(p.spec, inp.optimizer, inp.flops_shape, metric) for p in owned) / scale
         if span > 0:
             fig.update_xaxes(range=[0, span * 1.05])
-    host_loads = tp_host_loads(plan, dp_rank)
     rows = [f"TP rank {h}" for h in range(inp.tp)]
     # an invisible point per TP rank keeps idle hosts on the chart: a category axis only shows
     # categories that hold data, and an idle host is exactly what a bad schedule looks like
@@ -377,9 +342,67 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
                              hoverinfo="skip", name="TP ranks"))
     fig.update_layout(barmode="overlay", bargap=0.3, showlegend=True, uniformtext=dict(minsize=8, mode="hide"))
     fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
+    return finish(
+        fig,
+        title=_gantt_title(plan, dp_rank, has_groups=bool(len(t)), span=span, unit=unit, timeline=timeline),
+        x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
+        y_title="host TP rank",
+        legend_title="micro-group (gK on bars)",
+        height=max(360, 40 * inp.tp + 180),
+    )
+
+
+def _group_series(t: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """(legend name, colour, rows) per bar series: one per micro-group, or even/odd groups when
+    there are too many for distinct colours."""
+    groups = sorted(int(k) for k in t["group"].unique())
+    # beyond a qualitative palette's worth of groups distinct colours stop being readable (and
+    # the legend scrolls): alternate two shades; the group number is printed on every bar
+    many = len(groups) > LEGEND_MAX_GROUPS
+    palette = categorical_colors(2 if many else len(groups))
+    if many:
+        parity = t["group"].to_numpy() % 2
+        return [(f"{'even' if k == 0 else 'odd'} micro-groups", palette[k], t[parity == k]) for k in (0, 1)]
+    return [(f"micro-group {k}", palette[i], t[t["group"] == k]) for i, k in enumerate(groups)]
+
+
+def _add_task_bars(fig: go.Figure, t: pd.DataFrame, s_col: str, e_col: str, scale: float, unit: str) -> None:
+    """One horizontal bar per task of ``t`` on its host's row, from ``s_col`` to ``e_col``."""
+    for name, color, g in _group_series(t):
+        if not len(g):
+            continue
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                y=[f"TP rank {h}" for h in g["host"]],
+                x=(g["work"] / scale).to_numpy(),
+                base=(g[s_col] / scale).to_numpy(),
+                name=name,
+                marker=dict(color=color, line=dict(color="white", width=0.6)),
+                text=[f"g{k}" for k in g["group"]],
+                textposition="inside",
+                insidetextanchor="middle",
+                textangle=0,
+                customdata=np.stack(
+                    [g["param"], g["shape"], g["group"], g["grad_bytes"] / 2**20, g[s_col] / scale, g[e_col] / scale], axis=-1
+                ),
+                hovertemplate=(
+                    "%{customdata[0]}<br>full shape %{customdata[1]}<br>micro-group %{customdata[2]}, "
+                    "%{customdata[3]:.0f} MiB gradient<br>%{customdata[4]:.4g} .. %{customdata[5]:.4g} " + unit
+                    + " (%{x:.4g})<extra>%{y}</extra>"
+                ),
+            )
+        )
+
+
+def _gantt_title(plan: Plan, dp_rank: int, *, has_groups: bool, span: float, unit: str, timeline: str) -> str:
+    """The Gantt chart's title: makespan, plan, C_max, what the makespan means, the TP R_LB
+    ratios, and why one-host groups and whole experts appear (or do not)."""
+    inp = plan.inputs
+    host_loads = tp_host_loads(plan, dp_rank)
     what = "sum over micro-groups of each group's busiest host" if timeline == "sync" else "busiest host, hosts running free"
-    empty = "" if len(t) else " (no micro-groups)"
-    if not len(t):
+    empty = "" if has_groups else " (no micro-groups)"
+    if not has_groups:
         what = "TP schedule sync or TP 1, every TP rank runs every task this DP rank owns"
     lone = one_host_groups(plan, dp_rank)
     why = ""
@@ -389,18 +412,11 @@ def fig_microgroup_gantt(plan: Plan, dp_rank: int = 0, *, metric: str = "flops",
     stacks, experts = rank_experts(plan, dp_rank)
     if stacks:  # experts are whole on their DP owner: no micro-group carries them
         why += f"<br>not on the chart: {experts} experts of {stacks} expert stacks, updated whole by this DP rank (viz.expert_groups)"
-    return finish(
-        fig,
-        title=(
-            f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit}<br>"
-            f"<sup>{plan_label(plan)}, FLOPs on {inp.flops_shape} shapes, TP schedule {inp.tp_schedule}, "
-            f"C_max {cmax_from_bytes(inp.cmax_bytes, inp.tp, inp.grad_bytes):g} (2^20 TP-local elements per host)<br>makespan: {what}; this rank's TP R_LB FLOPs "
-            f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}{why}</sup>"
-        ),
-        x_title=f"optimizer work on the host ({unit}), {timeline} timeline",
-        y_title="host TP rank",
-        legend_title="micro-group (gK on bars)",
-        height=max(360, 40 * inp.tp + 180),
+    return (
+        f"Micro-group schedule of DP rank {dp_rank}{empty}: makespan {_num(span)} {unit}<br>"
+        f"<sup>{plan_label(plan)}, FLOPs on {inp.flops_shape} shapes, TP schedule {inp.tp_schedule}, "
+        f"C_max {cmax_from_bytes(inp.cmax_bytes, inp.tp, inp.grad_bytes):g} (2^20 TP-local elements per host)<br>makespan: {what}; this rank's TP R_LB FLOPs "
+        f"{load_ratio(host_loads['flops']):.2f}, memory {load_ratio(host_loads['memory_bytes']):.2f}{why}</sup>"
     )
 
 
