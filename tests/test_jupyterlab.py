@@ -211,10 +211,13 @@ def _wait(what: str, timeout: float, probe: Callable[[], Any]) -> Any:
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last seen: {last!r})")
 
 
-#: the kernel's state and how many code cells, up to the one holding ``arguments[0]``, have run
+#: the kernel's state and how many code cells, up to the one holding ``arguments[0]``, have run in
+#: the notebook ``arguments[1]``; null until that notebook is the current widget and its content
+#: has loaded (the Lab restores the notebook an earlier test left open before it opens this one)
 _NOTEBOOK_DONE = """
 const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-if (!w || !w.content || !w.sessionContext || !w.sessionContext.session) return null;
+if (!w || !w.content || !w.context || w.context.path !== arguments[1] || !w.context.isReady) return null;
+if (!w.sessionContext || !w.sessionContext.session) return null;
 const kernel = w.sessionContext.session.kernel;
 const all = w.content.widgets;
 const last = all.findIndex(c => c.model.sharedModel.getSource().includes(arguments[0]));
@@ -249,12 +252,12 @@ def _run_notebook(drv: Any, lab: Lab, name: str, through: str) -> None:
     """Open ``name`` and run its cells up to and including the one whose source holds ``through``."""
     drv.get(f"{lab.url}/lab/tree/{name}?token={lab.token}")
     opened = _wait("the notebook and its kernel", SERVER_START_S,
-                   lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through)) and s["status"] == "idle" and s)
+                   lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through, name)) and s["status"] == "idle" and s)
     assert opened["last"] >= 0, f"{name}: no cell holds {through!r}"
     drv.execute_script(_RUN_THROUGH, through)
     # running stops at a cell that raises: an error ends the wait too
     state = _wait(f"the cells through {through!r} to run", RUN_ALL_S,
-                  lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through)) and s["status"] == "idle"
+                  lambda: (s := drv.execute_script(_NOTEBOOK_DONE, through, name)) and s["status"] == "idle"
                   and (s["ran"] == s["cells"] or s["errors"]) and s)
     if state["errors"]:
         _shot(drv, f"error-{name}")
