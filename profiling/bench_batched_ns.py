@@ -5,7 +5,9 @@ a MoE layer's E experts) can orthogonalize them with one ``bmm``/``baddbmm`` cha
 buffer (:func:`canzona.optim.muon.batched_newton_schulz`) instead of E calls of
 :func:`canzona.optim.muon.newton_schulz`. This script times both on the same inputs, interleaved
 repeat by repeat (so both see the same machine load), and reports the median of each as matrices
-per second, plus whether the two results are bitwise equal. The default stacks are 64 experts of
+per second, plus on how many of ``--inputs`` random stacks the two results are bitwise equal
+(whether they are depends on the CPU, the thread count, the shape and the values, so one input
+proves little). The default stacks are 64 experts of
 96 x 64 and of 384 x 256: Qwen3-30B-A3B's expert matrices (128 per layer of 768 x 2048 and
 2048 x 768) scaled down to sizes a CPU times in seconds.
 
@@ -13,11 +15,12 @@ Run from the repository root::
 
     .venv/bin/python profiling/bench_batched_ns.py                   # 64 x (96x64, 384x256), bf16 NS, 7 repeats
     .venv/bin/python profiling/bench_batched_ns.py --ns-dtype fp32 --threads 2
-    .venv/bin/python profiling/bench_batched_ns.py --quick           # 8 experts, 3 repeats (smoke test)
+    .venv/bin/python profiling/bench_batched_ns.py --quick           # 8 experts, 3 repeats, 4 inputs (smoke test)
+    .venv/bin/python profiling/bench_batched_ns.py --shapes 24x16,96x64 --experts 8 --inputs 12 --threads 2
 
 On CUDA the bitwise question is a different one (cuBLAS picks kernels per problem size and batch
-count, and the batched and single calls need not agree), which is why Muon's ``batched="auto"``
-never batches on CUDA by itself. ``profiling/gpu_check.py`` asks it on the machine: its
+count, and the batched and single calls need not agree), as it is on CPU: Muon batches only
+under ``batched=True``. ``profiling/gpu_check.py`` asks it on the machine: its
 "batched Newton-Schulz" check runs both chains on the GPU at the expert shapes above (bf16 and
 float32 compute, 2 and 64 matrices per stack), reports per shape whether they are bitwise equal and
 the largest difference in units of the compute dtype's roundoff, and fails only if a difference
@@ -60,7 +63,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ns-dtype", choices=sorted(NS_DTYPES), default="bf16", help="Newton-Schulz compute dtype (default bf16)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--quick", action="store_true", help="8 experts and 3 repeats")
+    p.add_argument("--inputs", type=int, default=8, help="random stacks compared bit for bit (default 8)")
+    p.add_argument("--quick", action="store_true", help="8 experts, 3 repeats and 4 inputs")
     return p.parse_args(argv)
 
 
@@ -69,13 +73,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compare_shape(shape: tuple[int, int], experts: int, repeats: int, ns_dtype: torch.dtype, device: torch.device) -> dict:
+def compare_shape(shape: tuple[int, int], experts: int, repeats: int, ns_dtype: torch.dtype, device: torch.device,
+                  inputs: int = 1) -> dict:
     """Median seconds of the loop and of the batched chain over ``experts`` matrices of ``shape``,
-    timed alternately (one warm-up each first), and whether their results are bitwise equal."""
+    timed alternately (one warm-up each first) on the first of ``inputs`` random stacks, and on how
+    many of those stacks their results are bitwise equal (with the largest difference seen)."""
     from canzona.optim.muon import batched_newton_schulz, newton_schulz
 
     gen = torch.Generator().manual_seed(0)
-    stack = torch.randn((experts, *shape), generator=gen).to(device)
+    stacks = [torch.randn((experts, *shape), generator=gen).to(device) for _ in range(inputs)]
+    stack = stacks[0]
     mats = list(stack.unbind(0))
 
     def loop() -> torch.Tensor:
@@ -84,7 +91,7 @@ def compare_shape(shape: tuple[int, int], experts: int, repeats: int, ns_dtype: 
     def batched() -> torch.Tensor:
         return batched_newton_schulz(stack, dtype=ns_dtype)
 
-    results = {"loop": loop(), "batched": batched()}  # warm-up and the bitwise comparison
+    loop(), batched()  # warm-up
     times: dict[str, list[float]] = {"loop": [], "batched": []}
     for r in range(repeats):
         order = ("loop", "batched") if r % 2 == 0 else ("batched", "loop")
@@ -96,14 +103,21 @@ def compare_shape(shape: tuple[int, int], experts: int, repeats: int, ns_dtype: 
             _sync(device)
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    diff = (results["loop"].double() - results["batched"].double()).abs().max().item()
-    return {"shape": shape, "experts": experts, "loop_s": med["loop"], "batched_s": med["batched"],
-            "bitwise": torch.equal(results["loop"], results["batched"]), "max_diff_u": diff / torch.finfo(ns_dtype).eps}
+    equal, diff = 0, 0.0
+    for st in stacks:
+        lo = torch.stack([newton_schulz(m, dtype=ns_dtype) for m in st.unbind(0)])
+        ba = batched_newton_schulz(st, dtype=ns_dtype)
+        equal += int(torch.equal(lo, ba))
+        diff = max(diff, (lo.double() - ba.double()).abs().max().item())
+    return {"shape": shape, "experts": experts, "loop_s": med["loop"], "batched_s": med["batched"], "inputs": inputs,
+            "bitwise_inputs": equal, "bitwise": equal == inputs, "max_diff_u": diff / torch.finfo(ns_dtype).eps}
 
 
 def _check(args: argparse.Namespace) -> str | None:
     if args.quick:
-        args.experts, args.repeats = 8, 3
+        args.experts, args.repeats, args.inputs = 8, 3, 4
+    if args.inputs < 1:
+        return "--inputs must be >= 1"
     if args.experts < 1:
         return "--experts must be >= 1"
     if args.repeats < 1:
@@ -132,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ns_dtype = NS_DTYPES[args.ns_dtype]
     print(f"batched vs one-by-one Newton-Schulz ({args.ns_dtype} compute, {args.device}, {torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}, median of {args.repeats} interleaved repeats)")
-    print(f"{'shape':>9s} {'experts':>7s} {'loop mat/s':>11s} {'batched mat/s':>14s} {'speed-up':>8s}  bitwise")
+    print(f"{'shape':>9s} {'experts':>7s} {'loop mat/s':>11s} {'batched mat/s':>14s} {'speed-up':>8s}  bitwise on")
     for shape in args.shapes:
-        r = compare_shape(shape, args.experts, args.repeats, ns_dtype, device)
+        r = compare_shape(shape, args.experts, args.repeats, ns_dtype, device, args.inputs)
         loop_rate, batch_rate = r["experts"] / r["loop_s"], r["experts"] / r["batched_s"]
-        same = "yes" if r["bitwise"] else f"no (max {r['max_diff_u']:.2f} u)"
+        same = f"{r['bitwise_inputs']}/{r['inputs']} inputs" + ("" if r["bitwise"] else f" (max {r['max_diff_u']:.2f} u)")
         print(f"{shape[0]:>4d}x{shape[1]:<4d} {r['experts']:>7d} {loop_rate:>11.1f} {batch_rate:>14.1f} "
               f"{batch_rate / loop_rate:>7.2f}x  {same}")
     return 0

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import sys
 import time
@@ -288,12 +289,13 @@ def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict
     out: dict[str, dict[str, Any]] = {}
     for s in args.strategies:
         for cmax in args.cmax:
-            for exchange in args.exchange:
+            for exchange, batched in itertools.product(args.exchange, args.batched):
                 model = _build(args, mesh)
-                opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, optimizer_kwargs={"lr": args.lr}, cost="flops",
-                                                   cmax=cmax, exchange=exchange)
+                opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, cost="flops", cmax=cmax, exchange=exchange,
+                                                   optimizer_kwargs={"lr": args.lr, "batched": batched == "on"})
                 extra = [f"C_max {cmax:g}"] if len(args.cmax) > 1 else []
                 extra += [exchange] if len(args.exchange) > 1 else []
+                extra += ["batched NS, not bitwise"] if batched == "on" else []
                 label = f"canzona {s}" + (f" ({', '.join(extra)})" if extra else "")
                 out[label] = {"model": model, "opt": opt, "ns": "both", "ctx": contextlib.nullcontext, "sent": None}
     if args.tiny:
@@ -453,6 +455,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="whole runs in fresh processes; medians over runs (default 1)")
     p.add_argument("--cmax", default="2", help="canzona's micro-group capacity C_max in 2**20 TP-local gradient elements per host (2 = 8 MiB of fp32 at TP 1), or a comma list (one contender each; default 2)")
     p.add_argument("--exchange", default="ns-input", help="canzona's exchange= (ns-input, gradients), or a comma list (one contender each; default ns-input)")
+    p.add_argument("--batched", default="off", help="canzona's Muon batched= (off: one matrix at a time, bitwise; on: same-shape "
+                   "matrices in one batched chain, within a bound, not bitwise), or off,on (one contender each; default off)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
     p.add_argument("--tiny", type=int, default=0, help="instead of the Llama: this many square matrices (e.g. 500), "
@@ -474,6 +478,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.exchange = [s.strip() for s in args.exchange.split(",")]
     if not args.exchange or any(s not in ("ns-input", "gradients") for s in args.exchange):
         p.error(f"--exchange must be a comma list among ns-input, gradients, got {','.join(args.exchange)!r}")
+    args.batched = [s.strip() for s in args.batched.split(",")]
+    if not args.batched or any(s not in ("off", "on") for s in args.batched):
+        p.error(f"--batched must be off, on or off,on, got {','.join(args.batched)!r}")
     args.ns = [s.strip() for s in args.ns.split(",")]
     if not args.ns or any(s not in NS_MODES for s in args.ns):
         p.error(f"--ns must be a comma list among {', '.join(NS_MODES)}, got {','.join(args.ns)!r}")

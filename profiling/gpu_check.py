@@ -12,7 +12,7 @@ In order, each check bounded in time, every result in one summary table at the e
    simulator's calibration file (``canzona simulate --calibration OUT/ns_calibration.csv``);
 5. the overlap of a training step: share of NCCL kernel time with a compute kernel running;
 6. batched Newton-Schulz against one chain per matrix on CUDA at the expert shapes: whether they
-   are bitwise equal (a finding: Muon's ``batched="auto"`` does not batch on CUDA), failing only
+   are bitwise equal (a finding: Muon batches only under ``batched=True``), failing only
    past the documented bound of 64 roundoffs.
 
 Without a CUDA device it prints one line and exits 0 having done nothing. Exit 1 when a check

@@ -9,7 +9,7 @@ own, Conv1D on its transpose, the opted-in conv weight reshaped), including a st
 got no tokens (a zero gradient), every expert's momentum, and a consolidated checkpoint round trip;
 and canzona's tiny Qwen3-MoE trained on real batches, each rank checked in its own process against
 the single-device per-task reference stepped on the mean gradient of both ranks' batches (Muon's
-default batched chains included).
+default steps each expert alone: no batched chain runs).
 """
 
 from __future__ import annotations
@@ -424,12 +424,13 @@ def test_dp2_experts_checkpoint_round_trip(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", TINY_MOE_STRATEGIES)
 def test_dp2_tiny_qwen3_moe_trains_bitwise_per_task(strategy: str) -> None:
     """Real routing and backward: every parameter on both ranks equals the per-task reference, and
-    the owners ran Muon's batched chains over same-shape experts (the default) while doing so."""
+    the owners ran no batched Newton-Schulz chain (the default steps each expert alone: batching
+    is not bitwise on every CPU, docs/roles.md)."""
     res = [r["tiny_moe"][strategy] for r in _results()]
     for r in res:
         assert r["bad"] == [], r["bad"]
         assert r["n_params"] > 20
-    assert max(c for r in res for c in r["chains"]) >= 8  # a whole stack of 8 experts in one chain
+    assert all(r["chains"] == [] for r in res)
     assert res[0]["losses"] != res[1]["losses"]  # the ranks saw different batches
 
 

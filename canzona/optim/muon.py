@@ -49,11 +49,9 @@ __all__ = [
     "DEFAULT_NS_EPS",
     "DEFAULT_NS_STEPS",
     "Muon",
-    "AUTO_BATCH_MIN_SIDE",
     "MATRIX_INPUT_DTYPES",
     "adjust_lr",
     "batched_newton_schulz",
-    "batching_is_bitwise",
     "newton_schulz",
 ]
 
@@ -65,13 +63,6 @@ DEFAULT_NS_EPS = 1e-7
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "unit_rms", "none")
 
-#: smallest matrix side at which ``batched="auto"`` batches a same-shape set (see
-#: :func:`batching_is_bitwise`)
-AUTO_BATCH_MIN_SIDE = 16
-#: at most this many matrices per batched chain under ``batched="auto"``: bounds the extra memory
-#: (one stacked copy of the chain's inputs and its temporaries) while keeping the speed-up
-AUTO_BATCH_MAX = 64
-_AUTO_BATCH_DTYPES = (torch.bfloat16, torch.float32)
 #: parameter (master) dtypes for which :class:`Muon`'s split step (:meth:`Muon.matrix_input` ...)
 #: is bitwise equal to :meth:`Muon.step`: its element-wise kernels (``lerp``, ``mul``, ``add`` with
 #: ``alpha``, the cast to the Newton-Schulz dtype) give every element the same bits whatever its
@@ -163,23 +154,25 @@ def batched_newton_schulz(
     updates of identical shape. ``grads`` is a ``[k, m, n]`` tensor or a sequence of ``[m, n]``
     tensors; the result is ``[k, m, n]`` in ``dtype``.
 
-    **Bitwise equal to a loop of** :func:`newton_schulz` **only in a measured regime**, which
-    :func:`batching_is_bitwise` encodes and :class:`Muon`'s default (``batched="auto"``) uses.
-    What matches and what does not (torch 2.13, x86 CPU, MKL/oneDNN, 1 and 2 threads):
+    **Not bitwise equal to a loop of** :func:`newton_schulz` **in general**, which is why
+    :class:`Muon` loops by default (``batched=False``) and batches only when asked
+    (``batched=True``). What matches and what does not (torch 2.13, x86 CPU, MKL/oneDNN):
 
     * The per-matrix Frobenius norms are taken one slice at a time on views with the loop's
       strides, so the normalized inputs are identical (a batched ``vector_norm`` may reduce in
       another order).
-    * The products can differ. ATen sends a batched product whose ``contraction*rows*cols`` is
-      below 400 through its own naive kernel (a different summation order from BLAS ``gemm``), and
-      for float32 the batched BLAS call blocks differently from the single one for thin matrices.
-      Measured over random shapes and batches of 2 to 64: the stacks that differed from the loop
-      had a smaller side of at most 6 with the bfloat16 compute dtype (6 x 111, 34 x 3) and at
-      most 11 with float32 (9 x 73, 20 x 11, 7 x 5, 1 x n); none with a smaller side of 12 or
-      more did. :func:`batching_is_bitwise` asks for a smaller side of at least
-      :data:`AUTO_BATCH_MIN_SIDE` (16), a margin over both. Every expert shape that matters
-      here (96 x 64, 384 x 256, 64 x 64, 192 x 64 and their transposes, bf16 or float32 inputs,
-      bf16 or float32 compute) is bitwise equal.
+    * The products can differ, and whether they do depends on the CPU, the thread count, the
+      shape, the batch count and the values. ``baddbmm`` and ``addmm`` may round the
+      ``beta * C + alpha * (A @ B)`` combination differently in bfloat16 (one rounding or two), so a
+      difference appears for some inputs only; ATen sends a batched product whose
+      ``contraction*rows*cols`` is below 400 through its own naive kernel; the batched BLAS call can
+      block or split its threads differently from the single one. Measured on an AVX-512 Xeon
+      (``profiling/bench_batched_ns.py --shapes 24x16,96x64 --experts 8 --inputs 12``, with
+      ``--threads 2 --ns-dtype fp32`` for the second figure): bf16 stacks of eight 24 x 16
+      matrices differ from the loop for 1 of 12 random inputs on one thread; float32 stacks of
+      96 x 64 match on one thread and differ for all 12 on two. An earlier measurement on another
+      CPU had found every side of 12 or more bitwise; a rule by shape does not carry across
+      machines, so none is assumed.
     * Bound where it differs: each product differs by at most the dot-product rounding bound
       ``gamma_K |A||B|`` (``K`` = contraction length, ``u`` = unit roundoff), and Newton-Schulz is
       a fixed polynomial applied ``steps`` times to matrices of spectral norm <= ~1.2, so the
@@ -223,22 +216,6 @@ def batched_newton_schulz(
     if tall:
         x = x.mT
     return x
-
-
-def batching_is_bitwise(shape: Sequence[int], work_dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether :func:`batched_newton_schulz` over ``shape`` matrices is known to equal the loop.
-
-    True on CPU for bfloat16 and float32 compute dtypes when the smaller side is at least
-    :data:`AUTO_BATCH_MIN_SIDE`: the regime measured bitwise (see :func:`batched_newton_schulz`)
-    with a margin, pinned by ``tests/test_optim_muon.py`` at the expert shapes and over a sweep
-    of sides. False elsewhere, CUDA included: cuBLAS picks kernels per problem size and batch
-    count, so equality there is a question ``profiling/gpu_check.py`` asks on the machine (its
-    "batched Newton-Schulz" check), not a default this module assumes.
-    """
-    dev = torch.device(device)
-    if dev.type != "cpu" or work_dtype not in _AUTO_BATCH_DTYPES or len(shape) != 2:
-        return False
-    return min(int(shape[0]), int(shape[1])) >= AUTO_BATCH_MIN_SIDE
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -291,14 +268,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
       (see :func:`adjust_lr`).
     * ``ns_dtype``: Newton-Schulz compute dtype (bfloat16 like torch; ``None`` = parameter dtype,
       useful for float64 tests).
-    * ``batched``: ``"auto"`` (default) groups same-shape, same-dtype parameters of a param group
-      and orthogonalizes each group of at least two with one :func:`batched_newton_schulz` chain
-      (at most :data:`AUTO_BATCH_MAX` matrices per chain) where :func:`batching_is_bitwise` holds,
-      and loops elsewhere, so every update stays bitwise equal to that parameter stepped alone
-      (the exactness suite relies on this: an expert's update must not depend on which experts
-      share its owner). ``True`` batches every same-shape set, also outside that regime (faster
-      for many thin matrices, within the documented bound of the loop); ``False`` always loops,
-      one update at a time (lowest peak memory).
+    * ``batched``: ``False`` (default) orthogonalizes one matrix at a time, so every update is
+      bitwise equal to that parameter stepped alone (the exactness suite relies on this: an
+      expert's update must not depend on which experts share its owner). ``True`` groups
+      same-shape, same-dtype parameters of a param group and orthogonalizes each group of at least
+      two with one :func:`batched_newton_schulz` chain: faster for many small matrices (experts,
+      the q/k/v of many layers), within the bound documented there, not bitwise. ``"auto"`` (the
+      default of an earlier release) is accepted and means ``False``: no shape is known to batch
+      bitwise on every machine.
 
     * a param group with ``"transposed": True`` holds weights stored ``(in, out)`` (GPT-2's
       ``Conv1D``): each is updated as its ``(out, in)`` transpose would be, bit for bit (the momentum
@@ -329,7 +306,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype | None = torch.bfloat16,
-        batched: bool | str = "auto",
+        batched: bool | str = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -387,22 +364,13 @@ class Muon(MatrixOptimizerMixin, Optimizer):
     @staticmethod
     def _chains(group: dict[str, Any], tensors: Sequence[Tensor], items: Sequence[Any]) -> list[list[Any]]:
         """Split ``items`` (one per tensor of ``tensors``) into the lists run as one chain each:
-        same shape, dtype and device; under ``"auto"`` only where :func:`batching_is_bitwise`
-        holds (elsewhere one per chain) and at most :data:`AUTO_BATCH_MAX` per chain."""
+        under ``batched=True`` one per shape, dtype and device; otherwise one per item."""
+        if group["batched"] is not True:
+            return [[x] for x in items]
         by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Any]] = {}
         for t, item in zip(tensors, items):
             by_shape.setdefault((t.shape, t.dtype, t.device), []).append(item)
-        chains: list[list[Any]] = []
-        for (shape, dtype, device), same in by_shape.items():
-            if group["batched"] is True:
-                chains.append(same)
-                continue
-            work_dtype = dtype if group["ns_dtype"] is None else group["ns_dtype"]
-            if len(shape) == 2 and batching_is_bitwise(shape, work_dtype, device):
-                chains.extend(same[i : i + AUTO_BATCH_MAX] for i in range(0, len(same), AUTO_BATCH_MAX))
-            else:
-                chains.extend([x] for x in same)
-        return chains
+        return list(by_shape.values())
 
     @classmethod
     def _batch_chains(cls, group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
