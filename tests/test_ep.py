@@ -194,6 +194,13 @@ def _mistakes(rank: int, world: int) -> dict:
         out["fsdp2"] = "accepted"
     except (ValueError, TypeError, RuntimeError) as exc:
         out["fsdp2"] = str(exc)
+    model = EPToy(seed=rank)  # replicas that start different: the dense parameters are compared
+    _shard_experts(model, mesh, rank, world)
+    try:
+        canzona.DistributedOptimizer(model, "muon")
+        out["seeds"] = "accepted"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        out["seeds"] = str(exc)
     dpmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = EPToy()
     _shard_experts(model, mesh, rank, world)
@@ -382,6 +389,9 @@ def test_layout_mistakes_one_line(runs) -> None:
         assert "overlap_updates" in m["overlap"] and "expert parallelism" in m["overlap"], m["overlap"]
         assert "('dp',)" in m["dp_mesh"] and "supported" in m["dp_mesh"], m["dp_mesh"]
         assert "FSDP2 (fully_shard) with an 'ep' mesh dimension is not supported" in m["fsdp2"] and "\n" not in m["fsdp2"], m["fsdp2"]
+        # each rank holds other experts at ep 2, so only the dense parameters can differ: named, one line
+        assert m["seeds"].startswith("parameter values differ across the ranks that hold them at construction: embed.weight"), m["seeds"]
+        assert "(EP rank" not in m["seeds"] and "\n" not in m["seeds"], m["seeds"]
 
 
 def test_no_sync_accumulates_bitwise_and_describe_names_both_parts(runs) -> None:

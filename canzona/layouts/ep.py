@@ -40,19 +40,17 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.layouts.base import Layout, OptimizerFactory
-from canzona.layouts.zero1 import Zero1Layout, dp_held
+from canzona.layouts.zero1 import Zero1Layout, differing_replicas, dp_held, refuse_different_replicas
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class
 from canzona.plan.build import cmax_to_bytes
 from canzona.plan.ep import EPPlan, plan_ep
 from canzona.plan.plan import PlanInputs
 from canzona.plan.strategies import get_strategy
-from canzona.runtime.agree import agree
 from canzona.runtime.buffer import local_tensor
 from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.ep import EPRuntime
-from canzona.runtime.integrity import tensor_checksum
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import ParamSpec, check_transposed_support, module_roles
@@ -202,23 +200,12 @@ class EPLayout(Layout):
         named = dict(self.model.named_parameters())
         dense = [pp.name for pp in self.plan.dense.params]
         experts = [pp.name for pp in self.plan.experts.params]
-        lowest = torch.iinfo(torch.int64).min
-        flags = torch.full((len(dense) + self.ep * len(experts), 2), lowest, dtype=torch.int64)
-        slots = [(k, n) for k, n in enumerate(dense)] + [(len(dense) + self.ep_rank * len(experts) + j, n) for j, n in enumerate(experts)]
-        for k, name in slots:
-            c = tensor_checksum(local_tensor(named[name].detach()))
-            flags[k, 0], flags[k, 1] = c, -c
-        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=self.settings.status_timeout_s)
-        assert reduced is not None
-        r = reduced.cpu().view(-1, 2)
-        label = dense + [f"{n} (EP rank {e})" for e in range(self.ep) for n in experts]
-        differ = [label[k] for k in range(len(label)) if int(r[k, 0]) != -int(r[k, 1])]
-        if differ:
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            raise RuntimeError(
-                f"parameter values differ across the ranks that hold them at construction: {', '.join(differ[:3])}{more}; "
-                "every rank must start from the same model (same seed, or broadcast the parameters first)"
-            )
+        # dense parameters: one slot each (every rank); experts: one slot per EP coordinate
+        mine = [(k, named[n]) for k, n in enumerate(dense)]
+        mine += [(len(dense) + self.ep_rank * len(experts) + j, named[n]) for j, n in enumerate(experts)]
+        labels = dense + [f"{n} (EP rank {e})" for e in range(self.ep) for n in experts]
+        differ = differing_replicas(mine, labels, self.settings.status_timeout_s)
+        refuse_different_replicas(differ, "the ranks that hold them", "every rank")
 
     # ------------------------------------------------------------------ runtime
     def build(

@@ -41,7 +41,7 @@ from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import ParamSpec, check_transposed_support, specs_from_module, split_task_name
 
-__all__ = ["Zero1Layout", "check_zero1_mesh", "dp_held"]
+__all__ = ["Zero1Layout", "check_zero1_mesh", "differing_replicas", "dp_held", "refuse_different_replicas"]
 
 
 def check_zero1_mesh(mesh: Any, world: int, device: torch.device) -> Any:
@@ -170,21 +170,10 @@ class Zero1Layout(Layout):
         planned = [pp.name for pp in self.plan.params]
         named = dict(self.model.named_parameters())
         n = len(planned)
-        lowest = torch.iinfo(torch.int64).min
-        flags = torch.full((self.tp, n, 2), lowest, dtype=torch.int64)
-        for k, name in enumerate(planned):
-            c = tensor_checksum(local_tensor(named[name].detach()))
-            flags[self.tp_rank, k, 0], flags[self.tp_rank, k, 1] = c, -c
-        reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=self.settings.status_timeout_s)
-        assert reduced is not None
-        r = reduced.cpu().view(self.tp, n, 2)
-        differ = sorted({planned[k] for t in range(self.tp) for k in range(n) if int(r[t, k, 0]) != -int(r[t, k, 1])})
-        if differ:
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            raise RuntimeError(
-                f"parameter values differ across DP ranks at construction: {', '.join(differ[:3])}{more}; "
-                "every DP rank must start from the same model (same seed, or broadcast the parameters first)"
-            )
+        # one slot per TP rank and parameter: each TP rank's shard is compared across DP ranks only
+        differ = differing_replicas([(self.tp_rank * n + k, named[name]) for k, name in enumerate(planned)],
+                                    [name for _ in range(self.tp) for name in planned], self.settings.status_timeout_s)
+        refuse_different_replicas(sorted(set(differ)), "DP ranks", "every DP rank")
 
     # ------------------------------------------------------------------ runtime
     def build(
@@ -289,6 +278,32 @@ class Zero1Layout(Layout):
         rt.steps = int(steps)
         rt.discard_grads()
         rt.replicas.clear()  # every rank holds the loaded state
+
+
+def differing_replicas(mine: list[tuple[int, torch.Tensor]], labels: list[str], timeout_s: float) -> list[str]:
+    """The labels of the slots whose copies differ between the ranks that fill them: this rank puts
+    a 62-bit checksum ``c`` of each of its tensors' local bytes, and ``-c``, into its slots of
+    ``mine``; one MAX all-reduce over the world (a status exchange) gives every slot the largest
+    ``c`` and the negated smallest one, equal exactly when every rank filling it holds the same bytes."""
+    lowest = torch.iinfo(torch.int64).min
+    flags = torch.full((len(labels), 2), lowest, dtype=torch.int64)
+    for k, t in mine:
+        c = tensor_checksum(local_tensor(t.detach()))
+        flags[k, 0], flags[k, 1] = c, -c
+    reduced = agree(None, "checking parameter replicas", flags=flags.reshape(-1), timeout_s=timeout_s)
+    assert reduced is not None
+    r = reduced.cpu().view(-1, 2)
+    return [labels[k] for k in range(len(labels)) if int(r[k, 0]) != -int(r[k, 1])]
+
+
+def refuse_different_replicas(differ: list[str], across: str, every: str) -> None:
+    """One line on every rank when replicas start different (different seeds, a skipped broadcast)."""
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise RuntimeError(
+            f"parameter values differ across {across} at construction: {', '.join(differ[:3])}{more}; "
+            f"{every} must start from the same model (same seed, or broadcast the parameters first)"
+        )
 
 
 def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
