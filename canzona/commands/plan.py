@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 
 from canzona.errors import UserError
 from canzona.commands._args import one_line_errors  # re-exported: other subcommands import it from here
@@ -241,6 +242,34 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--model is required (a shipped model name or a config JSON path)")
     if args.fsdp is not None:
         return _run_fsdp(args, output_path(args.json, "--json") if args.json is not None else None)
+    _check_zero1_args(args)
+    if args.ep is not None:
+        from canzona.plan.ep import run_plan_ep
+
+        return run_plan_ep(args)
+    json_path = output_path(args.json, "--json") if args.json is not None else None
+    if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
+        raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
+    if args.convention == "paper":
+        return _run_paper_convention(args, json_path)
+    if args.pp > 1:
+        return _run_stages(args)
+    if args.compare:
+        return _run_compare(args, json_path)
+    plan, notes = _plan(args, args.strategy, args.tp_schedule)
+    if json_path is not None:
+        try:
+            write_output(json_path, plan.to_json() + "\n")
+        except UserError:
+            print(format_plan(plan, notes))  # the plan is computed: show it, then fail
+            raise
+        notes.append(f"plan document written to {json_path}")
+    print(format_plan(plan, notes))
+    return 0
+
+
+def _check_zero1_args(args: argparse.Namespace) -> None:
+    """The ZeRO-1 planner's flags, each refused in one line (``--layout`` defaults to megatron)."""
     if args.strategy not in strategy_names():
         raise UserError(f"strategy {args.strategy!r} runs on FSDP2 only (--fsdp); choose one of {', '.join(strategy_names())}")
     args.layout = args.layout or "megatron"
@@ -251,7 +280,6 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
     # the TP degrees `canzona train` refuses (heads, KV heads, MLP rows, vocabulary must divide)
-
     check_tp_degree(resolve_model(args.model), args.tp)
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
@@ -259,63 +287,56 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
     if args.pp < 1:
         raise UserError(f"--pp must be >= 1, got {args.pp}")
-    if args.ep is not None:
-        from canzona.plan.ep import run_plan_ep
 
-        return run_plan_ep(args)
-    json_path = output_path(args.json, "--json") if args.json is not None else None
-    if (args.pp > 1 and json_path is not None) or ((args.pp > 1 or args.convention == "paper") and args.compare):
-        raise UserError("--json and --compare describe one canzona plan; drop --compare with --convention paper, both with --pp > 1")
-    if args.convention == "paper":
-        cfg = resolve_model(args.model)
-        specs = specs_from_config(cfg, tp=args.tp, layout=args.layout)
-        stages = split_stages(specs, args.pp, cfg.num_hidden_layers)
-        plans = [authors_plan(s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=args.alpha,
-                              cost="flops" if args.cost == "flops" else "numel") for s in stages]
-        print(format_authors(plans, cfg.name))
-        if json_path is not None:
-            # the same conventions as a plan canzona's runtime executes (split buffers, the authors'
-            # buckets and C_max, Megatron-Core order)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runnable = convention_plan(cfg, dp=args.dp, tp=args.tp, layout=args.layout, optimizer=args.optimizer,
-                                           strategy=args.strategy, alpha=args.alpha, cost=args.cost, grad_bytes=args.grad_bytes)
-            try:
-                runnable.to_json(json_path)
-            except OSError as exc:
-                raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
-            print(f"note: runnable plan under the paper convention written to {json_path} (fingerprint {runnable.fingerprint})")
-        return 0
-    if args.pp > 1:
+
+def _run_paper_convention(args: argparse.Namespace, json_path: Path | None) -> int:
+    """``--convention paper``: the authors' plan per pipeline stage; with ``--json``, the runnable
+    plan under the same conventions."""
+    cfg = resolve_model(args.model)
+    specs = specs_from_config(cfg, tp=args.tp, layout=args.layout)
+    stages = split_stages(specs, args.pp, cfg.num_hidden_layers)
+    plans = [authors_plan(s, dp=args.dp, tp=args.tp, optimizer=args.optimizer, alpha=args.alpha,
+                          cost="flops" if args.cost == "flops" else "numel") for s in stages]
+    print(format_authors(plans, cfg.name))
+    if json_path is not None:
+        # the same conventions as a plan canzona's runtime executes (split buffers, the authors'
+        # buckets and C_max, Megatron-Core order)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            staged = plan_stages(args.model, pp=args.pp, dp=args.dp, tp=args.tp, layout=args.layout,
-                                 optimizer=args.optimizer, strategy=args.strategy, alpha=args.alpha, cost=args.cost,
-                                 flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args),
-                                 bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes,
-                                 buffers=args.buffers)
-        print(format_stages(staged))
-        return 0
-    if args.compare:
-        if json_path is not None:
-            raise UserError("--json writes one plan; drop --compare or --json")
-        rows = []
-        for st in strategy_names():
-            sched = args.tp_schedule
-            if sched is None or (get_strategy(st).sync_tp_only and sched != "sync"):
-                sched = default_tp_schedule(st)
-            rows.append(_plan(args, st, sched))
-        print(format_compare(rows))
-        return 0
-    plan, notes = _plan(args, args.strategy, args.tp_schedule)
-    if json_path is not None:
+            runnable = convention_plan(cfg, dp=args.dp, tp=args.tp, layout=args.layout, optimizer=args.optimizer,
+                                       strategy=args.strategy, alpha=args.alpha, cost=args.cost, grad_bytes=args.grad_bytes)
         try:
-            write_output(json_path, plan.to_json() + "\n")
-        except UserError:
-            print(format_plan(plan, notes))  # the plan is computed: show it, then fail
-            raise
-        notes.append(f"plan document written to {json_path}")
-    print(format_plan(plan, notes))
+            runnable.to_json(json_path)
+        except OSError as exc:
+            raise UserError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
+        print(f"note: runnable plan under the paper convention written to {json_path} (fingerprint {runnable.fingerprint})")
+    return 0
+
+
+def _run_stages(args: argparse.Namespace) -> int:
+    """``--pp > 1``: one plan per pipeline stage."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        staged = plan_stages(args.model, pp=args.pp, dp=args.dp, tp=args.tp, layout=args.layout,
+                             optimizer=args.optimizer, strategy=args.strategy, alpha=args.alpha, cost=args.cost,
+                             flops_shape=args.flops_shape, cmax_bytes=_cmax_bytes(args),
+                             bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes,
+                             buffers=args.buffers)
+    print(format_stages(staged))
+    return 0
+
+
+def _run_compare(args: argparse.Namespace, json_path: Path | None) -> int:
+    """``--compare``: every ZeRO-1 strategy side by side, each with its TP schedule."""
+    if json_path is not None:
+        raise UserError("--json writes one plan; drop --compare or --json")
+    rows = []
+    for st in strategy_names():
+        sched = args.tp_schedule
+        if sched is None or (get_strategy(st).sync_tp_only and sched != "sync"):
+            sched = default_tp_schedule(st)
+        rows.append(_plan(args, st, sched))
+    print(format_compare(rows))
     return 0
 
 
