@@ -344,38 +344,11 @@ def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float
 
 
 def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[str, float]], None] | None) -> TrainResult:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from canzona.distributed import DistributedOptimizer
-    from canzona.models import Qwen3, batch, parallelize, shard_megatron
+    from canzona.models import batch
     from canzona.runtime.phases import phase, timing
 
-    backend = config.resolved_backend
-    device = _device(backend)
-    if config.tp > 1:
-        mesh = init_device_mesh(device.type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
-        dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    else:
-        mesh = init_device_mesh(device.type, (config.dp,), mesh_dim_names=("dp",))
-        dp_rank, tp_rank = mesh.get_local_rank(), 0
-    model = Qwen3(cfg, seed=config.seed, device=device, dtype=DTYPES[config.dtype])
-    tp_dims: dict[str, int] | None = None
-    if config.tp > 1 and config.tp_style == "dtensor":
-        parallelize(model, mesh["tp"])
-    elif config.tp > 1:
-        tp_dims = shard_megatron(model, tp_rank, config.tp, group=mesh.get_group("tp"))
-    opt = DistributedOptimizer(
-        model,
-        config.optimizer,
-        strategy=config.strategy,
-        mesh=mesh,
-        optimizer_kwargs={"lr": config.matrix_lr},
-        elementwise_kwargs={"lr": config.elementwise_lr},
-        tp_schedule=config.tp_schedule,
-        tp_dims=tp_dims,
-        bucket_numel=config.bucket_numel,
-        cmax=config.cmax,
-    )
+    device = _device(config.resolved_backend)
+    mesh, model, opt, tp_dims, (dp_rank, tp_rank) = _setup(config, cfg, device)
     dp_group = mesh.get_group("dp") if config.tp > 1 else mesh.get_group()
     losses: list[float] = []
     step_seconds: list[float] = []
@@ -405,6 +378,49 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
         if on_step is not None:
             after = opt.phase_times.as_dict()
             on_step(step, value, {k: v["wall_s"] - before.get(k, 0.0) for k, v in after.items()})
+    return _result(config, mesh, model, opt, tp_dims, dp_rank, tp_rank, losses, step_seconds, device)
+
+
+def _setup(config: TrainConfig, cfg: Any, device: torch.device) -> tuple[Any, Any, Any, dict[str, int] | None, tuple[int, int]]:
+    """The ``("dp",)`` or ``("dp", "tp")`` mesh, canzona's Qwen3 (TP-sharded the configured way) and
+    its :class:`~canzona.distributed.DistributedOptimizer`; also the TP dims of a Megatron-sharded
+    model and this rank's (DP, TP) coordinates."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.distributed import DistributedOptimizer
+    from canzona.models import Qwen3, parallelize, shard_megatron
+
+    if config.tp > 1:
+        mesh = init_device_mesh(device.type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    else:
+        mesh = init_device_mesh(device.type, (config.dp,), mesh_dim_names=("dp",))
+        dp_rank, tp_rank = mesh.get_local_rank(), 0
+    model = Qwen3(cfg, seed=config.seed, device=device, dtype=DTYPES[config.dtype])
+    tp_dims: dict[str, int] | None = None
+    if config.tp > 1 and config.tp_style == "dtensor":
+        parallelize(model, mesh["tp"])
+    elif config.tp > 1:
+        tp_dims = shard_megatron(model, tp_rank, config.tp, group=mesh.get_group("tp"))
+    opt = DistributedOptimizer(
+        model,
+        config.optimizer,
+        strategy=config.strategy,
+        mesh=mesh,
+        optimizer_kwargs={"lr": config.matrix_lr},
+        elementwise_kwargs={"lr": config.elementwise_lr},
+        tp_schedule=config.tp_schedule,
+        tp_dims=tp_dims,
+        bucket_numel=config.bucket_numel,
+        cmax=config.cmax,
+    )
+    return mesh, model, opt, tp_dims, (dp_rank, tp_rank)
+
+
+def _result(config: TrainConfig, mesh: Any, model: Any, opt: Any, tp_dims: dict[str, int] | None, dp_rank: int, tp_rank: int,
+            losses: list[float], step_seconds: list[float], device: torch.device) -> TrainResult:
+    """This rank's :class:`TrainResult`: its losses and timings, the parameters' fingerprint, and
+    every rank's state and peak exchange bytes (one all-gather)."""
     fp = params_fingerprint(model, tp_dims=tp_dims, tp_group=mesh.get_group("tp") if tp_dims else None)
     engine = opt.runtime.tp_engine
     state_bytes = int(opt.state_bytes())
