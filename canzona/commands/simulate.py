@@ -392,7 +392,6 @@ def _run_pipeline(cfg, args, hw, setup, strategies, plan_kw) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from canzona.sim.analysis import PAPER_CONFIG, resolve_sim_model
-    from canzona.sim.model import SETUP_SOURCES
 
     if args.json:
         output_path(args.json, "--json")  # before the work: an unwritable output fails at once
@@ -432,6 +431,22 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None:
         _print_paper(pc, variants)
 
+    doc = _document(args, cfg, hw, setup, strategies, plan_kw, results, pc, variants, sweep_dp, sweep_alpha)
+    _print_assumptions(hw, setup)
+
+    if args.json:
+        # the results are printed above; a failed write says so in one line and keeps the old file
+        path = write_output(args.json, json.dumps(doc, indent=1, default=_json_default) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _document(args: argparse.Namespace, cfg: Any, hw: Any, setup: Any, strategies: Any, plan_kw: dict[str, Any], results: dict[str, Any],
+              pc: Any, variants: list[Any], sweep_dp: list[int] | None, sweep_alpha: list[float] | None) -> dict[str, Any]:
+    """The ``--json`` document: inputs, hardware, setup (each value with its source), every
+    strategy's step, the paper comparison when it ran, and the sweeps (run here, printing their tables)."""
+    from canzona.sim.model import SETUP_SOURCES
+
     doc: dict[str, Any] = {
         "inputs": {
             "model": cfg.name,
@@ -454,14 +469,7 @@ def run(args: argparse.Namespace) -> int:
         doc["dp_sweep"] = _dp_sweep(args, cfg, hw, setup, strategies, plan_kw, sweep_dp)
     if sweep_alpha:
         doc["alpha_sweep"] = _alpha_sweep(args, cfg, hw, setup, plan_kw, sweep_dp or [args.dp], sweep_alpha)
-
-    _print_assumptions(hw, setup)
-
-    if args.json:
-        # the results are printed above; a failed write says so in one line and keeps the old file
-        path = write_output(args.json, json.dumps(doc, indent=1, default=_json_default) + "\n")
-        print(f"wrote {path}")
-    return 0
+    return doc
 
 
 def _json_default(o: Any) -> Any:
