@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from canzona.commands._args import add_cmax_argument, positive_float
 from canzona.plan.plan import TP_SCHEDULES
@@ -96,14 +97,7 @@ def spec_from_args(args: argparse.Namespace):  # -> canzona.profiling.run.Profil
 
 
 def run(args: argparse.Namespace) -> int:
-    from canzona.profiling.run import expected_phases, profile_run
-    from canzona.profiling.traces import (
-        load_traces,
-        phase_stats,
-        step_makespans,
-        write_meta,
-        write_summary,
-    )
+    from canzona.profiling.run import profile_run
     from canzona.runtime.launch import WorkerError
 
     from canzona.commands._args import output_dir
@@ -126,11 +120,21 @@ def run(args: argparse.Namespace) -> int:
             detail = " (--debug prints the worker's traceback)" if "\n" in str(exc).strip() else ""
         print(f"canzona profile: a worker failed: {exc.summary}{detail}", file=sys.stderr)
         return 1
-    meta = {"strategy": cfg.strategy, "optimizer": cfg.optimizer, "dp": cfg.dp, "tp": cfg.tp, "steps": spec.schedule.active, "model": cfg.model}
     if spec.tensorboard_dir is None:
         print(f"canzona profile: ran {cfg.steps} steps with cudaProfilerStart/Stop around steps "
               f"{spec.schedule.first_active}..{spec.schedule.last_active}")
         return 0
+    return _report(args, spec, prof)
+
+
+def _report(args: argparse.Namespace, spec: Any, prof: Any) -> int:
+    """After a TensorBoard run: the traces' phase table and step makespans, the summary folder
+    when asked for, where to look next; exit 1 when an expected phase is missing from the traces."""
+    from canzona.profiling.run import expected_phases
+    from canzona.profiling.traces import load_traces, phase_stats, step_makespans, write_meta, write_summary
+
+    cfg = spec.train
+    meta = {"strategy": cfg.strategy, "optimizer": cfg.optimizer, "dp": cfg.dp, "tp": cfg.tp, "steps": spec.schedule.active, "model": cfg.model}
     write_meta(spec.tensorboard_dir, **meta)
     df = load_traces(spec.tensorboard_dir)
     missing = sorted(expected_phases(cfg.strategy, dp=cfg.dp, tp=cfg.tp, tp_schedule=cfg.tp_schedule) - set(df["phase"]))
