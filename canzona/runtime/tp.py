@@ -196,6 +196,24 @@ def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
     return order[base], -1 if expert is None else expert
 
 
+def _tp_exchange(plan: Plan, schedule: str, exchange: str) -> str:
+    """The exchange the TP engine runs, refusing over the whole plan (so every rank refuses alike):
+    a packed expert stack (packed_colwise) under ``sync``, and the split step (``ns-input``) on
+    TP-split expert stacks, which is not verified there yet (``auto`` takes the gradients path)."""
+    packed = [p.name for p in plan.params if p.spec.tp_blocks > 1]
+    if packed and schedule == "sync":
+        raise ValueError(
+            f"{packed[0]}: a packed expert stack (packed_colwise) needs a grouped TP schedule "
+            "(lpt, lpt-carry, round-robin or no-fuse), not sync"
+        )
+    experts = [p.name for p in plan.params if p.role == "experts" and p.spec.tp_split]
+    if experts and exchange == "ns-input":
+        raise ValueError(
+            f"{experts[0]}: exchange='ns-input' does not run TP-split expert stacks yet; use exchange='gradients' (or 'auto')"
+        )
+    return "gradients" if experts else exchange
+
+
 def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
     """The experts of packed stacks (``tp_blocks`` > 1) among ``names``: each as its exchange piece
     shape ``(blocks, M / (blocks tp), N)`` (rank ``r`` holds rows ``r`` of every block) and its
@@ -265,45 +283,8 @@ class TPEngine(MicroGroupEngine):
 
         #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
         self._packed = _packed_tasks(by_name, local_masters, self.tp)
-        packed = [p.name for p in plan.params if p.spec.tp_blocks > 1]  # the whole plan: every rank refuses alike
-        if packed and self.schedule == "sync":
-            raise ValueError(
-                f"{packed[0]}: a packed expert stack (packed_colwise) needs a grouped TP schedule "
-                "(lpt, lpt-carry, round-robin or no-fuse), not sync"
-            )
-
-        def task(name: str, host: int) -> TPTask:
-            spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
-            if name in self._packed:  # its blocks stacked on a leading dim: one rectangular piece per rank
-                return TPTask(name, host, self._packed[name][0], 1)
-            return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
-
-        # the split step (exchange='ns-input') is not yet verified on expert tasks (a stack's TP shards,
-        # packed or not): refused when asked for, the generic exchange under 'auto' (the whole plan
-        # decides, so every rank chooses alike)
-        experts = [p.name for p in plan.params if p.role == "experts" and p.spec.tp_split]
-        if experts and exchange == "ns-input":
-            raise ValueError(
-                f"{experts[0]}: exchange='ns-input' does not run TP-split expert stacks yet; use exchange='gradients' (or 'auto')"
-            )
-        if experts:
-            exchange = "gradients"
-
-        groups: list[list[TPTask]] = []
-        if self.schedule == "sync":
-            # Every TP rank computes every update: host -1, all tasks are local everywhere.
-            groups = sync_groups([task(n, -1) for n in names], self.tp, inp.cmax_bytes, es)
-        else:
-            planned = plan.micro_groups[dp_rank] if len(plan.micro_groups) > dp_rank else ()
-            in_groups = [n for g in planned for n in g.params]
-            if set(in_groups) != set(names):
-                missing = sorted(set(in_groups) - set(names))
-                extra = sorted(set(names) - set(in_groups))
-                raise ValueError(
-                    f"local_masters disagree with the plan's micro-groups of dp rank {dp_rank}: "
-                    f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, not in any group {extra[:3]}{'...' if len(extra) > 3 else ''}"
-                )
-            groups = [[task(n, h) for n, h in zip(g.params, g.hosts)] for g in planned]
+        exchange = _tp_exchange(plan, self.schedule, exchange)
+        groups = self._task_groups(by_name, names, es)
         super().__init__(
             [_exchange(g, self.tp) for g in groups],
             comm=comm,
@@ -317,6 +298,30 @@ class TPEngine(MicroGroupEngine):
         self.sync = self.schedule == "sync"
 
     # ------------------------------------------------------------------------- set-up helpers
+    def _task(self, by_name: dict[str, Any], name: str, host: int) -> TPTask:
+        spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
+        if name in self._packed:  # its blocks stacked on a leading dim: one rectangular piece per rank
+            return TPTask(name, host, self._packed[name][0], 1)
+        return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
+
+    def _task_groups(self, by_name: dict[str, Any], names: list[str], element_size: int) -> list[list[TPTask]]:
+        """This DP rank's micro-groups as tasks: under ``sync`` every TP rank computes every update
+        (host -1, every task local everywhere, grouped by C_max); otherwise the plan's groups, which
+        must hold exactly the tasks of ``local_masters``."""
+        inp = self.plan.inputs
+        if self.schedule == "sync":
+            return sync_groups([self._task(by_name, n, -1) for n in names], self.tp, inp.cmax_bytes, element_size)
+        planned = self.plan.micro_groups[self.dp_rank] if len(self.plan.micro_groups) > self.dp_rank else ()
+        in_groups = [n for g in planned for n in g.params]
+        if set(in_groups) != set(names):
+            missing = sorted(set(in_groups) - set(names))
+            extra = sorted(set(names) - set(in_groups))
+            raise ValueError(
+                f"local_masters disagree with the plan's micro-groups of dp rank {self.dp_rank}: "
+                f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, not in any group {extra[:3]}{'...' if len(extra) > 3 else ''}"
+            )
+        return [[self._task(by_name, n, h) for n, h in zip(g.params, g.hosts)] for g in planned]
+
     def _check_masters(self, by_name: Mapping[str, Any]) -> torch.dtype:
         dtypes = set()
         for name, t in self.local_masters.items():
