@@ -555,6 +555,20 @@ def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup
     """
     if not groups:
         return local_work, 0.0, 0.0
+    gath, scat, host_c, appl = _group_costs(groups, index, params, ns_time, apply_local, tp, tp_link, setup)
+    k = len(groups)
+    comm_busy = sum(gath) + sum(scat)
+    host_total = max(sum(c[t] for c in host_c) for t in range(tp))
+    if setup.tp_overlap == "serial":
+        total = local_work + sum(gath[j] + max(host_c[j]) + scat[j] + appl[j] for j in range(k))
+        return total, comm_busy, host_total
+    total, _ = list_schedule(_group_ops(gath, scat, host_c, appl, tp, local_work, setup.tp_overlap))
+    return total, comm_busy, host_total
+
+
+def _group_costs(groups, index, params, ns_time, apply_local, tp, tp_link, setup):
+    """Per micro-group: the gather and scatter times (fused all-to-alls of the TP-local shards,
+    the scatter the gather's flows reversed), each TP rank's host compute, and the apply time."""
     gath, scat, host_c, appl = [], [], [], []
     for g in groups:
         send = [0.0] * tp
@@ -577,12 +591,13 @@ def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup
         scat.append(all_to_all_time(tp_link, [x * setup.update_bytes for x in recv], [x * setup.update_bytes for x in send]))
         host_c.append(host_t)
         appl.append(a)
-    k = len(groups)
-    comm_busy = sum(gath) + sum(scat)
-    host_total = max(sum(c[t] for c in host_c) for t in range(tp))
-    if setup.tp_overlap == "serial":
-        total = local_work + sum(gath[j] + max(host_c[j]) + scat[j] + appl[j] for j in range(k))
-        return total, comm_busy, host_total
+    return gath, scat, host_c, appl
+
+
+def _group_ops(gath, scat, host_c, appl, tp, local_work, overlap) -> list[Op]:
+    """The operations of the micro-group pipeline on one comm stream and ``tp`` compute streams, in
+    issue order: ``free`` every gather first, then every scatter; ``pipelined`` gathers one group ahead."""
+    k = len(gath)
     ops: list[Op] = [Op(f"L{t}", f"gpu{t}", local_work) for t in range(tp)]
 
     def gather(j: int) -> None:
@@ -597,7 +612,7 @@ def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup
     def apply(j: int) -> None:
         ops.extend(Op(f"A{j}.{t}", f"gpu{t}", appl[j], (f"S{j}",)) for t in range(tp))
 
-    if setup.tp_overlap == "free":
+    if overlap == "free":
         for j in range(k):
             gather(j)
             compute(j)
@@ -614,8 +629,7 @@ def _tp_pipeline(groups, index, params, ns_time, apply_local, tp, tp_link, setup
                 apply(j - 1)
             scatter(j)
         apply(k - 1)
-    total, _ = list_schedule(ops)
-    return total, comm_busy, host_total
+    return ops
 
 
 # --------------------------------------------------------------------------- front door
