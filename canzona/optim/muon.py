@@ -362,20 +362,13 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         p.add_(ortho.T, alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
 
     @staticmethod
-    def _chains(group: dict[str, Any], tensors: Sequence[Tensor], items: Sequence[Any]) -> list[list[Any]]:
-        """Split ``items`` (one per tensor of ``tensors``) into the lists run as one chain each:
-        under ``batched=True`` one per shape, dtype and device; otherwise one per item."""
-        if group["batched"] is not True:
-            return [[x] for x in items]
+    def _chains(tensors: Sequence[Tensor], items: Sequence[Any]) -> list[list[Any]]:
+        """Split ``items`` (one per tensor of ``tensors``) into the lists ``batched=True`` runs as
+        one chain each: one per shape, dtype and device."""
         by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[Any]] = {}
         for t, item in zip(tensors, items):
             by_shape.setdefault((t.shape, t.dtype, t.device), []).append(item)
         return list(by_shape.values())
-
-    @classmethod
-    def _batch_chains(cls, group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
-        """:meth:`_chains` over the parameters themselves."""
-        return cls._chains(group, params, params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -397,12 +390,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             # checked once for the group (a group may have been edited since it was added)
             abc = _check_ns_args(group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
             checked = (group["ns_steps"], abc, group["eps"], group["ns_dtype"])
-            if group["batched"] is False:
+            if group["batched"] is not True:  # False, or the old "auto", which means the same
                 # One parameter at a time keeps peak memory at one update, as torch does.
                 for p in params:
                     self._apply(group, p, _newton_schulz(self._momentum_update(group, p), *checked))
                 continue
-            for chain in self._batch_chains(group, params):
+            for chain in self._chains(params, params):
                 updates = [self._momentum_update(group, p) for p in chain]
                 if len(updates) == 1:
                     ortho: Sequence[Tensor] = [_newton_schulz(updates[0], *checked)]
@@ -506,12 +499,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                 for i in idx:
                     out[i] = _newton_schulz(inputs[i].T.contiguous(), *checked, owned=True).T
                 continue
-            if group["batched"] is False:
+            if group["batched"] is not True:
                 for i in idx:
                     out[i] = _newton_schulz(inputs[i], *checked, owned=True)
                 continue
             ns_args = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
-            for chain in self._chains(group, [inputs[i] for i in idx], idx):
+            for chain in self._chains([inputs[i] for i in idx], idx):
                 if len(chain) == 1:
                     out[chain[0]] = _newton_schulz(inputs[chain[0]], *checked, owned=True)
                 else:
