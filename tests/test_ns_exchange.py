@@ -92,6 +92,42 @@ def test_split_step_equals_step(ns_dtype: torch.dtype | None, nesterov: bool, dt
             assert torch.equal(ref_opt.state[r]["momentum_buffer"][sl], opt.state[q]["momentum_buffer"])
 
 
+def test_split_step_follows_changed_groups_and_lists() -> None:
+    """The split step keeps its grouping per list of pieces; it must still follow what changes:
+    an ``lr`` set in place (a scheduler), param groups replaced (torch's ``load_state_dict``), and
+    lists that differ from step to step (a subset in another order, two groups interleaved, so
+    that a cached index would point at the wrong piece). Every step bitwise ``step()``'s."""
+    torch.manual_seed(3)
+    shapes = [(12, 8), (8, 12), (12, 8), (6, 6)]
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    pieces = [torch.nn.Parameter(r.detach().clone()) for r in ref]  # one piece per matrix: the whole of it
+
+    def groups(ps: list[torch.Tensor]) -> list[dict]:
+        return [{"params": [ps[0], ps[2]], "lr": 0.02}, {"params": [ps[1], ps[3]], "lr": 0.05, "adjust_lr_fn": "match_rms_adamw"}]
+
+    ref_opt, opt = Muon(groups(ref), momentum=0.9), Muon(groups(pieces), momentum=0.9)
+    orders = [[0, 1, 2, 3], [3, 0, 1], [2, 1, 0, 3], [1, 3], [0, 1, 2, 3]]
+    for step, order in enumerate(orders):
+        if step == 2:  # a schedule writes lr in place
+            for o in (ref_opt, opt):
+                o.param_groups[0]["lr"] = 0.01
+        if step == 3:  # new group dicts with other values, as torch's load_state_dict makes
+            for o in (ref_opt, opt):
+                sd = o.state_dict()
+                sd["param_groups"][1]["lr"] = 0.07
+                o.load_state_dict(sd)
+        grads = {k: torch.randn(shapes[k]) for k in order}
+        for k, r in enumerate(ref):
+            r.grad = grads[k].clone() if k in grads else None
+        ref_opt.step()
+        live = [pieces[k] for k in order]
+        moms, xs = opt.matrix_input(live, [grads[k].clone() for k in order])
+        outs = opt.matrix_output(live, [x.to(torch.bfloat16) for x in xs])
+        opt.matrix_apply(live, moms, outs, [shapes[k] for k in order])
+        for r, q in zip(ref, pieces):
+            assert torch.equal(r.detach(), q.detach()), f"step {step}"
+
+
 def test_split_step_of_a_transposed_group_equals_step() -> None:
     torch.manual_seed(2)
     ref = torch.nn.Parameter(torch.randn(29, 17))

@@ -218,6 +218,10 @@ def batched_newton_schulz(
     return x
 
 
+#: how many lists of pieces the split step's grouping answers are kept for (:meth:`Muon._by_group`)
+SPLIT_CACHE_LISTS = 64
+
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """Per-matrix learning-rate scale for an ``[A, B]`` (rows = fan_out, cols = fan_in) matrix.
 
@@ -415,11 +419,23 @@ class Muon(MatrixOptimizerMixin, Optimizer):
     # :meth:`step`'s (for :data:`MATRIX_INPUT_DTYPES`). Nothing changes state before
     # :meth:`matrix_apply`.
 
+    def _split_index(self) -> dict[int, dict[str, Any]]:
+        """Parameter id -> its param group, rebuilt whenever the param groups are not the ones it
+        was built from (a group added, or replaced as torch's ``load_state_dict`` does); the
+        per-list answers of :meth:`_by_group` are dropped with it."""
+        token = tuple(map(id, self.param_groups))
+        if getattr(self, "_split_token", None) != token:
+            self._split_groups = {id(q): g for g in self.param_groups for q in g["params"]}
+            self._split_lists: dict[tuple[int, ...], list[tuple[dict[str, Any], list[int]]]] = {}
+            self._split_shapes: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
+            self._split_token = token
+        return self._split_groups
+
     def _group_of(self, p: Tensor) -> dict[str, Any]:
-        index = getattr(self, "_split_groups", None)
-        if index is None or id(p) not in index:
-            index = {id(q): g for g in self.param_groups for q in g["params"]}
-            self._split_groups = index
+        index = self._split_index()
+        if id(p) not in index:  # a parameter added to a group's list in place
+            self._split_token = None
+            index = self._split_index()
         return index[id(p)]
 
     def matrix_input_dtype(self) -> torch.dtype | None:
@@ -438,12 +454,37 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         return dtypes.pop() if len(dtypes) == 1 else None
 
     def _by_group(self, params: Sequence[Tensor]) -> list[tuple[dict[str, Any], list[int]]]:
-        """Indices of ``params`` per param group, groups in first-seen order."""
-        out: dict[int, tuple[dict[str, Any], list[int]]] = {}
-        for i, p in enumerate(params):
-            g = self._group_of(p)
-            out.setdefault(id(g), (g, []))[1].append(i)
-        return list(out.values())
+        """Indices of ``params`` per param group, groups in first-seen order. An engine passes the
+        same lists every step, so the answer is kept per list of parameters (and dropped with the
+        parameter index, :meth:`_split_index`)."""
+        self._split_index()
+        key = tuple(map(id, params))
+        found = self._split_lists.get(key)
+        if found is None:
+            out: dict[int, tuple[dict[str, Any], list[int]]] = {}
+            for i, p in enumerate(params):
+                g = self._group_of(p)
+                out.setdefault(id(g), (g, []))[1].append(i)
+            if len(self._split_lists) >= SPLIT_CACHE_LISTS:  # lists that changed (skipped pieces) are not kept forever
+                self._split_lists.clear()
+                self._split_shapes.clear()
+            found = self._split_lists[key] = list(out.values())
+        return found
+
+    def _by_shape(self, params: Sequence[Tensor], group: dict[str, Any], idx: list[int],
+                  full_shapes: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[int]]:
+        """``idx`` (the pieces of ``group`` in ``params``) by the logical ``(out, in)`` shape of each
+        piece's whole matrix; kept per list as :meth:`_by_group` (a piece's matrix never changes)."""
+        transposed = bool(group.get("transposed", False))
+        key = (tuple(map(id, params)), id(group), transposed)
+        found = self._split_shapes.get(key)
+        if found is None:
+            found = {}
+            for i in idx:
+                shape = tuple(full_shapes[i])[::-1] if transposed else tuple(full_shapes[i])
+                found.setdefault(shape, []).append(i)
+            self._split_shapes[key] = found
+        return found
 
     @torch.no_grad()
     def matrix_input(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -520,13 +561,13 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         matrix: weight decay, then the update scaled by the full shape's learning rate, as
         :meth:`step` (one ``_foreach`` call per group, per learning-rate scale)."""
         for group, idx in self._by_group(params):
+            state = self.state
             for i in idx:
-                self.state[params[i]]["momentum_buffer"] = momenta[i]
+                state[params[i]]["momentum_buffer"] = momenta[i]
             lr = group["lr"]
             torch._foreach_mul_([params[i] for i in idx], 1 - lr * group["weight_decay"])
-            by_alpha: dict[float, list[int]] = {}
-            for i in idx:
-                shape = tuple(full_shapes[i])[::-1] if group.get("transposed", False) else tuple(full_shapes[i])
-                by_alpha.setdefault(-adjust_lr(lr, group["adjust_lr_fn"], shape), []).append(i)
-            for alpha, same in by_alpha.items():
+            # one _foreach_add_ per matrix shape (its learning-rate scale; on CPU the same
+            # per-tensor kernel whatever the grouping, so the same bits as step()'s add_)
+            for shape, same in self._by_shape(params, group, idx, full_shapes).items():
+                alpha = -adjust_lr(lr, group["adjust_lr_fn"], shape)
                 torch._foreach_add_([params[i] for i in same], [outputs[i] for i in same], alpha=alpha)

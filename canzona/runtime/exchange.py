@@ -518,6 +518,87 @@ def describe_group(k: int, tasks: Sequence[ExchangeTask], rank: int, n: int, *, 
                          local_in, local_back, _starts(back_send) if flags else (), _starts(back_recv) if flags else ())
 
 
+#: byte alignment of every full tensor carved out of an assembly buffer: the CPU allocator's, so a
+#: view starts on the same boundary as a fresh ``torch.empty`` would (BLAS kernels may choose
+#: their path by alignment, and the split step's results must not depend on where a matrix lies)
+ASSEMBLY_ALIGN_BYTES = 64
+
+
+class _GroupViews:
+    """One micro-group's block copies as views into the engine's reserved buffers, made once when
+    the engine is built: a step then copies each direction with one ``torch._foreach_copy_``
+    instead of a slice, a view and a copy per block (the per-piece Python work that dominates a
+    step of many small matrices). The copied values are the same; only who slices changes.
+
+    - ``pack``: the gather send slot's view of each ``g.pack`` copy (its name and shape beside it,
+      checked against the piece before copying: ``_foreach_copy_`` would broadcast a wrong shape);
+    - ``back_send`` / ``back_recv``: the scatter slot's views of ``g.pack_back`` / ``g.unpack_back``
+      (non-empty copies only);
+    - split step only (``full`` non-empty): the group's hosted full tensors as views into one of
+      two assembly buffers (by group parity, so a group's inputs are never the next group's), and
+      the views of every received (``assemble``) and own (``local_in``) block inside them."""
+
+    __slots__ = ("pack", "pack_names", "pack_shapes", "back_send", "back_send_copies", "back_recv", "back_recv_copies",
+                 "full", "assemble_dst", "assemble_src", "local_dst", "local_names", "local_shapes")
+
+    def __init__(self, g: ExchangeGroup, slots: ExchangeSlots, assembly: torch.Tensor | None) -> None:
+        self.pack = [_slot_view(slots.gather_shard, c) for c in g.pack]
+        self.pack_names = [c.name for c in g.pack]
+        self.pack_shapes = [torch.Size(c.shape) for c in g.pack]
+        self.back_send_copies = [c for c in g.pack_back if c.numel]
+        self.back_send = [_slot_view(slots.scatter_full, c) for c in self.back_send_copies]
+        self.back_recv_copies = [c for c in g.unpack_back if c.numel]
+        self.back_recv = [_slot_view(slots.scatter_shard, c) for c in self.back_recv_copies]
+        self.full: dict[str, torch.Tensor] = {}
+        self.assemble_dst: list[torch.Tensor] = []
+        self.assemble_src: list[torch.Tensor] = []
+        self.local_dst: list[torch.Tensor] = []
+        self.local_names: list[str] = []
+        self.local_shapes: list[torch.Size] = []
+        if assembly is None:
+            return
+        off = 0
+        for name, shape in g.full_shapes:
+            self.full[name] = assembly[off : off + math.prod(shape)].view(shape)
+            off += _aligned(math.prod(shape), assembly.element_size())
+        for c in g.assemble:
+            if c.numel:
+                self.assemble_dst.append(self.full[c.name][c.index])
+                self.assemble_src.append(_slot_view(slots.gather_full, c))
+        for c in g.local_in:
+            self.local_dst.append(self.full[c.name][c.index])
+            self.local_names.append(c.name)
+            self.local_shapes.append(torch.Size(c.shape))
+
+
+def _slot_view(buf: torch.Tensor, c: _Copy) -> torch.Tensor:
+    return buf[c.offset : c.offset + c.numel].view(c.shape)
+
+
+def _aligned(numel: int, element_size: int) -> int:
+    """``numel`` rounded up so that the next tensor starts on an :data:`ASSEMBLY_ALIGN_BYTES` boundary."""
+    per = max(1, ASSEMBLY_ALIGN_BYTES // element_size)
+    return -(-numel // per) * per
+
+
+def _assembly_numel(g: ExchangeGroup, element_size: int) -> int:
+    return sum(_aligned(math.prod(shape), element_size) for _, shape in g.full_shapes)
+
+
+def _checked(names: Sequence[str], shapes: Sequence[torch.Size], pieces: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``pieces[name]`` for every name, each checked to have its block's shape."""
+    srcs = [pieces[n] for n in names]
+    for n, x, shape in zip(names, srcs, shapes):
+        if x.shape != shape:
+            raise ValueError(f"{n}: local piece has shape {tuple(x.shape)}, layout says {tuple(shape)}")
+    return srcs
+
+
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    if dst:
+        torch._foreach_copy_(list(dst), list(src))
+
+
 class _Run:
     """What one :meth:`MicroGroupEngine.run` carries from event to event."""
 
@@ -684,7 +765,15 @@ class MicroGroupEngine:
         self.schedule_events: tuple[tuple[str, int], ...] = tuple(pipeline(len(self.groups), sync=self.sync))
         #: exchange buffers reserved once (two slots; ``reserved_exchange_bytes`` in total)
         self.slots = ExchangeSlots(*(torch.empty(n, dtype=self.dtype, device=self._device) for n in biggest))
-        self.reserved_exchange_bytes: int = self.slots.nbytes
+        # the split step assembles each group's whole inputs in one of two reserved buffers (the
+        # inputs are scratch its matrix operation may overwrite; the other path hands the full
+        # gradients to an arbitrary optimizer as p.grad, so it keeps fresh tensors)
+        assembly: list[torch.Tensor | None] = [None, None]
+        if self.split:
+            numel = max((_assembly_numel(g, self._es) for g in self.groups), default=0)
+            assembly = [torch.empty(numel, dtype=self.dtype, device=self._device) for _ in range(2)]
+        self._views = tuple(_GroupViews(g, self.slots, assembly[g.index % 2]) for g in self.groups)
+        self.reserved_exchange_bytes: int = self.slots.nbytes + sum(a.numel() * self._es for a in assembly if a is not None)
 
     # ------------------------------------------------------------------------- masters
     @torch.no_grad()
@@ -807,13 +896,10 @@ class MicroGroupEngine:
                     dest[c.name].copy_(r.updated[c.name][c.index])
                 r.updated = {}
                 return
-            recv = self.slots.scatter_shard
-            for c in g.unpack_back:
-                if c.numel:
-                    dest[c.name].copy_(recv[c.offset : c.offset + c.numel].view(c.shape))
+            v = self._views[g.index]
+            _copy_all([dest[c.name] for c in v.back_recv_copies], v.back_recv)
             mine = r.own_results.pop(g.index, {})
-            for c in g.local_back:
-                dest[c.name].copy_(mine[c.name][c.index])
+            _copy_all([dest[c.name] for c in g.local_back], [mine[c.name][c.index] for c in g.local_back])
 
     # ------------------------------------------------------------------------- the split step
     def _split_inputs(self, r: _Run, g: ExchangeGroup) -> dict[str, torch.Tensor]:
@@ -857,9 +943,9 @@ class MicroGroupEngine:
             r.updated = {}
         else:
             recv = self.slots.scatter_shard
-            computed = [bool(v) for v in recv[list(g.flag_recv)].tolist()] if g.flag_recv else []
-            blocks = [(c.name, recv[c.offset : c.offset + c.numel].view(c.shape), computed[self.tasks[c.name].host])
-                      for c in g.unpack_back if c.numel]
+            computed = [bool(f) for f in recv[list(g.flag_recv)].tolist()] if g.flag_recv else []
+            v = self._views[g.index]
+            blocks = [(c.name, view, computed[self.tasks[c.name].host]) for c, view in zip(v.back_recv_copies, v.back_recv)]
             mine = r.own_results.pop(g.index, {})
             ok = r.valid.get(g.index, False)
             blocks += [(c.name, mine[c.name][c.index], ok) for c in g.local_back]
@@ -894,7 +980,8 @@ class MicroGroupEngine:
         slots = self.slots
         send = slots.gather_shard[: sum(g.gather_send)]
         out = slots.gather_full[: sum(g.gather_recv)]
-        _pack_pieces(send, g.pack, pieces)
+        v = self._views[g.index]
+        _copy_all(v.pack, _checked(v.pack_names, v.pack_shapes, pieces))
         if g.sync and not g.replicate:
             _, work = self.comm.all_gather_v(send, list(g.gather_recv), out=out, async_op=True)
             return work
@@ -907,7 +994,13 @@ class MicroGroupEngine:
 
     def _unpack_gather(self, g: ExchangeGroup, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors (fresh copies) of the group's tasks computed on this rank, from the gather
-        slot and (``direct``) this rank's own ``pieces``."""
+        slot and (``direct``) this rank's own ``pieces``; the split step's are views into its
+        reserved assembly buffer, filled with two ``_foreach_copy_`` calls."""
+        v = self._views[g.index]
+        if v.full:
+            _copy_all(v.assemble_dst, v.assemble_src)
+            _copy_all(v.local_dst, _checked(v.local_names, v.local_shapes, pieces))
+            return dict(v.full)
         full = _assemble(self.slots.gather_full, g.assemble, dict(g.full_shapes), self.dtype)
         for c in g.local_in:
             x = pieces[c.name]
@@ -953,7 +1046,8 @@ class MicroGroupEngine:
         led by the flag ``computed``."""
         slots = self.slots
         send = slots.scatter_full[: sum(g.scatter_send)]
-        _pack_blocks(send, g.pack_back, updated)
+        v = self._views[g.index]
+        _copy_all(v.back_send, [updated[c.name][c.index] for c in v.back_send_copies])
         for at in g.flag_send:
             send[at] = 1.0 if computed else 0.0
         out = slots.scatter_shard[: sum(g.scatter_recv)]
