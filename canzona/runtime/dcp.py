@@ -12,7 +12,9 @@ ranks that hold them:
   few row-aligned rectangles, an FSDP2 block, a hosted full matrix);
 - ``optim.<name>.state.<key>``: optimizer state. Element-wise state tensors are chunked like the
   master; a matrix parameter's state (held whole by its DP owner or its host) is written whole
-  by that rank; 0-dim tensors (step counters) once;
+  by that rank; an expert's state tensor of any shape (Muon's ``(M, N)`` momentum, Shampoo's
+  ``(M, M)`` preconditioner) as entry ``e`` of the stack's per-expert state ``(E, *shape)``, as
+  the consolidated format keeps it; 0-dim tensors (step counters) once;
 - ``optim.<name>.stride.<key>``: the memory layout of a non-contiguous state tensor (values travel
   without it; SOAP's column-major eigenvectors round differently in another layout);
 - ``optim.<name>.pystate.<key>``: non-tensor state values (Python ints, floats, bools) as 0-dim tensors;
@@ -24,8 +26,9 @@ Chunks are cut into row slabs of at most ``chunk_bytes`` (default :data:`CHUNK_B
 at least one row of dim 0), so no single stored item is larger. Chunks held by several ranks (TP
 replicas, ``sc``, HSDP replicas, the ``sync`` schedule's TP hosts) are identical, and DCP's save
 planner de-duplicates them: every element is written by exactly one rank and nothing is gathered.
-The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors, so the
-directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
+The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors (for several
+chunks of a tensor of more than 2 dims, e.g. several experts of a stack on one rank, a subclass
+that defines the one view DTensor applies to it), so the directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
 .dcp_to_torch_save`` converts it to one ``torch.save`` file of full tensors.
 
 The directory is sealed (:mod:`canzona.runtime.dcp_files`): after DCP wrote every data file and
@@ -49,6 +52,11 @@ model or optimizer, a missing key or a wrongly shaped tensor with one
 2. *commit*: DCP reads every region straight into its destination (masters, existing optimizer
    state tensors and the model's local tensors, in place; state tensors the optimizer does not
    have yet are allocated once, at their final size).
+
+Compatibility: the keys and their shapes are those of the first version (``DCP_VERSION`` 1),
+which wrote a 3-D key only where each rank held one piece of it; such a checkpoint loads here at
+any layout. A checkpoint with non-square experts' preconditioners (keys ``(E, M, M)`` beside an
+``(E, M, N)`` stack) is refused by that version in one line (``state 'L' has shape ...``).
 
 Peak memory on a rank while loading: its own state plus the scratch buffer plus DCP's one stored
 item in flight, each bounded by ``chunk_bytes`` (``last_load_stats`` records what the last load

@@ -11,7 +11,8 @@ optimizer, at any layout on either side, when :func:`sharded_state_dict` returns
 - ``<name>.master`` / ``<name>.state.<key>``: global tensors of the parameter's full shape as
   DTensors whose local tensor (``LocalShardsWrapper``) lists the regions this rank holds, as
   *views* of its masters and state (no copy; the regions are those of
-  :func:`canzona.runtime.dcp.save_sharded`, so DCP re-shards them the same way);
+  :func:`canzona.runtime.dcp.save_sharded`, so DCP re-shards them the same way; an expert's
+  state tensors, of any shape, are entry ``e`` of the stack's ``(E, *shape)`` state);
   ``<name>.model``: the model's own values of the parameter, so a load leaves model and masters
   equal even where a rank's masters do not cover its model piece (ZeRO-1);
 - ``<name>.pystate.<key>``: Python-valued state (ints, floats, bools) as 0-dim tensors;
