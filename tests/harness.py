@@ -6,6 +6,8 @@ capture, what a rank holds of an optimizer, and a counter of host reads.
 - :func:`raised`: which error a call raised, with its message and how long it took to come.
 - :func:`held_snapshot` / :func:`load_refused`: what a rank holds of an optimizer (masters, state,
   model pieces), and whether a refused checkpoint load left all of it untouched.
+- :func:`doc_differences`: where two consolidated optimizer documents differ (masters, state
+  values and memory layouts, step count, hyperparameters).
 - :class:`HostReads`: counts the operations that read tensor values back to the host (``item()``,
   ``bool(t)``, ``nonzero``, ``tolist()``...), each with the line that asked: on CUDA each is a
   synchronization, so a test on CPU can check that a step's count does not grow with the model.
@@ -28,7 +30,7 @@ import torch
 
 from validation.harness import tensors_equal
 
-__all__ = ["HostReads", "attempt", "case_results", "held_snapshot", "load_refused", "raised"]
+__all__ = ["HostReads", "attempt", "case_results", "doc_differences", "held_snapshot", "load_refused", "raised"]
 
 
 def held_snapshot(opt: Any) -> dict[str, torch.Tensor]:
@@ -44,6 +46,26 @@ def held_snapshot(opt: Any) -> dict[str, torch.Tensor]:
     for mp in opt.model_pieces():
         out[f"model.{mp.name}"] = mp.local.detach().clone()
     return out
+
+
+def doc_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """What differs between two consolidated documents (``consolidated_state_dict()``): masters
+    and state tensors compared with ``torch.equal`` (and dtype and strides: a layout changes how
+    SOAP rounds), other state values, step count and hyperparameters with ``==``."""
+    bad = [f"params/{n}" for n in tensors_equal(a["params"], b["params"])]
+    for name in sorted(set(a["state"]) | set(b["state"])):
+        sa, sb = a["state"].get(name, {}), b["state"].get(name, {})
+        for k in sorted(set(sa) | set(sb)):
+            x, y = sa.get(k), sb.get(k)
+            if torch.is_tensor(x) and torch.is_tensor(y):
+                same = x.dtype == y.dtype and x.stride() == y.stride() and torch.equal(x, y)
+            else:
+                same = type(x) is type(y) and x == y
+            if not same:
+                bad.append(f"state/{name}/{k}")
+    bad += [key for key in ("hyper",) if a[key] != b[key]]
+    bad += ["steps"] if a["meta"]["steps"] != b["meta"]["steps"] else []
+    return bad
 
 
 def load_refused(opt: Any, load: Callable[[Any], Any]) -> dict[str, Any]:

@@ -115,6 +115,7 @@ __all__ = [
     "checksums",
     "consolidated_state_dict",
     "document_digest",
+    "expert_box",
     "flat_range_boxes",
     "join_collective",
     "load_checkpoint",
@@ -355,6 +356,12 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
 
 def whole_box(shape: Sequence[int]) -> Box:
     return (tuple(0 for _ in shape), tuple(int(n) for n in shape))
+
+
+def expert_box(expert: int, shape: Sequence[int]) -> Box:
+    """Where expert ``expert``'s state tensor of ``shape`` sits in its stack's per-expert state
+    ``(E, *shape)`` (the sharded formats store it so, as the consolidated one does)."""
+    return ((int(expert), *(0 for _ in shape)), (1, *(int(n) for n in shape)))
 
 
 def box_index(box: Box) -> tuple[slice, ...]:

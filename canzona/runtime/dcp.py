@@ -12,7 +12,9 @@ ranks that hold them:
   few row-aligned rectangles, an FSDP2 block, a hosted full matrix);
 - ``optim.<name>.state.<key>``: optimizer state. Element-wise state tensors are chunked like the
   master; a matrix parameter's state (held whole by its DP owner or its host) is written whole
-  by that rank; 0-dim tensors (step counters) once;
+  by that rank; an expert's state tensor of any shape (Muon's ``(M, N)`` momentum, Shampoo's
+  ``(M, M)`` preconditioner) as entry ``e`` of the stack's per-expert state ``(E, *shape)``, as
+  the consolidated format keeps it; 0-dim tensors (step counters) once;
 - ``optim.<name>.stride.<key>``: the memory layout of a non-contiguous state tensor (values travel
   without it; SOAP's column-major eigenvectors round differently in another layout);
 - ``optim.<name>.pystate.<key>``: non-tensor state values (Python ints, floats, bools) as 0-dim tensors;
@@ -24,8 +26,9 @@ Chunks are cut into row slabs of at most ``chunk_bytes`` (default :data:`CHUNK_B
 at least one row of dim 0), so no single stored item is larger. Chunks held by several ranks (TP
 replicas, ``sc``, HSDP replicas, the ``sync`` schedule's TP hosts) are identical, and DCP's save
 planner de-duplicates them: every element is written by exactly one rank and nothing is gathered.
-The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors, so the
-directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
+The chunks are handed to DCP as ``LocalShardsWrapper`` local tensors of DTensors (for several
+chunks of a tensor of more than 2 dims, e.g. several experts of a stack on one rank, a subclass
+that defines the one view DTensor applies to it), so the directory is a plain DCP checkpoint: ``torch.distributed.checkpoint.format_utils
 .dcp_to_torch_save`` converts it to one ``torch.save`` file of full tensors.
 
 The directory is sealed (:mod:`canzona.runtime.dcp_files`): after DCP wrote every data file and
@@ -50,6 +53,11 @@ model or optimizer, a missing key or a wrongly shaped tensor with one
    state tensors and the model's local tensors, in place; state tensors the optimizer does not
    have yet are allocated once, at their final size).
 
+Compatibility: the keys and their shapes are those of the first version (``DCP_VERSION`` 1),
+which wrote a 3-D key only where each rank held one piece of it; such a checkpoint loads here at
+any layout. A checkpoint with non-square experts' preconditioners (keys ``(E, M, M)`` beside an
+``(E, M, N)`` stack) is refused by that version in one line (``state 'L' has shape ...``).
+
 Peak memory on a rank while loading: its own state plus the scratch buffer plus DCP's one stored
 item in flight, each bounded by ``chunk_bytes`` (``last_load_stats`` records what the last load
 allocated). The data is read twice; that is the price of refusing a corrupt file without holding
@@ -59,6 +67,7 @@ a second copy of the state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -79,6 +88,7 @@ from canzona.runtime.checkpoint import (
     Held,
     check_hyper_section,
     check_optimizers,
+    expert_box,
     flat_range_boxes,
     join_collective,
     agree_on_checkpoint,
@@ -138,6 +148,28 @@ def _slabs(box: Box, view: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...]
     return out + [((offs[0] + n, *offs[1:]), view[n:])]
 
 
+@functools.cache
+def _nd_shards() -> type:
+    """torch's ``LocalShardsWrapper`` for several local shards of a tensor of more than 2 dims.
+
+    DCP reads and writes a wrapper's shards through ``__create_write_items__``,
+    ``__create_chunk_list__`` and ``__get_tensor_shard__``, which take N-D offsets as they are;
+    the one op torch's wrapper refuses beyond 2-D is ``view``, which ``DTensor.from_local`` and
+    ``to_local`` apply to it with its own shape. That view (the identity) is defined here, per
+    shard; any other is refused."""
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    class NdLocalShards(LocalShardsWrapper):
+        @staticmethod
+        def handle_view(args: Any, kwargs: Any) -> Any:
+            self, shape = args[0], tuple(args[1])
+            if shape != tuple(self.shape):
+                raise NotImplementedError(f"a view {shape} of several {self.local_shards()[0].ndim}-D local shards")
+            return NdLocalShards([torch.ops.aten.view.default(s, s.shape) for s in self.local_shards()], self.local_offsets())
+
+    return NdLocalShards
+
+
 class _Chunks:
     """Chunks of global tensors: key -> [(global offsets, tensor view)], cut into slabs of at most
     ``cap`` bytes."""
@@ -175,14 +207,8 @@ class _Chunks:
             if not shape:
                 out[key] = chunks[0][1]
                 continue
-            if len(shape) > 2 and len(chunks) > 1:
-                # torch's LocalShardsWrapper has no view for several local shards beyond 2-D
-                raise CheckpointError(
-                    f"{key}: this rank holds {len(chunks)} pieces of a {len(shape)}-D tensor {shape} (the experts of a "
-                    "stack, or slabs of one), which DCP's local shards cannot carry; save expert stacks with "
-                    "canzona.runtime.checkpoint.save_checkpoint (the consolidated format) instead"
-                )
-            local = LocalShardsWrapper([t for _, t in chunks], [list(o) for o, _ in chunks])
+            wrapper = _nd_shards() if len(shape) > 2 and len(chunks) > 1 else LocalShardsWrapper
+            local = wrapper([t for _, t in chunks], [list(o) for o, _ in chunks])
             stride = torch.empty(shape, device="meta").stride()
             out[key] = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=torch.Size(shape), stride=stride)
         return out
@@ -229,29 +255,41 @@ def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, t
 
 
 def _add_state(chunks: _Chunks, h: Held, shape: tuple[int, ...]) -> None:
-    """One held region's optimizer state: element-wise tensors chunked like the master, anything
-    else whole."""
+    """One held region's optimizer state: element-wise tensors chunked like the master, an
+    expert's tensors (any shape) as its entry of the stack's per-expert state ``(E, *shape)``,
+    anything else whole."""
     name = h.name
     for k, v in h.state().items():
         if torch.is_tensor(v):
             v = v.detach()
             if v.dim() == 0:
                 chunks.add_whole(_state_key(name, k), v)
+            elif h.expert is not None:
+                key = _state_key(name, k)
+                chunks.add_box(key, (shape[0], *v.shape), expert_box(h.expert, tuple(v.shape)), v.unsqueeze(0))
+                _add_stride(chunks, _stride_key(name, k), v)
             elif h.sliced:
-                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
-                    raise CheckpointError(
-                        f"{name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
-                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
-                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 chunks.add_region(_state_key(name, k), shape, h.region, v.reshape(-1))
             else:
                 chunks.add_whole(_state_key(name, k), v)
-                if not v.is_contiguous():
-                    chunks.add_whole(_stride_key(name, k), torch.tensor(v.stride(), dtype=torch.int64))
+                _add_stride(chunks, _stride_key(name, k), v)
         else:
             chunks.add_whole(_py_key(name, k), scalar_tensor(v, f"{name}.{k}"))
+
+
+def _add_stride(chunks: _Chunks, key: str, v: torch.Tensor) -> None:
+    """The memory layout of a non-contiguous state tensor, once per rank (the experts of a stack
+    keep theirs alike: a second, other layout is refused)."""
+    if v.is_contiguous():
+        return
+    stride = torch.tensor(v.stride(), dtype=torch.int64)
+    have = chunks.by_key.get(key)
+    if have is None:
+        chunks.add_whole(key, stride)
+    elif not torch.equal(have[0][1], stride):
+        raise CheckpointError(f"{key}: experts of one stack keep this state in two memory layouts, {tuple(have[0][1].tolist())} and {v.stride()}")
 
 
 def _meta(src: Checkpointable, cap: int) -> dict[str, Any]:
@@ -482,6 +520,14 @@ def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
+def _saved_stride(key: str, size: tuple[int, ...], strides: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The memory layout a state tensor of ``size`` was saved in (row-major when none was saved)."""
+    stride = strides.get(key) or torch.empty(size, device="meta").stride()
+    if len(stride) != len(size) or not _dense(size, tuple(stride)):
+        raise CheckpointError(f"{key}: saved stride {stride} does not describe a dense tensor of shape {size}")
+    return tuple(stride)
+
+
 class _LoadPlan:
     """Where every region this rank holds goes, and what the optimizer state becomes.
 
@@ -540,22 +586,27 @@ class _LoadPlan:
             if size == ():
                 new[k] = self._fresh(key, size, dtype, dev)
                 continue
-            if h.sliced:
+            if h.expert is not None:
+                if size[0] != shape[0]:
+                    raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected one entry per expert ({shape[0]}, ...)")
+                local_shape = size[1:]
+                stride = _saved_stride(key, local_shape, strides)
+            elif h.sliced:
                 if size != shape:
                     raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected {shape}")
                 local_shape = tuple(h.master.shape) if h.master is not None else (sum(math.prod(b[1]) for b in h.region),)
                 stride = torch.empty(local_shape, device="meta").stride()
             else:
                 local_shape = size
-                stride = strides.get(key) or torch.empty(size, device="meta").stride()
-                if len(stride) != len(size) or not _dense(size, tuple(stride)):
-                    raise CheckpointError(f"{key}: saved stride {stride} does not describe a dense tensor of shape {size}")
+                stride = _saved_stride(key, size, strides)
             t = old.get(k)
             if not (torch.is_tensor(t) and tuple(t.shape) == local_shape and t.dtype == dtype and t.device == dev and t.stride() == tuple(stride)):
                 t = torch.empty_strided(local_shape, tuple(stride), dtype=dtype, device=dev)
                 self.new_state_bytes += t.numel() * t.element_size()
             new[k] = t
-            if h.sliced:
+            if h.expert is not None:
+                self._add(key, size, expert_box(h.expert, local_shape), t.unsqueeze(0))
+            elif h.sliced:
                 self._add_region(key, shape, h.region, t.view(-1))
             else:
                 self._add(key, size, whole_box(size), t)

@@ -11,7 +11,8 @@ optimizer, at any layout on either side, when :func:`sharded_state_dict` returns
 - ``<name>.master`` / ``<name>.state.<key>``: global tensors of the parameter's full shape as
   DTensors whose local tensor (``LocalShardsWrapper``) lists the regions this rank holds, as
   *views* of its masters and state (no copy; the regions are those of
-  :func:`canzona.runtime.dcp.save_sharded`, so DCP re-shards them the same way);
+  :func:`canzona.runtime.dcp.save_sharded`, so DCP re-shards them the same way; an expert's
+  state tensors, of any shape, are entry ``e`` of the stack's ``(E, *shape)`` state);
   ``<name>.model``: the model's own values of the parameter, so a load leaves model and masters
   equal even where a rank's masters do not cover its model piece (ZeRO-1);
 - ``<name>.pystate.<key>``: Python-valued state (ints, floats, bools) as 0-dim tensors;
@@ -56,6 +57,7 @@ from canzona.runtime.checkpoint import (
     CollectiveMismatch,
     Held,
     check_hyper_section,
+    expert_box,
     join_collective,
     load_consolidated_state_dict,
     agree_on_checkpoint,
@@ -176,12 +178,9 @@ def _entries(src: Checkpointable, probe: bool) -> Iterator[tuple[str, tuple[int,
                 yield f"{h.name}.pystate.{k}", (), (), scalar_tensor(v, f"{h.name}.{k}"), False
             elif v.dim() == 0 or not h.sliced:
                 yield f"{h.name}.state.{k}", tuple(v.shape), (whole_box(v.shape),), v.detach(), False
+            elif h.expert is not None:  # its entry of the stack's per-expert state
+                yield f"{h.name}.state.{k}", (shape[0], *v.shape), (expert_box(h.expert, tuple(v.shape)),), v.detach().unsqueeze(0), False
             else:
-                if h.expert is not None and (h.master is None or tuple(v.shape) != tuple(h.master.shape)):
-                    raise CheckpointError(
-                        f"{h.name}: expert state {k!r} is {tuple(v.shape)}, not the expert's shape; the sharded formats keep only "
-                        "expert state shaped like the expert: save it with canzona.runtime.checkpoint.save_checkpoint (the consolidated format)"
-                    )
                 if h.master is None or v.numel() != h.master.numel():
                     raise CheckpointError(f"{h.name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 yield f"{h.name}.state.{k}", shape, h.region, v.detach().reshape(-1), True
@@ -341,15 +340,23 @@ class _Load:
         for k, key in names.items():
             pieces = _pieces(self.sd[key])
             sample = pieces[0][1] if pieces else None
-            whole = not (h.sliced and tuple(self.sd[key].shape) == shape and len(shape) > 0)
-            local = tuple(self.sd[key].shape) if whole else tuple(h.master.shape if h.master is not None else (sum(math.prod(b[1]) for b in h.region),))
+            size = tuple(self.sd[key].shape)
+            expert = h.expert is not None and len(size) > 0
+            if expert:
+                if size[0] != shape[0]:
+                    raise CheckpointError(f"{h.name}: state {k!r} has shape {size}, expected one entry per expert ({shape[0]}, ...)")
+                sample = sample[0] if sample is not None and sample.dim() == len(size) else None
+            whole = expert or not (h.sliced and size == shape and len(shape) > 0)
+            local = size[1:] if expert else size if whole else tuple(h.master.shape if h.master is not None else (sum(math.prod(b[1]) for b in h.region),))
             dtype = sample.dtype if sample is not None else torch.float32
             t = old.get(k)
             if not (torch.is_tensor(t) and tuple(t.shape) == local and t.dtype == dtype):
                 stride = sample.stride() if whole and sample is not None and tuple(sample.shape) == local else None
                 t = torch.empty_strided(local, stride, dtype=dtype, device=h.param.device) if stride else torch.empty(local, dtype=dtype, device=h.param.device)  # type: ignore[union-attr]
             new[k] = t
-            if whole:
+            if expert:
+                self._box(key, expert_box(h.expert, local), t.unsqueeze(0))  # type: ignore[arg-type]
+            elif whole:
                 self._box(key, whole_box(local), t)
             else:
                 self._region(key, shape, h.region, t.view(-1))
