@@ -222,7 +222,8 @@ def _across_layouts(rank: int) -> dict[str, Any]:
     src(_grads(world, 2, experts, 0, rank)).backward()
     sopt.step()
     sopt.zero_grad()
-    doc = [sopt.consolidated_state_dict() if rank == 0 else None]
+    saved = sopt.consolidated_state_dict()  # collective; the document on rank 0
+    doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
     dst, dmesh = _titan(world, 1, experts, seed=5)  # other values: the load must bring the saved ones
     dopt = _optimizer(dst, dmesh)
