@@ -38,6 +38,14 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.shard` and stepped
   by :class:`canzona.runtime.shard.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
   Algorithm 2) with the pieces of a matrix spread over that group;
+- expert stacks (role ``experts``, :func:`check_expert_placements`): on the optimizer's mesh, or on
+  an expert mesh of their own (expert parallelism as torchtitan builds it: ``Shard(0)`` on ``ep``,
+  then ``fully_shard`` on ``efsdp`` through ``shard_placement_fn``, giving ``("efsdp", "ep")`` with
+  ``(_StridedShard(0) or Shard(1), Shard(0))``) over the same ranks; an expert mesh's dimensions
+  are the experts' own and take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
+  are updated where they live; a stack cut by its shard (``Shard(1)``) is one hosted task per
+  expert ``name[e]`` (:func:`expert_layouts`). Refused in one line: an expert mesh beside
+  ``dp_replicate`` or ``tp``, any other expert placement, ``exchange="ns-input"`` with cut stacks;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank

@@ -25,7 +25,9 @@ mode: a host's own blocks of the matrices it hosts are copied in place, not exch
             tensors), casting to their dtype.
 
 Group ``k+1``'s gather is in flight while group ``k`` computes, and group ``k-1``'s scatter too
-(applied right after). Under ``sc`` every rank is the host of every task (host ``-1``): the
+(applied right after). A task is a matrix parameter or one expert ``stack[e]`` of a stack cut by
+its shard (its piece: each rank's block of the stack at expert ``e``, a view of the stack's local
+tensor). Under ``sc`` every rank is the host of every task (host ``-1``): the
 gather all-gathers the full gradient everywhere, every rank computes every update with its own
 full state, keeps its block, and nothing is scattered.
 
