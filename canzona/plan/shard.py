@@ -107,8 +107,9 @@ def _check_specs(specs: Sequence[ParamSpec], inputs: PlanInputs) -> None:
             raise PlanError(f"{s.name}: a matrix parameter must be 2-D on FSDP2, got {s.shape}")
         # an expert stack sharded on its expert dim gives each rank whole experts: updated where
         # they live, no micro-group; one cut on its rows (tp_dim 1) is one hosted task per expert
-        if s.kind == "experts" and s.tp_dim not in (None, 1):
-            raise PlanError(f"{s.name}: an expert stack on FSDP2 is either whole per rank or cut on its rows (dim 1), got dim {s.tp_dim}")
+        if s.kind == "experts" and s.tp_dim is not None and (inputs.tp > 1 or s.tp_dim != 1):
+            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2; served are whole experts per rank and, "
+                            f"without tp, experts cut on their rows by their shard (dim 1), got dim {s.tp_dim} with tp={inputs.tp}")
 
 
 def cut_experts(spec: ParamSpec) -> bool:
