@@ -253,7 +253,8 @@ def default_role(name: str, param: torch.Tensor, owner: object, *, embedding: bo
 
     * ``embedding`` (the parameter belongs to an ``nn.Embedding``, or is the same tensor as one's
       weight, as a tied output head is): element-wise;
-    * 3-D under a module path containing ``experts``: an expert stack (``experts``);
+    * 3-D under a module path with a component ``experts`` or ``*_experts`` (torchtitan's
+      ``moe.routed_experts.inner_experts``): an expert stack (``experts``);
     * 2-D: :func:`is_matrix_param`, on the logical ``(out, in)`` shape for GPT-2's ``Conv1D``
       (``transposed``); 0-D and 1-D: element-wise;
     * any other rank (3-D elsewhere, 4-D conv weights): refused with a :class:`RoleError` naming
@@ -262,7 +263,7 @@ def default_role(name: str, param: torch.Tensor, owner: object, *, embedding: bo
     shape = tuple(param.shape)
     if embedding:
         return "elementwise", False
-    if len(shape) == 3 and "experts" in name.lower().split(".")[:-1]:
+    if len(shape) == 3 and any(c == "experts" or c.endswith("_experts") for c in name.lower().split(".")[:-1]):
         return "experts", False
     if len(shape) > 2:
         what = "a conv weight" if len(shape) == 4 else f"a {len(shape)}-D parameter"

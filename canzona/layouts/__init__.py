@@ -4,8 +4,9 @@
 the model has and builds that layout object (interface: :class:`canzona.layouts.base.Layout`):
 
 - :class:`~canzona.layouts.ep.EPLayout` for models holding expert stacks sharded over an ``ep``
-  mesh dimension (expert parallelism; asked first, so that FSDP2 with ``ep`` is refused in one line);
-- :class:`~canzona.layouts.fsdp2.FSDP2Layout` for models holding FSDP2 ``fully_shard`` modules;
+  mesh dimension and no FSDP2 module (expert parallelism on canzona's ZeRO-1 path);
+- :class:`~canzona.layouts.fsdp2.FSDP2Layout` for models holding FSDP2 ``fully_shard`` modules,
+  with or without expert parallelism (expert stacks on their own ``ep`` mesh);
 - :class:`~canzona.layouts.zero1.Zero1Layout` (canzona's ZeRO-1 buffer, the paper's Sections 3 and
   4) for every other model, plain or DTensor tensor-parallel.
 

@@ -5,7 +5,9 @@ How torchtitan lays out a mixture of experts: each ``(E, M, N)`` expert stack is
 ``[e E/ep, (e+1) E/ep)`` whole, tokens reach them through the dispatch all-to-all), and every other
 parameter is a plain tensor replicated over all ranks. Meshes: ``("ep",)`` and ``("dp", "ep")``
 (row-major, the mesh covering the world). The layout serves any model holding a DTensor parameter
-on a mesh dimension named ``ep``.
+on a mesh dimension named ``ep`` and no FSDP2 module: FSDP2 models with expert parallelism
+(torchtitan's ``fully_shard`` of every block with the experts on their own ``efsdp`` mesh) are
+:class:`~canzona.layouts.fsdp2.FSDP2Layout`'s.
 
 What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
 :class:`~canzona.runtime.ep.EPRuntime`):
@@ -21,7 +23,7 @@ What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
   the dense plan's preload, so the dense tasks are balanced around it.
 
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
-``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, FSDP2 modules, an expert
+``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, an expert
 DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do not divide by ``ep``,
 and a DTensor that is not an expert stack. ``clip_grad_norm_`` is one exchange over both parts.
 Checkpoints place every local expert at its global coordinates, so they load across layouts.
@@ -86,14 +88,12 @@ class EPLayout(Layout):
 
     @classmethod
     def serves(cls, model: nn.Module) -> bool:
-        return bool(ep_params(model))
+        from canzona.layouts.fsdp2 import is_fsdp2_model
+
+        return bool(ep_params(model)) and not is_fsdp2_model(model)
 
     def __init__(self, model: nn.Module, mesh: Any, settings: OptimizerSettings, *, device: torch.device) -> None:
         super().__init__(model, mesh, settings, device=device)
-        from canzona.layouts.fsdp2 import is_fsdp2_model
-
-        if is_fsdp2_model(model):
-            raise ValueError(f"FSDP2 (fully_shard) with an 'ep' mesh dimension is not supported; {SUPPORTED} and plain dense parameters")
         try:
             self.strategy_record = get_strategy(settings.strategy)
         except ValueError as exc:

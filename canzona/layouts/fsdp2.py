@@ -38,6 +38,14 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   ``dp_shard x tp`` ranks of one replica, flattened), planned by :mod:`canzona.plan.shard` and stepped
   by :class:`canzona.runtime.shard.FSDPRuntime`: the paper's micro-group exchange (Section 4.1,
   Algorithm 2) with the pieces of a matrix spread over that group;
+- expert stacks (role ``experts``, :func:`check_expert_placements`): on the optimizer's mesh, or on
+  an expert mesh of their own (expert parallelism as torchtitan builds it: ``Shard(0)`` on ``ep``,
+  then ``fully_shard`` on ``efsdp`` through ``shard_placement_fn``, giving ``("efsdp", "ep")`` with
+  ``(_StridedShard(0) or Shard(1), Shard(0))``) over the same ranks; an expert mesh's dimensions
+  are the experts' own and take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
+  are updated where they live; a stack cut by its shard (``Shard(1)``) is one hosted task per
+  expert ``name[e]`` (:func:`expert_layouts`). Refused in one line: an expert mesh beside
+  ``dp_replicate`` or ``tp``, any other expert placement, ``exchange="ns-input"`` with cut stacks;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -52,8 +60,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any
 
@@ -73,7 +81,7 @@ from canzona.runtime.exchange import Block, PieceLayout
 from canzona.runtime.shard import FSDPRuntime, local_block
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import ParamSpec, RoleError, module_roles
+from canzona.specs import ParamSpec, RoleError, expert_task_name, module_roles, split_task_name
 
 __all__ = [
     "FSDP_MESH_DIMS",
@@ -104,16 +112,31 @@ def _fsdp_kind(name: str, p: torch.Tensor, role: str, transposed: bool) -> str:
 
 
 def _check_whole_experts(layouts: Mapping[str, PieceLayout], experts: Sequence[str]) -> None:
-    """Every rank's block of an expert stack must hold whole experts (``Shard(0)`` over the shard
-    group): a stack cut on another dimension (TP, transformers' packed_colwise) is refused."""
+    """Every rank's block of a stack planned as whole experts must hold whole experts (the
+    placements said so; the gathered blocks must agree)."""
     for n in experts:
         lay = layouts[n]
         for r, b in enumerate(lay.blocks):
             if b.shape[0] and (tuple(b.shape[1:]) != tuple(lay.full_shape[1:]) or any(b.offset[1:])):
                 raise RoleError(
-                    f"{n}: rank {r} holds block {b.shape} of the expert stack {lay.full_shape}, which cuts experts; "
-                    "shard expert stacks on their expert dimension (Shard(0)) only, or mark them 'elementwise' with roles="
+                    f"{n}: rank {r} holds block {b.shape} of the expert stack {lay.full_shape}, which cuts experts its "
+                    "placements say are whole; shard expert stacks with Shard(0) or Shard(1), or mark them 'elementwise' with roles="
                 )
+
+
+def expert_layouts(name: str, lay: PieceLayout) -> dict[str, PieceLayout]:
+    """The ``(M, N)`` layout of every expert ``name[e]`` of a stack cut by its shard: each rank's
+    block intersected with expert ``e``, in the expert's own coordinates (empty where the block
+    holds none of it)."""
+    out = {}
+    for e in range(lay.full_shape[0]):
+        blocks = []
+        for b in lay.blocks:
+            held = b.numel and b.offset[0] <= e < b.offset[0] + b.shape[0]
+            blocks.append(Block(tuple(b.offset[1:]), tuple(b.shape[1:])) if held else Block((0, 0), (0, 0)))
+        t = expert_task_name(name, e)
+        out[t] = PieceLayout(t, tuple(lay.full_shape[1:]), tuple(blocks))
+    return out
 
 
 def fsdp_modules(model: Any) -> list[nn.Module]:
@@ -267,13 +290,57 @@ def check_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mapping[str, 
     return tp_dim
 
 
-def _placements_by_dim(model: nn.Module) -> dict[str, list[Any]]:
-    """Mesh dimension name -> the placement on it of every trainable DTensor parameter."""
+def _shard_dim(pl: Any) -> int | None:
+    """The tensor dim a ``Shard`` (or FSDP2's ``_StridedShard``) cuts; None for anything else."""
+    from torch.distributed.tensor import Shard
+
+    return pl.dim if isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard" else None
+
+
+def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mapping[str, str]) -> int | None:
+    """Refuse an expert stack's layout the FSDP2 layout cannot serve; return 1 when its shard cuts
+    every expert on its rows (``Shard(1)`` on a dimension of more than one rank), None when every
+    rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh (fully_shard's,
+    HSDP's ``Replicate``, TP's ``Replicate``) or an expert mesh (expert parallelism: ``ep`` and the
+    experts' own FSDP dimension, ``efsdp``) over the same ranks as the shard group."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(p, DTensor):
+        raise ValueError(f"{name}: not a DTensor; every trainable parameter of an FSDP2 model must be sharded by fully_shard (wrap the root module too)")
+    pm, names = p.device_mesh, tuple(mesh.mesh_dim_names)
+    pnames = tuple(pm.mesh_dim_names or ())
+    own = [d for d in pnames if d not in names]
+    where = f"{name}: an expert stack on mesh {pnames} with {tuple(p.placements)}"
+    if own:
+        others = sorted({r for r in roles.values() if r != "dp_shard"})
+        if others:
+            raise ValueError(f"{where}: an expert mesh of its own (expert parallelism) with {'/'.join(others)} on the optimizer's mesh "
+                             "is not supported on the FSDP2 path; it serves expert parallelism with one fully_shard dimension (no dp_replicate, no tp)")
+        if sorted(pm.mesh.flatten().tolist()) != sorted(mesh.mesh.flatten().tolist()):
+            raise ValueError(f"{where}: its ranks {sorted(pm.mesh.flatten().tolist())} are not the shard group's "
+                             f"{sorted(mesh.mesh.flatten().tolist())}; the expert mesh must cover the same ranks")
+    cut = None
+    for d, pl in zip(pnames, p.placements):
+        k = pnames.index(d)
+        if d in names and pm.size(k) != mesh.size(names.index(d)):
+            raise ValueError(f"{name}: its mesh dimension {d!r} is not a dimension of the same size in the optimizer's mesh {names}")
+        role = roles.get(d, d) if d in names else "experts"
+        if role in ("dp_shard", "experts") and _shard_dim(pl) in (0, 1):
+            cut = 1 if _shard_dim(pl) == 1 and pm.size(k) > 1 else cut
+        elif not (role in ("dp_replicate", "tp") and isinstance(pl, Replicate)):
+            raise ValueError(f"{where}: placement {pl!r} on {d!r} is not served; expert stacks take Shard(0) (whole experts) or "
+                             "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Replicate on HSDP's and TP's")
+    return cut
+
+
+def _placements_by_dim(model: nn.Module, skip: Collection[str] = ()) -> dict[str, list[Any]]:
+    """Mesh dimension name -> the placement on it of every trainable DTensor parameter not in
+    ``skip`` (expert stacks, whose placements are their own: :func:`check_expert_placements`)."""
     from torch.distributed.tensor import DTensor
 
     out: dict[str, list[Any]] = {}
-    for _, p in model.named_parameters():
-        if p.requires_grad and isinstance(p, DTensor):
+    for n, p in model.named_parameters():
+        if p.requires_grad and isinstance(p, DTensor) and n not in skip:
             for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements):
                 out.setdefault(d, []).append(pl)
     return out
@@ -306,8 +373,11 @@ class FSDP2Layout(Layout):
             )
         self.mesh = mesh = check_fsdp2_mesh(mesh, dist.get_world_size())
         names = tuple(mesh.mesh_dim_names)
-        #: mesh dimension name -> its role; ``dims``: role -> the dimension playing it
-        self.roles = mesh_dim_roles(names, _placements_by_dim(model))
+        self._decided = module_roles(model, settings.roles)
+        stacks = {n for n, (role, _) in self._decided.items() if role == "experts"}
+        #: mesh dimension name -> its role, read from every parameter but the expert stacks (an
+        #: expert mesh's dimensions are the experts' own); ``dims``: role -> the dimension playing it
+        self.roles = mesh_dim_roles(names, _placements_by_dim(model, stacks))
         self.dims = {role: d for d, role in self.roles.items()}
         self.size = {r: (mesh.size(names.index(self.dims[r])) if r in self.dims else 1) for r in FSDP_MESH_DIMS}
         self.dp, self.tp = self.size["dp_replicate"] * self.size["dp_shard"], self.size["tp"]
@@ -321,8 +391,11 @@ class FSDP2Layout(Layout):
         if not trainable:
             raise ValueError("the model has no trainable parameters")
         records = []
-        decided = module_roles(self.model, s.roles)
+        decided = self._decided
         for n, p in trainable:
+            if decided[n][0] == "experts" and p.dim() == 3:  # 1: its shard cuts every expert (one task each)
+                records.append(ParamSpec(n, tuple(p.shape), "experts", check_expert_placements(n, p, self.mesh, self.roles)))
+                continue
             tp_dim = check_placements(n, p, self.mesh, self.roles)
             # TP's split dim with tp 1: DTensor's TP chunks may be uneven (see canzona.plan.shard)
             records.append(ParamSpec(n, tuple(p.shape), _fsdp_kind(n, p, *decided[n]), tp_dim))
@@ -372,8 +445,12 @@ class FSDP2Layout(Layout):
         self.group_rank, self.group_size = self.comm.rank, self.comm.size
         named = dict(self.model.named_parameters())
         layouts = self._exchange_layouts(plan, named)
-        experts = [p.name for p in plan.params if p.spec.kind == "experts"]
+        experts = [p.name for p in plan.params if p.spec.kind == "experts" and p.spec.tp_dim is None]
         _check_whole_experts(layouts, experts)  # the same layouts on every rank: all raise together
+        cut = [p.name for p in plan.params if p.spec.kind == "experts" and p.spec.tp_dim is not None]
+        if cut and self.settings.exchange == "ns-input":
+            raise ValueError(f"{cut[0]}: exchange='ns-input' does not run expert stacks cut by their shard yet; use exchange='gradients' (or 'auto')")
+        tasks = {t: lay for n in cut for t, lay in expert_layouts(n, layouts[n]).items()}
         self.runtime = FSDPRuntime(
             {p.name: named[p.name] for p in plan.params},
             layouts,
@@ -381,8 +458,9 @@ class FSDP2Layout(Layout):
             comm=self.comm,
             matrix_factory=matrix_factory,
             elementwise_factory=elementwise_factory,
-            settings=self.settings,
+            settings=self.settings if not cut else replace(self.settings, exchange="gradients"),
             expert_names=experts,
+            expert_layouts=tasks,
         )
         return self.runtime
 
@@ -491,7 +569,11 @@ class FSDP2Layout(Layout):
         for name in () if eng.split else eng.hosted:
             m = eng.masters[name]
             canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
-            out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+            base, e = split_task_name(name)
+            if e is None:
+                out.append(Held(name, (whole_box(m.shape),), m, eng.optimizer, m, False, canonical))
+            else:  # one expert of a stack cut by its shard, at its place in the stack, state per expert
+                out.append(Held(base, (((e, 0, 0), (1, *m.shape)),), m, eng.optimizer, m, True, canonical, e))
         for (name, k), m in rt.expert_masters.items():  # whole local experts: state shaped like the expert
             lay = rt.layouts[name]
             b = lay.blocks[self.group_rank]

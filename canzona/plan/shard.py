@@ -6,8 +6,12 @@ rank holds a whole matrix. Canzona applies its TP answer (Section 4 of the paper
 the shard dimension: every matrix parameter is a *task* with one *host* in its *shard group* (the
 ``dp_shard x tp`` ranks of one replica, flattened), which receives the pieces in one fused
 all-to-all per micro-group, runs the optimizer on the full tensor with state it keeps, and sends
-the updated values back. Expert stacks are E tasks of ``(M, N)`` each, updated where FSDP2 leaves
-them (``Shard(0)`` gives every rank whole experts, no exchange). Element-wise parameters are
+the updated values back. Expert stacks are E tasks of ``(M, N)`` each. A stack whose shard holds
+whole experts (``Shard(0)``, with or without an ``ep`` dimension) is updated where FSDP2 leaves it,
+no exchange. A stack *cut* by its shard (``Shard(1)`` on the FSDP dimension, torchtitan's choice
+when the experts are fewer than the ranks sharding them; its spec's ``tp_dim`` is 1, the dimension
+that cuts every expert) is E hosted tasks ``stack[e]`` (:func:`canzona.specs.expert_task_name`),
+costed on one ``(M, N)`` expert and scheduled with the matrices. Element-wise parameters are
 updated where they lie, on every rank's own piece. Each ``dp_replicate`` replica runs the same step
 on identical gradients (HSDP all-reduces them), so one replica's plan is every replica's plan.
 
@@ -36,9 +40,9 @@ from canzona.plan.errors import PlanError
 from canzona.plan.plan import SHARD_ROLES, Metrics, MicroGroup, ParamPlan, Plan, PlanInputs
 from canzona.plan.strategies import FSDP_STRATEGIES, fsdp_schedule
 from canzona.plan.tp import Task, schedule_tasks
-from canzona.specs import ParamSpec
+from canzona.specs import ParamSpec, expert_task_name
 
-__all__ = ["FSDP_STRATEGIES", "chunk_sizes", "piece_numels", "shard_inputs", "shard_specs", "plan_shard"]
+__all__ = ["FSDP_STRATEGIES", "chunk_sizes", "cut_experts", "hosted_tasks", "piece_numels", "shard_inputs", "shard_specs", "plan_shard"]
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:
@@ -102,9 +106,27 @@ def _check_specs(specs: Sequence[ParamSpec], inputs: PlanInputs) -> None:
         if s.kind == "matrix" and len(s.shape) != 2:
             raise PlanError(f"{s.name}: a matrix parameter must be 2-D on FSDP2, got {s.shape}")
         # an expert stack sharded on its expert dim gives each rank whole experts: updated where
-        # they live, no micro-group (the layout refuses stacks cut any other way)
-        if s.kind == "experts" and s.tp_dim is not None:
-            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2")
+        # they live, no micro-group; one cut on its rows (tp_dim 1) is one hosted task per expert
+        if s.kind == "experts" and s.tp_dim is not None and (inputs.tp > 1 or s.tp_dim != 1):
+            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2; served are whole experts per rank and, "
+                            f"without tp, experts cut on their rows by their shard (dim 1), got dim {s.tp_dim} with tp={inputs.tp}")
+
+
+def cut_experts(spec: ParamSpec) -> bool:
+    """Whether an FSDP2 spec is an expert stack cut by its shard (one hosted task per expert)."""
+    return spec.kind == "experts" and spec.tp_dim is not None
+
+
+def hosted_tasks(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
+    """The tasks an FSDP2 plan hosts, in registration order: every matrix, and every expert of a
+    stack cut by its shard as an ``(M, N)`` matrix named ``stack[e]``."""
+    out: list[ParamSpec] = []
+    for s in specs:
+        if s.kind == "matrix":
+            out.append(s)
+        elif cut_experts(s):
+            out += [ParamSpec(expert_task_name(s.name, e), tuple(s.shape[1:]), "matrix") for e in range(s.shape[0])]
+    return out
 
 
 def _sync_groups(tasks: Sequence[ParamSpec], cost: Sequence[float], inputs: PlanInputs) -> list[MicroGroup]:
@@ -125,9 +147,13 @@ def _sync_groups(tasks: Sequence[ParamSpec], cost: Sequence[float], inputs: Plan
     ]
 
 
-def _rank_loads(params: Sequence[ParamPlan], inputs: PlanInputs) -> tuple[dict[str, list[float]], list[float], list[float]]:
+def _rank_loads(params: Sequence[ParamPlan], inputs: PlanInputs, hosts: dict[str, int]) -> tuple[dict[str, list[float]], list[float], list[float]]:
     """Per shard-group rank: optimizer FLOPs, state bytes, elements and planning cost; and every
-    task's FLOPs and state (one matrix, or one expert), for the atomic bounds."""
+    task's FLOPs and state (one matrix, or one expert), for the atomic bounds. ``hosts``: the
+    micro-groups' host of every hosted task (-1: every rank). Whole experts are counted on the
+    ranks of their dim-0 chunk (``torch.chunk`` over the shard group, as without ``ep``; with
+    ``ep`` the experts of a rank differ but their count is the same whenever the experts divide
+    by the group)."""
     n, opt, cost = inputs.group_size, inputs.optimizer, inputs.cost
     loads = {k: [0.0] * n for k in ("flops", "memory", "numel", "cost")}
     task_flops: list[float] = []
@@ -147,11 +173,13 @@ def _rank_loads(params: Sequence[ParamPlan], inputs: PlanInputs) -> tuple[dict[s
             continue
         shape = s.task_shape
         f, b, c = float(matrix_flops(opt, shape)), float(state_bytes(opt, shape)), param_cost(ParamSpec(s.name, tuple(shape), "matrix"), cost, opt)
-        if s.kind == "matrix":
-            task_flops.append(f)
-            task_mem.append(b)
-            for r in range(n) if p.tp_host == -1 else [p.tp_host]:
-                add(r, f, b, s.numel, c)
+        if s.kind == "matrix" or cut_experts(s):
+            names = [s.name] if s.kind == "matrix" else [expert_task_name(s.name, e) for e in range(s.shape[0])]
+            for t in names:
+                task_flops.append(f)
+                task_mem.append(b)
+                for r in range(n) if hosts[t] == -1 else [hosts[t]]:
+                    add(r, f, b, math.prod(shape), c)
         else:  # experts: rank (d, t) updates the whole experts of its dim-0 chunk (replicated over tp)
             task_flops += [f] * s.shape[0]
             task_mem += [b] * s.shape[0]
@@ -161,13 +189,14 @@ def _rank_loads(params: Sequence[ParamPlan], inputs: PlanInputs) -> tuple[dict[s
     return loads, task_flops, task_mem
 
 
-def _metrics(params: Sequence[ParamPlan], inputs: PlanInputs, n_groups: int, plan_seconds: float) -> Metrics:
+def _metrics(params: Sequence[ParamPlan], inputs: PlanInputs, groups: Sequence[MicroGroup], plan_seconds: float) -> Metrics:
     """The ratios over the shard group (every replica is the same). ``dp_*`` and ``tp_*`` ratios
     are both the shard group's (its ranks are FSDP2's data-parallel and tensor-parallel ranks at
     once); ``j_dp`` is max_r |L_r - mu| in the planning cost; ``j_comm`` 0 (FSDP2 cuts no buffer)."""
-    loads, task_flops, task_mem = _rank_loads(params, inputs)
+    hosts = {t: h for g in groups for t, h in zip(g.params, g.hosts)}
+    loads, task_flops, task_mem = _rank_loads(params, inputs, hosts)
     flops, mem = loads["flops"], loads["memory"]
-    n = inputs.group_size
+    n, n_groups = inputs.group_size, len(groups)
 
     def mean(xs: Sequence[float]) -> float:
         return sum(xs) / len(xs)
@@ -183,6 +212,7 @@ def _metrics(params: Sequence[ParamPlan], inputs: PlanInputs, n_groups: int, pla
         "group_size": n,
         "n_matrix_tasks": sum(p.spec.kind == "matrix" for p in params),
         "n_expert_tasks": sum(p.spec.shape[0] for p in params if p.spec.kind == "experts"),
+        "n_cut_expert_tasks": sum(p.spec.shape[0] for p in params if cut_experts(p.spec)),
         "n_micro_groups": n_groups,
         "flops_per_rank": flops,
         "state_bytes_per_rank": mem,
@@ -210,7 +240,7 @@ def plan_shard(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     t0 = time.perf_counter()
     specs = list(specs)
     _check_specs(specs, inputs)
-    matrices = [s for s in specs if s.kind == "matrix"]
+    matrices = hosted_tasks(specs)
     costs = [param_cost(s, inputs.cost, inputs.optimizer) for s in matrices]  # full shape: the host runs all of it
     if inputs.tp_schedule == "sync":
         groups = _sync_groups(matrices, costs, inputs)
@@ -222,5 +252,5 @@ def plan_shard(specs: Sequence[ParamSpec], inputs: PlanInputs) -> Plan:
     params = tuple(
         ParamPlan(s, None, None, None, SHARD_ROLES[s.kind], (), *where.get(s.name, (None, None))) for s in specs
     )
-    metrics = _metrics(params, inputs, len(groups), time.perf_counter() - t0)
+    metrics = _metrics(params, inputs, groups, time.perf_counter() - t0)
     return Plan(inputs=inputs, params=params, buckets=(), micro_groups=(tuple(groups),), metrics=metrics)

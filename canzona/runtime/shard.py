@@ -25,7 +25,9 @@ mode: a host's own blocks of the matrices it hosts are copied in place, not exch
             tensors), casting to their dtype.
 
 Group ``k+1``'s gather is in flight while group ``k`` computes, and group ``k-1``'s scatter too
-(applied right after). Under ``sc`` every rank is the host of every task (host ``-1``): the
+(applied right after). A task is a matrix parameter or one expert ``stack[e]`` of a stack cut by
+its shard (its piece: each rank's block of the stack at expert ``e``, a view of the stack's local
+tensor). Under ``sc`` every rank is the host of every task (host ``-1``): the
 gather all-gathers the full gradient everywhere, every rank computes every update with its own
 full state, keeps its block, and nothing is scattered.
 
@@ -60,6 +62,7 @@ from canzona.runtime.comm import Comm
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
 from canzona.settings import OptimizerSettings
+from canzona.specs import split_task_name
 
 __all__ = ["FSDPEngine", "FSDPRuntime", "local_block"]
 
@@ -137,7 +140,9 @@ class FSDPRuntime:
 
     ``params`` maps plan names to the model's DTensor parameters, ``layouts`` gives every
     parameter's :class:`PieceLayout` over ``comm``'s group, ``groups`` the plan's micro-groups as
-    (name, host) lists. Gradients are read from ``p.grad`` (FSDP2's reduce-scattered DTensor) at
+    (name, host) lists. ``expert_names``: the expert stacks whose blocks hold whole experts
+    (updated where they live); ``expert_layouts``: the ``(M, N)`` layout of every expert
+    ``stack[e]`` of the stacks cut by their shard, hosted tasks like the matrices. Gradients are read from ``p.grad`` (FSDP2's reduce-scattered DTensor) at
     :meth:`step`. As on the ZeRO-1 path, a parameter without a gradient on any rank is skipped (as
     ``torch.optim`` skips ``p.grad is None``) and one with a gradient on some ranks only counts the
     others' pieces as zero. ``settings`` (:class:`canzona.settings.OptimizerSettings`) gives the
@@ -155,6 +160,7 @@ class FSDPRuntime:
         elementwise_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         settings: OptimizerSettings | None = None,
         expert_names: Sequence[str] = (),
+        expert_layouts: Mapping[str, PieceLayout] = {},
     ) -> None:
         # the options were validated once, when the settings record was built
         settings = settings if settings is not None else OptimizerSettings()
@@ -169,7 +175,8 @@ class FSDPRuntime:
         self.status_comm = Comm(status_group(), comm.stats)
         self.matrix_names = tuple(n for g in groups for n, _ in g)
         self.expert_names = tuple(expert_names)
-        self.elementwise_names = tuple(n for n in self.params if n not in set(self.matrix_names) | set(self.expert_names))
+        self._init_tasks(expert_layouts)
+        self.elementwise_names = tuple(n for n in self.params if n not in set(self._task_of.values()) | set(self.expert_names))
         #: every parameter in a fixed order shared by all ranks: the status flags' layout
         self.names = tuple(self.params)
         self._device = local_block(next(iter(self.params.values())).detach()).device if self.params else torch.device("cpu")
@@ -181,8 +188,8 @@ class FSDPRuntime:
                 self.ew_masters[n] = nn.Parameter(loc.to(master_dtype, copy=True))
         self.ew_optimizer = elementwise_factory(list(self.ew_masters.values())) if self.ew_masters else None
         self._init_experts(matrix_factory)
-        tasks = [[ExchangeTask(self.layouts[n], h) for n, h in g] for g in groups]
-        initial = {n: local_block(self.params[n].detach()) for n in self.matrix_names}
+        tasks = [[ExchangeTask(self.task_layouts[n], h) for n, h in g] for g in groups]
+        initial = self._pieces({n: local_block(p.detach()) for n, p in self.params.items()})
         if settings.exchange != "gradients":
             # the split step's piece masters (every matrix, empty pieces too: a piece stands for
             # its matrix's param group on the host); unused and dropped on the other path
@@ -194,6 +201,52 @@ class FSDPRuntime:
         #: masters and state: after an update that failed on some ranks only, steps are refused
         self.replicas = ReplicaGuard(self.engine.sync, "the 'sync' schedule (strategy 'sc')")
         self.steps = 0
+
+    # ---- hosted tasks: whole matrices, and the experts of stacks cut by their shard (stack[e])
+    def _init_tasks(self, expert_layouts: Mapping[str, PieceLayout]) -> None:
+        """Each hosted task's layout and parameter, each parameter's tasks, and the names the step's
+        status flags use: one per parameter, one per expert for a stack (so a non-finite gradient
+        is named down to its expert)."""
+        self._task_of: dict[str, str] = {}  # task -> its parameter
+        self._expert_of: dict[str, int] = {}  # expert task -> its index in the stack
+        self.task_layouts: dict[str, PieceLayout] = {}
+        for t in self.matrix_names:
+            if t in expert_layouts:  # stack[e] (a parameter name never holds brackets)
+                base, e = split_task_name(t)
+                assert e is not None and base in self.params, t
+                self._task_of[t], self._expert_of[t], self.task_layouts[t] = base, e, expert_layouts[t]
+            else:
+                self._task_of[t], self.task_layouts[t] = t, self.layouts[t]
+        self._tasks_of: dict[str, list[str]] = {}
+        for t, n in self._task_of.items():
+            self._tasks_of.setdefault(n, []).append(t)
+        stacks = set(self.expert_names) | {self._task_of[t] for t in self._expert_of}
+        self._flag_items = [(f"{n} (expert {e})", n, e) if n in stacks else (n, n, None)
+                            for n in self.params for e in (range(self.layouts[n].full_shape[0]) if n in stacks else [None])]
+
+    def _expert_piece(self, name: str, e: int, local: torch.Tensor) -> torch.Tensor | None:
+        """Expert ``e`` of this rank's block ``local`` of stack ``name`` (a view), None when the
+        block holds none of it."""
+        b = self.layouts[name].blocks[self.rank]
+        k = e - b.offset[0]
+        return local[k] if b.numel and 0 <= k < b.shape[0] else None
+
+    def _pieces(self, local: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Every hosted task's piece of this rank's blocks ``local`` (parameter name -> its block,
+        None: zeros): the block itself for a matrix, the block's part of expert ``e`` (a view, or an
+        empty tensor where the block holds none of it) for ``stack[e]``."""
+        out = {}
+        for t, n in self._task_of.items():
+            block = local.get(n)
+            shape = self.task_layouts[t].blocks[self.rank].shape
+            if block is None:
+                out[t] = torch.zeros(shape, dtype=self.master_dtype, device=self._device)
+            elif t in self._expert_of:
+                piece = self._expert_piece(n, self._expert_of[t], block)
+                out[t] = piece if piece is not None else block.new_empty(shape)
+            else:
+                out[t] = block
+        return out
 
     # ---- expert stacks (Shard(0): this rank's block holds whole experts), updated where they live
     def _init_experts(self, matrix_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
@@ -244,8 +297,9 @@ class FSDPRuntime:
         """:func:`~canzona.runtime.agree.step_flags` in :attr:`names` order: whether this rank has
         a gradient for each parameter and whether its piece holds NaN or inf (a CPU tensor: the
         device's finiteness flags are its one device-to-host copy)."""
-        received = torch.tensor([grads[name] is not None for name in self.names], dtype=torch.int64)
-        return step_flags(digest, received, nonfinite([grads[name] for name in self.names], self._device))
+        received = torch.tensor([grads[n] is not None for _, n, _ in self._flag_items], dtype=torch.int64)
+        pieces = [g if (g := grads[n]) is None or e is None else self._expert_piece(n, e, g) for _, n, e in self._flag_items]
+        return step_flags(digest, received, nonfinite(pieces, self._device))
 
     @torch.no_grad()
     def step(self, digest: int = 0) -> None:
@@ -265,7 +319,7 @@ class FSDPRuntime:
         schedule a failed update makes later steps raise
         :class:`~canzona.runtime.agree.ReplicasDiverged` until a checkpoint is loaded."""
         self.replicas.check("optimizer step")
-        n = len(self.names)
+        n = len(self._flag_items)
         error: BaseException | None = None
         flags = torch.zeros(2 * n + 2, dtype=torch.int64)
         grads: dict[str, torch.Tensor | None] = {}
@@ -280,9 +334,9 @@ class FSDPRuntime:
             try:
                 # Always: the other ranks wait in the engine's exchanges. After an error this rank
                 # joins them without computing (every task it hosts skipped).
-                mgrads = {n: g if (g := grads.get(n)) is not None else self._zeros(n) for n in self.matrix_names}
+                mgrads = self._pieces(grads)
                 # (under no_grad a DTensor's to_local() is its local tensor: no detach, no dispatch)
-                dest = {n: local_block(self.params[n]) for n in self.matrix_names}
+                dest = self._pieces({n: local_block(self.params[n]) for n in self._tasks_of})
                 # the gradients were found finite on every rank in the status exchange: canzona's
                 # optimizers need not test them again (the overlap below runs in this thread)
                 with finite_grads_verified():
@@ -315,11 +369,12 @@ class FSDPRuntime:
         try:
             reduced = pending.finish()
             assert reduced is not None
-            state.skip = check_step_flags(reduced, self.names)
+            unreached = check_step_flags(reduced, [label for label, _, _ in self._flag_items])
+            state.skip = frozenset(n for label, n, _ in self._flag_items if label in unreached)
         except BaseException as exc:
             state.refused.append(exc)
             raise _Refused(isinstance(exc, AgreementTimeout)) from exc
-        state.matrix_skip.update(state.skip)
+        state.matrix_skip.update(t for n in state.skip for t in self._tasks_of.get(n, ()))
         self._elementwise(grads, state)
 
     def _elementwise(self, grads: Mapping[str, torch.Tensor | None], state: _StepState) -> None:
@@ -389,4 +444,4 @@ class FSDPRuntime:
                 m.copy_(local_block(self.params[n].detach()))
             for (n, k), m in self.expert_masters.items():
                 m.copy_(local_block(self.params[n].detach())[k])
-        self.engine.refresh_masters({n: local_block(self.params[n].detach()) for n in self.matrix_names})
+        self.engine.refresh_masters(self._pieces({n: local_block(self.params[n].detach()) for n in self._tasks_of}))

@@ -1,0 +1,350 @@
+"""FSDP2 with expert parallelism, and expert stacks cut by their FSDP2 shard, built the way
+torchtitan users build them: experts made ``Shard(0)`` DTensors on the ``ep`` dimension of the
+sparse mesh ``("efsdp", "ep")``, then torchtitan's own ``apply_fsdp_to_decoder`` (one
+``fully_shard`` per block, the experts on the ``efsdp`` mesh through ``shard_placement_fn``, FSDP's
+gradient division off: ``p.grad`` is the sum of the ranks' gradients).
+
+Cases (one spawn per world size, each case reported on its own):
+
+- world 2: ``ep2`` (efsdp 1, whole experts), ``cut1`` (ep 1, one expert: torchtitan picks
+  ``Shard(1)``, the expert is cut over both ranks);
+- world 4: ``ep2x2`` (efsdp 2 x ep 2, four experts: ``_StridedShard(0)``, whole experts),
+  ``cut2x2`` (efsdp 2 x ep 2, two experts: ``Shard(1)`` on efsdp), ``cut4`` (ep 1, two experts
+  over four ranks: ``Shard(1)``), ``cut2x2-sc`` (the ``sc`` baseline on the cut layout).
+
+Each: three Muon steps (AdamW element-wise) with integer gradients, expert 1 of every stack with a
+zero gradient at step 1, every parameter and every expert's momentum bitwise equal to the
+single-device optimizer fed the same summed gradients; a NaN in one expert refused on every rank
+naming the expert, nothing changed. World 4 also loads the consolidated checkpoint of ``cut2x2``
+into ``cut4`` (another layout of the same model) and both take the same next step; refusals of
+``ns-input`` with cut experts and of an expert mesh beside HSDP are one line.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from canzona.runtime.launch import run_workers
+from canzona.specs import module_roles
+from harness import attempt, case_results
+from moe_models import TaskReference
+from validation.harness import integer_grads, pack, unpack
+
+MKW = {"lr": 0.05, "adjust_lr_fn": "spectral"}
+EKW = {"lr": 0.01, "weight_decay": 0.1}
+STEPS = 3
+PREFIX = "layers.0.moe.routed_experts.inner_experts."
+STACKS = (PREFIX + "w1", PREFIX + "w2")
+#: case -> (world, ep, experts, strategy)
+CASES: dict[str, tuple[int, int, int, str]] = {
+    "ep2": (2, 2, 4, "lb-asc"),
+    "cut1": (2, 1, 1, "lb-asc"),
+    "ep2x2": (4, 2, 4, "lb-asc"),
+    "cut2x2": (4, 2, 2, "lb-asc"),
+    "cut4": (4, 1, 2, "lb-asc"),
+    "cut2x2-sc": (4, 2, 2, "sc"),
+}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class Inject(nn.Module):
+    """Parameters of the given shapes; ``forward(grads)`` is ``sum(p * g)`` over them, so the
+    backward gives each (unsharded, EP-local) parameter exactly its injected gradient."""
+
+    def __init__(self, prefix: str, **shapes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.prefix = prefix
+        for k, s in shapes.items():
+            setattr(self, k, nn.Parameter(torch.randn(*s) * 0.2))
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros(())
+        for n, p in self.named_parameters(recurse=False):
+            if self.prefix + n in grads:
+                total = total + (_local(p) * grads[self.prefix + n]).sum()
+        return total
+
+
+class InjectEmbedding(nn.Embedding):
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return (self.weight * grads["tok_embeddings.weight"]).sum()
+
+
+class Block(nn.Module):
+    """One MoE transformer block (its forward runs inside FSDP2's unshard of the block)."""
+
+    moe_enabled = True
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.attention = Inject("layers.0.attention.", wq=(8, 8))
+        self.moe = nn.Module()
+        self.moe.router = Inject("layers.0.moe.router.", gate=(experts, 8))
+        self.moe.routed_experts = nn.Module()
+        self.moe.routed_experts.inner_experts = Inject(PREFIX, w1=(experts, 8, 4), w2=(experts, 4, 8))
+        self.moe.routed_experts.inner_experts.num_experts = experts
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.attention(grads) + self.moe.router(grads) + self.moe.routed_experts.inner_experts(grads)
+
+
+class TitanToy(nn.Module):
+    """The attributes torchtitan's ``apply_fsdp_to_decoder`` walks, one MoE block."""
+
+    def __init__(self, experts: int, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.enable_weight_tying = False
+        self.tok_embeddings = InjectEmbedding(16, 8)
+        self.layers = nn.ModuleDict({"0": Block(experts)})
+        self.norm = Inject("norm.", weight=(8,))
+        self.lm_head = Inject("lm_head.", weight=(16, 8))
+
+    def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.tok_embeddings(grads) + self.layers["0"](grads) + self.norm(grads) + self.lm_head(grads)
+
+
+def _titan(world: int, ep: int, experts: int, seed: int = 0) -> tuple[nn.Module, Any]:
+    """The toy sharded by torchtitan (EP first, then its FSDP2 wrapping); returns it and the dense mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    model = TitanToy(experts, seed)
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    kw: dict[str, Any] = {}
+    if ep > 1:
+        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        inner = model.layers["0"].moe.routed_experts.inner_experts
+        for n in ("w1", "w2"):
+            setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), sparse["ep"], [Shard(0)])))
+        kw = {"ep_degree": ep, "edp_mesh": sparse["efsdp"]}
+    apply_fsdp_to_decoder(model, dense, torch.float32, torch.float32, False, **kw)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():  # gloo has no PREMUL_SUM (NCCL multiplies by 1 inside it): plain sums
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model, dense
+
+
+def _grads(world: int, ep: int, experts: int, step: int, rank: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` injects: full shapes, EP-local stacks (EP rank ``rank % ep``'s experts)."""
+    shapes = {n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}
+    g = integer_grads(shapes, step=step, rank=rank)
+    for n in STACKS:
+        if step == 1:  # expert 1 (the only one of a one-expert stack) routed no token on any rank
+            g[n][min(1, experts - 1)].zero_()
+        g[n] = g[n].chunk(ep)[rank % ep].clone()
+    return g
+
+
+def _summed(world: int, ep: int, experts: int, step: int) -> dict[str, torch.Tensor]:
+    """The full gradients the single device sees: dense ones summed over every rank, expert ``e``
+    summed over the efsdp ranks of the EP rank holding it (rank = efsdp index * ep + EP index)."""
+    per = [_grads(world, ep, experts, step, r) for r in range(world)]
+    out = {n: sum((g[n] for g in per[1:]), per[0][n].clone()) for n in per[0] if n not in STACKS}
+    for n in STACKS:
+        parts = [sum((per[i * ep + j][n] for i in range(1, world // ep)), per[j][n].clone()) for j in range(ep)]
+        out[n] = torch.cat(parts)
+    return out
+
+
+def _reference(world: int, ep: int, experts: int) -> TaskReference:
+    from canzona.optim import Muon
+
+    model = TitanToy(experts)
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    for s in range(STEPS):
+        ref.step(_summed(world, ep, experts, s))
+    return ref
+
+
+def _optimizer(model: nn.Module, mesh: Any, strategy: str = "lb-asc", **kw: Any) -> Any:
+    import canzona
+
+    return canzona.DistributedOptimizer(model, "muon", strategy=strategy, mesh=mesh, optimizer_kwargs=MKW, elementwise_kwargs=EKW, **kw)
+
+
+def _train(rank: int, key: str) -> dict[str, Any]:
+    world, ep, experts, strategy = CASES[key]
+    model, mesh = _titan(world, ep, experts)
+    opt = _optimizer(model, mesh, strategy)
+    placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if n in STACKS}
+    for s in range(STEPS):
+        model(_grads(world, ep, experts, s, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    doc = opt.consolidated_state_dict()
+    out: dict[str, Any] = {"params": params, "placements": placements, "hosted": sorted(opt.runtime.engine.hosted),
+                           "local_experts": len(opt.runtime.expert_masters), "nan": _nan_refused(rank, model, opt, key)}
+    if rank == 0:
+        out["state"] = {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()}
+    return out
+
+
+def _nan_refused(rank: int, model: nn.Module, opt: Any, key: str) -> dict[str, Any]:
+    """A NaN in expert 1 of the first stack, on rank 0's injected gradient: refused on every rank."""
+    world, ep, experts, _ = CASES[key]
+    before = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+    g = _grads(world, ep, experts, STEPS, rank)
+    if rank == 0:
+        g[STACKS[0]][min(1, g[STACKS[0]].shape[0] - 1)][0, 0] = float("nan")
+    model(g).backward()
+    try:
+        opt.step()
+        msg = "stepped"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        msg = f"{type(exc).__name__}: {exc}"
+    opt.zero_grad()
+    same = all(torch.equal(_local(p).detach(), before[n]) for n, p in model.named_parameters())
+    return {"error": msg, "unchanged": same}
+
+
+def _across_layouts(rank: int) -> dict[str, Any]:
+    """The consolidated state of ``cut2x2`` (efsdp 2 x ep 2) loaded into ``cut4`` (ep 1, four
+    ranks cut each expert); both then take the same step and must agree bit for bit."""
+    import torch.distributed as dist
+
+    world, _, experts, _ = CASES["cut2x2"]
+    src, smesh = _titan(world, 2, experts)
+    sopt = _optimizer(src, smesh)
+    src(_grads(world, 2, experts, 0, rank)).backward()
+    sopt.step()
+    sopt.zero_grad()
+    saved = sopt.consolidated_state_dict()  # collective; the document on rank 0
+    doc = [saved if rank == 0 else None]
+    dist.broadcast_object_list(doc, src=0)
+    dst, dmesh = _titan(world, 1, experts, seed=5)  # other values: the load must bring the saved ones
+    dopt = _optimizer(dst, dmesh)
+    dopt.load_state_dict(doc[0])
+    full = _summed(world, 2, experts, 1)
+    src(_one_rank_holds(full, 2, rank)).backward()
+    dst(_one_rank_holds(full, 1, rank)).backward()
+    sopt.step()
+    dopt.step()
+    a = {n: p.full_tensor() for n, p in src.named_parameters()}
+    b = {n: p.full_tensor() for n, p in dst.named_parameters()}
+    sd, dd = sopt.consolidated_state_dict(), dopt.consolidated_state_dict()
+    bad = [n for n in a if not torch.equal(a[n], b[n])]
+    if rank == 0:
+        bad += [f"state {n}.{k}" for n, st in sd["state"].items() for k, v in st.items()
+                if torch.is_tensor(v) and not torch.equal(v, dd["state"][n][k])]
+    return {"bad": bad}
+
+
+def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dict[str, torch.Tensor]:
+    """Injected gradients whose sum over the ranks is ``full`` under any ``ep``: rank 0 injects the
+    dense gradients, EP rank ``j`` of efsdp index 0 its EP-local stacks, every other rank zeros."""
+    out = {}
+    for n, g in full.items():
+        if n in STACKS:
+            out[n] = g.chunk(ep)[rank].clone() if rank < ep else torch.zeros_like(g.chunk(ep)[0])
+        else:
+            out[n] = g.clone() if rank == 0 else torch.zeros_like(g)
+    return out
+
+
+def _refusals(rank: int) -> dict[str, str]:
+    """One line each: exchange='ns-input' with cut experts; an expert mesh beside HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = {}
+    model, mesh = _titan(4, 2, 2)
+    out["ns-input"] = _message(lambda: _optimizer(model, mesh, exchange="ns-input"))
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    toy = TitanToy(4)
+    inner = toy.layers["0"].moe.routed_experts.inner_experts
+    for n in ("w1", "w2"):
+        setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), sparse["ep"], [Shard(0)])))
+    fully_shard(inner, mesh=sparse["efsdp"])
+    fully_shard(toy, mesh=hsdp)
+    out["hsdp"] = _message(lambda: _optimizer(toy, hsdp))
+    return out
+
+
+def _message(fn: Any) -> str:
+    try:
+        fn()
+        return "accepted"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+
+
+def worker(rank: int, world: int) -> bytes:
+    out: dict[str, Any] = {"train": {k: attempt(_train, rank, k) for k, c in CASES.items() if c[0] == world}}
+    if world == 4:
+        out["across"] = {None: attempt(_across_layouts, rank)}
+        out["refused"] = {None: attempt(_refusals, rank)}
+    return pack(out)
+
+
+_RUNS: dict[int, list[dict]] = {}
+
+
+def _results(world: int) -> list[dict]:
+    if world not in _RUNS:
+        _RUNS[world] = [unpack(r) for r in run_workers(worker, world, timeout_s=300)]
+    return _RUNS[world]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(CASES))
+def test_fsdp2_experts_match_single_device(key: str) -> None:
+    world, ep, experts, _ = CASES[key]
+    res = case_results(_results(world), "train", key)
+    ref = _reference(world, ep, experts)
+    want = ref.params()
+    cut = experts < world
+    for r in res:
+        bad = [n for n in want if not torch.equal(r["params"][n], want[n])]
+        assert bad == [], (key, bad)
+        if not cut:  # whole experts: updated where they live, never exchanged
+            assert r["local_experts"] > 0 and not [t for t in r["hosted"] if t.startswith(PREFIX)], (key, r["hosted"])
+        else:
+            assert r["local_experts"] == 0, (key, r["local_experts"])
+        nan = r["nan"]  # rank 0 (EP rank 0) put it in its local expert 1 (or its only one)
+        assert nan["unchanged"] and "non-finite gradient in" in nan["error"], (key, nan)
+        assert f"{STACKS[0]} (expert {min(1, experts // ep - 1)})" in nan["error"] and "\n" not in nan["error"], (key, nan)
+    expect = "Shard(dim=1)" if cut else ("_StridedShard" if world // ep > 1 else "Shard(dim=0)")
+    assert expect in res[0]["placements"][STACKS[0]], (key, res[0]["placements"])
+    state = res[0]["state"]
+    for n in STACKS:
+        for e, m in enumerate(ref.momentum(n)):
+            assert torch.equal(state[n]["momentum_buffer"][e], m), (key, n, e)
+
+
+@pytest.mark.slow
+def test_cut_experts_are_hosted_once_each() -> None:
+    """Every expert of a cut stack is one hosted task on exactly one rank (lb-asc)."""
+    for key in ("cut1", "cut2x2", "cut4"):  # lb-asc: one host each
+        world, _, experts, _ = CASES[key]
+        res = case_results(_results(world), "train", key)
+        hosted = sorted(t for r in res for t in r["hosted"] if t.startswith(PREFIX))
+        assert hosted == sorted(f"{n}[{e}]" for n in STACKS for e in range(experts)), (key, hosted)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_cut_experts_loads_into_another_layout() -> None:
+    for r in case_results(_results(4), "across"):
+        assert r["bad"] == [], r["bad"]
+
+
+@pytest.mark.slow
+def test_unserved_expert_layouts_are_refused_in_one_line() -> None:
+    for r in case_results(_results(4), "refused"):
+        assert "ns-input" in r["ns-input"] and "cut by their shard" in r["ns-input"] and "\n" not in r["ns-input"], r["ns-input"]
+        assert "dp_replicate" in r["hsdp"] and "expert" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
