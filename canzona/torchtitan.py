@@ -19,8 +19,10 @@ names (``fsdp``, ``dp_shard_cp``, ``dp_replicate``, ``tp``) work as they are. ``
 ``zero_grad``, ``state_dict``/``load_state_dict`` and the parameter groups the scheduler edits
 (``"matrix"`` and ``"elementwise"``) are the DistributedOptimizer's. Refused in one line:
 pipeline parallelism (several model parts), a model that is not FSDP2-sharded, parameters on
-several meshes (expert parallelism's own mesh), a mesh that does not cover the world, and
-torchtitan's ``param_groups`` (canzona assigns roles itself: ``roles=``).
+several meshes (beside expert parallelism's own: routed experts on a mesh with an ``ep``
+dimension, torchtitan's ``("efsdp", "ep")``, are served as the FSDP2 layout serves them), a mesh
+that does not cover the world, and torchtitan's ``param_groups`` (canzona assigns roles itself:
+``roles=``).
 
 Checkpoints: the container's ``state_dict``/``load_state_dict`` are the DistributedOptimizer's own
 per-rank DCP ``Stateful`` form (:mod:`canzona.runtime.stateful`): each rank returns the regions it
@@ -62,8 +64,11 @@ def resolve_name(name: Any) -> Any:
 
 
 def model_mesh(model: nn.Module) -> Any:
-    """The DeviceMesh every trainable parameter of ``model`` lives on (FSDP2 ``fully_shard``
-    parameters are DTensors); one line refusing anything else."""
+    """The DeviceMesh the trainable parameters of ``model`` live on (FSDP2 ``fully_shard``
+    parameters are DTensors); one line refusing anything else. Under expert parallelism the
+    routed experts live on a mesh of their own (torchtitan's ``("efsdp", "ep")``): a mesh with an
+    ``ep`` dimension is the experts', which the FSDP2 layout checks against this one
+    (:func:`canzona.layouts.fsdp2.check_expert_placements`)."""
     from torch.distributed.tensor import DTensor
 
     from canzona.layouts.fsdp2 import is_fsdp2_model
@@ -80,14 +85,18 @@ def model_mesh(model: nn.Module) -> Any:
         if not isinstance(p, DTensor):
             raise ValueError(f"{n}: not a DTensor; every trainable parameter must be sharded by fully_shard (wrap the root module too)")
         m = p.device_mesh
+        if "ep" in (m.mesh_dim_names or ()):
+            continue
         meshes.setdefault((tuple(m.mesh_dim_names or ()), tuple(m.mesh.flatten().tolist()), tuple(m.mesh.shape)), (m, n))
     if not meshes:
+        if any(p.requires_grad for p in model.parameters()):
+            raise ValueError("every trainable parameter is on an expert mesh (one with an 'ep' dimension); the dense ones give the optimizer's mesh")
         raise ValueError("the model has no trainable parameters")
     if len(meshes) > 1:
         (a, na), (b, nb) = list(meshes.values())[:2]
         raise ValueError(
             f"the parameters live on {len(meshes)} meshes ({na} on {a.mesh_dim_names}, {nb} on {b.mesh_dim_names}); "
-            "canzona.torchtitan needs one mesh for all of them (expert parallelism's own mesh is not supported)"
+            "canzona.torchtitan needs one mesh for all of them (besides expert parallelism's own mesh, one with an 'ep' dimension)"
         )
     mesh = next(iter(meshes.values()))[0]
     if mesh.size() != dist.get_world_size():

@@ -124,21 +124,27 @@ def _pieces(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
 # ============================================================================ the shared Newton-Schulz
 
 
+#: the Newton-Schulz compute dtype of canzona and of the shared function (``--ns-dtype``); set in
+#: every worker from its arguments
+NS_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_ns_dtype: torch.dtype = torch.bfloat16
+
+
 def shared_newton_schulz(x: torch.Tensor, epsilon: Any = None) -> torch.Tensor:
-    """canzona's Newton-Schulz (bf16, one matrix at a time) behind the peers' signatures: a
-    ``[..., m, n]`` stack is orthogonalized matrix by matrix, as canzona's hosts do."""
+    """canzona's Newton-Schulz (``--ns-dtype``, one matrix at a time) behind the peers' signatures:
+    a ``[..., m, n]`` stack is orthogonalized matrix by matrix, as canzona's hosts do."""
     from canzona.optim.muon import newton_schulz
 
     if x.ndim == 2:
-        return newton_schulz(x)
+        return newton_schulz(x, dtype=_ns_dtype)
     flat = x.reshape(-1, *x.shape[-2:])
-    return torch.stack([newton_schulz(m) for m in flat.unbind(0)]).reshape(x.shape)
+    return torch.stack([newton_schulz(m, dtype=_ns_dtype) for m in flat.unbind(0)]).reshape(x.shape)
 
 
 def _shared_ns_for_muon_fsdp2(g: torch.Tensor, steps: int) -> torch.Tensor:
     from canzona.optim.muon import newton_schulz
 
-    return newton_schulz(g, steps)
+    return newton_schulz(g, steps, dtype=_ns_dtype)
 
 
 # ============================================================================ peers
@@ -230,7 +236,7 @@ class _PeerScheme(torch.optim.Optimizer):
                 out = torch.empty_like(upd)
                 if rank == dst:
                     assert parts is not None
-                    full = newton_schulz(torch.cat(parts), 5, dtype=torch.bfloat16).to(upd.dtype)
+                    full = newton_schulz(torch.cat(parts), 5, dtype=_ns_dtype).to(upd.dtype)
                     dist.scatter(out, list(full.chunk(world)), src=dst)
                 else:
                     dist.scatter(out, None, src=dst)
@@ -292,7 +298,8 @@ def _contenders(args: argparse.Namespace, mesh: Any, world: int, available: dict
             for exchange, batched in itertools.product(args.exchange, args.batched):
                 model = _build(args, mesh)
                 opt = canzona.DistributedOptimizer(model, "muon", strategy=s, mesh=mesh, cost="flops", cmax=cmax, exchange=exchange,
-                                                   optimizer_kwargs={"lr": args.lr, "batched": batched == "on"})
+                                                   optimizer_kwargs={"lr": args.lr, "batched": batched == "on",
+                                                                     "ns_dtype": NS_DTYPE[args.ns_dtype]})
                 extra = [f"C_max {cmax:g}"] if len(args.cmax) > 1 else []
                 extra += [exchange] if len(args.exchange) > 1 else []
                 extra += ["batched NS, not bitwise"] if batched == "on" else []
@@ -324,6 +331,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    global _ns_dtype
+    _ns_dtype = NS_DTYPE[args.ns_dtype]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     available = dict(args.available)
     contenders = _contenders(args, mesh, world, available)
@@ -458,6 +467,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batched", default="off", help="canzona's Muon batched= (off: one matrix at a time, bitwise; on: same-shape "
                    "matrices in one batched chain, within a bound, not bitwise), or off,on (one contender each; default off)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
+    p.add_argument("--ns-dtype", choices=sorted(NS_DTYPE), default="bf16",
+                   help="Newton-Schulz compute dtype of canzona and of the shared function (default bf16; fp32 on a CPU "
+                        "without fast bf16 products, where bf16 Newton-Schulz hides everything else); the peers' own "
+                        "functions keep theirs")
     p.add_argument("--phases", action="store_true", help="also print canzona's per-phase wall and CPU times per step")
     p.add_argument("--tiny", type=int, default=0, help="instead of the Llama: this many square matrices (e.g. 500), "
                    "with DDP + torch.optim.Muon as a contender; the us/param column is the per-parameter cost")
@@ -518,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.tiny} matrices of {args.tiny_side} x {args.tiny_side} under one fully_shard")
     print(
         f"transformers Llama: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}, "
-        f"vocab {args.vocab}; Muon lr {args.lr}; canzona C_max {','.join(f'{c:g}' for c in args.cmax)} (x 2**20 elements); {args.steps} interleaved timed steps after "
+        f"vocab {args.vocab}; Muon lr {args.lr}, Newton-Schulz in {args.ns_dtype}; canzona C_max {','.join(f'{c:g}' for c in args.cmax)} (x 2**20 elements); {args.steps} interleaved timed steps after "
         f"{args.warmup} warm-up, {args.repeat} run(s); peers: {', '.join(args.peers) or 'none'}"
     )
     for w in args.worlds:

@@ -6,7 +6,8 @@ gradient division off: ``p.grad`` is the sum of the ranks' gradients).
 
 Cases (one spawn per world size, each case reported on its own):
 
-- world 2: ``ep2`` (efsdp 1, whole experts), ``cut1`` (ep 1, one expert: torchtitan picks
+- world 2: ``ep2`` (efsdp 1, whole experts; ``ep2-titan`` the same through
+  ``canzona.torchtitan.CanzonaOptimizers``, which reads the dense mesh from the parameters), ``cut1`` (ep 1, one expert: torchtitan picks
   ``Shard(1)``, the expert is cut over both ranks);
 - world 4: ``ep2x2`` (efsdp 2 x ep 2, four experts: ``_StridedShard(0)``, whole experts),
   ``cut2x2`` (efsdp 2 x ep 2, two experts: ``Shard(1)`` on efsdp), ``cut4`` (ep 1, two experts
@@ -44,6 +45,7 @@ STACKS = (PREFIX + "w1", PREFIX + "w2")
 #: case -> (world, ep, experts, strategy)
 CASES: dict[str, tuple[int, int, int, str]] = {
     "ep2": (2, 2, 4, "lb-asc"),
+    "ep2-titan": (2, 2, 4, "lb-asc"),  # built and stepped by canzona.torchtitan's container
     "cut1": (2, 1, 1, "lb-asc"),
     "ep2x2": (4, 2, 4, "lb-asc"),
     "cut2x2": (4, 2, 2, "lb-asc"),
@@ -178,12 +180,19 @@ def _optimizer(model: nn.Module, mesh: Any, strategy: str = "lb-asc", **kw: Any)
 def _train(rank: int, key: str) -> dict[str, Any]:
     world, ep, experts, strategy = CASES[key]
     model, mesh = _titan(world, ep, experts)
-    opt = _optimizer(model, mesh, strategy)
+    if key.endswith("-titan"):  # torchtitan's optimizer container, the mesh read from the parameters
+        from canzona.torchtitan import CanzonaOptimizers
+
+        stepper = CanzonaOptimizers(CanzonaOptimizers.Config(name="muon", strategy=strategy, optimizer_kwargs=dict(MKW),
+                                                             elementwise_kwargs=dict(EKW)), model_parts=[model])
+        opt = stepper.optimizer
+    else:
+        stepper = opt = _optimizer(model, mesh, strategy)
     placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if n in STACKS}
     for s in range(STEPS):
         model(_grads(world, ep, experts, s, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+        stepper.step()
+        stepper.zero_grad()
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     doc = opt.consolidated_state_dict()
     out: dict[str, Any] = {"params": params, "placements": placements, "hosted": sorted(opt.runtime.engine.hosted),

@@ -217,6 +217,7 @@ class FSDPRuntime:
                 self._task_of[t], self._expert_of[t], self.task_layouts[t] = base, e, expert_layouts[t]
             else:
                 self._task_of[t], self.task_layouts[t] = t, self.layouts[t]
+        self._task_items = [(t, n, self._expert_of.get(t)) for t, n in self._task_of.items()]
         self._tasks_of: dict[str, list[str]] = {}
         for t, n in self._task_of.items():
             self._tasks_of.setdefault(n, []).append(t)
@@ -236,16 +237,15 @@ class FSDPRuntime:
         None: zeros): the block itself for a matrix, the block's part of expert ``e`` (a view, or an
         empty tensor where the block holds none of it) for ``stack[e]``."""
         out = {}
-        for t, n in self._task_of.items():
+        for t, n, e in self._task_items:  # (task, parameter, expert or None), made once
             block = local.get(n)
-            shape = self.task_layouts[t].blocks[self.rank].shape
             if block is None:
-                out[t] = torch.zeros(shape, dtype=self.master_dtype, device=self._device)
-            elif t in self._expert_of:
-                piece = self._expert_piece(n, self._expert_of[t], block)
-                out[t] = piece if piece is not None else block.new_empty(shape)
-            else:
+                out[t] = torch.zeros(self.task_layouts[t].blocks[self.rank].shape, dtype=self.master_dtype, device=self._device)
+            elif e is None:
                 out[t] = block
+            else:
+                piece = self._expert_piece(n, e, block)
+                out[t] = piece if piece is not None else block.new_empty(self.task_layouts[t].blocks[self.rank].shape)
         return out
 
     # ---- expert stacks (Shard(0): this rank's block holds whole experts), updated where they live
