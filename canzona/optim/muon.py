@@ -427,7 +427,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         if getattr(self, "_split_token", None) != token:
             self._split_groups = {id(q): g for g in self.param_groups for q in g["params"]}
             self._split_lists: dict[tuple[int, ...], list[tuple[dict[str, Any], list[int]]]] = {}
-            self._split_shapes: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
+            self._split_shapes: dict[tuple[int, bool], dict[tuple[int, ...], list[int]]] = {}
             self._split_token = token
         return self._split_groups
 
@@ -471,12 +471,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             found = self._split_lists[key] = list(out.values())
         return found
 
-    def _by_shape(self, params: Sequence[Tensor], group: dict[str, Any], idx: list[int],
-                  full_shapes: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[int]]:
-        """``idx`` (the pieces of ``group`` in ``params``) by the logical ``(out, in)`` shape of each
-        piece's whole matrix; kept per list as :meth:`_by_group` (a piece's matrix never changes)."""
+    def _by_shape(self, group: dict[str, Any], idx: list[int], full_shapes: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[int]]:
+        """``idx`` (the pieces of ``group``, a list :meth:`_by_group` keeps) by the logical
+        ``(out, in)`` shape of each piece's whole matrix; kept beside that list, and dropped with it
+        (a piece's matrix never changes)."""
         transposed = bool(group.get("transposed", False))
-        key = (tuple(map(id, params)), id(group), transposed)
+        key = (id(idx), transposed)
         found = self._split_shapes.get(key)
         if found is None:
             found = {}
@@ -568,6 +568,6 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             torch._foreach_mul_([params[i] for i in idx], 1 - lr * group["weight_decay"])
             # one _foreach_add_ per matrix shape (its learning-rate scale; on CPU the same
             # per-tensor kernel whatever the grouping, so the same bits as step()'s add_)
-            for shape, same in self._by_shape(params, group, idx, full_shapes).items():
+            for shape, same in self._by_shape(group, idx, full_shapes).items():
                 alpha = -adjust_lr(lr, group["adjust_lr_fn"], shape)
                 torch._foreach_add_([params[i] for i in same], [outputs[i] for i in same], alpha=alpha)

@@ -289,20 +289,32 @@ def _received(recv: torch.Tensor, route: tuple[list[_Copy], list[int]], what: st
     return copies
 
 
+def _slot_view(buf: torch.Tensor, c: _Copy) -> torch.Tensor:
+    """The place of copy ``c`` in the flat exchange buffer ``buf``, shaped as its block (a view)."""
+    return buf[c.offset : c.offset + c.numel].view(c.shape)
+
+
+def _checked(names: Sequence[str], shapes: Sequence[torch.Size], pieces: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``pieces[name]`` for every name, each checked to have its block's shape."""
+    srcs = [pieces[n] for n in names]
+    for n, x, shape in zip(names, srcs, shapes):
+        if x.shape != shape:
+            raise ValueError(f"{n}: local piece has shape {tuple(x.shape)}, layout says {tuple(shape)}")
+    return srcs
+
+
 def _pack_pieces(buf: torch.Tensor, copies: Sequence[_Copy], pieces: Mapping[str, torch.Tensor]) -> None:
     """Copy whole pieces (each of its block's shape) into ``buf`` (casting to its dtype)."""
-    for c in copies:
-        x = pieces[c.name]
-        if tuple(x.shape) != c.shape:
-            raise ValueError(f"{c.name}: local piece has shape {tuple(x.shape)}, layout says {c.shape}")
-        buf[c.offset : c.offset + c.numel].view(c.shape).copy_(x)
+    srcs = _checked([c.name for c in copies], [torch.Size(c.shape) for c in copies], pieces)
+    for c, x in zip(copies, srcs):
+        _slot_view(buf, c).copy_(x)
 
 
 def _pack_blocks(buf: torch.Tensor, copies: Sequence[_Copy], full: Mapping[str, torch.Tensor]) -> None:
     """Copy blocks of full tensors into ``buf``."""
     for c in copies:
         if c.numel:
-            buf[c.offset : c.offset + c.numel].view(c.shape).copy_(full[c.name][c.index])
+            _slot_view(buf, c).copy_(full[c.name][c.index])
 
 
 def _assemble(
@@ -316,7 +328,7 @@ def _assemble(
 
 
 def _views(recv: torch.Tensor, copies: Sequence[_Copy]) -> dict[str, torch.Tensor]:
-    return {c.name: recv[c.offset : c.offset + c.numel].view(c.shape) for c in copies}
+    return {c.name: _slot_view(recv, c) for c in copies}
 
 
 def pack_to_hosts(tasks: Sequence[ExchangeTask], pieces: Mapping[str, torch.Tensor], rank: int, n: int, *, dtype: torch.dtype = torch.float32,
@@ -571,10 +583,6 @@ class _GroupViews:
             self.local_shapes.append(torch.Size(c.shape))
 
 
-def _slot_view(buf: torch.Tensor, c: _Copy) -> torch.Tensor:
-    return buf[c.offset : c.offset + c.numel].view(c.shape)
-
-
 def _aligned(numel: int, element_size: int) -> int:
     """``numel`` rounded up so that the next tensor starts on an :data:`ASSEMBLY_ALIGN_BYTES` boundary."""
     per = max(1, ASSEMBLY_ALIGN_BYTES // element_size)
@@ -583,15 +591,6 @@ def _aligned(numel: int, element_size: int) -> int:
 
 def _assembly_numel(g: ExchangeGroup, element_size: int) -> int:
     return sum(_aligned(math.prod(shape), element_size) for _, shape in g.full_shapes)
-
-
-def _checked(names: Sequence[str], shapes: Sequence[torch.Size], pieces: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """``pieces[name]`` for every name, each checked to have its block's shape."""
-    srcs = [pieces[n] for n in names]
-    for n, x, shape in zip(names, srcs, shapes):
-        if x.shape != shape:
-            raise ValueError(f"{n}: local piece has shape {tuple(x.shape)}, layout says {tuple(shape)}")
-    return srcs
 
 
 def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
@@ -769,9 +768,10 @@ class MicroGroupEngine:
         # inputs are scratch its matrix operation may overwrite; the other path hands the full
         # gradients to an arbitrary optimizer as p.grad, so it keeps fresh tensors)
         assembly: list[torch.Tensor | None] = [None, None]
-        if self.split:
-            numel = max((_assembly_numel(g, self._es) for g in self.groups), default=0)
-            assembly = [torch.empty(numel, dtype=self.dtype, device=self._device) for _ in range(2)]
+        if self.split and self.groups:
+            numel = max(_assembly_numel(g, self._es) for g in self.groups)
+            for k in range(min(2, len(self.groups))):  # one group needs one buffer; more alternate
+                assembly[k] = torch.empty(numel, dtype=self.dtype, device=self._device)
         self._views = tuple(_GroupViews(g, self.slots, assembly[g.index % 2]) for g in self.groups)
         self.reserved_exchange_bytes: int = self.slots.nbytes + sum(a.numel() * self._es for a in assembly if a is not None)
 
@@ -1002,10 +1002,7 @@ class MicroGroupEngine:
             _copy_all(v.local_dst, _checked(v.local_names, v.local_shapes, pieces))
             return dict(v.full)
         full = _assemble(self.slots.gather_full, g.assemble, dict(g.full_shapes), self.dtype)
-        for c in g.local_in:
-            x = pieces[c.name]
-            if tuple(x.shape) != c.shape:
-                raise ValueError(f"{c.name}: local piece has shape {tuple(x.shape)}, layout says {c.shape}")
+        for c, x in zip(g.local_in, _checked([c.name for c in g.local_in], [torch.Size(c.shape) for c in g.local_in], pieces)):
             full[c.name][c.index] = x
         return full
 

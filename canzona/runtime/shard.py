@@ -177,7 +177,7 @@ class FSDPRuntime:
         self.expert_names = tuple(expert_names)
         self._init_tasks(expert_layouts)
         self.elementwise_names = tuple(n for n in self.params if n not in set(self._task_of.values()) | set(self.expert_names))
-        #: every parameter in a fixed order shared by all ranks: the status flags' layout
+        #: every parameter in a fixed order shared by all ranks (the status flags follow ``_flag_items``)
         self.names = tuple(self.params)
         self._device = local_block(next(iter(self.params.values())).detach()).device if self.params else torch.device("cpu")
         # element-wise: fp32 masters of this rank's non-empty pieces, one optimizer over them
