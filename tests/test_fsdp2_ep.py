@@ -15,7 +15,8 @@ Cases (one spawn per world size, each case reported on its own):
   ``hsdp2-ep2`` (HSDP: dp_replicate 2 x (efsdp 1 x ep 2), four experts, the dense mesh
   ``("dp_replicate", "fsdp")``, the experts on ``("dp_replicate", "efsdp", "ep")`` with
   ``(Replicate(), _StridedShard(0), Shard(0))``, whole; ``hsdp2-ep2-titan`` the same through the
-  container).
+  container), ``hsdp2-cut2`` (HSDP without ep: dp_replicate 2 x fsdp 2, two experts
+  ``(Replicate(), Shard(1))``, hosted within each replica).
 
 Each: three Muon steps (AdamW element-wise) with integer gradients, expert 1 of every stack with a
 zero gradient at step 1, every parameter and every expert's momentum bitwise equal to the
@@ -58,6 +59,7 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "cut2x2-sc": (4, 2, 2, "sc"),
     "hsdp2-ep2": (4, 2, 4, "lb-asc"),  # dp_replicate 2 x (efsdp 1 x ep 2): HSDP beside the expert mesh
     "hsdp2-ep2-titan": (4, 2, 4, "lb-asc"),  # the same through canzona.torchtitan's container
+    "hsdp2-cut2": (4, 1, 2, "lb-asc"),  # dp_replicate 2 x fsdp 2, no ep: experts Shard(1), hosted within each replica
 }
 
 
