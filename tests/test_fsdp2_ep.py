@@ -11,14 +11,20 @@ Cases (one spawn per world size, each case reported on its own):
   ``Shard(1)``, the expert is cut over both ranks);
 - world 4: ``ep2x2`` (efsdp 2 x ep 2, four experts: ``_StridedShard(0)``, whole experts),
   ``cut2x2`` (efsdp 2 x ep 2, two experts: ``Shard(1)`` on efsdp), ``cut4`` (ep 1, two experts
-  over four ranks: ``Shard(1)``), ``cut2x2-sc`` (the ``sc`` baseline on the cut layout).
+  over four ranks: ``Shard(1)``), ``cut2x2-sc`` (the ``sc`` baseline on the cut layout),
+  ``hsdp2-ep2`` (HSDP: dp_replicate 2 x (efsdp 1 x ep 2), four experts, the dense mesh
+  ``("dp_replicate", "fsdp")``, the experts on ``("dp_replicate", "efsdp", "ep")`` with
+  ``(Replicate(), _StridedShard(0), Shard(0))``, whole; ``hsdp2-ep2-titan`` the same through the
+  container), ``hsdp2-cut2`` (HSDP without ep: dp_replicate 2 x fsdp 2, two experts
+  ``(Replicate(), Shard(1))``, hosted within each replica).
 
 Each: three Muon steps (AdamW element-wise) with integer gradients, expert 1 of every stack with a
 zero gradient at step 1, every parameter and every expert's momentum bitwise equal to the
 single-device optimizer fed the same summed gradients; a NaN in one expert refused on every rank
 naming the expert, nothing changed. World 4 also loads the consolidated checkpoint of ``cut2x2``
 into ``cut4`` (another layout of the same model) and both take the same next step; refusals of
-``ns-input`` with cut experts and of an expert mesh beside HSDP are one line.
+``ns-input`` with cut experts, of an expert mesh beside HSDP that spans the whole world (not one
+replica's ranks) and of an expert mesh beside TP are one line.
 """
 
 from __future__ import annotations
@@ -51,7 +57,15 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "cut2x2": (4, 2, 2, "lb-asc"),
     "cut4": (4, 1, 2, "lb-asc"),
     "cut2x2-sc": (4, 2, 2, "sc"),
+    "hsdp2-ep2": (4, 2, 4, "lb-asc"),  # dp_replicate 2 x (efsdp 1 x ep 2): HSDP beside the expert mesh
+    "hsdp2-ep2-titan": (4, 2, 4, "lb-asc"),  # the same through canzona.torchtitan's container
+    "hsdp2-cut2": (4, 1, 2, "lb-asc"),  # dp_replicate 2 x fsdp 2, no ep: experts Shard(1), hosted within each replica
 }
+
+
+def _replicate(key: str) -> int:
+    """A case's ``dp_replicate`` degree (HSDP): the ``hsdpN-`` prefix of its key, else 1."""
+    return int(key[4:key.index("-")]) if key.startswith("hsdp") else 1
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -115,21 +129,26 @@ class TitanToy(nn.Module):
         return self.tok_embeddings(grads) + self.layers["0"](grads) + self.norm(grads) + self.lm_head(grads)
 
 
-def _titan(world: int, ep: int, experts: int, seed: int = 0) -> tuple[nn.Module, Any]:
-    """The toy sharded by torchtitan (EP first, then its FSDP2 wrapping); returns it and the dense mesh."""
+def _titan(world: int, ep: int, experts: int, seed: int = 0, replicate: int = 1) -> tuple[nn.Module, Any]:
+    """The toy sharded by torchtitan (EP first, then its FSDP2 wrapping); returns it and the dense
+    mesh. ``replicate`` > 1 is HSDP as torchtitan's legacy (``partial_dtensor``) meshes make it: the
+    dense mesh ``("dp_replicate", "fsdp")``, the sparse ``("dp_replicate", "efsdp", "ep")`` (EP on
+    its ``ep``, the experts' FSDP2 on its ``("dp_replicate", "efsdp")``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     model = TitanToy(experts, seed)
-    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    rep = ("dp_replicate",) if replicate > 1 else ()
+    lead = (replicate,) if replicate > 1 else ()
+    dense = init_device_mesh("cpu", (*lead, world // replicate), mesh_dim_names=(*rep, "fsdp"))
     kw: dict[str, Any] = {}
     if ep > 1:
-        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        sparse = init_device_mesh("cpu", (*lead, world // replicate // ep, ep), mesh_dim_names=(*rep, "efsdp", "ep"))
         inner = model.layers["0"].moe.routed_experts.inner_experts
         for n in ("w1", "w2"):
             setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), sparse["ep"], [Shard(0)])))
-        kw = {"ep_degree": ep, "edp_mesh": sparse["efsdp"]}
+        kw = {"ep_degree": ep, "edp_mesh": sparse[(*rep, "efsdp")]}
     apply_fsdp_to_decoder(model, dense, torch.float32, torch.float32, False, **kw)
     from torch.distributed.fsdp import FSDPModule
 
@@ -152,7 +171,8 @@ def _grads(world: int, ep: int, experts: int, step: int, rank: int) -> dict[str,
 
 def _summed(world: int, ep: int, experts: int, step: int) -> dict[str, torch.Tensor]:
     """The full gradients the single device sees: dense ones summed over every rank, expert ``e``
-    summed over the efsdp ranks of the EP rank holding it (rank = efsdp index * ep + EP index)."""
+    over every rank of the EP index holding it (rank = (replica * efsdp + efsdp index) * ep + EP
+    index: under HSDP the replicas' all-reduce sums it over them too)."""
     per = [_grads(world, ep, experts, step, r) for r in range(world)]
     out = {n: sum((g[n] for g in per[1:]), per[0][n].clone()) for n in per[0] if n not in STACKS}
     for n in STACKS:
@@ -179,7 +199,7 @@ def _optimizer(model: nn.Module, mesh: Any, strategy: str = "lb-asc", **kw: Any)
 
 def _train(rank: int, key: str) -> dict[str, Any]:
     world, ep, experts, strategy = CASES[key]
-    model, mesh = _titan(world, ep, experts)
+    model, mesh = _titan(world, ep, experts, replicate=_replicate(key))
     if key.endswith("-titan"):  # torchtitan's optimizer container, the mesh read from the parameters
         from canzona.torchtitan import CanzonaOptimizers
 
@@ -265,7 +285,8 @@ def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dic
 
 
 def _refusals(rank: int) -> dict[str, str]:
-    """One line each: exchange='ns-input' with cut experts; an expert mesh beside HSDP."""
+    """One line each: exchange='ns-input' with cut experts; beside HSDP an expert mesh over the
+    whole world (not one replica's ranks); an expert mesh beside TP."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -282,7 +303,27 @@ def _refusals(rank: int) -> dict[str, str]:
     fully_shard(inner, mesh=sparse["efsdp"])
     fully_shard(toy, mesh=hsdp)
     out["hsdp"] = _message(lambda: _optimizer(toy, hsdp))
+    out["tp"] = _message(lambda: _optimizer(*_beside_tp()))
     return out
+
+
+def _beside_tp() -> tuple[nn.Module, Any]:
+    """The toy with its dense parameters ``Replicate`` on a ``tp`` dimension (FSDP2 x TP on
+    ``("dp_shard", "tp")``), its experts on the expert mesh ``("efsdp", "ep")``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    toy = TitanToy(4)
+    for m in list(toy.modules()):
+        for n, p in list(m.named_parameters(recurse=False)):
+            on, pl = (sparse["ep"], Shard(0)) if p.dim() == 3 else (mesh["tp"], Replicate())
+            setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), on, [pl])))
+    fully_shard(toy.layers["0"].moe.routed_experts.inner_experts, mesh=sparse["efsdp"])
+    fully_shard(toy, mesh=mesh["dp_shard"])
+    return toy, mesh
 
 
 def _message(fn: Any) -> str:
@@ -330,6 +371,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
         assert f"{STACKS[0]} (expert {min(1, experts // ep - 1)})" in nan["error"] and "\n" not in nan["error"], (key, nan)
     expect = "Shard(dim=1)" if cut else ("_StridedShard" if world // ep > 1 else "Shard(dim=0)")
     assert expect in res[0]["placements"][STACKS[0]], (key, res[0]["placements"])
+    assert res[0]["placements"][STACKS[0]].startswith("(Replicate()") == (_replicate(key) > 1), (key, res[0]["placements"])
     state = res[0]["state"]
     for n in STACKS:
         for e, m in enumerate(ref.momentum(n)):
@@ -356,4 +398,5 @@ def test_checkpoint_of_cut_experts_loads_into_another_layout() -> None:
 def test_unserved_expert_layouts_are_refused_in_one_line() -> None:
     for r in case_results(_results(4), "refused"):
         assert "ns-input" in r["ns-input"] and "cut by their shard" in r["ns-input"] and "\n" not in r["ns-input"], r["ns-input"]
-        assert "dp_replicate" in r["hsdp"] and "expert" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
+        assert "not the shard groups" in r["hsdp"] and "dp_replicate" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
+        assert "expert mesh" in r["tp"] and "with tp" in r["tp"] and "\n" not in r["tp"], r["tp"]

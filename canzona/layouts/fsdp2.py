@@ -41,11 +41,14 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
 - expert stacks (role ``experts``, :func:`check_expert_placements`): on the optimizer's mesh, or on
   an expert mesh of their own (expert parallelism as torchtitan builds it: ``Shard(0)`` on ``ep``,
   then ``fully_shard`` on ``efsdp`` through ``shard_placement_fn``, giving ``("efsdp", "ep")`` with
-  ``(_StridedShard(0) or Shard(1), Shard(0))``) over the same ranks; an expert mesh's dimensions
-  are the experts' own and take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
+  ``(_StridedShard(0) or Shard(1), Shard(0))``; under HSDP ``fully_shard`` on
+  ``("dp_replicate", "efsdp")``, giving ``("dp_replicate", "efsdp", "ep")`` with ``Replicate`` in
+  front) whose own dimensions span exactly the shard groups (one replica's ranks each); an expert
+  mesh's own dimensions take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
   are updated where they live; a stack cut by its shard (``Shard(1)``) is one hosted task per
-  expert ``name[e]`` (:func:`expert_layouts`). Refused in one line: an expert mesh beside
-  ``dp_replicate`` or ``tp``, any other expert placement, ``exchange="ns-input"`` with cut stacks;
+  expert ``name[e]`` (:func:`expert_layouts`) within the shard group. Refused in one line: an
+  expert mesh beside ``tp``, an expert mesh whose ranks are not the shard groups' (beside
+  ``dp_replicate`` without it), any other expert placement, ``exchange="ns-input"`` with cut stacks;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -302,7 +305,8 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
     every expert on its rows (``Shard(1)`` on a dimension of more than one rank), None when every
     rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh (fully_shard's,
     HSDP's ``Replicate``, TP's ``Replicate``) or an expert mesh (expert parallelism: ``ep`` and the
-    experts' own FSDP dimension, ``efsdp``) over the same ranks as the shard group."""
+    experts' own FSDP dimension, ``efsdp``, beside HSDP's ``Replicate`` dimension of the optimizer's
+    mesh when it has one) whose own dimensions span exactly the shard groups (one replica's ranks)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(p, DTensor):
@@ -312,13 +316,18 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
     own = [d for d in pnames if d not in names]
     where = f"{name}: an expert stack on mesh {pnames} with {tuple(p.placements)}"
     if own:
-        others = sorted({r for r in roles.values() if r != "dp_shard"})
-        if others:
-            raise ValueError(f"{where}: an expert mesh of its own (expert parallelism) with {'/'.join(others)} on the optimizer's mesh "
-                             "is not supported on the FSDP2 path; it serves expert parallelism with one fully_shard dimension (no dp_replicate, no tp)")
-        if sorted(pm.mesh.flatten().tolist()) != sorted(mesh.mesh.flatten().tolist()):
-            raise ValueError(f"{where}: its ranks {sorted(pm.mesh.flatten().tolist())} are not the shard group's "
-                             f"{sorted(mesh.mesh.flatten().tolist())}; the expert mesh must cover the same ranks")
+        if "tp" in roles.values():
+            raise ValueError(f"{where}: an expert mesh of its own (expert parallelism) with tp on the optimizer's mesh "
+                             "is not supported on the FSDP2 path; it serves expert parallelism beside fully_shard's dimension and HSDP's (no tp)")
+        # the expert mesh's own dimensions, with HSDP's dimension of the optimizer's mesh fixed, must
+        # span exactly the shard groups (one replica's ranks each): torchtitan's ("dp_replicate", "efsdp", "ep")
+        proles = tuple(roles.get(d, d) if d in names else "experts" for d in pnames)
+        theirs = sorted(fsdp_group_ranks(tuple(pm.mesh.shape), proles, pm.mesh.flatten().tolist()))
+        groups = sorted(fsdp_group_ranks(tuple(mesh.mesh.shape), tuple(roles[d] for d in names), mesh.mesh.flatten().tolist()))
+        if theirs != groups:
+            hsdp = " (beside dp_replicate the expert mesh carries it too, outermost: torchtitan's ('dp_replicate', 'efsdp', 'ep'))" if len(groups) > 1 else ""
+            raise ValueError(f"{where}: its dimensions {tuple(d for d in pnames if d in own)} span the ranks {theirs}, not the shard groups "
+                             f"{groups}; the expert mesh must cover each shard group's ranks{hsdp}")
     cut = None
     for d, pl in zip(pnames, p.placements):
         k = pnames.index(d)
