@@ -12,8 +12,9 @@ Cases (one spawn per world size, each case reported on its own):
 - world 4: ``ep2x2`` (efsdp 2 x ep 2, four experts: ``_StridedShard(0)``, whole experts),
   ``cut2x2`` (efsdp 2 x ep 2, two experts: ``Shard(1)`` on efsdp), ``cut4`` (ep 1, two experts
   over four ranks: ``Shard(1)``), ``cut2x2-sc`` (the ``sc`` baseline on the cut layout);
-- ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` world 4): ``exchange="ns-input"``, Muon's split step
-  (momentum on each rank's rows of every expert, the Newton-Schulz input to the expert's host).
+- ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` and ``cut2x2-sc-ns`` world 4): ``exchange="ns-input"``,
+  Muon's split step (momentum on each rank's rows of every expert, the Newton-Schulz input to the
+  expert's host; under ``sc`` to every rank).
 
 Each: three Muon steps (AdamW element-wise) with integer gradients, expert 1 of every stack with a
 zero gradient at step 1, every parameter and every expert's momentum bitwise equal to the
@@ -57,6 +58,7 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "cut2x2-sc": (4, 2, 2, "sc"),
     "cut1-ns": (2, 1, 1, "lb-asc"),  # "-ns": exchange="ns-input" (Muon's split step)
     "cut2x2-ns": (4, 2, 2, "lb-asc"),
+    "cut2x2-sc-ns": (4, 2, 2, "sc"),
 }
 #: (saving exchange, loading exchange) of the checkpoint of cut experts loaded into another layout
 ACROSS: tuple[tuple[str, str], ...] = (("gradients", "gradients"), ("ns-input", "gradients"), ("gradients", "ns-input"))
