@@ -16,15 +16,20 @@ Cases (one spawn per world size, each case reported on its own):
   ``("dp_replicate", "fsdp")``, the experts on ``("dp_replicate", "efsdp", "ep")`` with
   ``(Replicate(), _StridedShard(0), Shard(0))``, whole; ``hsdp2-ep2-titan`` the same through the
   container), ``hsdp2-cut2`` (HSDP without ep: dp_replicate 2 x fsdp 2, two experts
-  ``(Replicate(), Shard(1))``, hosted within each replica).
+  ``(Replicate(), Shard(1))``, hosted within each replica);
+- ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` and ``cut2x2-sc-ns`` world 4): ``exchange="ns-input"``,
+  Muon's split step (momentum on each rank's rows of every expert, the Newton-Schulz input to the
+  expert's host; under ``sc`` to every rank).
 
 Each: three Muon steps (AdamW element-wise) with integer gradients, expert 1 of every stack with a
 zero gradient at step 1, every parameter and every expert's momentum bitwise equal to the
 single-device optimizer fed the same summed gradients; a NaN in one expert refused on every rank
 naming the expert, nothing changed. World 4 also loads the consolidated checkpoint of ``cut2x2``
-into ``cut4`` (another layout of the same model) and both take the same next step; refusals of
-``ns-input`` with cut experts, of an expert mesh beside HSDP that spans the whole world (not one
-replica's ranks) and of an expert mesh beside TP are one line.
+into ``cut4`` (another layout of the same model) and both take the same next step, under
+gradients, from ``ns-input`` into gradients and back (:data:`ACROSS`); ``exchange="auto"`` takes
+the split step with cut experts; refusals of ``ns-input`` with an optimizer that has no split step
+(Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks) and
+of an expert mesh beside TP are one line.
 """
 
 from __future__ import annotations
@@ -60,7 +65,16 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "hsdp2-ep2": (4, 2, 4, "lb-asc"),  # dp_replicate 2 x (efsdp 1 x ep 2): HSDP beside the expert mesh
     "hsdp2-ep2-titan": (4, 2, 4, "lb-asc"),  # the same through canzona.torchtitan's container
     "hsdp2-cut2": (4, 1, 2, "lb-asc"),  # dp_replicate 2 x fsdp 2, no ep: experts Shard(1), hosted within each replica
+    "cut1-ns": (2, 1, 1, "lb-asc"),  # "-ns": exchange="ns-input" (Muon's split step)
+    "cut2x2-ns": (4, 2, 2, "lb-asc"),
+    "cut2x2-sc-ns": (4, 2, 2, "sc"),
 }
+#: (saving exchange, loading exchange) of the checkpoint of cut experts loaded into another layout
+ACROSS: tuple[tuple[str, str], ...] = (("gradients", "gradients"), ("ns-input", "gradients"), ("gradients", "ns-input"))
+
+
+def _exchange(key: str) -> str:
+    return "ns-input" if key.endswith("-ns") else "gradients"
 
 
 def _replicate(key: str) -> int:
@@ -207,7 +221,7 @@ def _train(rank: int, key: str) -> dict[str, Any]:
                                                              elementwise_kwargs=dict(EKW)), model_parts=[model])
         opt = stepper.optimizer
     else:
-        stepper = opt = _optimizer(model, mesh, strategy)
+        stepper = opt = _optimizer(model, mesh, strategy, exchange=_exchange(key))
     placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if n in STACKS}
     for s in range(STEPS):
         model(_grads(world, ep, experts, s, rank)).backward()
@@ -216,7 +230,8 @@ def _train(rank: int, key: str) -> dict[str, Any]:
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     doc = opt.consolidated_state_dict()
     out: dict[str, Any] = {"params": params, "placements": placements, "hosted": sorted(opt.runtime.engine.hosted),
-                           "local_experts": len(opt.runtime.expert_masters), "nan": _nan_refused(rank, model, opt, key)}
+                           "local_experts": len(opt.runtime.expert_masters),
+                           "split": opt.runtime.engine.split, "nan": _nan_refused(rank, model, opt, key)}
     if rank == 0:
         out["state"] = {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in doc["state"].items()}
     return out
@@ -240,14 +255,15 @@ def _nan_refused(rank: int, model: nn.Module, opt: Any, key: str) -> dict[str, A
     return {"error": msg, "unchanged": same}
 
 
-def _across_layouts(rank: int) -> dict[str, Any]:
-    """The consolidated state of ``cut2x2`` (efsdp 2 x ep 2) loaded into ``cut4`` (ep 1, four
-    ranks cut each expert); both then take the same step and must agree bit for bit."""
+def _across_layouts(rank: int, saving: str, loading: str) -> dict[str, Any]:
+    """The consolidated state of ``cut2x2`` (efsdp 2 x ep 2, exchange ``saving``) loaded into
+    ``cut4`` (ep 1, four ranks cut each expert, exchange ``loading``); both then take the same step
+    and must agree bit for bit."""
     import torch.distributed as dist
 
     world, _, experts, _ = CASES["cut2x2"]
     src, smesh = _titan(world, 2, experts)
-    sopt = _optimizer(src, smesh)
+    sopt = _optimizer(src, smesh, exchange=saving)
     src(_grads(world, 2, experts, 0, rank)).backward()
     sopt.step()
     sopt.zero_grad()
@@ -255,7 +271,7 @@ def _across_layouts(rank: int) -> dict[str, Any]:
     doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
     dst, dmesh = _titan(world, 1, experts, seed=5)  # other values: the load must bring the saved ones
-    dopt = _optimizer(dst, dmesh)
+    dopt = _optimizer(dst, dmesh, exchange=loading)
     dopt.load_state_dict(doc[0])
     full = _summed(world, 2, experts, 1)
     src(_one_rank_holds(full, 2, rank)).backward()
@@ -269,7 +285,7 @@ def _across_layouts(rank: int) -> dict[str, Any]:
     if rank == 0:
         bad += [f"state {n}.{k}" for n, st in sd["state"].items() for k, v in st.items()
                 if torch.is_tensor(v) and not torch.equal(v, dd["state"][n][k])]
-    return {"bad": bad}
+    return {"bad": bad, "split": [sopt.runtime.engine.split, dopt.runtime.engine.split]}
 
 
 def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dict[str, torch.Tensor]:
@@ -284,16 +300,20 @@ def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dic
     return out
 
 
-def _refusals(rank: int) -> dict[str, str]:
-    """One line each: exchange='ns-input' with cut experts; beside HSDP an expert mesh over the
-    whole world (not one replica's ranks); an expert mesh beside TP."""
+def _refusals(rank: int) -> dict[str, Any]:
+    """One line each: exchange='ns-input' with cut experts and an optimizer without a split step
+    (Shampoo); beside HSDP an expert mesh over the whole world (not one replica's ranks); an expert
+    mesh beside TP. And exchange='auto' with cut experts takes Muon's split step."""
+    import canzona
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    out = {}
+    out: dict[str, Any] = {}
     model, mesh = _titan(4, 2, 2)
-    out["ns-input"] = _message(lambda: _optimizer(model, mesh, exchange="ns-input"))
+    out["ns-input"] = _message(lambda: canzona.DistributedOptimizer(model, "shampoo", mesh=mesh, exchange="ns-input"))
+    model, mesh = _titan(4, 2, 2)
+    out["auto"] = _optimizer(model, mesh, exchange="auto").runtime.engine.split
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     toy = TitanToy(4)
@@ -337,7 +357,7 @@ def _message(fn: Any) -> str:
 def worker(rank: int, world: int) -> bytes:
     out: dict[str, Any] = {"train": {k: attempt(_train, rank, k) for k, c in CASES.items() if c[0] == world}}
     if world == 4:
-        out["across"] = {None: attempt(_across_layouts, rank)}
+        out["across"] = {ex: attempt(_across_layouts, rank, *ex) for ex in ACROSS}
         out["refused"] = {None: attempt(_refusals, rank)}
     return pack(out)
 
@@ -366,6 +386,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
             assert r["local_experts"] > 0 and not [t for t in r["hosted"] if t.startswith(PREFIX)], (key, r["hosted"])
         else:
             assert r["local_experts"] == 0, (key, r["local_experts"])
+        assert r["split"] == (_exchange(key) == "ns-input"), (key, r["split"])
         nan = r["nan"]  # rank 0 (EP rank 0) put it in its local expert 1 (or its only one)
         assert nan["unchanged"] and "non-finite gradient in" in nan["error"], (key, nan)
         assert f"{STACKS[0]} (expert {min(1, experts // ep - 1)})" in nan["error"] and "\n" not in nan["error"], (key, nan)
@@ -381,7 +402,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
 @pytest.mark.slow
 def test_cut_experts_are_hosted_once_each() -> None:
     """Every expert of a cut stack is one hosted task on exactly one rank (lb-asc)."""
-    for key in ("cut1", "cut2x2", "cut4"):  # lb-asc: one host each
+    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns"):  # lb-asc: one host each
         world, _, experts, _ = CASES[key]
         res = case_results(_results(world), "train", key)
         hosted = sorted(t for r in res for t in r["hosted"] if t.startswith(PREFIX))
@@ -389,14 +410,17 @@ def test_cut_experts_are_hosted_once_each() -> None:
 
 
 @pytest.mark.slow
-def test_checkpoint_of_cut_experts_loads_into_another_layout() -> None:
-    for r in case_results(_results(4), "across"):
-        assert r["bad"] == [], r["bad"]
+@pytest.mark.parametrize("exchanges", ACROSS, ids=[f"{a}-to-{b}" for a, b in ACROSS])
+def test_checkpoint_of_cut_experts_loads_into_another_layout(exchanges: tuple[str, str]) -> None:
+    for r in case_results(_results(4), "across", exchanges):
+        assert r["bad"] == [], (exchanges, r["bad"])
+        assert r["split"] == [ex == "ns-input" for ex in exchanges], (exchanges, r["split"])
 
 
 @pytest.mark.slow
 def test_unserved_expert_layouts_are_refused_in_one_line() -> None:
     for r in case_results(_results(4), "refused"):
-        assert "ns-input" in r["ns-input"] and "cut by their shard" in r["ns-input"] and "\n" not in r["ns-input"], r["ns-input"]
+        assert "exchange='ns-input' needs a matrix optimizer" in r["ns-input"] and "\n" not in r["ns-input"], r["ns-input"]
+        assert r["auto"] is True, r["auto"]
         assert "not the shard groups" in r["hsdp"] and "dp_replicate" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
         assert "expert mesh" in r["tp"] and "with tp" in r["tp"] and "\n" not in r["tp"], r["tp"]

@@ -46,9 +46,11 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   front) whose own dimensions span exactly the shard groups (one replica's ranks each); an expert
   mesh's own dimensions take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
   are updated where they live; a stack cut by its shard (``Shard(1)``) is one hosted task per
-  expert ``name[e]`` (:func:`expert_layouts`) within the shard group. Refused in one line: an
-  expert mesh beside ``tp``, an expert mesh whose ranks are not the shard groups' (beside
-  ``dp_replicate`` without it), any other expert placement, ``exchange="ns-input"`` with cut stacks;
+  expert ``name[e]`` (:func:`expert_layouts`) within the shard group, under either exchange
+  (``"ns-input"``: each rank keeps the momentum of its rows of expert ``e``, and only the
+  Newton-Schulz input of the expert travels to its host). Refused in one line: an expert mesh
+  beside ``tp``, an expert mesh whose ranks are not the shard groups' (beside ``dp_replicate``
+  without it), any other expert placement;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -64,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -457,8 +459,6 @@ class FSDP2Layout(Layout):
         experts = [p.name for p in plan.params if p.spec.kind == "experts" and p.spec.tp_dim is None]
         _check_whole_experts(layouts, experts)  # the same layouts on every rank: all raise together
         cut = [p.name for p in plan.params if p.spec.kind == "experts" and p.spec.tp_dim is not None]
-        if cut and self.settings.exchange == "ns-input":
-            raise ValueError(f"{cut[0]}: exchange='ns-input' does not run expert stacks cut by their shard yet; use exchange='gradients' (or 'auto')")
         tasks = {t: lay for n in cut for t, lay in expert_layouts(n, layouts[n]).items()}
         self.runtime = FSDPRuntime(
             {p.name: named[p.name] for p in plan.params},
@@ -467,7 +467,7 @@ class FSDP2Layout(Layout):
             comm=self.comm,
             matrix_factory=matrix_factory,
             elementwise_factory=elementwise_factory,
-            settings=self.settings if not cut else replace(self.settings, exchange="gradients"),
+            settings=self.settings,
             expert_names=experts,
             expert_layouts=tasks,
         )
@@ -570,11 +570,7 @@ class FSDP2Layout(Layout):
             b = lay.blocks[self.group_rank]
             out.append(Held(name, ((b.offset, b.shape),), m, rt.ew_optimizer, m, True, first and lay.sources[self.group_rank]))
         if eng.split:  # the split step: every matrix piece with its momentum, like an element-wise piece
-            for name, m in eng.pieces.items():
-                lay = rt.layouts[name]
-                b = lay.blocks[self.group_rank]
-                if b.numel:
-                    out.append(Held(name, ((b.offset, b.shape),), m, eng.optimizer, m, True, first and lay.sources[self.group_rank]))
+            out += self._split_held(first)
         for name in () if eng.split else eng.hosted:
             m = eng.masters[name]
             canonical = first and (eng.tasks[name].host != -1 or self.group_rank == 0)
@@ -588,6 +584,25 @@ class FSDP2Layout(Layout):
             b = lay.blocks[self.group_rank]
             box = ((b.offset[0] + k, 0, 0), (1, *m.shape))
             out.append(Held(name, (box,), m, rt.expert_optimizer, m, True, first and lay.sources[self.group_rank], b.offset[0] + k))
+        return out
+
+    def _split_held(self, first: bool) -> list[Held]:
+        """Under the split step, this rank's non-empty piece of every task with its momentum, state
+        shaped like the piece: a matrix's block, or, for expert ``e`` of a stack cut by its shard,
+        the block's rows of that expert at its place in the stack (a box ``(1, rows, cols)`` at
+        ``(e, ...)``). Both are sliced regions of the parameter, so the consolidated state is the
+        parameter's shape, as the whole-matrix step's (Muon's momentum is shaped like its matrix,
+        so a stack's is also its per-expert ``(E, M, N)`` state)."""
+        rt, eng = self.runtime, self.runtime.engine
+        out = []
+        for task, m in eng.pieces.items():
+            lay = rt.task_layouts[task]
+            b = lay.blocks[self.group_rank]
+            if not b.numel:
+                continue
+            base, e = split_task_name(task)
+            box = (b.offset, b.shape) if e is None else ((e, *b.offset), (1, *b.shape))
+            out.append(Held(base, (box,), m, eng.optimizer, m, True, first and lay.sources[self.group_rank]))
         return out
 
     def model_pieces(self) -> list[ModelPiece]:
