@@ -631,12 +631,12 @@ def _robust_cases(rank: int, mesh) -> dict:
         backward(model, 0)
         rt = opt.runtime
         if rank == 1:
-            def broken(name):
-                raise OSError(f"cannot read the gradient of {name}")
-            rt._grad = broken
+            def broken():
+                raise OSError(f"cannot read the gradient of {rt.names[0]}")
+            rt._grads = broken
         before = _local_snapshot(opt)
         got = raised(opt.step)
-        rt.__dict__.pop("_grad", None)
+        rt.__dict__.pop("_grads", None)
         res = {"raised": got, "changed": _changed(before, _local_snapshot(opt)),
                "grads_dropped": all(p.grad is None for p in model.parameters())}
         _run(model, opt, mesh, range(STEPS))

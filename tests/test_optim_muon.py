@@ -273,3 +273,20 @@ def test_a_group_edited_after_construction_is_checked_at_the_step() -> None:
     with pytest.raises(ValueError, match="exactly 3 numbers"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3, 4)) and not opt.state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_scale_is_bitwise_a_per_tensor_mul(dtype: torch.dtype) -> None:
+    """``scale_`` (the split step's weight decay) equals ``t.mul_(factor)`` tensor by tensor, bit for
+    bit, for factors that are not representable in the tensors' dtype (where a 0-dim factor of
+    another dtype would round differently: a bfloat16 or float16 tensor keeps the Python number),
+    on tensors of several sizes, signs and magnitudes."""
+    g = torch.Generator().manual_seed(7)
+    factors = [1 - 10 ** (-k) * (1 + torch.rand((), generator=g).item()) for k in range(1, 10)] + [0.9079942317854822, 1.0, 0.0]
+    for factor in factors:
+        xs = [(torch.randn(shape, generator=g) * 10 ** torch.randint(-4, 5, (), generator=g).item()).to(dtype)
+              for shape in ((8, 16), (3, 5), (64, 64), (1, 7), (0, 4))]
+        want = [x.clone().mul_(factor) for x in xs]
+        got = [x.clone() for x in xs]
+        muon_mod.scale_(got, factor)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), (dtype, factor)

@@ -53,6 +53,7 @@ __all__ = [
     "adjust_lr",
     "batched_newton_schulz",
     "newton_schulz",
+    "scale_",
 ]
 
 # Jordan's quintic coefficients, tuned for bfloat16: they maximize the slope at zero so five steps
@@ -220,6 +221,27 @@ def batched_newton_schulz(
 
 #: how many lists of pieces the split step's grouping answers are kept for (:meth:`Muon._by_group`)
 SPLIT_CACHE_LISTS = 64
+
+
+def scale_(tensors: Sequence[Tensor], factor: float) -> None:
+    """``t.mul_(factor)`` for every tensor of ``tensors``, bitwise, in one call where that is exact.
+
+    On CPU tensors of float32 or float64: one ``torch._foreach_mul_`` with the factor as a 0-dim
+    tensor of their own dtype. torch's CPU kernel reads a Python-number factor in the tensor's
+    compute type (float32's is float32, float64's is float64), and a 0-dim tensor of the same dtype
+    holds exactly that value, so every product is the same rounding of the same two operands; the
+    tensor form skips the scalar's per-tensor wrapping (about 3.5x cheaper for 500 tensors of
+    8 x 16, 0.24 against 0.86 ms). Anything else is one ``mul_`` per tensor: on CPU, bfloat16 and
+    float16 products of ``_foreach_mul_`` differ from ``mul_``'s with either form of the factor
+    (``tests/test_optim_muon.py`` checks every dtype)."""
+    if not tensors:
+        return
+    dtype = tensors[0].dtype
+    if dtype in MATRIX_INPUT_DTYPES and all(t.dtype == dtype and t.is_cpu for t in tensors):
+        torch._foreach_mul_(list(tensors), torch.tensor(factor, dtype=dtype))
+        return
+    for t in tensors:
+        t.mul_(factor)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -565,7 +587,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             for i in idx:
                 state[params[i]]["momentum_buffer"] = momenta[i]
             lr = group["lr"]
-            torch._foreach_mul_([params[i] for i in idx], 1 - lr * group["weight_decay"])
+            scale_([params[i] for i in idx], 1 - lr * group["weight_decay"])
             # one _foreach_add_ per matrix shape (its learning-rate scale; on CPU the same
             # per-tensor kernel whatever the grouping, so the same bits as step()'s add_)
             for shape, same in self._by_shape(group, idx, full_shapes).items():

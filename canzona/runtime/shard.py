@@ -129,9 +129,20 @@ def local_block(p: torch.Tensor) -> torch.Tensor:
     the call's dispatch and, for a parameter, the fresh view it makes each time (a few
     microseconds, paid twice per parameter per step). No autograd link either way: callers use
     it under ``no_grad`` or on ``p.detach()``."""
-    from torch.distributed.tensor import DTensor
+    return p._local_tensor if isinstance(p, _dtensor()) else p
 
-    return p._local_tensor if isinstance(p, DTensor) else p
+
+def _dtensor() -> type:
+    """torch's DTensor class (imported on first use: this module is imported without a process group too)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR = DTensor
+    return _DTENSOR
+
+
+_DTENSOR: type | None = None
 
 
 class FSDPRuntime:
@@ -179,6 +190,8 @@ class FSDPRuntime:
         self.elementwise_names = tuple(n for n in self.params if n not in set(self._task_of.values()) | set(self.expert_names))
         #: every parameter in a fixed order shared by all ranks (the status flags follow ``_flag_items``)
         self.names = tuple(self.params)
+        #: (name, parameter, this rank's piece shape) in :attr:`names` order, read by :meth:`_grads`
+        self._grad_items = tuple((n, self.params[n], self.layouts[n].blocks[self.rank].shape) for n in self.names)
         self._device = local_block(next(iter(self.params.values())).detach()).device if self.params else torch.device("cpu")
         # element-wise: fp32 masters of this rank's non-empty pieces, one optimizer over them
         self.ew_masters: dict[str, nn.Parameter] = {}
@@ -279,16 +292,23 @@ class FSDPRuntime:
             if n not in skip:
                 local_block(self.params[n].detach())[k].copy_(m)
 
-    def _grad(self, name: str) -> torch.Tensor | None:
-        """This rank's gradient piece in the master dtype (None: the parameter has no ``p.grad``)."""
-        g = self.params[name].grad
-        if g is None:
-            return None
-        loc = local_block(g)
-        block = self.layouts[name].blocks[self.rank]
-        if tuple(loc.shape) != block.shape:
-            raise RuntimeError(f"{name}: gradient piece has shape {tuple(loc.shape)}, the parameter's piece is {block.shape}")
-        return loc.to(self.master_dtype)
+    def _grads(self) -> dict[str, torch.Tensor | None]:
+        """This rank's gradient piece of every parameter in the master dtype (None: the parameter
+        has no ``p.grad``); a piece of another shape than the parameter's is an error. One pass over
+        ``(name, parameter, piece shape)`` triples made once (the parameters are the plan's:
+        ``DistributedOptimizer`` checks that before each step); a piece already in the master
+        dtype is taken as it is (what ``Tensor.to`` returns for it too)."""
+        md, dtensor, out = self.master_dtype, _dtensor(), {}
+        for name, p, shape in self._grad_items:
+            g = p.grad
+            if g is None:
+                out[name] = None
+                continue
+            loc = g._local_tensor if isinstance(g, dtensor) else g
+            if loc.shape != shape:
+                raise RuntimeError(f"{name}: gradient piece has shape {tuple(loc.shape)}, the parameter's piece is {tuple(shape)}")
+            out[name] = loc if loc.dtype == md else loc.to(md)
+        return out
 
     def _zeros(self, name: str) -> torch.Tensor:
         return torch.zeros(self.layouts[name].blocks[self.rank].shape, dtype=self.master_dtype, device=self._device)
@@ -325,7 +345,7 @@ class FSDPRuntime:
         grads: dict[str, torch.Tensor | None] = {}
         with phase("canzona/optimizer/step"):
             try:
-                grads = {name: self._grad(name) for name in self.names}
+                grads = self._grads()
                 flags = self._local_flags(grads, digest)
             except Exception as exc:  # noqa: BLE001 - every rank must still join the exchange
                 error = exc
