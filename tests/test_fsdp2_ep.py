@@ -16,7 +16,11 @@ Cases (one spawn per world size, each case reported on its own):
   ``("dp_replicate", "fsdp")``, the experts on ``("dp_replicate", "efsdp", "ep")`` with
   ``(Replicate(), _StridedShard(0), Shard(0))``, whole; ``hsdp2-ep2-titan`` the same through the
   container), ``hsdp2-cut2`` (HSDP without ep: dp_replicate 2 x fsdp 2, two experts
-  ``(Replicate(), Shard(1))``, hosted within each replica);
+  ``(Replicate(), Shard(1))``, hosted within each replica), ``tp2-ep2`` (FSDP2 x TP x EP as
+  torchtitan 0.3.0 builds it, meshes from its ``ParallelDims``: the dense parameters TP'd and on
+  ``("fsdp", "tp")``, four experts on ``("efsdp", "ep")`` over the same four ranks, whole and not
+  cut by TP; ``tp2-ep2-titan`` the same through the container; ``tp2-cut2x2`` two experts,
+  ``Shard(1)`` on efsdp, hosted within the fsdp x tp shard group);
 - ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` and ``cut2x2-sc-ns`` world 4): ``exchange="ns-input"``,
   Muon's split step (momentum on each rank's rows of every expert, the Newton-Schulz input to the
   expert's host; under ``sc`` to every rank).
@@ -28,8 +32,9 @@ naming the expert, nothing changed. World 4 also loads the consolidated checkpoi
 into ``cut4`` (another layout of the same model) and both take the same next step, under
 gradients, from ``ns-input`` into gradients and back (:data:`ACROSS`); ``exchange="auto"`` takes
 the split step with cut experts; refusals of ``ns-input`` with an optimizer that has no split step
-(Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks) and
-of an expert mesh beside TP are one line.
+(Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks),
+beside TP of an expert mesh carrying ``tp`` (expert tensor parallelism), of one over fewer ranks
+than fsdp x tp and of experts cut by the dense ``tp`` (torchtitan with tp, no ep) are one line.
 """
 
 from __future__ import annotations
@@ -68,7 +73,14 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "cut1-ns": (2, 1, 1, "lb-asc"),  # "-ns": exchange="ns-input" (Muon's split step)
     "cut2x2-ns": (4, 2, 2, "lb-asc"),
     "cut2x2-sc-ns": (4, 2, 2, "sc"),
+    "tp2-ep2": (4, 2, 4, "lb-asc"),  # fsdp 2 x tp 2 dense, efsdp 2 x ep 2 sparse (torchtitan's ParallelDims): whole experts
+    "tp2-ep2-titan": (4, 2, 4, "lb-asc"),  # the same through canzona.torchtitan's container (mesh ("fsdp", "tp"))
+    "tp2-cut2x2": (4, 2, 2, "lb-asc"),  # the same meshes, two experts: Shard(1) on efsdp, hosted within fsdp x tp
 }
+#: torchtitan 0.3.0's TP placements of the toy's dense parameters (tp dim; None: Replicate): embedding,
+#: colwise attention projection and lm_head Shard(0); router gate and norm Replicate
+TP_DIMS: dict[str, int | None] = {"tok_embeddings.weight": 0, "layers.0.attention.wq": 0, "layers.0.moe.router.gate": None,
+                                  "norm.weight": None, "lm_head.weight": 0}
 #: (saving exchange, loading exchange) of the checkpoint of cut experts loaded into another layout
 ACROSS: tuple[tuple[str, str], ...] = (("gradients", "gradients"), ("ns-input", "gradients"), ("gradients", "ns-input"))
 
@@ -80,6 +92,11 @@ def _exchange(key: str) -> str:
 def _replicate(key: str) -> int:
     """A case's ``dp_replicate`` degree (HSDP): the ``hsdpN-`` prefix of its key, else 1."""
     return int(key[4:key.index("-")]) if key.startswith("hsdp") else 1
+
+
+def _tp(key: str) -> int:
+    """A case's ``tp`` degree (dense FSDP2 x TP beside the expert mesh): the ``tpN-`` prefix, else 1."""
+    return int(key[2:key.index("-")]) if key.startswith("tp") else 1
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -106,7 +123,7 @@ class Inject(nn.Module):
 
 class InjectEmbedding(nn.Embedding):
     def forward(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
-        return (self.weight * grads["tok_embeddings.weight"]).sum()
+        return (_local(self.weight) * grads["tok_embeddings.weight"]).sum()
 
 
 class Block(nn.Module):
@@ -143,11 +160,13 @@ class TitanToy(nn.Module):
         return self.tok_embeddings(grads) + self.layers["0"](grads) + self.norm(grads) + self.lm_head(grads)
 
 
-def _titan(world: int, ep: int, experts: int, seed: int = 0, replicate: int = 1) -> tuple[nn.Module, Any]:
+def _titan(world: int, ep: int, experts: int, seed: int = 0, replicate: int = 1, tp: int = 1) -> tuple[nn.Module, Any]:
     """The toy sharded by torchtitan (EP first, then its FSDP2 wrapping); returns it and the dense
     mesh. ``replicate`` > 1 is HSDP as torchtitan's legacy (``partial_dtensor``) meshes make it: the
     dense mesh ``("dp_replicate", "fsdp")``, the sparse ``("dp_replicate", "efsdp", "ep")`` (EP on
-    its ``ep``, the experts' FSDP2 on its ``("dp_replicate", "efsdp")``)."""
+    its ``ep``, the experts' FSDP2 on its ``("dp_replicate", "efsdp")``). ``tp`` > 1: :func:`_titan_tp`."""
+    if tp > 1:
+        return _titan_tp(world, ep, experts, seed, tp)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -172,10 +191,55 @@ def _titan(world: int, ep: int, experts: int, seed: int = 0, replicate: int = 1)
     return model, dense
 
 
-def _grads(world: int, ep: int, experts: int, step: int, rank: int) -> dict[str, torch.Tensor]:
-    """What rank ``rank`` injects: full shapes, EP-local stacks (EP rank ``rank % ep``'s experts)."""
+def _titan_tp(world: int, ep: int, experts: int, seed: int, tp: int) -> tuple[nn.Module, Any]:
+    """The toy as torchtitan 0.3.0 shards a MoE under FSDP2 x TP x EP: meshes from its
+    ``ParallelDims`` (legacy ``partial_dtensor`` names: dense ``("fsdp", "tp")``, sparse
+    ``("efsdp", "ep")`` with efsdp = fsdp x tp / ep, so EP borrows TP's ranks), the dense
+    parameters TP'd on ``tp`` (:data:`TP_DIMS`, through ``distribute_module``: the toy has no
+    ``nn.Linear`` for ``ColwiseParallel``), the experts ``Shard(0)`` on ``ep`` and not cut by TP,
+    then torchtitan's ``apply_fsdp_to_decoder``. Returns the model and the dense mesh."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend ParallelDims gives size-1 dims
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    parallel_dims.device_type = "cpu"  # a module global, "cuda" on import
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
+                                      spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    model = TitanToy(experts, seed)
+    tp_mesh = dims.get_mesh("tp")
+    for name, dim in TP_DIMS.items():
+        path, _, leaf = name.rpartition(".")
+
+        def cut(_n: str, m: nn.Module, mesh: Any, leaf: str = leaf, dim: int | None = dim) -> None:
+            p = getattr(m, leaf)
+            setattr(m, leaf, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate() if dim is None else Shard(dim)])))
+
+        distribute_module(model.get_submodule(path), tp_mesh, cut)
+    inner = model.layers["0"].moe.routed_experts.inner_experts
+    for n in ("w1", "w2"):
+        setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), dims.get_mesh("ep"), [Shard(0)])))
+    apply_fsdp_to_decoder(model, dims.get_mesh("fsdp"), torch.float32, torch.float32, False, ep_degree=ep, edp_mesh=dims.get_optional_mesh("efsdp"))
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():  # gloo has no PREMUL_SUM: plain sums
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model, dims.get_mesh(["fsdp", "tp"])
+
+
+def _grads(world: int, ep: int, experts: int, step: int, rank: int, tp: int = 1) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` injects: full shapes, EP-local stacks (EP rank ``rank % ep``'s experts).
+    ``tp`` > 1: the dense gradients are the data-parallel index's (``rank // tp``, the same on
+    every TP rank), cut to the TP-local piece (:data:`TP_DIMS`); the stacks stay the rank's own
+    (EP borrows TP's ranks: each routes its own tokens)."""
     shapes = {n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}
     g = integer_grads(shapes, step=step, rank=rank)
+    if tp > 1:
+        dense = integer_grads(shapes, step=step, rank=rank // tp)
+        for n, dim in TP_DIMS.items():
+            g[n] = dense[n] if dim is None else dense[n].chunk(tp, dim)[rank % tp].contiguous()
     for n in STACKS:
         if step == 1:  # expert 1 (the only one of a one-expert stack) routed no token on any rank
             g[n][min(1, experts - 1)].zero_()
@@ -183,25 +247,30 @@ def _grads(world: int, ep: int, experts: int, step: int, rank: int) -> dict[str,
     return g
 
 
-def _summed(world: int, ep: int, experts: int, step: int) -> dict[str, torch.Tensor]:
-    """The full gradients the single device sees: dense ones summed over every rank, expert ``e``
-    over every rank of the EP index holding it (rank = (replica * efsdp + efsdp index) * ep + EP
-    index: under HSDP the replicas' all-reduce sums it over them too)."""
+def _summed(world: int, ep: int, experts: int, step: int, tp: int = 1) -> dict[str, torch.Tensor]:
+    """The full gradients the single device sees: dense ones summed over every rank (over every
+    data-parallel index under TP), expert ``e`` over every rank of the EP index holding it (rank =
+    (replica * efsdp + efsdp index) * ep + EP index: under HSDP the replicas' all-reduce sums it
+    over them too)."""
     per = [_grads(world, ep, experts, step, r) for r in range(world)]
     out = {n: sum((g[n] for g in per[1:]), per[0][n].clone()) for n in per[0] if n not in STACKS}
+    if tp > 1:
+        shapes = {n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}
+        dense = [integer_grads(shapes, step=step, rank=d) for d in range(world // tp)]
+        out |= {n: sum((g[n] for g in dense[1:]), dense[0][n].clone()) for n in TP_DIMS}
     for n in STACKS:
         parts = [sum((per[i * ep + j][n] for i in range(1, world // ep)), per[j][n].clone()) for j in range(ep)]
         out[n] = torch.cat(parts)
     return out
 
 
-def _reference(world: int, ep: int, experts: int) -> TaskReference:
+def _reference(world: int, ep: int, experts: int, tp: int = 1) -> TaskReference:
     from canzona.optim import Muon
 
     model = TitanToy(experts)
     ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
     for s in range(STEPS):
-        ref.step(_summed(world, ep, experts, s))
+        ref.step(_summed(world, ep, experts, s, tp))
     return ref
 
 
@@ -213,7 +282,7 @@ def _optimizer(model: nn.Module, mesh: Any, strategy: str = "lb-asc", **kw: Any)
 
 def _train(rank: int, key: str) -> dict[str, Any]:
     world, ep, experts, strategy = CASES[key]
-    model, mesh = _titan(world, ep, experts, replicate=_replicate(key))
+    model, mesh = _titan(world, ep, experts, replicate=_replicate(key), tp=_tp(key))
     if key.endswith("-titan"):  # torchtitan's optimizer container, the mesh read from the parameters
         from canzona.torchtitan import CanzonaOptimizers
 
@@ -222,9 +291,9 @@ def _train(rank: int, key: str) -> dict[str, Any]:
         opt = stepper.optimizer
     else:
         stepper = opt = _optimizer(model, mesh, strategy, exchange=_exchange(key))
-    placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if n in STACKS}
+    placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters()}
     for s in range(STEPS):
-        model(_grads(world, ep, experts, s, rank)).backward()
+        model(_grads(world, ep, experts, s, rank, _tp(key))).backward()
         stepper.step()
         stepper.zero_grad()
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -241,7 +310,7 @@ def _nan_refused(rank: int, model: nn.Module, opt: Any, key: str) -> dict[str, A
     """A NaN in expert 1 of the first stack, on rank 0's injected gradient: refused on every rank."""
     world, ep, experts, _ = CASES[key]
     before = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
-    g = _grads(world, ep, experts, STEPS, rank)
+    g = _grads(world, ep, experts, STEPS, rank, _tp(key))
     if rank == 0:
         g[STACKS[0]][min(1, g[STACKS[0]].shape[0] - 1)][0, 0] = float("nan")
     model(g).backward()
@@ -303,7 +372,8 @@ def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dic
 def _refusals(rank: int) -> dict[str, Any]:
     """One line each: exchange='ns-input' with cut experts and an optimizer without a split step
     (Shampoo); beside HSDP an expert mesh over the whole world (not one replica's ranks); an expert
-    mesh beside TP. And exchange='auto' with cut experts takes Muon's split step."""
+    mesh that carries TP's dimension (experts cut by TP beside expert parallelism). And
+    exchange='auto' with cut experts takes Muon's split step."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -324,24 +394,38 @@ def _refusals(rank: int) -> dict[str, Any]:
     fully_shard(toy, mesh=hsdp)
     out["hsdp"] = _message(lambda: _optimizer(toy, hsdp))
     out["tp"] = _message(lambda: _optimizer(*_beside_tp()))
+    out["tp-span"] = _message(lambda: _optimizer(*_beside_tp("span")))
+    out["tp-dense"] = _message(lambda: _optimizer(*_beside_tp("dense")))
     return out
 
 
-def _beside_tp() -> tuple[nn.Module, Any]:
-    """The toy with its dense parameters ``Replicate`` on a ``tp`` dimension (FSDP2 x TP on
-    ``("dp_shard", "tp")``), its experts on the expert mesh ``("efsdp", "ep")``."""
+def _beside_tp(kind: str = "etp") -> tuple[nn.Module, Any]:
+    """The toy's dense parameters ``Replicate`` on ``tp`` of ``("dp_shard", "tp")``, its experts
+    (``kind``) ``"etp"``: on an expert mesh that carries ``tp`` too, ``("efsdp", "ep", "tp")`` with
+    ``Shard(0)`` on ``ep`` and ``Shard(1)`` on ``tp`` (expert tensor parallelism, not what
+    torchtitan 0.3.0 builds); ``"span"``: on ``("efsdp", "ep")`` over one dp_shard index's TP
+    ranks (half the world, not the shard group); ``"dense"``: ``Shard(1)`` on the dense ``tp`` (torchtitan 0.3.0
+    with tp and without ep), then ``fully_shard`` on ``dp_shard`` like the rest."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    if kind == "etp":
+        sparse = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("efsdp", "ep", "tp"))
+        on_ep, pl_ep = sparse["ep", "tp"], [Shard(0), Shard(1)]
+    elif kind == "span":  # ranks (0, 1) and (2, 3): each expert mesh one dp_shard index's TP ranks
+        sparse = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("half", "efsdp", "ep"))
+        on_ep, pl_ep = sparse["ep"], [Shard(0)]
+    else:
+        on_ep, pl_ep = mesh["tp"], [Shard(1)]
     toy = TitanToy(4)
     for m in list(toy.modules()):
         for n, p in list(m.named_parameters(recurse=False)):
-            on, pl = (sparse["ep"], Shard(0)) if p.dim() == 3 else (mesh["tp"], Replicate())
-            setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), on, [pl])))
-    fully_shard(toy.layers["0"].moe.routed_experts.inner_experts, mesh=sparse["efsdp"])
+            on, pl = (on_ep, pl_ep) if p.dim() == 3 else (mesh["tp"], [Replicate()])
+            setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), on, pl)))
+    if kind != "dense":
+        fully_shard(toy.layers["0"].moe.routed_experts.inner_experts, mesh=sparse["efsdp"])
     fully_shard(toy, mesh=mesh["dp_shard"])
     return toy, mesh
 
@@ -376,7 +460,7 @@ def _results(world: int) -> list[dict]:
 def test_fsdp2_experts_match_single_device(key: str) -> None:
     world, ep, experts, _ = CASES[key]
     res = case_results(_results(world), "train", key)
-    ref = _reference(world, ep, experts)
+    ref = _reference(world, ep, experts, _tp(key))
     want = ref.params()
     cut = experts < world
     for r in res:
@@ -393,6 +477,9 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
     expect = "Shard(dim=1)" if cut else ("_StridedShard" if world // ep > 1 else "Shard(dim=0)")
     assert expect in res[0]["placements"][STACKS[0]], (key, res[0]["placements"])
     assert res[0]["placements"][STACKS[0]].startswith("(Replicate()") == (_replicate(key) > 1), (key, res[0]["placements"])
+    if _tp(key) > 1:  # the dense parameters are TP-cut beside the expert mesh, the experts are not
+        assert res[0]["placements"]["layers.0.attention.wq"].endswith(", Shard(dim=0))"), (key, res[0]["placements"])
+        assert res[0]["placements"]["norm.weight"].endswith(", Replicate())"), (key, res[0]["placements"])
     state = res[0]["state"]
     for n in STACKS:
         for e, m in enumerate(ref.momentum(n)):
@@ -402,7 +489,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
 @pytest.mark.slow
 def test_cut_experts_are_hosted_once_each() -> None:
     """Every expert of a cut stack is one hosted task on exactly one rank (lb-asc)."""
-    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns"):  # lb-asc: one host each
+    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns", "tp2-cut2x2"):  # lb-asc: one host each
         world, _, experts, _ = CASES[key]
         res = case_results(_results(world), "train", key)
         hosted = sorted(t for r in res for t in r["hosted"] if t.startswith(PREFIX))
@@ -423,4 +510,6 @@ def test_unserved_expert_layouts_are_refused_in_one_line() -> None:
         assert "exchange='ns-input' needs a matrix optimizer" in r["ns-input"] and "\n" not in r["ns-input"], r["ns-input"]
         assert r["auto"] is True, r["auto"]
         assert "not the shard groups" in r["hsdp"] and "dp_replicate" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
-        assert "expert mesh" in r["tp"] and "with tp" in r["tp"] and "\n" not in r["tp"], r["tp"]
+        assert "efsdp x ep = dp_shard x tp" in r["tp-span"] and "not the shard groups" in r["tp-span"] and "\n" not in r["tp-span"], r["tp-span"]
+        assert "experts cut by TP" in r["tp-dense"] and "('efsdp', 'ep') beside tp" in r["tp-dense"] and "\n" not in r["tp-dense"], r["tp-dense"]
+        assert "expert tensor parallelism" in r["tp"] and "('efsdp', 'ep') spanning TP's ranks" in r["tp"] and "\n" not in r["tp"], r["tp"]

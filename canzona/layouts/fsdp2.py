@@ -43,14 +43,17 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   then ``fully_shard`` on ``efsdp`` through ``shard_placement_fn``, giving ``("efsdp", "ep")`` with
   ``(_StridedShard(0) or Shard(1), Shard(0))``; under HSDP ``fully_shard`` on
   ``("dp_replicate", "efsdp")``, giving ``("dp_replicate", "efsdp", "ep")`` with ``Replicate`` in
-  front) whose own dimensions span exactly the shard groups (one replica's ranks each); an expert
-  mesh's own dimensions take no part in :func:`mesh_dim_roles`. Blocks holding whole experts
-  are updated where they live; a stack cut by its shard (``Shard(1)``) is one hosted task per
-  expert ``name[e]`` (:func:`expert_layouts`) within the shard group, under either exchange
-  (``"ns-input"``: each rank keeps the momentum of its rows of expert ``e``, and only the
-  Newton-Schulz input of the expert travels to its host). Refused in one line: an expert mesh
-  beside ``tp``, an expert mesh whose ranks are not the shard groups' (beside ``dp_replicate``
-  without it), any other expert placement;
+  front; beside ``tp`` on the dense mesh the same ``("efsdp", "ep")`` with efsdp x ep =
+  dp_shard x tp, the experts not cut by TP) whose own dimensions span exactly the shard groups
+  (one replica's ``dp_shard x tp`` ranks each); an expert mesh's own dimensions take no part in
+  :func:`mesh_dim_roles`. Blocks holding whole experts are updated where they live; a stack cut
+  by its shard (``Shard(1)``) is one hosted task per expert ``name[e]`` (:func:`expert_layouts`)
+  within the shard group, under either exchange (``"ns-input"``: each rank keeps the momentum of
+  its rows of expert ``e``, and only the Newton-Schulz input of the expert travels to its host).
+  Refused in one line: an expert mesh whose ranks are not the shard groups' (beside
+  ``dp_replicate`` without it, beside ``tp`` over fewer ranks), experts cut by TP (``Shard(d)`` on
+  ``tp``) or on an expert mesh carrying ``tp``, experts cut by their shard beside ``tp`` without an
+  expert mesh, any other expert placement;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -308,7 +311,8 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
     rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh (fully_shard's,
     HSDP's ``Replicate``, TP's ``Replicate``) or an expert mesh (expert parallelism: ``ep`` and the
     experts' own FSDP dimension, ``efsdp``, beside HSDP's ``Replicate`` dimension of the optimizer's
-    mesh when it has one) whose own dimensions span exactly the shard groups (one replica's ranks)."""
+    mesh when it has one, never TP's) whose own dimensions span exactly the shard groups (one
+    replica's ``dp_shard x tp`` ranks: beside tp, EP borrows TP's ranks as torchtitan builds it)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(p, DTensor):
@@ -318,29 +322,43 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
     own = [d for d in pnames if d not in names]
     where = f"{name}: an expert stack on mesh {pnames} with {tuple(p.placements)}"
     if own:
-        if "tp" in roles.values():
-            raise ValueError(f"{where}: an expert mesh of its own (expert parallelism) with tp on the optimizer's mesh "
-                             "is not supported on the FSDP2 path; it serves expert parallelism beside fully_shard's dimension and HSDP's (no tp)")
         # the expert mesh's own dimensions, with HSDP's dimension of the optimizer's mesh fixed, must
-        # span exactly the shard groups (one replica's ranks each): torchtitan's ("dp_replicate", "efsdp", "ep")
+        # span exactly the shard groups (one replica's dp_shard x tp ranks each): torchtitan's
+        # ("dp_replicate"?, "efsdp", "ep") with efsdp x ep = dp_shard x cp x tp (EP borrows TP's ranks)
+        if any(d in names and roles.get(d, d) == "tp" for d in pnames):
+            raise ValueError(f"{where}: an expert mesh that also carries the optimizer's tp dimension (expert tensor parallelism) "
+                             "is not supported on the FSDP2 path; it serves expert parallelism beside tp with the experts on a mesh "
+                             "of their own, ('efsdp', 'ep') spanning TP's ranks and not cut by TP, as torchtitan 0.3 builds it")
         proles = tuple(roles.get(d, d) if d in names else "experts" for d in pnames)
         theirs = sorted(fsdp_group_ranks(tuple(pm.mesh.shape), proles, pm.mesh.flatten().tolist()))
         groups = sorted(fsdp_group_ranks(tuple(mesh.mesh.shape), tuple(roles[d] for d in names), mesh.mesh.flatten().tolist()))
         if theirs != groups:
-            hsdp = " (beside dp_replicate the expert mesh carries it too, outermost: torchtitan's ('dp_replicate', 'efsdp', 'ep'))" if len(groups) > 1 else ""
+            hint = []
+            if len(groups) > 1:
+                hint.append("beside dp_replicate the expert mesh carries it too, outermost: torchtitan's ('dp_replicate', 'efsdp', 'ep')")
+            if "tp" in roles.values():
+                hint.append("beside tp it spans the dp_shard x tp ranks: efsdp x ep = dp_shard x tp, as torchtitan builds it")
+            more = f" ({'; '.join(hint)})" if hint else ""
             raise ValueError(f"{where}: its dimensions {tuple(d for d in pnames if d in own)} span the ranks {theirs}, not the shard groups "
-                             f"{groups}; the expert mesh must cover each shard group's ranks{hsdp}")
+                             f"{groups}; the expert mesh must cover each shard group's ranks{more}")
     cut = None
     for d, pl in zip(pnames, p.placements):
         k = pnames.index(d)
         if d in names and pm.size(k) != mesh.size(names.index(d)):
             raise ValueError(f"{name}: its mesh dimension {d!r} is not a dimension of the same size in the optimizer's mesh {names}")
         role = roles.get(d, d) if d in names else "experts"
+        if role == "tp" and _shard_dim(pl) is not None:
+            raise ValueError(f"{where}: experts cut by TP ({pl!r} on {d!r}: torchtitan's layout with tp and without ep) are not "
+                             "supported on the FSDP2 path; it serves experts not cut by TP: with ep > 1 on their own mesh "
+                             "('efsdp', 'ep') beside tp, or Replicate on tp")
         if role in ("dp_shard", "experts") and _shard_dim(pl) in (0, 1):
             cut = 1 if _shard_dim(pl) == 1 and pm.size(k) > 1 else cut
         elif not (role in ("dp_replicate", "tp") and isinstance(pl, Replicate)):
             raise ValueError(f"{where}: placement {pl!r} on {d!r} is not served; expert stacks take Shard(0) (whole experts) or "
                              "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Replicate on HSDP's and TP's")
+    if cut and not own and "tp" in roles.values():
+        raise ValueError(f"{where}: experts cut by their shard (Shard(1)) beside tp on the optimizer's mesh are not supported on the FSDP2 "
+                         "path; beside tp put them on an expert mesh of their own, ('efsdp', 'ep') spanning TP's ranks (torchtitan's layout)")
     return cut
 
 

@@ -89,7 +89,13 @@ def shard_inputs(
 
 
 def shard_specs(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
-    """Planner specs as an FSDP2 plan holds them: TP's split dim kept (None when not split), ``tp`` 1."""
+    """Planner specs as an FSDP2 plan holds them: TP's split dim kept (None when not split), ``tp`` 1.
+    A TP-split expert stack is refused (on FSDP2 an expert spec's dim 1 marks experts cut by their
+    shard, never by TP)."""
+    for s in specs:
+        if s.kind == "experts" and s.tp_split:
+            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2 (TP-split on dim {s.tp_dim}); served are whole "
+                            "experts per rank and experts cut on their rows by their shard, beside tp on an expert mesh of their own")
     return [ParamSpec(s.name, tuple(s.shape), s.kind, s.tp_dim if s.tp_split else None) for s in specs]
 
 
@@ -107,9 +113,10 @@ def _check_specs(specs: Sequence[ParamSpec], inputs: PlanInputs) -> None:
             raise PlanError(f"{s.name}: a matrix parameter must be 2-D on FSDP2, got {s.shape}")
         # an expert stack sharded on its expert dim gives each rank whole experts: updated where
         # they live, no micro-group; one cut on its rows (tp_dim 1) is one hosted task per expert
-        if s.kind == "experts" and s.tp_dim is not None and (inputs.tp > 1 or s.tp_dim != 1):
-            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2; served are whole experts per rank and, "
-                            f"without tp, experts cut on their rows by their shard (dim 1), got dim {s.tp_dim} with tp={inputs.tp}")
+        # (cut by its shard, never by TP: beside tp the experts live on an expert mesh of their own)
+        if s.kind == "experts" and s.tp_dim is not None and s.tp_dim != 1:
+            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2; served are whole experts per rank and "
+                            f"experts cut on their rows by their shard (dim 1), got dim {s.tp_dim}")
 
 
 def cut_experts(spec: ParamSpec) -> bool:
