@@ -433,6 +433,32 @@ def test_nonfinite_flags_on_cpu_sum_first_and_test_exactly_only_a_non_finite_sum
     assert sorted(calls) == [1000, 2000]
 
 
+def test_nonfinite_flags_small_cpu_tensors_summed_together_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the small tensors of a dtype are summed together first: when that sum is finite the
+    fused max-abs test is never called; when it is not (a NaN, or finite values whose sum
+    overflows) the exact test flags exactly the tensors that hold NaN or inf."""
+    from canzona.optim import _common
+
+    calls: list[int] = []
+    real = torch._foreach_norm
+
+    def counting(ts: list[torch.Tensor], *a: object, **k: object) -> object:
+        calls.append(len(ts))
+        return real(ts, *a, **k)
+
+    monkeypatch.setattr(_common.torch, "_foreach_norm", counting)
+    g = torch.Generator().manual_seed(2)
+    small = [torch.randn(8, 16, generator=g) for _ in range(50)]
+    assert _common.nonfinite_flags(small).tolist() == [False] * 50
+    assert calls == []
+    nan = [t.clone() for t in small]
+    nan[17][3, 5] = float("nan")
+    assert _common.nonfinite_flags(nan).tolist() == [k == 17 for k in range(50)]
+    big = [torch.full((4, 4), torch.finfo(torch.float32).max) for _ in range(3)]  # finite; the sum is inf
+    assert _common.nonfinite_flags(big).tolist() == [False] * 3
+    assert calls == [50, 3]
+
+
 def test_finite_grads_verified_skips_only_the_finiteness_test() -> None:
     """Inside ``finite_grads_verified()`` a caller vouches for finiteness: a NaN gradient is not
     read again (the runtimes test the same tensors before any update); outside it, and after it,

@@ -551,7 +551,7 @@ class _GroupViews:
       the views of every received (``assemble``) and own (``local_in``) block inside them."""
 
     __slots__ = ("pack", "pack_names", "pack_shapes", "back_send", "back_send_copies", "back_recv", "back_recv_copies",
-                 "full", "assemble_dst", "assemble_src", "local_dst", "local_names", "local_shapes")
+                 "back_recv_hosts", "full", "assemble_dst", "assemble_src", "local_dst", "local_names", "local_shapes")
 
     def __init__(self, g: ExchangeGroup, slots: ExchangeSlots, assembly: torch.Tensor | None) -> None:
         self.pack = [_slot_view(slots.gather_shard, c) for c in g.pack]
@@ -561,6 +561,9 @@ class _GroupViews:
         self.back_send = [_slot_view(slots.scatter_full, c) for c in self.back_send_copies]
         self.back_recv_copies = [c for c in g.unpack_back if c.numel]
         self.back_recv = [_slot_view(slots.scatter_shard, c) for c in self.back_recv_copies]
+        host = {t.name: t.host for t in g.tasks}
+        #: the host of each received copy's task (whose ``computed`` flag the split step reads)
+        self.back_recv_hosts = [host[c.name] for c in self.back_recv_copies]
         self.full: dict[str, torch.Tensor] = {}
         self.assemble_dst: list[torch.Tensor] = []
         self.assemble_src: list[torch.Tensor] = []
@@ -695,6 +698,7 @@ class MicroGroupEngine:
         #: every rank computes every task (no scatter)
         self.sync: bool = kinds == {True}
         self.tasks: dict[str, ExchangeTask] = {t.name: t for g in self.groups for t in g.tasks}
+        self._full_shapes: dict[str, tuple[int, ...]] = {n: t.layout.full_shape for n, t in self.tasks.items()}
         #: names whose matrix operation runs on this rank (and, unless split, whose full master and state live here)
         self.hosted: tuple[str, ...] = tuple(n for g in self.groups for n in g.hosted)
         self._reserve_slots()
@@ -945,7 +949,7 @@ class MicroGroupEngine:
             recv = self.slots.scatter_shard
             computed = [bool(f) for f in recv[list(g.flag_recv)].tolist()] if g.flag_recv else []
             v = self._views[g.index]
-            blocks = [(c.name, view, computed[self.tasks[c.name].host]) for c, view in zip(v.back_recv_copies, v.back_recv)]
+            blocks = [(c.name, view, computed[h]) for c, view, h in zip(v.back_recv_copies, v.back_recv, v.back_recv_hosts)]
             mine = r.own_results.pop(g.index, {})
             ok = r.valid.get(g.index, False)
             blocks += [(c.name, mine[c.name][c.index], ok) for c in g.local_back]
@@ -961,7 +965,8 @@ class MicroGroupEngine:
         if not names:
             return
         pieces = [self.pieces[n] for n in names]
-        self.optimizer.matrix_apply(pieces, moms, outs, [self.tasks[n].layout.full_shape for n in names])  # type: ignore[union-attr]
+        shapes = self._full_shapes
+        self.optimizer.matrix_apply(pieces, moms, outs, [shapes[n] for n in names])  # type: ignore[union-attr]
         copy = [(r.dest[n], piece) for n, piece in zip(names, pieces) if r.dest[n] is not piece]
         if copy:
             torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
