@@ -312,14 +312,15 @@ SHARDED_LAYOUTS: dict[str, tuple[int, int, str]] = {
     "cut4-ns": (1, 1, "ns-input"),
     "hsdp2-ep2": (2, 2, "gradients"),
 }
-#: the chains of saves and loads: (saver, [(loader, form)]); the saver of each chain is the first
-#: ``form`` ``"dcp"`` (``save_sharded`` / ``load_sharded``) loader of that name in the chain before
-#: (the first chain's is ``cut2x2`` after one step); ``"stateful"`` is ``dcp.save({"optim": opt})``
-#: / ``dcp.load``
+#: the chains of sharded saves and loads: (saver, ((loader, form), ...)). Form ``"dcp"`` is
+#: ``save_sharded`` / ``load_sharded``, ``"stateful"`` ``dcp.save({"optim": opt})`` / ``dcp.load``.
+#: The first chain's saver is ``cut2x2`` after one step, each later one the ``"dcp"`` loader of its
+#: name in the chain before (after that chain's next step): cut into cut (other efsdp x ep, other
+#: exchange), cut into whole, whole into cut, split-step regions into whole
 SHARDED_CHAINS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("cut2x2", (("cut4", "dcp"), ("hsdp2-ep2", "dcp"), ("cut4", "stateful"), ("hsdp2-ep2", "stateful"), ("cut4-ns", "dcp"))),
-    ("hsdp2-ep2", (("cut2x2", "stateful"), ("cut4", "stateful"), ("cut2x2-ns", "dcp"))),
-    ("cut2x2-ns", (("hsdp2-ep2", "dcp"), ("cut4", "stateful"))),
+    ("cut2x2", (("cut4", "dcp"), ("hsdp2-ep2", "dcp"), ("hsdp2-ep2", "stateful"), ("cut4-ns", "stateful"))),
+    ("hsdp2-ep2", (("cut2x2-ns", "dcp"), ("cut4", "stateful"))),
+    ("cut2x2-ns", (("hsdp2-ep2", "dcp"),)),
 )
 
 
@@ -353,11 +354,12 @@ def _next_step_differences(rank: int, runs: list[tuple[str, nn.Module, Any]], st
 
 
 def _sharded_across_layouts(rank: int) -> dict[str, Any]:
-    """Sharded checkpoints of a two-expert model across its layouts (:data:`SHARDED_CHAINS`): cut
-    experts into cut ones (another efsdp x ep, the other exchange) and into whole ones, whole into
-    cut, split-step regions into whole experts, through ``save_sharded`` and the Stateful form.
-    After each chain's loads, saver and loaders take the same next step and must agree bit for
-    bit. Last, a flipped byte inside a stored cut expert's master is refused."""
+    """Sharded checkpoints of a two-expert model across its layouts, along :data:`SHARDED_CHAINS`:
+    after each chain's loads, saver and loaders take the same next step and must agree bit for bit
+    (every parameter, every state tensor). Then the first chain's checkpoints are loaded into a
+    four-expert model (:func:`_other_model_refused`) and a flipped byte inside a stored cut expert
+    is refused (:func:`_flipped_expert_byte`). The directories live in one temporary folder that
+    rank 0 makes and removes."""
     import shutil
     import tempfile
 
@@ -378,8 +380,11 @@ def _sharded_across_layouts(rank: int) -> dict[str, Any]:
         out: dict[str, Any] = {"chains": [], "layouts": {}}
         for c, (name, loaders) in enumerate(SHARDED_CHAINS):
             assert saver[0] == name, (saver[0], name)
-            save_sharded(saver[2], f"{folder}/{c}.dcp")
-            dcp.save({"optim": saver[2]}, checkpoint_id=f"{folder}/{c}.stateful")
+            forms = {form for _, form in loaders} | ({"dcp", "stateful"} if c == 0 else set())  # the refusals read chain 0's
+            if "dcp" in forms:
+                save_sharded(saver[2], f"{folder}/{c}.dcp")
+            if "stateful" in forms:
+                dcp.save({"optim": saver[2]}, checkpoint_id=f"{folder}/{c}.stateful")
             runs = [saver]
             for i, (key, form) in enumerate(loaders):
                 model, opt = _built(key, 10 * c + i + 1)  # other values: the load must bring the saved ones
@@ -394,12 +399,37 @@ def _sharded_across_layouts(rank: int) -> dict[str, Any]:
                                        len([t for t in opt.runtime.engine.hosted if t.startswith(PREFIX)]), opt.runtime.engine.split)
             if c + 1 < len(SHARDED_CHAINS):
                 saver = next(r for r, (_, form) in zip(runs[1:], loaders) if r[0] == SHARDED_CHAINS[c + 1][0] and form == "dcp")
+        out["other_model"] = _other_model_refused(f"{folder}/0")
         out["flipped"] = _flipped_expert_byte(rank, f"{folder}/0.dcp", runs[-1][2])
         return out
     finally:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _other_model_refused(path: str) -> dict[str, Any]:
+    """The two-expert checkpoints (``path.dcp``, ``path.stateful``) loaded into a four-expert model
+    (``ep2x2``): ``load_sharded`` refuses it in one line; ``dcp.load`` of the Stateful form fails in
+    torch's own planner (a size mismatch, a ``CheckpointException`` on every rank) before it reads
+    anything or calls ``load_state_dict``. Either way nothing changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from canzona.runtime.dcp import load_sharded
+    from harness import held_snapshot, load_refused, tensors_equal
+
+    model, mesh = _titan(4, 2, 4, seed=30)
+    opt = _optimizer(model, mesh)
+    out: dict[str, Any] = {"dcp": load_refused(opt, lambda o: load_sharded(o, f"{path}.dcp"))}
+    before = held_snapshot(opt)
+    try:
+        dcp.load({"optim": opt}, checkpoint_id=f"{path}.stateful")
+        msg = "loaded"
+    except CheckpointException as exc:  # a BaseException: attempt() would not catch it
+        msg = f"{type(exc).__name__}: {exc}"
+    out["stateful"] = {"error": msg, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
+    return out
 
 
 def _flipped_expert_byte(rank: int, path: str, opt: Any) -> dict[str, Any]:
@@ -553,6 +583,10 @@ def test_sharded_checkpoints_of_experts_cross_cut_and_whole_layouts() -> None:
             cut = key.startswith("cut")
             assert ("Shard(dim=1)" in placements) == cut and (local == 0) == cut and (cut or hosted == 0), (key, r["layouts"][key])
             assert split == key.endswith("-ns"), (key, split)
+        other = r["other_model"]  # another model's checkpoint (four experts, not two)
+        assert other["dcp"]["error"] == "layers.0.moe.router.gate: checkpoint holds shape [2, 8], the model [4, 8]", other["dcp"]
+        assert "Size mismatch" in other["stateful"]["error"], other["stateful"]["error"][:300]
+        assert other["dcp"]["untouched"] and other["stateful"]["untouched"], other
         flip = r["flipped"]
         assert "fails its checksum" in flip["error"] and "\n" not in flip["error"] and flip["untouched"], flip
 
