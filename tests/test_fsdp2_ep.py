@@ -369,6 +369,161 @@ def _one_rank_holds(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dic
     return out
 
 
+#: the layouts of a two-expert model at world 4 the sharded (DCP) checkpoints cross: name -> (ep,
+#: dp_replicate, exchange). ``cut2x2`` and ``cut4`` cut each expert by its shard (``Shard(1)``; the
+#: ``-ns`` ones under Muon's split step), ``hsdp2-ep2`` (dp_replicate 2 x (efsdp 1 x ep 2)) holds
+#: whole experts, one per rank: at world 4 torchtitan cuts a two-expert stack in every layout
+#: without HSDP (a rank's EP share of one expert is less than its efsdp degree)
+SHARDED_LAYOUTS: dict[str, tuple[int, int, str]] = {
+    "cut2x2": (2, 1, "gradients"),
+    "cut4": (1, 1, "gradients"),
+    "cut2x2-ns": (2, 1, "ns-input"),
+    "cut4-ns": (1, 1, "ns-input"),
+    "hsdp2-ep2": (2, 2, "gradients"),
+}
+#: the chains of sharded saves and loads: (saver, ((loader, form), ...)). Form ``"dcp"`` is
+#: ``save_sharded`` / ``load_sharded``, ``"stateful"`` ``dcp.save({"optim": opt})`` / ``dcp.load``.
+#: The first chain's saver is ``cut2x2`` after one step, each later one the ``"dcp"`` loader of its
+#: name in the chain before (after that chain's next step): cut into cut (other efsdp x ep, other
+#: exchange), cut into whole, whole into cut, split-step regions into whole
+SHARDED_CHAINS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("cut2x2", (("cut4", "dcp"), ("hsdp2-ep2", "dcp"), ("hsdp2-ep2", "stateful"), ("cut4-ns", "stateful"))),
+    ("hsdp2-ep2", (("cut2x2-ns", "dcp"), ("cut4", "stateful"))),
+    ("cut2x2-ns", (("hsdp2-ep2", "dcp"),)),
+)
+
+
+def _built(key: str, seed: int) -> tuple[nn.Module, Any]:
+    """One of :data:`SHARDED_LAYOUTS` (two experts, world 4) and its optimizer."""
+    ep, replicate, exchange = SHARDED_LAYOUTS[key]
+    model, mesh = _titan(4, ep, 2, seed=seed, replicate=replicate)
+    return model, _optimizer(model, mesh, exchange=exchange)
+
+
+def _next_step_differences(rank: int, runs: list[tuple[str, nn.Module, Any]], step: int) -> dict[str, list[str]]:
+    """Every run takes the same step (the summed gradients of ``step``, whatever its layout); what
+    differs from the first run afterwards, per run: parameters and every state tensor."""
+    full = _summed(4, 2, 2, step)
+    for key, model, opt in runs:
+        model(_one_rank_holds(full, SHARDED_LAYOUTS[key][0], rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = [{n: p.full_tensor() for n, p in model.named_parameters()} for _, model, _ in runs]
+    docs = [opt.consolidated_state_dict() for _, _, opt in runs]  # collective; the documents on rank 0
+    out = {}
+    for i, (key, _, _) in enumerate(runs[1:], 1):
+        bad = [n for n in params[0] if not torch.equal(params[0][n], params[i][n])]
+        if rank == 0:
+            a, b = docs[0]["state"], docs[i]["state"]
+            bad += [f"state {n}" for n in a if set(a[n]) != set(b.get(n, {}))]
+            bad += [f"state {n}.{k}" for n, st in a.items() for k, v in st.items()
+                    if torch.is_tensor(v) and k in b.get(n, {}) and not torch.equal(v, b[n][k])]
+        out[f"{i}:{key}"] = bad
+    return out
+
+
+def _sharded_across_layouts(rank: int) -> dict[str, Any]:
+    """Sharded checkpoints of a two-expert model across its layouts, along :data:`SHARDED_CHAINS`:
+    after each chain's loads, saver and loaders take the same next step and must agree bit for bit
+    (every parameter, every state tensor). Then the first chain's checkpoints are loaded into a
+    four-expert model (:func:`_other_model_refused`) and a flipped byte inside a stored cut expert
+    is refused (:func:`_flipped_expert_byte`). The directories live in one temporary folder that
+    rank 0 makes and removes."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.dcp import load_sharded, save_sharded
+
+    box = [tempfile.mkdtemp(prefix="canzona-fsdp2-ep-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    try:
+        model, opt = _built("cut2x2", 0)
+        model(_grads(4, 2, 2, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        saver = ("cut2x2", model, opt)
+        out: dict[str, Any] = {"chains": [], "layouts": {}}
+        for c, (name, loaders) in enumerate(SHARDED_CHAINS):
+            assert saver[0] == name, (saver[0], name)
+            forms = {form for _, form in loaders} | ({"dcp", "stateful"} if c == 0 else set())  # the refusals read chain 0's
+            if "dcp" in forms:
+                save_sharded(saver[2], f"{folder}/{c}.dcp")
+            if "stateful" in forms:
+                dcp.save({"optim": saver[2]}, checkpoint_id=f"{folder}/{c}.stateful")
+            runs = [saver]
+            for i, (key, form) in enumerate(loaders):
+                model, opt = _built(key, 10 * c + i + 1)  # other values: the load must bring the saved ones
+                if form == "dcp":
+                    load_sharded(opt, f"{folder}/{c}.dcp")
+                else:
+                    dcp.load({"optim": opt}, checkpoint_id=f"{folder}/{c}.stateful")
+                runs.append((key, model, opt))
+            out["chains"].append(_next_step_differences(rank, runs, c + 1))
+            for key, model, opt in runs:
+                out["layouts"][key] = (repr(tuple(dict(model.named_parameters())[STACKS[0]].placements)), len(opt.runtime.expert_masters),
+                                       len([t for t in opt.runtime.engine.hosted if t.startswith(PREFIX)]), opt.runtime.engine.split)
+            if c + 1 < len(SHARDED_CHAINS):
+                saver = next(r for r, (_, form) in zip(runs[1:], loaders) if r[0] == SHARDED_CHAINS[c + 1][0] and form == "dcp")
+        out["other_model"] = _other_model_refused(f"{folder}/0")
+        out["flipped"] = _flipped_expert_byte(rank, f"{folder}/0.dcp", runs[-1][2])
+        return out
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _other_model_refused(path: str) -> dict[str, Any]:
+    """The two-expert checkpoints (``path.dcp``, ``path.stateful``) loaded into a four-expert model
+    (``ep2x2``): ``load_sharded`` refuses it in one line; ``dcp.load`` of the Stateful form fails in
+    torch's own planner (a size mismatch, a ``CheckpointException`` on every rank) before it reads
+    anything or calls ``load_state_dict``. Either way nothing changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from canzona.runtime.dcp import load_sharded
+    from harness import held_snapshot, load_refused, tensors_equal
+
+    model, mesh = _titan(4, 2, 4, seed=30)
+    opt = _optimizer(model, mesh)
+    out: dict[str, Any] = {"dcp": load_refused(opt, lambda o: load_sharded(o, f"{path}.dcp"))}
+    before = held_snapshot(opt)
+    try:
+        dcp.load({"optim": opt}, checkpoint_id=f"{path}.stateful")
+        msg = "loaded"
+    except CheckpointException as exc:  # a BaseException: attempt() would not catch it
+        msg = f"{type(exc).__name__}: {exc}"
+    out["stateful"] = {"error": msg, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
+    return out
+
+
+def _flipped_expert_byte(rank: int, path: str, opt: Any) -> dict[str, Any]:
+    """Rank 0 flips one byte inside the stored master of expert 1 of the first stack (a chunk a
+    cut expert's host wrote); loading the directory into ``opt`` must be refused on every rank,
+    nothing changed."""
+    import torch.distributed as dist
+
+    from canzona.runtime import dcp_files
+    from canzona.runtime.dcp import load_sharded
+    from harness import load_refused
+
+    if rank == 0:
+        md = dcp_files.read_metadata(path)
+        key = f"optim.{STACKS[0]}.master"
+        idx, info = next((i, s) for i, s in md.storage_data.items() if i.fqn == key and tuple(i.offset)[0] == 1)
+        with open(f"{path}/{info.relative_path}", "r+b") as f:
+            f.seek(int(info.offset) + int(info.length) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+    dist.barrier()
+    return load_refused(opt, lambda o: load_sharded(o, path))
+
+
 def _refusals(rank: int) -> dict[str, Any]:
     """One line each: exchange='ns-input' with cut experts and an optimizer without a split step
     (Shampoo); beside HSDP an expert mesh over the whole world (not one replica's ranks); an expert
@@ -442,6 +597,7 @@ def worker(rank: int, world: int) -> bytes:
     out: dict[str, Any] = {"train": {k: attempt(_train, rank, k) for k, c in CASES.items() if c[0] == world}}
     if world == 4:
         out["across"] = {ex: attempt(_across_layouts, rank, *ex) for ex in ACROSS}
+        out["sharded"] = {None: attempt(_sharded_across_layouts, rank)}
         out["refused"] = {None: attempt(_refusals, rank)}
     return pack(out)
 
@@ -502,6 +658,24 @@ def test_checkpoint_of_cut_experts_loads_into_another_layout(exchanges: tuple[st
     for r in case_results(_results(4), "across", exchanges):
         assert r["bad"] == [], (exchanges, r["bad"])
         assert r["split"] == [ex == "ns-input" for ex in exchanges], (exchanges, r["split"])
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_of_experts_cross_cut_and_whole_layouts() -> None:
+    for r in case_results(_results(4), "sharded"):
+        for (_, loaders), got in zip(SHARDED_CHAINS, r["chains"], strict=True):
+            assert list(got) == [f"{i}:{key}" for i, (key, _) in enumerate(loaders, 1)], got
+            assert all(v == [] for v in got.values()), got
+        for key, (placements, local, hosted, split) in r["layouts"].items():  # what each layout really is
+            cut = key.startswith("cut")
+            assert ("Shard(dim=1)" in placements) == cut and (local == 0) == cut and (cut or hosted == 0), (key, r["layouts"][key])
+            assert split == key.endswith("-ns"), (key, split)
+        other = r["other_model"]  # another model's checkpoint (four experts, not two)
+        assert other["dcp"]["error"] == "layers.0.moe.router.gate: checkpoint holds shape [2, 8], the model [4, 8]", other["dcp"]
+        assert "Size mismatch" in other["stateful"]["error"], other["stateful"]["error"][:300]
+        assert other["dcp"]["untouched"] and other["stateful"]["untouched"], other
+        flip = r["flipped"]
+        assert "fails its checksum" in flip["error"] and "\n" not in flip["error"] and flip["untouched"], flip
 
 
 @pytest.mark.slow
