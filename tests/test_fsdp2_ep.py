@@ -35,6 +35,10 @@ the split step with cut experts; refusals of ``ns-input`` with an optimizer that
 (Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks),
 beside TP of an expert mesh carrying ``tp`` (expert tensor parallelism), of one over fewer ranks
 than fsdp x tp and of experts cut by the dense ``tp`` (torchtitan with tp, no ep) are one line.
+The sharded forms (``save_sharded`` / ``load_sharded`` and DCP's Stateful ``dcp.save`` /
+``dcp.load``) of a two-expert model cross its cut, whole, HSDP and split-step layouts
+(:data:`SHARDED_CHAINS`), each chain's next step bitwise equal; a four-expert model refuses them
+and a flipped byte in a stored expert is refused, nothing changed.
 """
 
 from __future__ import annotations
