@@ -56,6 +56,8 @@ __all__ = [
     "MemoryEstimate",
     "available_memory_bytes",
     "check_memory",
+    "check_gpu_memory",
+    "gpu_fit",
     "memory_estimate",
     "OPTIMIZERS",
     "TP_STYLES",
@@ -243,24 +245,44 @@ def check_model(config: TrainConfig) -> ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class MemoryEstimate:
-    """A lower bound on the host memory a run needs over all its local ranks, in bytes: model
-    parameters and their gradients (TP-local, on every rank), and the activations of one step
-    (hidden states kept for the backward, the logits and their gradient, one layer's attention
-    scores, the token ids). Real use is higher (optimizer state, masters, temporaries), so a run
-    refused on this bound could never fit."""
+    """A lower bound on the memory a run needs, in bytes, per rank and over its local ranks.
+
+    ``params`` and ``activations`` are what each rank keeps on its device: the model parameters
+    and their gradients (TP-local), and the activations of one step (hidden states kept for the
+    backward, the logits and their gradient, one layer's attention scores, the token ids).
+    ``host_data`` is what each rank keeps on the host whatever its device: the synthetic data's
+    Markov chain (two float64 ``vocab x vocab`` tables, :class:`canzona.models.data.MarkovData`)
+    and, when the model lives on a GPU, the host copy of the token ids and the fp32 CPU draw of the
+    largest weight at initialization. ``gpu`` says whether the ranks' device is a GPU (one per
+    rank, :func:`_device`); then :attr:`per_rank` is each GPU's share and the host holds only
+    ``host_data`` per rank. Real use is higher (optimizer state, masters, temporaries, the CUDA
+    context), so a run refused on this bound could never fit."""
 
     params: int
     activations: int
     ranks: int
+    host_data: int = 0
+    gpu: bool = False
+
+    @property
+    def per_rank(self) -> int:
+        """Bytes each rank keeps on its device (its GPU, or the host without CUDA)."""
+        return self.params + self.activations
+
+    @property
+    def host_per_rank(self) -> int:
+        """Bytes each rank keeps on the host."""
+        return self.host_data + (0 if self.gpu else self.per_rank)
 
     @property
     def total(self) -> int:
-        return self.ranks * (self.params + self.activations)
+        """Host bytes over all local ranks."""
+        return self.ranks * self.host_per_rank
 
 
 def memory_estimate(config: TrainConfig, cfg: ModelConfig) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of ``config`` training ``cfg`` (arithmetic only: nothing is
-    allocated)."""
+    allocated). The device is a GPU when the run's backend is NCCL (:attr:`TrainConfig.resolved_backend`)."""
     h, hd, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     # attention (q, k, v, o), MLP (gate, up, down) and norms per layer; embedding, head, final norm
@@ -270,13 +292,20 @@ def memory_estimate(config: TrainConfig, cfg: ModelConfig) -> MemoryEstimate:
     params = 2 * n_params * elem // config.tp  # parameters and gradients
     local_batch = config.batch_size // config.dp
     tokens = local_batch * config.seq_len
+    ids = 2 * tokens * 8  # int64 ids and labels
     acts = (
         cfg.num_hidden_layers * tokens * h * 4 * elem  # residual stream, two norms, attention output
         + 2 * tokens * (vocab // config.tp) * 4  # fp32 logits and their gradient
         + local_batch * (heads // config.tp) * config.seq_len**2 * 4  # one layer's attention scores
-        + 2 * tokens * 8  # int64 ids and labels
+        + ids
     )
-    return MemoryEstimate(params=params, activations=acts, ranks=config.world_size)
+    gpu = config.resolved_backend == "nccl"
+    host_data = 2 * vocab * vocab * 8  # the data's float64 transition probabilities and their CDF
+    if gpu:
+        # the ids are drawn on the host, and every weight is drawn full-size in fp32 on the CPU
+        # before it is copied to the GPU (one at a time: the largest one counts)
+        host_data += ids + 4 * max(vocab * h, h * inter, h * hd * heads)
+    return MemoryEstimate(params=params, activations=acts, ranks=config.world_size, host_data=host_data, gpu=gpu)
 
 
 def available_memory_bytes() -> int | None:
@@ -295,20 +324,70 @@ def available_memory_bytes() -> int | None:
         return None
 
 
+_ADVICE = "use a smaller model, --batch-size or --seq-len"
+
+
 def check_memory(config: TrainConfig, cfg: ModelConfig, available: int | None = None) -> MemoryEstimate:
     """Raise ValueError, saying how much is needed, when ``config`` cannot fit in this machine's
-    memory (before anything is allocated or any worker starts). Only host memory is checked: with
-    CUDA the model lives on the GPUs, and their allocator reports its own errors."""
+    host memory (``available`` bytes; by default :func:`available_memory_bytes`), before anything
+    is allocated or any worker starts. Without CUDA the host holds everything; with CUDA it holds
+    the ranks' :attr:`MemoryEstimate.host_data`, and each GPU's share is checked by
+    :func:`check_gpu_memory` in the workers (CUDA is not touched here: a CUDA context in the
+    launcher would hold memory on every GPU for the whole run, and would keep the workers off a
+    GPU in exclusive-process mode)."""
     est = memory_estimate(config, cfg)
-    if config.resolved_backend == "nccl":
-        return est
     free = available_memory_bytes() if available is None else available
     if free is not None and est.total > free:
+        if est.gpu:
+            what = (f"{_gib(est.host_data)} of synthetic data and initialization draws per rank, {est.ranks} rank(s); "
+                    "the model itself lives on the GPUs")
+        else:
+            what = (f"{_gib(est.params)} of parameters and gradients, {_gib(est.activations)} of activations and "
+                    f"{_gib(est.host_data)} of synthetic data per rank, {est.ranks} rank(s)")
         raise ValueError(
-            f"{cfg.name} with batch {config.batch_size} x {config.seq_len} tokens needs at least {_gib(est.total)} of memory "
-            f"({_gib(est.params)} of parameters and gradients and {_gib(est.activations)} of activations per rank, "
-            f"{est.ranks} rank(s)); this machine has {_gib(free)} available: use a smaller model, --batch-size or --seq-len"
+            f"{cfg.name} with batch {config.batch_size} x {config.seq_len} tokens needs at least {_gib(est.total)} of "
+            f"{'host ' if est.gpu else ''}memory ({what}); this machine has {_gib(free)} available: {_ADVICE}"
         )
+    return est
+
+
+def gpu_fit(est: MemoryEstimate, cfg: ModelConfig, config: TrainConfig, free_by_rank: Sequence[tuple[int, int, int]]) -> None:
+    """Raise ValueError (one line) when some rank's GPU cannot hold its ranks' share of ``est``.
+
+    ``free_by_rank[r]`` is ``(gpu index, free bytes, ranks on that GPU)`` as rank ``r`` read it
+    before allocating anything; the line names the first rank whose GPU falls short, what it
+    needs and what is free. Pure: every rank calls it with the same figures and raises the same
+    line."""
+    for rank, (index, free, sharing) in enumerate(free_by_rank):
+        need = sharing * est.per_rank
+        if need > free:
+            shared = f", {sharing} ranks on it" if sharing > 1 else ""
+            raise ValueError(
+                f"{cfg.name} with batch {config.batch_size} x {config.seq_len} tokens needs at least {_gib(need)} of "
+                f"memory on GPU cuda:{index} of rank {rank} ({_gib(est.params)} of parameters and gradients and "
+                f"{_gib(est.activations)} of activations per rank{shared}); it has {_gib(free)} free: {_ADVICE}"
+            )
+
+
+def check_gpu_memory(config: TrainConfig, cfg: ModelConfig, device: torch.device) -> MemoryEstimate:
+    """Refuse, on every rank and before the mesh or the model is allocated, a run whose per-GPU
+    share does not fit in some rank's GPU: each rank reads its GPU's free memory
+    (``torch.cuda.mem_get_info``, on the context it creates anyway), one all-gather shares the
+    figures, and :func:`gpu_fit` decides the same way everywhere. Collective: every rank calls it
+    (:func:`train` does, after :func:`_device`). Ranks that share a GPU (more local ranks than
+    GPUs: rank ``r`` uses GPU ``r % count``) share its free memory."""
+    est = memory_estimate(config, cfg)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free = int(torch.cuda.mem_get_info(index)[0])
+    count = max(1, torch.cuda.device_count())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    sharing = max(1, sum(1 for r in range(local_world) if r % count == index % count))
+    # NCCL gathers device tensors; on gloo (tests) the figures travel on the host
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([index, free, sharing], dtype=torch.int64, device=where)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    gpu_fit(est, cfg, config, [tuple(int(v) for v in t.tolist()) for t in every])  # type: ignore[misc]
     return est
 
 
@@ -348,6 +427,8 @@ def _train(config: TrainConfig, cfg: Any, on_step: Callable[[int, float, dict[st
     from canzona.runtime.phases import phase, timing
 
     device = _device(config.resolved_backend)
+    if device.type == "cuda":
+        check_gpu_memory(config, cfg, device)  # before the mesh and the model take any of it
     mesh, model, opt, tp_dims, (dp_rank, tp_rank) = _setup(config, cfg, device)
     dp_group = mesh.get_group("dp") if config.tp > 1 else mesh.get_group()
     losses: list[float] = []

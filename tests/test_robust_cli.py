@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from canzona.cli import main
 from canzona.fileio import atomic_write
@@ -319,7 +320,9 @@ def test_validate_report_folder_holding_a_report(capsys, tmp_path: Path) -> None
     [
         (["--batch-size", "1000000000"], "batch 1000000000 x 64 tokens needs at least"),
         (["--seq-len", "1000000000"], "batch 8 x 1000000000 tokens needs at least"),
-        (["--model", "qwen3-32b"], "qwen3-32b with batch 8 x 64 tokens needs at least 2"),
+        (["--model", "qwen3-32b"], "qwen3-32b with batch 8 x 64 tokens needs at least 5"),
+        # 2.6 GiB of parameters and gradients, but two float64 151936^2 tables of synthetic data
+        (["--model", "qwen3-0.6b"], "qwen3-0.6b with batch 8 x 64 tokens needs at least 349.2 GiB of memory"),
     ],
 )
 def test_train_refuses_what_cannot_fit_in_memory(capsys, monkeypatch, argv: list[str], needle: str) -> None:
@@ -338,6 +341,77 @@ def test_memory_estimate_accepts_the_default_run() -> None:
     cfg = TrainConfig(backend="gloo")
     est = check_memory(cfg, check_model(cfg), available=1 << 30)  # the default run fits in 1 GiB
     assert 0 < est.total < 1 << 28
+
+
+def _fake_gpu(monkeypatch, free: int, count: int = 1) -> None:
+    """The in-process train sees a GPU: its device is cuda:0 (the gloo group still gathers on the
+    host) with ``free`` bytes free; the host has plenty."""
+    import canzona.train
+
+    monkeypatch.setattr(canzona.train, "available_memory_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(canzona.train, "_device", lambda backend: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 141 << 30))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_train_refuses_what_cannot_fit_on_the_gpu(capsys, monkeypatch) -> None:
+    """Each rank reads its GPU's free memory before the mesh or the model is allocated."""
+    _fake_gpu(monkeypatch, 16 << 30)
+    _, line, _ = _one_line(capsys, ["train", "--backend", "gloo", "--no-log", "--model", "qwen3-32b"])
+    assert line.endswith(
+        "qwen3-32b with batch 8 x 64 tokens needs at least 247.2 GiB of memory on GPU cuda:0 of rank 0 (244.1 GiB of "
+        "parameters and gradients and 3.1 GiB of activations per rank); it has 16.0 GiB free: use a smaller model, "
+        "--batch-size or --seq-len"
+    ), line
+
+
+def test_train_accepts_what_fits_on_the_gpu(capsys, monkeypatch) -> None:
+    """A run that fits goes on to build its mesh and model (stopped there: this machine has no GPU)."""
+    import canzona.train
+
+    _fake_gpu(monkeypatch, 1 << 30)
+
+    def setup(*args, **kwargs):
+        raise ValueError("reached the set-up")
+
+    monkeypatch.setattr(canzona.train, "_setup", setup)
+    _, line, _ = _one_line(capsys, ["train", "--backend", "gloo", "--no-log"])
+    assert "reached the set-up" in line, line
+
+
+def test_gpu_fit_counts_the_ranks_sharing_a_gpu() -> None:
+    from canzona.train import TrainConfig, check_model, gpu_fit, memory_estimate
+
+    config = TrainConfig(backend="gloo", dp=2)
+    cfg = check_model(config)
+    est = memory_estimate(config, cfg)
+    gpu_fit(est, cfg, config, [(0, est.per_rank, 1), (1, est.per_rank, 1)])  # exactly enough on each
+    gpu_fit(est, cfg, config, [(0, 2 * est.per_rank, 2), (0, 2 * est.per_rank, 2)])  # two ranks, one GPU
+    with pytest.raises(ValueError, match=r"on GPU cuda:1 of rank 1 .*per rank\); it has") as err:
+        gpu_fit(est, cfg, config, [(0, est.per_rank, 1), (1, est.per_rank - 1, 1)])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"on GPU cuda:0 of rank 0 .*per rank, 2 ranks on it\); it has"):
+        gpu_fit(est, cfg, config, [(0, 2 * est.per_rank - 1, 2), (0, 2 * est.per_rank - 1, 2)])
+
+
+def test_host_check_with_cuda_counts_what_the_host_holds(monkeypatch) -> None:
+    """With CUDA the parameters, gradients and activations are the GPUs'; the host keeps the
+    synthetic data and the initialization draws, and is still checked for them."""
+    from canzona.train import TrainConfig, check_memory, check_model, memory_estimate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu, on_host = TrainConfig(model="qwen3-32b", dp=8), TrainConfig(model="qwen3-32b", dp=8, backend="gloo")
+    assert on_gpu.resolved_backend == "nccl"
+    cfg = check_model(on_gpu)
+    gpu, host = memory_estimate(on_gpu, cfg), memory_estimate(on_host, cfg)
+    assert gpu.gpu and not host.gpu and gpu.per_rank == host.per_rank
+    assert host.total == 8 * (host.per_rank + host.host_data)
+    assert gpu.total == 8 * gpu.host_data < host.total
+    with pytest.raises(ValueError, match=r"of host memory \(.* per rank, 8 rank\(s\); the model itself lives on the GPUs\)"):
+        check_memory(on_gpu, cfg, available=64 << 30)
+    tiny = TrainConfig(dp=8)
+    est = check_memory(tiny, check_model(tiny), available=1 << 30)
+    assert est.gpu and est.total == 8 * est.host_data
 
 
 def test_worker_error_summary_is_the_first_line() -> None:
