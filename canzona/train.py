@@ -18,6 +18,12 @@ and calls :func:`train_worker` in spawned workers or :func:`train_from_env` unde
 (``torchrun --nproc-per-node 4 -m canzona train --dp 2 --tp 2``); this module never imports the
 command line. Library callers (demo, profiling, validation) call :func:`train` from a worker.
 
+Before anything is allocated a run that cannot fit is refused with one line saying how much it
+needs: :func:`check_memory` (the launcher, before any worker starts) checks the host's available
+memory against what the local ranks keep there, and with CUDA :func:`check_gpu_memory` (each
+worker, before its mesh and model) checks each rank's GPU against its share
+(:func:`memory_estimate`: arithmetic only).
+
 Every strategy reduces the DP ranks' gradients to the same sum and the optimizer steps are
 exact, so runs with the same dp x tp and different strategies (sc, layerwise, asc, lb-asc,
 lb-asc-joint; any TP schedule; either TP style) end with bitwise equal parameters:
@@ -400,7 +406,9 @@ def train(config: TrainConfig, *, on_step: Callable[[int, float, dict[str, float
 
     ``on_step(step, loss, phase_seconds)`` is called on every rank after each step (phase wall
     seconds of that step, base phase names). Raises ValueError (on every rank, before any
-    collective) when the world size is not ``dp * tp`` or the model cannot be split ``tp`` ways.
+    collective) when the world size is not ``dp * tp`` or the model cannot be split ``tp`` ways;
+    on CUDA, also (on every rank, after one all-gather and before the mesh or the model is
+    allocated) when some rank's GPU has less free memory than its share (:func:`check_gpu_memory`).
     """
     owns_group = False
     if not dist.is_initialized():

@@ -145,7 +145,9 @@ def _check_model(config: TrainConfig) -> None:
     from canzona.train import check_memory, check_model
 
     cfg = check_model(config)
-    check_memory(config, cfg)  # a run that cannot fit is refused before anything is allocated
+    # a run that cannot fit in host memory is refused before anything is allocated; each GPU's share
+    # is checked in the workers (check_gpu_memory), so that the launcher never opens a CUDA context
+    check_memory(config, cfg)
     # Plan once here (milliseconds for the models train runs): a combination the planner refuses
     # (e.g. --strategy sc with --tp-schedule lpt) is one line before any worker starts.
     import warnings
