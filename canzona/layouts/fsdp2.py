@@ -313,7 +313,7 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
     experts' own FSDP dimension, ``efsdp``, beside HSDP's ``Replicate`` dimension of the optimizer's
     mesh when it has one, never TP's) whose own dimensions span exactly the shard groups (one
     replica's ``dp_shard x tp`` ranks: beside tp, EP borrows TP's ranks as torchtitan builds it)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(p, DTensor):
         raise ValueError(f"{name}: not a DTensor; every trainable parameter of an FSDP2 model must be sharded by fully_shard (wrap the root module too)")
@@ -341,25 +341,31 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
             more = f" ({'; '.join(hint)})" if hint else ""
             raise ValueError(f"{where}: its dimensions {tuple(d for d in pnames if d in own)} span the ranks {theirs}, not the shard groups "
                              f"{groups}; the expert mesh must cover each shard group's ranks{more}")
-    cut = None
+    shard_cut = tp_cut = False
     for d, pl in zip(pnames, p.placements):
         k = pnames.index(d)
         if d in names and pm.size(k) != mesh.size(names.index(d)):
             raise ValueError(f"{name}: its mesh dimension {d!r} is not a dimension of the same size in the optimizer's mesh {names}")
         role = roles.get(d, d) if d in names else "experts"
-        if role == "tp" and _shard_dim(pl) is not None:
-            raise ValueError(f"{where}: experts cut by TP ({pl!r} on {d!r}: torchtitan's layout with tp and without ep) are not "
-                             "supported on the FSDP2 path; it serves experts not cut by TP: with ep > 1 on their own mesh "
-                             "('efsdp', 'ep') beside tp, or Replicate on tp")
-        if role in ("dp_shard", "experts") and _shard_dim(pl) in (0, 1):
-            cut = 1 if _shard_dim(pl) == 1 and pm.size(k) > 1 else cut
+        sd = _shard_dim(pl)
+        if role == "tp" and sd is not None:
+            # torchtitan's experts with tp and without ep: colwise Shard(1), rowwise Shard(2) per expert
+            if type(pl) is not Shard or sd not in (1, 2):
+                raise ValueError(f"{where}: {pl!r} on {d!r} splits the stack on its expert dimension by TP, which the FSDP2 path "
+                                 "does not serve; TP cuts experts on dim 1 or 2 (torchtitan's colwise/rowwise experts), "
+                                 "expert parallelism puts them on a mesh of their own, ('efsdp', 'ep')")
+            tp_cut = tp_cut or pm.size(k) > 1
+        elif role in ("dp_shard", "experts") and sd in (0, 1):
+            shard_cut = shard_cut or (sd == 1 and pm.size(k) > 1)
         elif not (role in ("dp_replicate", "tp") and isinstance(pl, Replicate)):
             raise ValueError(f"{where}: placement {pl!r} on {d!r} is not served; expert stacks take Shard(0) (whole experts) or "
-                             "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Replicate on HSDP's and TP's")
-    if cut and not own and "tp" in roles.values():
-        raise ValueError(f"{where}: experts cut by their shard (Shard(1)) beside tp on the optimizer's mesh are not supported on the FSDP2 "
-                         "path; beside tp put them on an expert mesh of their own, ('efsdp', 'ep') spanning TP's ranks (torchtitan's layout)")
-    return cut
+                             "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Shard(1), Shard(2) "
+                             "or Replicate on TP's, Replicate on HSDP's")
+    if shard_cut and not tp_cut and not own and "tp" in roles.values():
+        raise ValueError(f"{where}: experts cut by their shard (Shard(1)) and replicated over tp on the optimizer's mesh are not "
+                         "supported on the FSDP2 path; beside tp cut them by TP too (Shard(1)/Shard(2) on tp, torchtitan's layout "
+                         "without ep) or put them on an expert mesh of their own, ('efsdp', 'ep') spanning TP's ranks")
+    return 1 if shard_cut or tp_cut else None
 
 
 def _placements_by_dim(model: nn.Module, skip: Collection[str] = ()) -> dict[str, list[Any]]:
