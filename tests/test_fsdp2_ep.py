@@ -20,7 +20,12 @@ Cases (one spawn per world size, each case reported on its own):
   torchtitan 0.3.0 builds it, meshes from its ``ParallelDims``: the dense parameters TP'd and on
   ``("fsdp", "tp")``, four experts on ``("efsdp", "ep")`` over the same four ranks, whole and not
   cut by TP; ``tp2-ep2-titan`` the same through the container; ``tp2-cut2x2`` two experts,
-  ``Shard(1)`` on efsdp, hosted within the fsdp x tp shard group);
+  ``Shard(1)`` on efsdp, hosted within the fsdp x tp shard group), ``tp2-etp`` (torchtitan 0.3.0
+  with tp and without ep: fsdp 2 x tp 2, two experts cut by TP on the dense ``tp``, ``w1``
+  ``(Shard(0), Shard(1))`` colwise and ``w2`` ``(Shard(0), Shard(2))`` rowwise, each rank one
+  expert's TP-cut columns, every expert hosted within fsdp x tp; ``tp2-etp1`` one expert, so
+  fully_shard's ``Shard(1)`` on top: ``(_StridedShard(1), Shard(1))`` and ``(Shard(1),
+  Shard(2))``; ``tp2-etp-ns`` under ``ns-input``; ``tp2-etp-titan`` through the container);
 - ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` and ``cut2x2-sc-ns`` world 4): ``exchange="ns-input"``,
   Muon's split step (momentum on each rank's rows of every expert, the Newton-Schulz input to the
   expert's host; under ``sc`` to every rank).
@@ -34,7 +39,8 @@ gradients, from ``ns-input`` into gradients and back (:data:`ACROSS`); ``exchang
 the split step with cut experts; refusals of ``ns-input`` with an optimizer that has no split step
 (Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks),
 beside TP of an expert mesh carrying ``tp`` (expert tensor parallelism), of one over fewer ranks
-than fsdp x tp and of experts cut by the dense ``tp`` (torchtitan with tp, no ep) are one line.
+than fsdp x tp, of experts split on their expert dim by the dense ``tp`` (``Shard(0)``) and of
+experts cut by their shard but replicated over ``tp`` are one line.
 The sharded forms (``save_sharded`` / ``load_sharded`` and DCP's Stateful ``dcp.save`` /
 ``dcp.load``) of a two-expert model cross its cut, whole, HSDP and split-step layouts
 (:data:`SHARDED_CHAINS`), each chain's next step bitwise equal; a four-expert model refuses them
@@ -83,6 +89,7 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "tp2-etp": (4, 1, 2, "lb-asc"),  # fsdp 2 x tp 2, ep 1: experts TP-cut (w1 Shard(1), w2 Shard(2) on tp), Shard(0) on fsdp
     "tp2-etp1": (4, 1, 1, "lb-asc"),  # one expert: fsdp's Shard(1) over TP's (w1 _StridedShard(1), w2 Shard(1))
     "tp2-etp-ns": (4, 1, 2, "lb-asc"),  # tp2-etp under exchange="ns-input"
+    "tp2-etp-titan": (4, 1, 2, "lb-asc"),  # tp2-etp through canzona.torchtitan's container (one mesh, ("fsdp", "tp"))
 }
 #: torchtitan 0.3.0's TP placements of the toy's dense parameters (tp dim; None: Replicate): embedding,
 #: colwise attention projection and lm_head Shard(0); router gate and norm Replicate
@@ -686,7 +693,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
 @pytest.mark.slow
 def test_cut_experts_are_hosted_once_each() -> None:
     """Every expert of a cut stack is one hosted task on exactly one rank (lb-asc)."""
-    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns", "tp2-cut2x2", "tp2-etp", "tp2-etp1", "tp2-etp-ns"):  # lb-asc: one host each
+    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns", "tp2-cut2x2", "tp2-etp", "tp2-etp1", "tp2-etp-ns", "tp2-etp-titan"):  # lb-asc: one host each
         world, _, experts, _ = CASES[key]
         res = case_results(_results(world), "train", key)
         hosted = sorted(t for r in res for t in r["hosted"] if t.startswith(PREFIX))

@@ -50,10 +50,16 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   by its shard (``Shard(1)``) is one hosted task per expert ``name[e]`` (:func:`expert_layouts`)
   within the shard group, under either exchange (``"ns-input"``: each rank keeps the momentum of
   its rows of expert ``e``, and only the Newton-Schulz input of the expert travels to its host).
+  Experts cut by TP on the optimizer's mesh (torchtitan 0.3.0 with tp > 1 and ep 1: ``Shard(1)``
+  colwise ``w1``/``w3``, ``Shard(2)`` rowwise ``w2`` on ``tp``, then ``fully_shard``'s ``Shard(0)``
+  on ``dp_shard``, or its ``Shard(1)`` when the experts are fewer than the dp_shard ranks, which
+  over TP's ``Shard(1)`` reads ``_StridedShard(1)``) are cut experts too: one hosted task per
+  expert within the ``dp_shard x tp`` shard group, each rank's piece its block intersected with
+  the expert (also where the block holds whole experts along dim 0 but TP-cut columns).
   Refused in one line: an expert mesh whose ranks are not the shard groups' (beside
-  ``dp_replicate`` without it, beside ``tp`` over fewer ranks), experts cut by TP (``Shard(d)`` on
-  ``tp``) or on an expert mesh carrying ``tp``, experts cut by their shard beside ``tp`` without an
-  expert mesh, any other expert placement;
+  ``dp_replicate`` without it, beside ``tp`` over fewer ranks), ``Shard(0)`` on ``tp`` (TP
+  splitting the expert dim), an expert mesh carrying ``tp``, experts cut by their shard but
+  replicated over ``tp`` on the optimizer's mesh, any other expert placement;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -306,10 +312,11 @@ def _shard_dim(pl: Any) -> int | None:
 
 
 def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mapping[str, str]) -> int | None:
-    """Refuse an expert stack's layout the FSDP2 layout cannot serve; return 1 when its shard cuts
-    every expert on its rows (``Shard(1)`` on a dimension of more than one rank), None when every
-    rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh (fully_shard's,
-    HSDP's ``Replicate``, TP's ``Replicate``) or an expert mesh (expert parallelism: ``ep`` and the
+    """Refuse an expert stack's layout the FSDP2 layout cannot serve; return 1 when its layout cuts
+    every expert (``Shard(1)``, or ``_StridedShard(1)``, on its shard dimension of more than one
+    rank; ``Shard(1)`` or ``Shard(2)`` on TP's: torchtitan's colwise/rowwise experts without ep),
+    None when every rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh
+    (fully_shard's, HSDP's ``Replicate``, TP's ``Replicate``, ``Shard(1)`` or ``Shard(2)``) or an expert mesh (expert parallelism: ``ep`` and the
     experts' own FSDP dimension, ``efsdp``, beside HSDP's ``Replicate`` dimension of the optimizer's
     mesh when it has one, never TP's) whose own dimensions span exactly the shard groups (one
     replica's ``dp_shard x tp`` ranks: beside tp, EP borrows TP's ranks as torchtitan builds it)."""
@@ -328,7 +335,8 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
         if any(d in names and roles.get(d, d) == "tp" for d in pnames):
             raise ValueError(f"{where}: an expert mesh that also carries the optimizer's tp dimension (expert tensor parallelism) "
                              "is not supported on the FSDP2 path; it serves expert parallelism beside tp with the experts on a mesh "
-                             "of their own, ('efsdp', 'ep') spanning TP's ranks and not cut by TP, as torchtitan 0.3 builds it")
+                             "of their own, ('efsdp', 'ep') spanning TP's ranks and not cut by TP, as torchtitan 0.3 builds it, "
+                             "and experts cut by TP on the optimizer's mesh without ep (Shard(1)/Shard(2) on tp)")
         proles = tuple(roles.get(d, d) if d in names else "experts" for d in pnames)
         theirs = sorted(fsdp_group_ranks(tuple(pm.mesh.shape), proles, pm.mesh.flatten().tolist()))
         groups = sorted(fsdp_group_ranks(tuple(mesh.mesh.shape), tuple(roles[d] for d in names), mesh.mesh.flatten().tolist()))
