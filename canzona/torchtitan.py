@@ -21,7 +21,8 @@ names (``fsdp``, ``dp_shard_cp``, ``dp_replicate``, ``tp``) work as they are. ``
 pipeline parallelism (several model parts), a model that is not FSDP2-sharded, parameters on
 several meshes (beside expert parallelism's own: routed experts on a mesh with an ``ep``
 dimension, torchtitan's ``("efsdp", "ep")`` or under HSDP ``("dp_replicate", "efsdp", "ep")``, also
-beside a dense ``("fsdp", "tp")``, are served as the FSDP2 layout serves them), a mesh that does not cover the world, and torchtitan's
+beside a dense ``("fsdp", "tp")``, are served as the FSDP2 layout serves them; without ep the
+experts cut by TP share the dense mesh), a mesh that does not cover the world, and torchtitan's
 ``param_groups`` (canzona assigns roles itself: ``roles=``).
 
 Checkpoints: the container's ``state_dict``/``load_state_dict`` are the DistributedOptimizer's own

@@ -20,7 +20,12 @@ Cases (one spawn per world size, each case reported on its own):
   torchtitan 0.3.0 builds it, meshes from its ``ParallelDims``: the dense parameters TP'd and on
   ``("fsdp", "tp")``, four experts on ``("efsdp", "ep")`` over the same four ranks, whole and not
   cut by TP; ``tp2-ep2-titan`` the same through the container; ``tp2-cut2x2`` two experts,
-  ``Shard(1)`` on efsdp, hosted within the fsdp x tp shard group);
+  ``Shard(1)`` on efsdp, hosted within the fsdp x tp shard group), ``tp2-etp`` (torchtitan 0.3.0
+  with tp and without ep: fsdp 2 x tp 2, two experts cut by TP on the dense ``tp``, ``w1``
+  ``(Shard(0), Shard(1))`` colwise and ``w2`` ``(Shard(0), Shard(2))`` rowwise, each rank one
+  expert's TP-cut columns, every expert hosted within fsdp x tp; ``tp2-etp1`` one expert, so
+  fully_shard's ``Shard(1)`` on top: ``(_StridedShard(1), Shard(1))`` and ``(Shard(1),
+  Shard(2))``; ``tp2-etp-ns`` under ``ns-input``; ``tp2-etp-titan`` through the container);
 - ``-ns`` (``cut1-ns`` world 2, ``cut2x2-ns`` and ``cut2x2-sc-ns`` world 4): ``exchange="ns-input"``,
   Muon's split step (momentum on each rank's rows of every expert, the Newton-Schulz input to the
   expert's host; under ``sc`` to every rank).
@@ -34,7 +39,8 @@ gradients, from ``ns-input`` into gradients and back (:data:`ACROSS`); ``exchang
 the split step with cut experts; refusals of ``ns-input`` with an optimizer that has no split step
 (Shampoo), of an expert mesh beside HSDP that spans the whole world (not one replica's ranks),
 beside TP of an expert mesh carrying ``tp`` (expert tensor parallelism), of one over fewer ranks
-than fsdp x tp and of experts cut by the dense ``tp`` (torchtitan with tp, no ep) are one line.
+than fsdp x tp, of experts split on their expert dim by the dense ``tp`` (``Shard(0)``) and of
+experts cut by their shard but replicated over ``tp`` are one line.
 The sharded forms (``save_sharded`` / ``load_sharded`` and DCP's Stateful ``dcp.save`` /
 ``dcp.load``) of a two-expert model cross its cut, whole, HSDP and split-step layouts
 (:data:`SHARDED_CHAINS`), each chain's next step bitwise equal; a four-expert model refuses them
@@ -80,12 +86,20 @@ CASES: dict[str, tuple[int, int, int, str]] = {
     "tp2-ep2": (4, 2, 4, "lb-asc"),  # fsdp 2 x tp 2 dense, efsdp 2 x ep 2 sparse (torchtitan's ParallelDims): whole experts
     "tp2-ep2-titan": (4, 2, 4, "lb-asc"),  # the same through canzona.torchtitan's container (mesh ("fsdp", "tp"))
     "tp2-cut2x2": (4, 2, 2, "lb-asc"),  # the same meshes, two experts: Shard(1) on efsdp, hosted within fsdp x tp
+    "tp2-etp": (4, 1, 2, "lb-asc"),  # fsdp 2 x tp 2, ep 1: experts TP-cut (w1 Shard(1), w2 Shard(2) on tp), Shard(0) on fsdp
+    "tp2-etp1": (4, 1, 1, "lb-asc"),  # one expert: fsdp's Shard(1) over TP's (w1 _StridedShard(1), w2 Shard(1))
+    "tp2-etp-ns": (4, 1, 2, "lb-asc"),  # tp2-etp under exchange="ns-input"
+    "tp2-etp-titan": (4, 1, 2, "lb-asc"),  # tp2-etp through canzona.torchtitan's container (one mesh, ("fsdp", "tp"))
 }
 #: torchtitan 0.3.0's TP placements of the toy's dense parameters (tp dim; None: Replicate): embedding,
 #: colwise attention projection and lm_head Shard(0); router gate and norm Replicate
 TP_DIMS: dict[str, int | None] = {"tok_embeddings.weight": 0, "layers.0.attention.wq": 0, "layers.0.moe.router.gate": None,
                                   "norm.weight": None, "lm_head.weight": 0}
 #: (saving exchange, loading exchange) of the checkpoint of cut experts loaded into another layout
+#: torchtitan 0.3.0's TP dims of the routed experts without ep: qwen3/sharding.py's _GROUPED_EXPERTS_PARAM_LAYOUT
+#: (w1_EFD S(1) colwise, w2_EDF S(2) rowwise) through moe_sharding.expert_param_placement_dense, Shard on the dense
+#: tp and Replicate on the data-parallel axes (torchtitan.models imports triton, absent on CPU: the dims are stated)
+EXPERT_TP_DIMS: dict[str, int] = {PREFIX + "w1": 1, PREFIX + "w2": 2}
 ACROSS: tuple[tuple[str, str], ...] = (("gradients", "gradients"), ("ns-input", "gradients"), ("gradients", "ns-input"))
 
 
@@ -200,7 +214,8 @@ def _titan_tp(world: int, ep: int, experts: int, seed: int, tp: int) -> tuple[nn
     ``ParallelDims`` (legacy ``partial_dtensor`` names: dense ``("fsdp", "tp")``, sparse
     ``("efsdp", "ep")`` with efsdp = fsdp x tp / ep, so EP borrows TP's ranks), the dense
     parameters TP'd on ``tp`` (:data:`TP_DIMS`, through ``distribute_module``: the toy has no
-    ``nn.Linear`` for ``ColwiseParallel``), the experts ``Shard(0)`` on ``ep`` and not cut by TP,
+    ``nn.Linear`` for ``ColwiseParallel``), the experts ``Shard(0)`` on ``ep`` and not cut by TP
+    (``ep`` 1: TP-cut on the dense ``tp`` as torchtitan places them, :data:`EXPERT_TP_DIMS`),
     then torchtitan's ``apply_fsdp_to_decoder``. Returns the model and the dense mesh."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend ParallelDims gives size-1 dims
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -223,7 +238,8 @@ def _titan_tp(world: int, ep: int, experts: int, seed: int, tp: int) -> tuple[nn
         distribute_module(model.get_submodule(path), tp_mesh, cut)
     inner = model.layers["0"].moe.routed_experts.inner_experts
     for n in ("w1", "w2"):
-        setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), dims.get_mesh("ep"), [Shard(0)])))
+        pl, on = ([Shard(0)], dims.get_mesh("ep")) if ep > 1 else ([Shard(_expert_tp_dim(PREFIX + n))], tp_mesh)
+        setattr(inner, n, nn.Parameter(distribute_tensor(getattr(inner, n).detach(), on, pl)))
     apply_fsdp_to_decoder(model, dims.get_mesh("fsdp"), torch.float32, torch.float32, False, ep_degree=ep, edp_mesh=dims.get_optional_mesh("efsdp"))
     from torch.distributed.fsdp import FSDPModule
 
@@ -233,17 +249,36 @@ def _titan_tp(world: int, ep: int, experts: int, seed: int, tp: int) -> tuple[nn
     return model, dims.get_mesh(["fsdp", "tp"])
 
 
+def _expert_tp_dim(name: str) -> int:
+    """The dim TP cuts a routed-expert stack on without ep, as torchtitan 0.3.0 places them
+    (:data:`EXPERT_TP_DIMS`)."""
+    return EXPERT_TP_DIMS[name]
+
+
+def _dense_index_grads(experts: int, step: int, d: int) -> dict[str, torch.Tensor]:
+    """The full gradients of data-parallel index ``d`` (every TP rank of it sees the same tokens),
+    expert 1 of every stack zero at step 1."""
+    g = integer_grads({n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}, step=step, rank=d)
+    for n in STACKS:
+        if step == 1:
+            g[n][min(1, experts - 1)].zero_()
+    return g
+
+
 def _grads(world: int, ep: int, experts: int, step: int, rank: int, tp: int = 1) -> dict[str, torch.Tensor]:
     """What rank ``rank`` injects: full shapes, EP-local stacks (EP rank ``rank % ep``'s experts).
     ``tp`` > 1: the dense gradients are the data-parallel index's (``rank // tp``, the same on
     every TP rank), cut to the TP-local piece (:data:`TP_DIMS`); the stacks stay the rank's own
-    (EP borrows TP's ranks: each routes its own tokens)."""
+    (EP borrows TP's ranks: each routes its own tokens); ``ep`` 1 beside ``tp`` (experts TP-cut):
+    the stacks too are the data-parallel index's, cut to the TP-local piece."""
     shapes = {n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}
     g = integer_grads(shapes, step=step, rank=rank)
     if tp > 1:
-        dense = integer_grads(shapes, step=step, rank=rank // tp)
+        dense = _dense_index_grads(experts, step, rank // tp)
         for n, dim in TP_DIMS.items():
             g[n] = dense[n] if dim is None else dense[n].chunk(tp, dim)[rank % tp].contiguous()
+        if ep == 1:
+            return g | {n: dense[n].chunk(tp, _expert_tp_dim(n))[rank % tp].contiguous() for n in STACKS}
     for n in STACKS:
         if step == 1:  # expert 1 (the only one of a one-expert stack) routed no token on any rank
             g[n][min(1, experts - 1)].zero_()
@@ -255,13 +290,14 @@ def _summed(world: int, ep: int, experts: int, step: int, tp: int = 1) -> dict[s
     """The full gradients the single device sees: dense ones summed over every rank (over every
     data-parallel index under TP), expert ``e`` over every rank of the EP index holding it (rank =
     (replica * efsdp + efsdp index) * ep + EP index: under HSDP the replicas' all-reduce sums it
-    over them too)."""
+    over them too); with experts TP-cut (tp > 1, ep 1) the stacks like the dense parameters."""
     per = [_grads(world, ep, experts, step, r) for r in range(world)]
     out = {n: sum((g[n] for g in per[1:]), per[0][n].clone()) for n in per[0] if n not in STACKS}
     if tp > 1:
-        shapes = {n: tuple(p.shape) for n, p in TitanToy(experts).named_parameters()}
-        dense = [integer_grads(shapes, step=step, rank=d) for d in range(world // tp)]
+        dense = [_dense_index_grads(experts, step, d) for d in range(world // tp)]
         out |= {n: sum((g[n] for g in dense[1:]), dense[0][n].clone()) for n in TP_DIMS}
+        if ep == 1:  # experts TP-cut: summed over the data-parallel indices like the dense parameters
+            return out | {n: sum((g[n] for g in dense[1:]), dense[0][n].clone()) for n in STACKS}
     for n in STACKS:
         parts = [sum((per[i * ep + j][n] for i in range(1, world // ep)), per[j][n].clone()) for j in range(ep)]
         out[n] = torch.cat(parts)
@@ -531,8 +567,9 @@ def _flipped_expert_byte(rank: int, path: str, opt: Any) -> dict[str, Any]:
 def _refusals(rank: int) -> dict[str, Any]:
     """One line each: exchange='ns-input' with cut experts and an optimizer without a split step
     (Shampoo); beside HSDP an expert mesh over the whole world (not one replica's ranks); an expert
-    mesh that carries TP's dimension (experts cut by TP beside expert parallelism). And
-    exchange='auto' with cut experts takes Muon's split step."""
+    mesh that carries TP's dimension (experts cut by TP beside expert parallelism); on the dense
+    mesh, experts split on their expert dim by TP (``Shard(0)`` on ``tp``) and experts cut by their
+    shard but replicated over ``tp``. And exchange='auto' with cut experts takes Muon's split step."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -554,7 +591,8 @@ def _refusals(rank: int) -> dict[str, Any]:
     out["hsdp"] = _message(lambda: _optimizer(toy, hsdp))
     out["tp"] = _message(lambda: _optimizer(*_beside_tp()))
     out["tp-span"] = _message(lambda: _optimizer(*_beside_tp("span")))
-    out["tp-dense"] = _message(lambda: _optimizer(*_beside_tp("dense")))
+    out["tp-expert-dim"] = _message(lambda: _optimizer(*_beside_tp("expert-dim")))
+    out["tp-replicated-cut"] = _message(lambda: _optimizer(*_beside_tp("replicated-cut")))
     return out
 
 
@@ -563,8 +601,10 @@ def _beside_tp(kind: str = "etp") -> tuple[nn.Module, Any]:
     (``kind``) ``"etp"``: on an expert mesh that carries ``tp`` too, ``("efsdp", "ep", "tp")`` with
     ``Shard(0)`` on ``ep`` and ``Shard(1)`` on ``tp`` (expert tensor parallelism, not what
     torchtitan 0.3.0 builds); ``"span"``: on ``("efsdp", "ep")`` over one dp_shard index's TP
-    ranks (half the world, not the shard group); ``"dense"``: ``Shard(1)`` on the dense ``tp`` (torchtitan 0.3.0
-    with tp and without ep), then ``fully_shard`` on ``dp_shard`` like the rest."""
+    ranks (half the world, not the shard group); on the dense mesh, then ``fully_shard`` on
+    ``dp_shard`` like the rest: ``"expert-dim"``: ``Shard(0)`` on ``tp`` (TP splitting the expert
+    dim, which torchtitan does not; its colwise/rowwise experts are served, ``tp2-etp``),
+    ``"replicated-cut"``: ``Replicate`` on ``tp``, ``Shard(1)`` on ``dp_shard``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -577,15 +617,16 @@ def _beside_tp(kind: str = "etp") -> tuple[nn.Module, Any]:
         sparse = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("half", "efsdp", "ep"))
         on_ep, pl_ep = sparse["ep"], [Shard(0)]
     else:
-        on_ep, pl_ep = mesh["tp"], [Shard(1)]
+        on_ep, pl_ep = mesh["tp"], [Shard(0) if kind == "expert-dim" else Replicate()]
     toy = TitanToy(4)
     for m in list(toy.modules()):
         for n, p in list(m.named_parameters(recurse=False)):
             on, pl = (on_ep, pl_ep) if p.dim() == 3 else (mesh["tp"], [Replicate()])
             setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), on, pl)))
-    if kind != "dense":
+    if kind in ("etp", "span"):
         fully_shard(toy.layers["0"].moe.routed_experts.inner_experts, mesh=sparse["efsdp"])
-    fully_shard(toy, mesh=mesh["dp_shard"])
+    rows = (lambda p: Shard(1) if p.dim() == 3 else None) if kind == "replicated-cut" else None
+    fully_shard(toy, mesh=mesh["dp_shard"], shard_placement_fn=rows)
     return toy, mesh
 
 
@@ -640,6 +681,9 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
     if _tp(key) > 1:  # the dense parameters are TP-cut beside the expert mesh, the experts are not
         assert res[0]["placements"]["layers.0.attention.wq"].endswith(", Shard(dim=0))"), (key, res[0]["placements"])
         assert res[0]["placements"]["norm.weight"].endswith(", Replicate())"), (key, res[0]["placements"])
+        for n in STACKS:  # ep 1: TP cuts the experts (colwise w1, rowwise w2), fully_shard's dim 0 (or 1) on top
+            tail = f", Shard(dim={_expert_tp_dim(n)}))" if ep == 1 else ", Shard(dim=0))"
+            assert res[0]["placements"][n].endswith(tail), (key, n, res[0]["placements"][n])
     state = res[0]["state"]
     for n in STACKS:
         for e, m in enumerate(ref.momentum(n)):
@@ -649,7 +693,7 @@ def test_fsdp2_experts_match_single_device(key: str) -> None:
 @pytest.mark.slow
 def test_cut_experts_are_hosted_once_each() -> None:
     """Every expert of a cut stack is one hosted task on exactly one rank (lb-asc)."""
-    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns", "tp2-cut2x2"):  # lb-asc: one host each
+    for key in ("cut1", "cut2x2", "cut4", "cut1-ns", "cut2x2-ns", "tp2-cut2x2", "tp2-etp", "tp2-etp1", "tp2-etp-ns", "tp2-etp-titan"):  # lb-asc: one host each
         world, _, experts, _ = CASES[key]
         res = case_results(_results(world), "train", key)
         hosted = sorted(t for r in res for t in r["hosted"] if t.startswith(PREFIX))
@@ -689,5 +733,6 @@ def test_unserved_expert_layouts_are_refused_in_one_line() -> None:
         assert r["auto"] is True, r["auto"]
         assert "not the shard groups" in r["hsdp"] and "dp_replicate" in r["hsdp"] and "\n" not in r["hsdp"], r["hsdp"]
         assert "efsdp x ep = dp_shard x tp" in r["tp-span"] and "not the shard groups" in r["tp-span"] and "\n" not in r["tp-span"], r["tp-span"]
-        assert "experts cut by TP" in r["tp-dense"] and "('efsdp', 'ep') beside tp" in r["tp-dense"] and "\n" not in r["tp-dense"], r["tp-dense"]
+        for k, want in (("tp-expert-dim", "splits the stack on its expert dimension by TP"), ("tp-replicated-cut", "replicated over tp")):
+            assert want in r[k] and "\n" not in r[k], (k, r[k])
         assert "expert tensor parallelism" in r["tp"] and "('efsdp', 'ep') spanning TP's ranks" in r["tp"] and "\n" not in r["tp"], r["tp"]

@@ -579,12 +579,21 @@ def test_costs_and_role_table_of_tp_split_stacks() -> None:
     assert rows and all("TP-split on dim 2, every TP rank" in ln for ln in rows), rows
 
 
-def test_fsdp2_planner_refuses_a_tp_split_stack_in_one_line() -> None:
+def test_fsdp2_planner_hosts_every_expert_of_a_tp_split_stack() -> None:
+    """On FSDP2 a TP-split stack (torchtitan's colwise/rowwise experts without ep) cuts every
+    expert: marked cut (tp_dim 1, as the FSDP2 layout records it), each expert one hosted task of
+    the dp_shard x tp group; replicated stacks stay whole (no task)."""
     from canzona.plan.build import plan_fsdp_model
 
-    with pytest.raises(ValueError) as exc:
-        plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2, experts="stacked-tp")
-    assert "experts" in str(exc.value) and "TP-split" in str(exc.value) and "\n" not in str(exc.value)
+    plan = plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2, experts="stacked-tp")
+    stacks = [p.spec for p in plan.params if p.spec.kind == "experts"]
+    assert stacks and all(s.tp_dim == 1 and s.tp == 1 for s in stacks), stacks
+    hosts = {t: h for g in plan.micro_groups[0] for t, h in zip(g.params, g.hosts)}
+    want = {f"{s.name}[{e}]" for s in stacks for e in range(s.shape[0])}
+    assert want <= set(hosts) and {hosts[t] for t in want} <= set(range(4)), sorted(set(hosts) - want)[:3]
+    assert plan.metrics.details["n_cut_expert_tasks"] == len(want)
+    whole = plan_fsdp_model("qwen3-moe-tiny", dp_shard=2, tp=2)
+    assert whole.metrics.details["n_cut_expert_tasks"] == 0 and not [t for g in whole.micro_groups[0] for t in g.params if "[" in t]
 
 
 def test_microgroup_explorer_reads_expert_tasks() -> None:

@@ -50,10 +50,16 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
   by its shard (``Shard(1)``) is one hosted task per expert ``name[e]`` (:func:`expert_layouts`)
   within the shard group, under either exchange (``"ns-input"``: each rank keeps the momentum of
   its rows of expert ``e``, and only the Newton-Schulz input of the expert travels to its host).
+  Experts cut by TP on the optimizer's mesh (torchtitan 0.3.0 with tp > 1 and ep 1: ``Shard(1)``
+  colwise ``w1``/``w3``, ``Shard(2)`` rowwise ``w2`` on ``tp``, then ``fully_shard``'s ``Shard(0)``
+  on ``dp_shard``, or its ``Shard(1)`` when the experts are fewer than the dp_shard ranks, which
+  over TP's ``Shard(1)`` reads ``_StridedShard(1)``) are cut experts too: one hosted task per
+  expert within the ``dp_shard x tp`` shard group, each rank's piece its block intersected with
+  the expert (also where the block holds whole experts along dim 0 but TP-cut columns).
   Refused in one line: an expert mesh whose ranks are not the shard groups' (beside
-  ``dp_replicate`` without it, beside ``tp`` over fewer ranks), experts cut by TP (``Shard(d)`` on
-  ``tp``) or on an expert mesh carrying ``tp``, experts cut by their shard beside ``tp`` without an
-  expert mesh, any other expert placement;
+  ``dp_replicate`` without it, beside ``tp`` over fewer ranks), ``Shard(0)`` on ``tp`` (TP
+  splitting the expert dim), an expert mesh carrying ``tp``, experts cut by their shard but
+  replicated over ``tp`` on the optimizer's mesh, any other expert placement;
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
@@ -306,14 +312,15 @@ def _shard_dim(pl: Any) -> int | None:
 
 
 def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mapping[str, str]) -> int | None:
-    """Refuse an expert stack's layout the FSDP2 layout cannot serve; return 1 when its shard cuts
-    every expert on its rows (``Shard(1)`` on a dimension of more than one rank), None when every
-    rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh (fully_shard's,
-    HSDP's ``Replicate``, TP's ``Replicate``) or an expert mesh (expert parallelism: ``ep`` and the
+    """Refuse an expert stack's layout the FSDP2 layout cannot serve; return 1 when its layout cuts
+    every expert (``Shard(1)``, or ``_StridedShard(1)``, on its shard dimension of more than one
+    rank; ``Shard(1)`` or ``Shard(2)`` on TP's: torchtitan's colwise/rowwise experts without ep),
+    None when every rank holds whole experts. Its mesh is either dimensions of the optimizer's mesh
+    (fully_shard's, HSDP's ``Replicate``, TP's ``Replicate``, ``Shard(1)`` or ``Shard(2)``) or an expert mesh (expert parallelism: ``ep`` and the
     experts' own FSDP dimension, ``efsdp``, beside HSDP's ``Replicate`` dimension of the optimizer's
     mesh when it has one, never TP's) whose own dimensions span exactly the shard groups (one
     replica's ``dp_shard x tp`` ranks: beside tp, EP borrows TP's ranks as torchtitan builds it)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(p, DTensor):
         raise ValueError(f"{name}: not a DTensor; every trainable parameter of an FSDP2 model must be sharded by fully_shard (wrap the root module too)")
@@ -328,7 +335,8 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
         if any(d in names and roles.get(d, d) == "tp" for d in pnames):
             raise ValueError(f"{where}: an expert mesh that also carries the optimizer's tp dimension (expert tensor parallelism) "
                              "is not supported on the FSDP2 path; it serves expert parallelism beside tp with the experts on a mesh "
-                             "of their own, ('efsdp', 'ep') spanning TP's ranks and not cut by TP, as torchtitan 0.3 builds it")
+                             "of their own, ('efsdp', 'ep') spanning TP's ranks and not cut by TP, as torchtitan 0.3 builds it, "
+                             "and experts cut by TP on the optimizer's mesh without ep (Shard(1)/Shard(2) on tp)")
         proles = tuple(roles.get(d, d) if d in names else "experts" for d in pnames)
         theirs = sorted(fsdp_group_ranks(tuple(pm.mesh.shape), proles, pm.mesh.flatten().tolist()))
         groups = sorted(fsdp_group_ranks(tuple(mesh.mesh.shape), tuple(roles[d] for d in names), mesh.mesh.flatten().tolist()))
@@ -341,25 +349,31 @@ def check_expert_placements(name: str, p: torch.Tensor, mesh: Any, roles: Mappin
             more = f" ({'; '.join(hint)})" if hint else ""
             raise ValueError(f"{where}: its dimensions {tuple(d for d in pnames if d in own)} span the ranks {theirs}, not the shard groups "
                              f"{groups}; the expert mesh must cover each shard group's ranks{more}")
-    cut = None
+    shard_cut = tp_cut = False
     for d, pl in zip(pnames, p.placements):
         k = pnames.index(d)
         if d in names and pm.size(k) != mesh.size(names.index(d)):
             raise ValueError(f"{name}: its mesh dimension {d!r} is not a dimension of the same size in the optimizer's mesh {names}")
         role = roles.get(d, d) if d in names else "experts"
-        if role == "tp" and _shard_dim(pl) is not None:
-            raise ValueError(f"{where}: experts cut by TP ({pl!r} on {d!r}: torchtitan's layout with tp and without ep) are not "
-                             "supported on the FSDP2 path; it serves experts not cut by TP: with ep > 1 on their own mesh "
-                             "('efsdp', 'ep') beside tp, or Replicate on tp")
-        if role in ("dp_shard", "experts") and _shard_dim(pl) in (0, 1):
-            cut = 1 if _shard_dim(pl) == 1 and pm.size(k) > 1 else cut
+        sd = _shard_dim(pl)
+        if role == "tp" and sd is not None:
+            # torchtitan's experts with tp and without ep: colwise Shard(1), rowwise Shard(2) per expert
+            if type(pl) is not Shard or sd not in (1, 2):
+                raise ValueError(f"{where}: {pl!r} on {d!r} splits the stack on its expert dimension by TP, which the FSDP2 path "
+                                 "does not serve; TP cuts experts on dim 1 or 2 (torchtitan's colwise/rowwise experts), "
+                                 "expert parallelism puts them on a mesh of their own, ('efsdp', 'ep')")
+            tp_cut = tp_cut or pm.size(k) > 1
+        elif role in ("dp_shard", "experts") and sd in (0, 1):
+            shard_cut = shard_cut or (sd == 1 and pm.size(k) > 1)
         elif not (role in ("dp_replicate", "tp") and isinstance(pl, Replicate)):
             raise ValueError(f"{where}: placement {pl!r} on {d!r} is not served; expert stacks take Shard(0) (whole experts) or "
-                             "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Replicate on HSDP's and TP's")
-    if cut and not own and "tp" in roles.values():
-        raise ValueError(f"{where}: experts cut by their shard (Shard(1)) beside tp on the optimizer's mesh are not supported on the FSDP2 "
-                         "path; beside tp put them on an expert mesh of their own, ('efsdp', 'ep') spanning TP's ranks (torchtitan's layout)")
-    return cut
+                             "Shard(1) (experts cut on their rows) on their shard and expert dimensions, Shard(1), Shard(2) "
+                             "or Replicate on TP's, Replicate on HSDP's")
+    if shard_cut and not tp_cut and not own and "tp" in roles.values():
+        raise ValueError(f"{where}: experts cut by their shard (Shard(1)) and replicated over tp on the optimizer's mesh are not "
+                         "supported on the FSDP2 path; beside tp cut them by TP too (Shard(1)/Shard(2) on tp, torchtitan's layout "
+                         "without ep) or put them on an expert mesh of their own, ('efsdp', 'ep') spanning TP's ranks")
+    return 1 if shard_cut or tp_cut else None
 
 
 def _placements_by_dim(model: nn.Module, skip: Collection[str] = ()) -> dict[str, list[Any]]:

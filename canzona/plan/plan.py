@@ -574,11 +574,11 @@ class Plan:
             if s.kind == "matrix" and len(s.shape) != 2:
                 raise PlanError(f"{n}: a matrix task on FSDP2 must be 2-D, got {s.shape}")
             if s.kind == "experts" and s.tp_dim not in (None, 1):
-                raise PlanError(f"{n}: an expert stack on FSDP2 is whole per rank or cut on its rows (tp_dim 1), got tp_dim {s.tp_dim}")
+                raise PlanError(f"{n}: an expert stack on FSDP2 is whole per rank or cut, by its shard or by TP (tp_dim 1), got tp_dim {s.tp_dim}")
 
     def _check_shard_groups(self) -> None:
         """One list of micro-groups (the shard group's; every replica runs the same); each matrix, and
-        each expert ``stack[e]`` of a stack cut by its shard, in exactly one group, hosted on a rank of the shard group (-1, every rank, under ``sync``)."""
+        each expert ``stack[e]`` of a stack cut (by its shard or by TP), in exactly one group, hosted on a rank of the shard group (-1, every rank, under ``sync``)."""
         if len(self.micro_groups) != 1:
             raise PlanError("an FSDP2 plan has one list of micro-groups (the shard group's)")
         n, sync = self.inputs.group_size, self.inputs.tp_schedule == "sync"
@@ -593,10 +593,10 @@ class Plan:
                     raise PlanError(f"{name} is in two micro-groups")
                 seen[name] = (h, k)
         for p in self.params:
-            if p.spec.kind == "experts" and p.spec.tp_dim is not None:  # cut by its shard: one task per expert
+            if p.spec.kind == "experts" and p.spec.tp_dim is not None:  # cut (by its shard or TP): one task per expert
                 missing = [t for e in range(p.spec.shape[0]) if seen.pop(t := expert_task_name(p.name, e), None) is None]
                 if missing or (p.tp_host, p.micro_group) != (None, None):
-                    raise PlanError(f"{p.name}: every expert of a stack cut by its shard is one micro-group task (missing {missing[:3]}), the stack itself none")
+                    raise PlanError(f"{p.name}: every expert of a cut stack is one micro-group task (missing {missing[:3]}), the stack itself none")
                 continue
             want = seen.pop(p.name, (None, None))
             if (p.spec.kind == "matrix") != (want != (None, None)):

@@ -9,8 +9,9 @@ all-to-all per micro-group, runs the optimizer on the full tensor with state it 
 the updated values back. Expert stacks are E tasks of ``(M, N)`` each. A stack whose shard holds
 whole experts (``Shard(0)``, with or without an ``ep`` dimension) is updated where FSDP2 leaves it,
 no exchange. A stack *cut* by its shard (``Shard(1)`` on the FSDP dimension, torchtitan's choice
-when the experts are fewer than the ranks sharding them; its spec's ``tp_dim`` is 1, the dimension
-that cuts every expert) is E hosted tasks ``stack[e]`` (:func:`canzona.specs.expert_task_name`),
+when the experts are fewer than the ranks sharding them) or by TP (``Shard(1)``/``Shard(2)`` on
+``tp``, torchtitan's colwise/rowwise experts without ep; its spec's ``tp_dim`` is 1 either way,
+the mark of a layout that cuts every expert) is E hosted tasks ``stack[e]`` (:func:`canzona.specs.expert_task_name`),
 costed on one ``(M, N)`` expert and scheduled with the matrices. Element-wise parameters are
 updated where they lie, on every rank's own piece. Each ``dp_replicate`` replica runs the same step
 on identical gradients (HSDP all-reduces them), so one replica's plan is every replica's plan.
@@ -90,13 +91,10 @@ def shard_inputs(
 
 def shard_specs(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
     """Planner specs as an FSDP2 plan holds them: TP's split dim kept (None when not split), ``tp`` 1.
-    A TP-split expert stack is refused (on FSDP2 an expert spec's dim 1 marks experts cut by their
-    shard, never by TP)."""
-    for s in specs:
-        if s.kind == "experts" and s.tp_split:
-            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2 (TP-split on dim {s.tp_dim}); served are whole "
-                            "experts per rank and experts cut on their rows by their shard, beside tp on an expert mesh of their own")
-    return [ParamSpec(s.name, tuple(s.shape), s.kind, s.tp_dim if s.tp_split else None) for s in specs]
+    A TP-split expert stack (``experts="stacked-tp"``: torchtitan's colwise/rowwise experts without
+    ep) cuts every expert, so it is marked cut (``tp_dim`` 1), as the FSDP2 layout records it: one
+    hosted task per expert."""
+    return [ParamSpec(s.name, tuple(s.shape), s.kind, (1 if s.kind == "experts" else s.tp_dim) if s.tp_split else None) for s in specs]
 
 
 def _check_specs(specs: Sequence[ParamSpec], inputs: PlanInputs) -> None:
@@ -112,21 +110,21 @@ def _check_specs(specs: Sequence[ParamSpec], inputs: PlanInputs) -> None:
         if s.kind == "matrix" and len(s.shape) != 2:
             raise PlanError(f"{s.name}: a matrix parameter must be 2-D on FSDP2, got {s.shape}")
         # an expert stack sharded on its expert dim gives each rank whole experts: updated where
-        # they live, no micro-group; one cut on its rows (tp_dim 1) is one hosted task per expert
-        # (cut by its shard, never by TP: beside tp the experts live on an expert mesh of their own)
+        # they live, no micro-group; one whose layout cuts every expert (by its shard or by TP:
+        # tp_dim 1 marks it) is one hosted task per expert
         if s.kind == "experts" and s.tp_dim is not None and s.tp_dim != 1:
-            raise PlanError(f"{s.name}: an expert stack must not be TP-split on FSDP2; served are whole experts per rank and "
-                            f"experts cut on their rows by their shard (dim 1), got dim {s.tp_dim}")
+            raise PlanError(f"{s.name}: an FSDP2 expert spec is whole (tp_dim None) or cut (tp_dim 1, every expert one hosted "
+                            f"task, see shard_specs), got tp_dim {s.tp_dim}")
 
 
 def cut_experts(spec: ParamSpec) -> bool:
-    """Whether an FSDP2 spec is an expert stack cut by its shard (one hosted task per expert)."""
+    """Whether an FSDP2 spec is an expert stack cut by its shard or by TP (one hosted task per expert)."""
     return spec.kind == "experts" and spec.tp_dim is not None
 
 
 def hosted_tasks(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
     """The tasks an FSDP2 plan hosts, in registration order: every matrix, and every expert of a
-    stack cut by its shard as an ``(M, N)`` matrix named ``stack[e]``."""
+    stack cut by its shard or by TP as an ``(M, N)`` matrix named ``stack[e]``."""
     out: list[ParamSpec] = []
     for s in specs:
         if s.kind == "matrix":
