@@ -227,9 +227,11 @@ def reads_run() -> list:
     return run_workers(reads_worker, 2, timeout_s=240)
 
 
-#: the read of the CPU-only finiteness pre-test (its sums' ``nonzero``): it comes with the first
-#: tensor of 512 elements or more, so small and large models differ by it; never made on CUDA
-CPU_ONLY = "_common.py:_finite_sums:"
+#: the reads of the CPU-only finiteness pre-tests: the large tensors' sums' ``nonzero``, which
+#: comes with the first tensor of 512 elements or more, and the one sum of a dtype's small
+#: tensors, which comes with the second small tensor; so small and large models differ by them.
+#: Neither is made for a CUDA tensor (both run under ``where.type == "cpu"``)
+CPU_ONLY = ("_common.py:_finite_sums:", "_common.py:_finite_sum:")
 
 
 def _device_reads(where: dict) -> int:
