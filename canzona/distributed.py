@@ -366,7 +366,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Robustness arguments (docs/robustness.md): ``status_timeout_s`` bounds every wait for the other
     ranks in canzona's status exchanges (plan fingerprints, replica check, the step's two
-    exchanges, checkpoint save/load; default 60 s), on every layout; ``overlap_updates=True``
+    exchanges, checkpoint save/load; default 60 s), on every layout, and on an FSDP2 model on gloo
+    also the waits of FSDP2's own all-gathers and reduce-scatters (``bound_fsdp_collectives=True``,
+    the default; False leaves them to the process group's timeout); ``overlap_updates=True``
     (ZeRO-1) updates each bucket as soon as its collective lands instead of after the step's first
     exchange, giving up the torch-style skipping of parameters without a gradient and the
     pre-update non-finite check.
@@ -412,6 +414,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param_sync: str = "eager",
         plan: Any = None,
         status_timeout_s: float = STATUS_TIMEOUT_S,
+        bound_fsdp_collectives: bool = True,
         overlap_updates: bool = False,
         param_views: bool = True,
         grad_views: bool = True,
@@ -430,7 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         settings = OptimizerSettings(
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
             cmax=cmax, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
-            status_timeout_s=status_timeout_s, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
+            status_timeout_s=status_timeout_s, bound_fsdp_collectives=bound_fsdp_collectives, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
             roles=roles, exchange=exchange,
         )
         self._set_settings(settings)

@@ -66,6 +66,12 @@ class OptimizerSettings:
     status_timeout_s: float = STATUS_TIMEOUT_S
     """Bound, in seconds, on every wait for the other ranks in the status exchanges (plan
     fingerprints, replica check, the step's exchanges, checkpoint save and load)."""
+    bound_fsdp_collectives: bool = True
+    """FSDP2 on gloo: bound the waits of FSDP2's own all-gathers and reduce-scatters by
+    ``status_timeout_s`` too (:mod:`canzona.runtime.fsdp_comm`; the same collectives, the same
+    bits), so a rank that skipped a ``step()`` fails within the bound, naming the ranks, instead
+    of waiting for the process group's timeout. No effect on NCCL, on modules with several
+    parameter groups, nor where no ``fully_shard`` module exists."""
     overlap_updates: bool = False
     """ZeRO-1 buffer: update each bucket as soon as its collective lands, without the pre-update
     agreement (no torch-style skipping of missing gradients, no pre-update non-finite check)."""
@@ -96,7 +102,7 @@ class OptimizerSettings:
             raise ValueError(f"master_dtype must be torch.float32 or torch.float64, got {self.master_dtype}")
         if self.exchange not in _EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(map(repr, _EXCHANGES))}, got {self.exchange!r}")
-        for flag in ("overlap_updates", "param_views", "grad_views"):
+        for flag in ("overlap_updates", "param_views", "grad_views", "bound_fsdp_collectives"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         c = self.cmax

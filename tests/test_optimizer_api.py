@@ -96,6 +96,8 @@ def test_settings_are_validated_once_and_frozen(single_rank_group) -> None:
             OptimizerSettings(**kw)
     with pytest.raises(TypeError, match="param_views must be True or False"):
         OptimizerSettings(param_views=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bound_fsdp_collectives must be True or False"):
+        OptimizerSettings(bound_fsdp_collectives="no")  # type: ignore[arg-type]
     assert "layout=dp" in repr(opt) and opt.layout.engine == "dp" and (opt.dp, opt.tp, opt.dp_rank, opt.tp_rank) == (1, 1, 0, 0)
     with pytest.raises(AttributeError):
         opt.group_rank  # an FSDP2 layout's attribute: not on the ZeRO-1 layout

@@ -237,6 +237,10 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
     out["meta"] = raised(lambda: _opt(meta_model))
     dist.barrier()
 
+    # 7b. FSDP2's own all-gathers and reduce-scatters, bounded: the same bits as torch's defaults
+    out["fsdp_exact"] = _fsdp_bounded_exact(rank)
+    dist.barrier()
+
     # 8. (leaves the group unusable): rank 1 never builds the optimizer
     if rank == 0:
         out["never_built"] = raised(lambda: _opt(ToyModel(), status_timeout_s=3))
@@ -246,11 +250,101 @@ def errors_worker(rank: int, world: int, folder: str) -> bytes:
 
     # 9. a rank that skips one step(), then one that takes an extra one and saves: each breaks
     #    its world, so each gets a fresh one (destroying a broken gloo group returns at once)
-    for how in ("skip", "extra"):
+    #    (``fsdp``: rank 1 skips a step of an FSDP2 model and waits in FSDP2's own all-gather)
+    for how in ("skip", "extra", "fsdp"):
         dist.destroy_process_group()
         init_process_group(rank, world, f"file://{Path(folder) / how}", timeout_s=UNMATCHED_PG_TIMEOUT_S)
-        out[("unmatched", how)] = _unmatched_steps(rank, how)
+        out[("unmatched", how)] = _fsdp_skips_a_step(rank) if how == "fsdp" else _unmatched_steps(rank, how)
     return pack(out)
+
+
+def _fsdp_model():
+    """A small FSDP2 model (``fully_shard`` per layer and on the root, dp_shard 2) and its mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.profiling.vs_torch import LinearStack
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    model = LinearStack(3, 8)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def _fsdp_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _fsdp_bounded_exact(rank: int) -> dict:
+    """Two steps of the same FSDP2 model with FSDP2's collectives bounded (layer 1 carrying a comm
+    of the user's, which must stay) and with ``bound_fsdp_collectives=False``; each step also
+    unshards layer 0 asynchronously first (the bounded work). Returns both runs' losses and
+    reduce-scattered gradient shards per step, their local parameter shards after the steps (a
+    change below an ulp of the update could vanish there, hence the first two), which modules
+    carry canzona's comms, and how often the user's all-gather ran."""
+    import canzona
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class UserAllGather(DefaultAllGather):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            UserAllGather.calls += 1
+            return super().__call__(*args, **kwargs)
+
+    got: dict = {}
+    for on in (True, False):
+        model, mesh = _fsdp_model()
+        if on:
+            model.layers[1].set_custom_all_gather(UserAllGather())
+        opt = canzona.DistributedOptimizer(
+            model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02}, status_timeout_s=8, bound_fsdp_collectives=on
+        )
+        seen = []  # per step: the loss (the all-gathers' bits) and the reduce-scattered gradient shards
+        for step in (0, 1):
+            model.layers[0].unshard(async_op=True).wait()
+            loss = model.loss(_fsdp_batch(rank, step))
+            loss.backward()
+            seen.append((loss.detach().clone(), {n: p.grad.to_local().clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        comms = {n: (type(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__,
+                     type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__)
+                 for n, m in model.named_modules() if n.startswith("layers.")}
+        got[on] = {"params": {n: p.to_local().clone() for n, p in model.named_parameters()}, "seen": seen,
+                   "bounded": opt.layout.bounded_modules, "comms": comms}
+    got["user_calls"] = UserAllGather.calls
+    return got
+
+
+def _fsdp_skips_a_step(rank: int) -> tuple[str, str, float] | None:
+    """Rank 1 skips the step of iteration 1 of an FSDP2 model: it goes on into FSDP2's all-gather of
+    the next forward while rank 0 waits in the step's status exchange. What this rank raised and
+    how long after the shared start of iteration 1."""
+    import torch.distributed as dist
+
+    import canzona
+
+    model, mesh = _fsdp_model()
+    dist.barrier()
+    opt = canzona.DistributedOptimizer(model, "muon", strategy="lb-asc", mesh=mesh, optimizer_kwargs={"lr": 0.02},
+                                       status_timeout_s=UNMATCHED_BOUND_S)
+    model.loss(_fsdp_batch(rank, 0)).backward()
+    dist.barrier()
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+
+    def run() -> None:
+        for s in (1, 2, 3):
+            model.loss(_fsdp_batch(rank, s)).backward()
+            if not (rank == 1 and s == 1):
+                opt.step()
+            opt.zero_grad()
+
+    return raised(run)
 
 
 def _unmatched_steps(rank: int, how: str) -> tuple[str, str, float] | None:
@@ -420,6 +514,47 @@ def test_a_rank_that_skips_or_adds_a_step_is_named_on_every_rank_within_the_stat
     assert "status exchange (optimizer step)" in line
     # the rank that skipped has begun one step() fewer, the one that added one more
     assert f"Optimizer steps begun: rank 0 2, rank 1 {1 if how == 'skip' else 3}." in line, line
+
+
+def test_fsdp2_rank_that_skips_a_step_fails_on_every_rank_within_the_status_bound(res) -> None:
+    """FSDP2 model, rank 1 skips one ``step()``: rank 0 waits in the step's status exchange, rank 1
+    in FSDP2's own all-gather of the next forward (torch's collective, bounded by
+    :mod:`canzona.runtime.fsdp_comm`). Both raise within ``status_timeout_s`` plus the naming
+    window, one line naming the collective and module rank 1 waits in and that rank 0 is ahead
+    (without the bound rank 1 waits for the process group's 12 s and raises gloo's own error)."""
+    from canzona.runtime.comm import GATHER_S, POLL_S
+
+    got = [res[r][("unmatched", "fsdp")] for r in range(2)]
+    _report(f"FSDP2, rank 1 skips a step (status_timeout_s={UNMATCHED_BOUND_S:g})", got)
+    for rank, g in enumerate(got):
+        assert g is not None and g[0] in ("CollectiveTimeout", "AgreementTimeout"), (rank, g)
+        line = g[1]
+        assert "\n" not in line, line
+        assert "rank 0 " in line and "status exchange (optimizer step)" in line, line
+        assert "; rank 1 " in line and "FSDP2's all-gather (forward) of module 'layers.0'" in line, line
+        assert "Optimizer steps begun: rank 0 2, rank 1 1. Ahead of the others: rank 0." in line, line
+        assert "this process group cannot be used further" in line, line
+        assert g[2] < UNMATCHED_BOUND_S + GATHER_S + 4 * POLL_S + 2.0, (rank, g[2])  # 2 s: a loaded machine
+
+
+def test_fsdp2_bounded_collectives_change_no_bit_and_leave_the_users_comm(res) -> None:
+    """Two steps with FSDP2's all-gathers and reduce-scatters bounded (synchronous and an
+    asynchronous unshard) give the local shards of the run without them bit for bit; a comm the
+    user installed on one module stays (and runs); the root, which holds no parameter, has none."""
+    for rank in range(2):
+        got = res[rank]["fsdp_exact"]
+        on, off = got[True], got[False]
+        assert on["bounded"] == ["layers.0", "layers.1", "layers.2"] and off["bounded"] == [], (on["bounded"], off["bounded"])
+        assert on["comms"]["layers.0"] == ("BoundedAllGather", "BoundedReduceScatter"), on["comms"]
+        assert on["comms"]["layers.1"] == ("UserAllGather", "BoundedReduceScatter"), on["comms"]
+        assert off["comms"]["layers.0"] == ("DefaultAllGather", "DefaultReduceScatter"), off["comms"]
+        assert got["user_calls"] > 0
+        assert on["params"].keys() == off["params"].keys()
+        for n, t in on["params"].items():
+            assert torch.equal(t, off["params"][n]), (rank, n)
+        for step, ((loss, grads), (loss_off, grads_off)) in enumerate(zip(on["seen"], off["seen"])):
+            assert torch.equal(loss, loss_off), (rank, step, "loss")
+            assert grads.keys() == grads_off.keys() and all(torch.equal(g, grads_off[n]) for n, g in grads.items()), (rank, step, "grads")
 
 
 # ------------------------------------------------------------------------------ the launcher

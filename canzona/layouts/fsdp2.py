@@ -63,7 +63,15 @@ How it differs from the ZeRO-1 buffer layout (:mod:`canzona.layouts.zero1`):
 - HSDP: every ``dp_replicate`` replica runs the same step on its own (identical gradients after
   HSDP's all-reduce, identical results bit for bit);
 - uneven shards (FSDP2 pads dim 0) and empty pieces are served: blocks are exchanged with per-rank
-  sizes.
+  sizes;
+- FSDP2's own all-gathers and reduce-scatters wait at most ``status_timeout_s`` on gloo
+  (:mod:`canzona.runtime.fsdp_comm`, installed at :meth:`FSDP2Layout.build` on every
+  ``fully_shard`` module with one parameter group and torch's default comms; the same collectives,
+  the same bits; ``bound_fsdp_collectives=False`` turns it off; :attr:`bounded_modules` lists the
+  modules): a rank that skipped a ``step()`` and waits in FSDP2's next all-gather raises with the
+  others, naming every rank's position. Not on NCCL (the watchdog is the bound), nor on modules
+  with several parameter groups (per-parameter meshes from ``shard_placement_fn``: torch refuses
+  custom comms there), nor where the user installed a comm.
 
 Invariants: every rank holds one block per parameter; the blocks gathered once at construction
 tile every tensor exactly (:class:`canzona.runtime.exchange.PieceLayout` checks it); a hosted
@@ -503,6 +511,10 @@ class FSDP2Layout(Layout):
             expert_names=experts,
             expert_layouts=tasks,
         )
+        from canzona.runtime.fsdp_comm import bound_fsdp_collectives  # imports FSDP2's comm API: FSDP2 models only
+
+        #: the ``fully_shard`` modules whose own collectives wait at most ``status_timeout_s`` ("" is the root)
+        self.bounded_modules = bound_fsdp_collectives(self.model, self.settings.status_timeout_s, on=self.settings.bound_fsdp_collectives)
         return self.runtime
 
     def _shard_group(self) -> Any:

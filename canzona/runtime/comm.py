@@ -46,7 +46,10 @@ blocks at most that long, in slices of :data:`POLL_S`; between slices it looks a
 default store. The first rank whose bound runs out writes there where it was waiting; every other
 rank inside a bounded wait sees the key within a slice, adds where *it* was waiting, and all of
 them raise :class:`CollectiveTimeout` with the same line naming each rank and its position (a rank
-that never answers within :data:`GATHER_S`: dead, frozen, or busy outside canzona's collectives).
+that never answers within :data:`GATHER_S`: dead, frozen, or busy outside canzona's collectives)
+and, when the ranks have begun different numbers of ``step()`` calls, those counts and the ranks
+ahead. FSDP2's own collectives on gloo wait through :func:`wait_bounded` too
+(:mod:`canzona.runtime.fsdp_comm`).
 The store is only read when a slice ran out, so a collective that completes in time costs one
 ``wait`` as before. A timed-out gloo wait leaves the work intact (it can be waited again), which
 is what the slices rely on.
@@ -228,6 +231,8 @@ def _give_up(store: Any, where: str, timeout_s: float | None) -> str:
     line = "canzona's collectives stopped matching across ranks: " + "; ".join(parts) + ". "
     if len(set(steps.values())) > 1:
         line += "Optimizer steps begun: " + ", ".join(f"rank {r} {n}" for r, n in sorted(steps.items())) + ". "
+        most = max(steps.values())
+        line += "Ahead of the others: " + ", ".join(f"rank {r}" for r, n in sorted(steps.items()) if n == most) + ". "
     line += (
         "A rank skipped or added a step() or another collective call, or stopped, or worked alone for longer than "
         "status_timeout_s (a save or an evaluation on one rank: raise status_timeout_s or call dist.barrier() after it); "
