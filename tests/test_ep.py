@@ -337,8 +337,9 @@ def _extras(rank: int, world: int) -> dict:
     return out
 
 
-def _full_copy(model: nn.Module, ep: int) -> nn.Module:
-    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``)."""
+def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
+    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``, TP'd
+    dense parameters over ``tp``)."""
     import torch.distributed as dist
 
     full = EPToy()
@@ -348,10 +349,10 @@ def _full_copy(model: nn.Module, ep: int) -> nn.Module:
             if n in STACKS:
                 parts = [torch.empty_like(p.to_local()) for _ in range(dist.get_world_size())]
                 dist.all_gather(parts, p.to_local().contiguous())
-                # row-major (dp, ep): ranks 0 .. ep-1 hold the EP coordinates of dp row 0
-                named[n].copy_(torch.cat(parts[:ep]))
+                # row-major (dp, ep, tp): ranks 0, tp, .. (ep-1) tp hold the EP coordinates of dp row 0, TP rank 0
+                named[n].copy_(torch.cat(parts[: ep * tp : tp]))
             else:
-                named[n].copy_(p.detach())
+                named[n].copy_(p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach())
     return full
 
 
@@ -365,44 +366,56 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ep = mesh.size(names.index("ep"))
-    dp, ep_rank = world // ep, mesh.get_local_rank("ep")
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
+    dp, ep_rank, data = world // ep // tp, mesh.get_local_rank("ep"), rank // tp
     kw = dict(optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+
+    def ep_model(seed: int) -> nn.Module:
+        m = EPToy(seed=seed)
+        _shard_experts(m, mesh, ep_rank, ep)
+        if tp > 1:
+            _parallelize_dense(m, mesh)
+        return m
 
     def ep_opt(model: nn.Module):
         return canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, **kw)
 
-    model = EPToy(seed=2)
-    _shard_experts(model, mesh, ep_rank, ep)
+    def grads(m: nn.Module, per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        named = dict(m.named_parameters())
+        return {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, dp, ep).items()}
+
+    model = ep_model(2)
     opt = ep_opt(model)
     for s in range(2):
-        _inject(model, _local_grads(_all_grads(world, 10 + s), rank, dp, ep))
+        _inject(model, grads(model, _all_grads(dp * ep, 10 + s)))
         opt.step()
         opt.zero_grad()
     saved = opt.consolidated_state_dict()  # collective: every rank calls it, rank 0 gets the document
     doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
-    plain = _full_copy(model, ep)
-    popt = canzona.DistributedOptimizer(plain, "muon", **kw)
+    plain = _full_copy(model, ep, tp)
+    # plain ZeRO-1 over the dp x ep data ranks (each TP group of ranks a replica with the same gradient)
+    pmesh = None if tp == 1 else init_device_mesh("cpu", (dp * ep, tp), mesh_dim_names=("dp", "tp"))
+    popt = canzona.DistributedOptimizer(plain, "muon", mesh=pmesh, **kw)
     popt.load_state_dict(doc[0])
     saved = popt.consolidated_state_dict()
     doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
-    back = EPToy(seed=3)  # other values: the load must bring the saved ones
-    _shard_experts(back, mesh, ep_rank, ep)
+    back = ep_model(3)  # other values: the load must bring the saved ones
     bopt = ep_opt(back)
     bopt.load_state_dict(doc[0])
-    per_rank = _all_grads(world, 12)
+    per_rank = _all_grads(dp * ep, 12)
     for m, o in ((model, opt), (back, bopt)):
-        _inject(m, _local_grads(per_rank, rank, dp, ep))
+        _inject(m, grads(m, per_rank))
         o.step()
-    _inject(plain, per_rank[rank])
+    _inject(plain, per_rank[data])
     popt.step()
     want = dict(plain.named_parameters())
     bad = []
     for label, m in (("ep", model), ("loaded back", back)):
         for n, p in m.named_parameters():
-            mine = p.to_local() if n in STACKS else p
-            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else want[n].detach()
+            mine = p.to_local() if hasattr(p, "to_local") else p
+            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else _tp_slice(p, want[n].detach())
             if not torch.equal(mine.detach(), full):
                 bad.append(f"{label}: {n}")
     return {"bad": bad}
@@ -414,7 +427,7 @@ def ep_worker(rank: int, world: int) -> bytes:
                "ckpt": _checkpoints(rank, world, ("ep",), (2,))}
     else:
         out = {"dp_ep": _train(rank, world, ("dp", "ep"), (2, 2)), "ckpt": _checkpoints(rank, world, ("dp", "ep"), (2, 2)),
-               "ep_tp": _train(rank, world, ("ep", "tp"), (2, 2)),
+               "ep_tp": _train(rank, world, ("ep", "tp"), (2, 2)), "ckpt_tp": _checkpoints(rank, world, ("ep", "tp"), (2, 2)),
                "dp_ep_tp": _train(rank, world, ("dp", "ep", "tp"), (1, 2, 2), on_ep_tp=True),
                "dp_ep_tp1": _train(rank, world, ("dp", "ep", "tp"), (2, 2, 1)),
                "tp_mistakes": _tp_mistakes(rank, world)}
@@ -525,7 +538,8 @@ def test_clip_grad_norm_within_the_split_bound_and_the_clipped_step_bitwise(runs
         assert res["extras"]["clip_bad"] == []
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_checkpoints_cross_layouts_bitwise(runs, world: int) -> None:
+@pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp")])
+def test_checkpoints_cross_layouts_bitwise(runs, world: int, case: str) -> None:
+    """World 4 ``ckpt_tp``: saved under ep 2 x tp 2, loaded under plain ZeRO-1 x TP (dp 2 x tp 2) and back."""
     for r, res in enumerate(runs(world)):
-        assert res["ckpt"]["bad"] == [], f"rank {r}"
+        assert res[case]["bad"] == [], f"rank {r}"
