@@ -337,6 +337,36 @@ def _extras(rank: int, world: int) -> dict:
     return out
 
 
+def _tp_clip(rank: int, world: int) -> dict:
+    """clip_grad_norm_ under ep 2 x tp 2 (active), then the step on the clipped gradients."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    ep_rank, data = mesh.get_local_rank("ep"), rank // 2
+    model = EPToy(seed=1)
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    _shard_experts(model, mesh, ep_rank, 2)
+    _parallelize_dense(model, mesh)
+    named = dict(model.named_parameters())
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+    per_rank = _all_grads(2, 7)
+    _inject(model, {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, 1, 2).items()})
+    total = opt.clip_grad_norm_(0.05)
+    opt.step()
+    mean = mean_grads(per_rank)
+    out = {"total": total, "torch_total": torch.nn.utils.get_total_norm([mean[n] for n, _ in ref.model.named_parameters()])}
+    coef = torch.clamp(0.05 / (total + 1e-6), max=1.0)
+    ref.step({n: g * coef for n, g in mean.items()})
+    want = ref.params()
+    out["clip_bad"] = [n for n, p in named.items()
+                       if not torch.equal(p.to_local().detach() if hasattr(p, "to_local") else p.detach(),
+                                          want[n].chunk(2)[ep_rank] if n in STACKS else _tp_slice(p, want[n]))]
+    return out
+
+
 def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
     """A plain model holding the EP model's values (the expert stacks gathered over ``ep``, TP'd
     dense parameters over ``tp``)."""
@@ -430,7 +460,7 @@ def ep_worker(rank: int, world: int) -> bytes:
                "ep_tp": _train(rank, world, ("ep", "tp"), (2, 2)), "ckpt_tp": _checkpoints(rank, world, ("ep", "tp"), (2, 2)),
                "dp_ep_tp": _train(rank, world, ("dp", "ep", "tp"), (1, 2, 2), on_ep_tp=True),
                "dp_ep_tp1": _train(rank, world, ("dp", "ep", "tp"), (2, 2, 1)),
-               "tp_mistakes": _tp_mistakes(rank, world)}
+               "tp_mistakes": _tp_mistakes(rank, world), "tp_clip": _tp_clip(rank, world)}
     return pack(out)
 
 
@@ -536,6 +566,21 @@ def test_clip_grad_norm_within_the_split_bound_and_the_clipped_step_bitwise(runs
     assert abs(float(x["total"]) - float(want)) <= bound * float(want)
     for res in runs(2):
         assert res["extras"]["clip_bad"] == []
+
+
+def test_clip_grad_norm_beside_tp_within_the_split_bound_and_the_clipped_step_bitwise(runs) -> None:
+    """ep 2 x tp 2: the experts split over EP, the TP'd dense parameters over TP; each TP rank's
+    copy of a replicated parameter and of the experts counted once."""
+    from canzona.runtime.clip import split_bound
+
+    res = [r["tp_clip"] for r in runs(4)]
+    assert all(torch.equal(r["total"], res[0]["total"]) for r in res)
+    want = res[0]["torch_total"]
+    assert float(want) > 0.05 * 10  # the clip is active
+    bound = split_bound(max(p.numel() for p in EPToy().parameters()), 2, len(list(EPToy().parameters())))
+    assert abs(float(res[0]["total"]) - float(want)) <= bound * float(want)
+    for r in res:
+        assert r["clip_bad"] == []
 
 
 @pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp")])
