@@ -13,7 +13,12 @@ a step where one expert got no tokens (a zero gradient), a NaN in one expert ref
 rank naming the parameter and the expert with nothing changed (and the next step still exact),
 accumulation in no_sync(), clip_grad_norm_ (within the split-parameter bound of torch's norm,
 the clipped step bitwise), checkpoints across layouts, and layout mistakes refused in one line.
-One spawn per world size.
+Beside tensor parallelism, in the world-4 spawn: ``("ep", "tp") = (2, 2)``, ``("dp", "ep", "tp")
+= (1, 2, 2)`` (experts on ``("ep", "tp")``, Replicate on ``tp``) and ``(2, 2, 1)``, the dense layers
+TP'd with ``parallelize_module``; each data rank's gradient is seen by all its TP ranks (a TP
+shard of it, and equal copies of the expert sums), and the same checks hold, plus the checkpoint
+round trip to plain ZeRO-1 x TP, clipping, and what is not served (TP-cut experts, another order
+of the mesh dimensions) refused in one line. One spawn per world size.
 """
 
 from __future__ import annotations

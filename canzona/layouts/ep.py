@@ -4,7 +4,10 @@ How torchtitan lays out a mixture of experts: each ``(E, M, N)`` expert stack is
 ``Shard(0)`` on the ``ep`` dimension of the mesh (EP rank ``e`` holds experts
 ``[e E/ep, (e+1) E/ep)`` whole, tokens reach them through the dispatch all-to-all), and every other
 parameter is a plain tensor replicated over all ranks. Meshes: ``("ep",)`` and ``("dp", "ep")``
-(row-major, the mesh covering the world). The layout serves any model holding a DTensor parameter
+(row-major, the mesh covering the world); beside tensor parallelism ``("ep", "tp")`` and
+``("dp", "ep", "tp")``, where the dense parameters may be DTensors on ``mesh["tp"]`` (as
+``parallelize_module`` makes them) and the experts stay whole on every TP rank (on ``mesh["ep"]``,
+or ``(Shard(0), Replicate())`` on ``mesh["ep", "tp"]``). The layout serves any model holding a DTensor parameter
 on a mesh dimension named ``ep`` and no FSDP2 module: FSDP2 models with expert parallelism
 (torchtitan's ``fully_shard`` of every block with the experts on their own ``efsdp`` mesh) are
 :class:`~canzona.layouts.fsdp2.FSDP2Layout`'s.
@@ -22,10 +25,20 @@ What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
 - planning (:func:`canzona.plan.ep.plan_ep`): the expert plan first; each rank's expert load is
   the dense plan's preload, so the dense tasks are balanced around it.
 
+With a ``tp`` dimension: the dense parameters are the ZeRO-1 layout's ``("dp", "tp")`` case with
+``dp x ep`` DP ranks (the buffer over the ``dp x ep`` ranks of each TP coordinate, TP-split
+matrices through :class:`~canzona.runtime.tp.TPEngine` over ``tp``, averaged over ``dp x ep``); the
+expert stacks are partitioned over the ``dp x tp`` ranks of each EP coordinate. TP ranks see the
+same tokens, so their expert gradients are equal copies, not partial sums: TP ranks other than 0
+send theirs times zero (``DPRuntime(grad_contributes=False)``), so the group's sum is the sum over
+``dp`` of one copy, divided by ``dp x ep`` as without TP.
+
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
-``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, an expert
-DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do not divide by ``ep``,
-and a DTensor that is not an expert stack. ``clip_grad_norm_`` is one exchange over both parts.
+``tp_dims`` (see :attr:`EPLayout.refused`), a mesh other than the four above (other orders
+included), an expert DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do
+not divide by ``ep``, experts cut by TP (on ``("ep", "tp")`` not ``Replicate`` on ``tp``, or a stack
+sharded on ``mesh["tp"]``), and a DTensor that is neither an expert stack nor (with ``tp``) a dense
+parameter on ``mesh["tp"]``. ``clip_grad_norm_`` is one exchange over both parts.
 Checkpoints place every local expert at its global coordinates, so they load across layouts.
 An expert stack held as a plain tensor is a dense parameter (replicated, its experts planned over
 all ranks): the layout reads what is sharded from the DTensors, never from a second description.

@@ -11,6 +11,9 @@ work is two :class:`~canzona.runtime.dp.DPRuntime` instances on each rank:
   divides by ``dp x ep``: the gradient of the mean loss over the whole batch, as for the dense
   parameters (Megatron's and torchtitan's scaling of expert gradients). With ``dp = 1`` the group
   is this rank alone: every rank updates its whole experts with no optimizer communication.
+  Beside TP (mesh ``("dp", "ep", "tp")``) the group is the ``dp x tp`` ranks of this EP
+  coordinate, whose TP ranks hold equal copies of each gradient (they saw the same tokens): only
+  TP rank 0's copy enters the sum (:attr:`DPRuntime.grad_contributes`).
 
 :meth:`EPRuntime.step` runs the DP runtime's stages on both (:meth:`DPRuntime.prepare`, ...,
 :meth:`DPRuntime.finish`) with **one** status agreement before any update: errors, gradients
