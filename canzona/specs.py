@@ -21,7 +21,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -477,6 +477,7 @@ def specs_from_module(
     tp: int = 1,
     kinds: Mapping[str, Kind] | None = None,
     roles: Roles | None = None,
+    exclude: Collection[str] = (),
 ) -> list[ParamSpec]:
     """Parameter specs of a live module (any device, including ``meta``), in registration order.
 
@@ -486,6 +487,7 @@ def specs_from_module(
     multiplied by ``tp``. Roles come from :func:`module_roles` (the default rule by module type and
 shape, overridden by ``roles``); ``kinds`` overrides them for exactly named parameters.
     Tied parameters appear once (under their first name), as ``named_parameters`` yields them.
+    ``exclude``: names left out, unread (the expert stacks an expert-parallel layout reads itself).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -498,6 +500,8 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
     decided = module_roles(module, roles)
     out: list[ParamSpec] = []
     for name, p in module.named_parameters():
+        if name in exclude:
+            continue
         ptp, blocks = tp, 1
         kind, transposed = decided[name]
         if name in kinds:

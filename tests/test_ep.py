@@ -13,7 +13,12 @@ a step where one expert got no tokens (a zero gradient), a NaN in one expert ref
 rank naming the parameter and the expert with nothing changed (and the next step still exact),
 accumulation in no_sync(), clip_grad_norm_ (within the split-parameter bound of torch's norm,
 the clipped step bitwise), checkpoints across layouts, and layout mistakes refused in one line.
-One spawn per world size.
+Beside tensor parallelism, in the world-4 spawn: ``("ep", "tp") = (2, 2)``, ``("dp", "ep", "tp")
+= (1, 2, 2)`` (experts on ``("ep", "tp")``, Replicate on ``tp``) and ``(2, 2, 1)``, the dense layers
+TP'd with ``parallelize_module``; each data rank's gradient is seen by all its TP ranks (a TP
+shard of it, and equal copies of the expert sums), and the same checks hold, plus the checkpoint
+round trip to plain ZeRO-1 x TP, clipping, and what is not served (TP-cut experts, another order
+of the mesh dimensions) refused in one line. One spawn per world size.
 """
 
 from __future__ import annotations
@@ -51,16 +56,45 @@ class EPToy(nn.Module):
         self.norm = nn.LayerNorm(10)
 
 
-def _shard_experts(model: nn.Module, mesh, ep_rank: int, ep: int, placement=None) -> None:
-    from torch.distributed.tensor import DTensor, Shard
+def _shard_experts(model: nn.Module, mesh, ep_rank: int, ep: int, placement=None, on_ep_tp: bool = False) -> None:
+    """Each stack ``Shard(0)`` on the mesh's ``ep`` sub-mesh (``on_ep_tp``: on ``("ep", "tp")``,
+    Replicate on ``tp``; ``placement``: a mistake, on ``ep`` or, with ``on_ep_tp``, on ``tp``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    ep_mesh = mesh if mesh.ndim == 1 else mesh["ep"]
+    ep_mesh = mesh if mesh.ndim == 1 else mesh["ep", "tp"] if on_ep_tp else mesh["ep"]
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(model.experts, name).detach()
         local = full.chunk(ep)[ep_rank].clone()
+        if on_ep_tp:
+            tp_pl = Replicate() if placement is None else placement
+            if placement is not None:  # a layout mistake: each rank's experts TP-cut too
+                local = local.chunk(mesh["tp"].size(), dim=placement.dim)[mesh.get_local_rank("tp")].clone()
+            setattr(model.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0), tp_pl], run_check=False)))
+            continue
         if placement is not None:  # a layout mistake: cut each expert instead of the stack
             local = full.chunk(ep, dim=1)[ep_rank].clone()
         setattr(model.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [placement or Shard(0)], run_check=False)))
+
+
+def _parallelize_dense(model: nn.Module, mesh) -> None:
+    """The dense layers TP'd as ``parallelize_module`` does it on the mesh's ``tp`` dimension:
+    ``proj`` column-wise (weight and bias ``Shard(0)``), the router ``gate`` row-wise (``Shard(1)``);
+    the embedding and the norm stay plain tensors, replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh["tp"], {"proj": ColwiseParallel(), "gate": RowwiseParallel()})
+
+
+def _tp_slice(p, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP-local slice of a dense parameter's full tensor (the whole tensor when plain)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return full
+    (pl,) = p.placements
+    if not isinstance(pl, Shard):
+        return full
+    return full.chunk(p.device_mesh.size(), dim=pl.dim)[p.device_mesh.get_local_rank()]
 
 
 def _all_grads(world: int, step: int, nan: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -104,7 +138,12 @@ def _inject(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     inject_grads(model, grads)
 
 
-def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...], on_ep_tp: bool = False) -> dict:
+    """Training against the single-device reference. With a ``tp`` dimension the dense layers are
+    TP'd (:func:`_parallelize_dense`) and the experts are whole on every TP rank; the ``dp x ep``
+    data ranks (world rank // tp) each draw a gradient, which every TP rank of theirs sees (TP ranks
+    share the tokens): a TP shard of it for a TP'd parameter, and for the experts the same sum over
+    the EP group on every TP rank (equal copies). The reference takes the mean over the data ranks."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -113,45 +152,56 @@ def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ep = mesh.size(names.index("ep"))
-    dp = world // ep
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
+    dp, data = world // ep // tp, rank // tp
     ep_rank = mesh.get_local_rank("ep")
     model = EPToy()
     ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
-    _shard_experts(model, mesh, ep_rank, ep)
+    _shard_experts(model, mesh, ep_rank, ep, on_ep_tp=on_ep_tp)
+    if "tp" in names:
+        _parallelize_dense(model, mesh)
+    named = dict(model.named_parameters())
     opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, optimizer_kwargs=MKW,
                                        elementwise_kwargs=EKW, bucket_numel=300)
     out: dict = {"bad": [], "state": {}}
 
+    def local(n: str, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(ep)[ep_rank] if n in STACKS else _tp_slice(named[n], full)
+
+    def mine(n: str) -> torch.Tensor:
+        p = named[n]
+        return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+    def grads(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        g = _local_grads(per_rank, data, dp, ep)
+        return {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in g.items()}
+
     def check(step: int) -> None:
         want = ref.params()
-        for n, p in model.named_parameters():
-            mine = p.to_local() if n in STACKS else p
-            full = want[n].chunk(ep)[ep_rank] if n in STACKS else want[n]
-            if not torch.equal(mine.detach(), full):
-                out["bad"].append(f"step {step}: {n}")
+        out["bad"] += [f"step {step}: {n}" for n in named if not torch.equal(mine(n), local(n, want[n]))]
 
     for s in range(STEPS):
-        per_rank = _all_grads(world, s)
-        _inject(model, _local_grads(per_rank, rank, dp, ep))
+        per_rank = _all_grads(dp * ep, s)
+        _inject(model, grads(per_rank))
         opt.step()
         opt.zero_grad()
         ref.step(mean_grads(per_rank))
         check(s)
     # a NaN in one expert: refused on every rank, nothing changed
-    before = {n: (p.to_local() if n in STACKS else p).detach().clone() for n, p in model.named_parameters()}
+    before = {n: mine(n).clone() for n in named}
     state_before = _expert_state(opt, ep_rank)
-    _inject(model, _local_grads(_all_grads(world, STEPS, nan=True), rank, dp, ep))
+    _inject(model, grads(_all_grads(dp * ep, STEPS, nan=True)))
     try:
         opt.step()
         out["nan"] = "not refused"
     except NonFiniteGradient as exc:
         out["nan"] = str(exc)
     opt.zero_grad()
-    out["unchanged"] = all(torch.equal((p.to_local() if n in STACKS else p).detach(), before[n]) for n, p in model.named_parameters())
+    out["unchanged"] = all(torch.equal(mine(n), before[n]) for n in named)
     out["state_unchanged"] = all(torch.equal(v, state_before[k]) for k, v in _expert_state(opt, ep_rank).items())
     # the next step is exact again
-    per_rank = _all_grads(world, STEPS + 1)
-    _inject(model, _local_grads(per_rank, rank, dp, ep))
+    per_rank = _all_grads(dp * ep, STEPS + 1)
+    _inject(model, grads(per_rank))
     opt.step()
     opt.zero_grad()
     ref.step(mean_grads(per_rank))
@@ -160,6 +210,8 @@ def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]
     out["ref_state"] = {f"{n}/{k}": m for n in STACKS for k, m in enumerate(ref.momentum(n))}
     out["repr"] = repr(opt)
     out["expert_comm"] = opt.expert_comm.size
+    out["dense_comm"] = opt.dense_comm.size
+    out["tp_pieces"] = sum(pc.role == "tp" for pc in opt.runtime.dense.pieces)  # TP-split pieces this rank updates
     return out
 
 
@@ -212,6 +264,42 @@ def _mistakes(rank: int, world: int) -> dict:
     return out
 
 
+def _tp_mistakes(rank: int, world: int) -> dict:
+    """What expert parallelism beside ``tp`` does not serve, each refused on every rank in one line:
+    experts TP-cut on ``("ep", "tp")`` (expert tensor parallelism), an expert stack TP-cut on the
+    ``tp`` sub-mesh, and the mesh dimensions in another order."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    ep_rank = mesh.get_local_rank("ep")
+
+    def etp(m: nn.Module) -> None:
+        _shard_experts(m, mesh, ep_rank, 2, placement=Shard(1), on_ep_tp=True)
+
+    def stack_on_tp(m: nn.Module) -> None:
+        _shard_experts(m, mesh, ep_rank, 2)
+        full = m.experts.down_proj.full_tensor().detach()
+        local = full.chunk(2, dim=1)[mesh.get_local_rank("tp")].clone()
+        m.experts.down_proj = nn.Parameter(DTensor.from_local(local, mesh["tp"], [Shard(1)], run_check=False))
+
+    out = {}
+    for case, prep, m in (("etp", etp, mesh), ("stack_on_tp", stack_on_tp, mesh),
+                          ("order", None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "ep")))):
+        model = EPToy()
+        if prep is not None:
+            prep(model)
+        else:
+            _shard_experts(model, m, m.get_local_rank("ep"), 2)
+        try:
+            canzona.DistributedOptimizer(model, "muon", mesh=m)
+            out[case] = "accepted"
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out[case] = str(exc)
+    return out
+
+
 def _extras(rank: int, world: int) -> dict:
     """Gradient accumulation in no_sync (bitwise), describe(), and clip_grad_norm_ followed by
     the step on the clipped gradients."""
@@ -254,8 +342,39 @@ def _extras(rank: int, world: int) -> dict:
     return out
 
 
-def _full_copy(model: nn.Module, ep: int) -> nn.Module:
-    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``)."""
+def _tp_clip(rank: int, world: int) -> dict:
+    """clip_grad_norm_ under ep 2 x tp 2 (active), then the step on the clipped gradients."""
+    import canzona
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    ep_rank, data = mesh.get_local_rank("ep"), rank // 2
+    model = EPToy(seed=1)
+    ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
+    _shard_experts(model, mesh, ep_rank, 2)
+    _parallelize_dense(model, mesh)
+    named = dict(model.named_parameters())
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+    per_rank = _all_grads(2, 7)
+    _inject(model, {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, 1, 2).items()})
+    total = opt.clip_grad_norm_(0.05)
+    opt.step()
+    mean = mean_grads(per_rank)
+    out = {"total": total, "torch_total": torch.nn.utils.get_total_norm([mean[n] for n, _ in ref.model.named_parameters()])}
+    coef = torch.clamp(0.05 / (total + 1e-6), max=1.0)
+    ref.step({n: g * coef for n, g in mean.items()})
+    want = ref.params()
+    out["clip_bad"] = [n for n, p in named.items()
+                       if not torch.equal(p.to_local().detach() if hasattr(p, "to_local") else p.detach(),
+                                          want[n].chunk(2)[ep_rank] if n in STACKS else _tp_slice(p, want[n]))]
+    return out
+
+
+def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
+    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``, TP'd
+    dense parameters over ``tp``)."""
     import torch.distributed as dist
 
     full = EPToy()
@@ -265,10 +384,10 @@ def _full_copy(model: nn.Module, ep: int) -> nn.Module:
             if n in STACKS:
                 parts = [torch.empty_like(p.to_local()) for _ in range(dist.get_world_size())]
                 dist.all_gather(parts, p.to_local().contiguous())
-                # row-major (dp, ep): ranks 0 .. ep-1 hold the EP coordinates of dp row 0
-                named[n].copy_(torch.cat(parts[:ep]))
+                # row-major (dp, ep, tp): ranks 0, tp, .. (ep-1) tp hold the EP coordinates of dp row 0, TP rank 0
+                named[n].copy_(torch.cat(parts[: ep * tp : tp]))
             else:
-                named[n].copy_(p.detach())
+                named[n].copy_(p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach())
     return full
 
 
@@ -282,44 +401,56 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ep = mesh.size(names.index("ep"))
-    dp, ep_rank = world // ep, mesh.get_local_rank("ep")
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
+    dp, ep_rank, data = world // ep // tp, mesh.get_local_rank("ep"), rank // tp
     kw = dict(optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
+
+    def ep_model(seed: int) -> nn.Module:
+        m = EPToy(seed=seed)
+        _shard_experts(m, mesh, ep_rank, ep)
+        if tp > 1:
+            _parallelize_dense(m, mesh)
+        return m
 
     def ep_opt(model: nn.Module):
         return canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, **kw)
 
-    model = EPToy(seed=2)
-    _shard_experts(model, mesh, ep_rank, ep)
+    def grads(m: nn.Module, per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        named = dict(m.named_parameters())
+        return {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, dp, ep).items()}
+
+    model = ep_model(2)
     opt = ep_opt(model)
     for s in range(2):
-        _inject(model, _local_grads(_all_grads(world, 10 + s), rank, dp, ep))
+        _inject(model, grads(model, _all_grads(dp * ep, 10 + s)))
         opt.step()
         opt.zero_grad()
     saved = opt.consolidated_state_dict()  # collective: every rank calls it, rank 0 gets the document
     doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
-    plain = _full_copy(model, ep)
-    popt = canzona.DistributedOptimizer(plain, "muon", **kw)
+    plain = _full_copy(model, ep, tp)
+    # plain ZeRO-1 over the dp x ep data ranks (each TP group of ranks a replica with the same gradient)
+    pmesh = None if tp == 1 else init_device_mesh("cpu", (dp * ep, tp), mesh_dim_names=("dp", "tp"))
+    popt = canzona.DistributedOptimizer(plain, "muon", mesh=pmesh, **kw)
     popt.load_state_dict(doc[0])
     saved = popt.consolidated_state_dict()
     doc = [saved if rank == 0 else None]
     dist.broadcast_object_list(doc, src=0)
-    back = EPToy(seed=3)  # other values: the load must bring the saved ones
-    _shard_experts(back, mesh, ep_rank, ep)
+    back = ep_model(3)  # other values: the load must bring the saved ones
     bopt = ep_opt(back)
     bopt.load_state_dict(doc[0])
-    per_rank = _all_grads(world, 12)
+    per_rank = _all_grads(dp * ep, 12)
     for m, o in ((model, opt), (back, bopt)):
-        _inject(m, _local_grads(per_rank, rank, dp, ep))
+        _inject(m, grads(m, per_rank))
         o.step()
-    _inject(plain, per_rank[rank])
+    _inject(plain, per_rank[data])
     popt.step()
     want = dict(plain.named_parameters())
     bad = []
     for label, m in (("ep", model), ("loaded back", back)):
         for n, p in m.named_parameters():
-            mine = p.to_local() if n in STACKS else p
-            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else want[n].detach()
+            mine = p.to_local() if hasattr(p, "to_local") else p
+            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else _tp_slice(p, want[n].detach())
             if not torch.equal(mine.detach(), full):
                 bad.append(f"{label}: {n}")
     return {"bad": bad}
@@ -330,7 +461,11 @@ def ep_worker(rank: int, world: int) -> bytes:
         out = {"ep": _train(rank, world, ("ep",), (2,)), "mistakes": _mistakes(rank, world), "extras": _extras(rank, world),
                "ckpt": _checkpoints(rank, world, ("ep",), (2,))}
     else:
-        out = {"dp_ep": _train(rank, world, ("dp", "ep"), (2, 2)), "ckpt": _checkpoints(rank, world, ("dp", "ep"), (2, 2))}
+        out = {"dp_ep": _train(rank, world, ("dp", "ep"), (2, 2)), "ckpt": _checkpoints(rank, world, ("dp", "ep"), (2, 2)),
+               "ep_tp": _train(rank, world, ("ep", "tp"), (2, 2)), "ckpt_tp": _checkpoints(rank, world, ("ep", "tp"), (2, 2)),
+               "dp_ep_tp": _train(rank, world, ("dp", "ep", "tp"), (1, 2, 2), on_ep_tp=True),
+               "dp_ep_tp1": _train(rank, world, ("dp", "ep", "tp"), (2, 2, 1)),
+               "tp_mistakes": _tp_mistakes(rank, world), "tp_clip": _tp_clip(rank, world)}
     return pack(out)
 
 
@@ -347,7 +482,7 @@ def runs():
     return get
 
 
-CASES = [(2, "ep"), (4, "dp_ep")]
+CASES = [(2, "ep"), (4, "dp_ep"), (4, "ep_tp"), (4, "dp_ep_tp"), (4, "dp_ep_tp1")]
 
 
 @pytest.mark.parametrize("world,case", CASES)
@@ -380,6 +515,27 @@ def test_expert_dp_group_sizes(runs) -> None:
     assert [r["ep"]["expert_comm"] for r in runs(2)] == [1, 1]  # no optimizer communication for experts
     assert [r["dp_ep"]["expert_comm"] for r in runs(4)] == [2, 2, 2, 2]
     assert "layout=ep, dp=2, ep=2" in runs(4)[0]["dp_ep"]["repr"]
+
+
+@pytest.mark.parametrize("case", ["ep_tp", "dp_ep_tp", "dp_ep_tp1"])
+def test_groups_beside_tp(runs, case: str) -> None:
+    """Dense: ZeRO-1 over the dp x ep ranks of each TP coordinate, TP-split matrices through the TP
+    engine; experts: the dp x tp ranks of each EP coordinate."""
+    res = [r[case] for r in runs(4)]
+    tp = 1 if case == "dp_ep_tp1" else 2
+    assert [r["dense_comm"] for r in res] == [4 // tp] * 4
+    assert [r["expert_comm"] for r in res] == [2] * 4
+    assert (sum(r["tp_pieces"] for r in res) > 0) == (tp > 1)
+    assert f"ep=2, tp={tp}" in res[0]["repr"], res[0]["repr"]
+
+
+def test_unserved_beside_tp_one_line(runs) -> None:
+    for res in runs(4):
+        m = res["tp_mistakes"]
+        assert "TP-cut experts" in m["etp"] and "Replicate on 'tp'" in m["etp"] and "\n" not in m["etp"], m["etp"]
+        assert m["stack_on_tp"].startswith("experts.down_proj:") and "TP-cut on 'tp'" in m["stack_on_tp"], m["stack_on_tp"]
+        assert "('tp', 'ep') are not supported" in m["order"] and "('dp', 'ep', 'tp')" in m["order"], m["order"]
+        assert all("\n" not in v for v in m.values()), m
 
 
 def test_layout_mistakes_one_line(runs) -> None:
@@ -417,7 +573,23 @@ def test_clip_grad_norm_within_the_split_bound_and_the_clipped_step_bitwise(runs
         assert res["extras"]["clip_bad"] == []
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_checkpoints_cross_layouts_bitwise(runs, world: int) -> None:
+def test_clip_grad_norm_beside_tp_within_the_split_bound_and_the_clipped_step_bitwise(runs) -> None:
+    """ep 2 x tp 2: the experts split over EP, the TP'd dense parameters over TP; each TP rank's
+    copy of a replicated parameter and of the experts counted once."""
+    from canzona.runtime.clip import split_bound
+
+    res = [r["tp_clip"] for r in runs(4)]
+    assert all(torch.equal(r["total"], res[0]["total"]) for r in res)
+    want = res[0]["torch_total"]
+    assert float(want) > 0.05 * 10  # the clip is active
+    bound = split_bound(max(p.numel() for p in EPToy().parameters()), 2, len(list(EPToy().parameters())))
+    assert abs(float(res[0]["total"]) - float(want)) <= bound * float(want)
+    for r in res:
+        assert r["clip_bad"] == []
+
+
+@pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp")])
+def test_checkpoints_cross_layouts_bitwise(runs, world: int, case: str) -> None:
+    """World 4 ``ckpt_tp``: saved under ep 2 x tp 2, loaded under plain ZeRO-1 x TP (dp 2 x tp 2) and back."""
     for r, res in enumerate(runs(world)):
-        assert res["ckpt"]["bad"] == [], f"rank {r}"
+        assert res[case]["bad"] == [], f"rank {r}"

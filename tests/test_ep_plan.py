@@ -74,6 +74,26 @@ def test_ep_plan_parts_and_preload(dp: int, ep: int) -> None:
     assert plan.plan_of("l0.experts.up") is plan.experts and plan.plan_of("l0.attn") is plan.dense
 
 
+@pytest.mark.parametrize("dp,ep,tp", [(1, 2, 2), (2, 2, 2)])
+def test_ep_plan_beside_tp(dp: int, ep: int, tp: int) -> None:
+    """Mesh ("dp", "ep", "tp"): the dense plan over dp x ep DP ranks x tp, the experts over the
+    dp x tp holders without TP; dense rank r's preload is the mean of its TP ranks' expert loads."""
+    from dataclasses import replace
+
+    specs = [replace(s, tp_dim=0, tp=tp) if s.name.endswith(".attn") else s for s in _specs()]
+    dense, local = local_expert_specs(specs, ep)
+    plan = plan_ep(dense, local, replace(_inputs(dp * ep), tp=tp), ep=ep)
+    assert (plan.tp, plan.dense.inputs.dp, plan.dense.inputs.tp) == (tp, dp * ep, tp)
+    assert (plan.experts.inputs.dp, plan.experts.inputs.tp) == (dp * tp, 1)
+    assert any(pp.role == "tp-task" for pp in plan.dense.params)
+    loads = plan.experts.metrics.details["dp_cost_loads"]
+    assert plan.expert_preload().tolist() == [sum(loads[(r // ep) * tp + t] for t in range(tp)) / tp for r in range(dp * ep)]
+    flat = plan_ep([replace(s, tp_dim=None, tp=1) for s in dense], local, _inputs(dp * ep), ep=ep)
+    assert plan.fingerprint != flat.fingerprint and f"dp x tp = {dp * tp} ranks" in plan.describe()
+    with pytest.raises(PlanError, match="an EP plan needs"):
+        EPPlan(dense=plan.dense, experts=plan.experts, dp=dp, ep=ep)  # tp left out
+
+
 def test_ep_plan_refusals() -> None:
     with pytest.raises(PlanError, match="8 experts do not divide by ep=3"):
         local_expert_specs(_specs(), 3)

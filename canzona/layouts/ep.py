@@ -4,7 +4,10 @@ How torchtitan lays out a mixture of experts: each ``(E, M, N)`` expert stack is
 ``Shard(0)`` on the ``ep`` dimension of the mesh (EP rank ``e`` holds experts
 ``[e E/ep, (e+1) E/ep)`` whole, tokens reach them through the dispatch all-to-all), and every other
 parameter is a plain tensor replicated over all ranks. Meshes: ``("ep",)`` and ``("dp", "ep")``
-(row-major, the mesh covering the world). The layout serves any model holding a DTensor parameter
+(row-major, the mesh covering the world); beside tensor parallelism ``("ep", "tp")`` and
+``("dp", "ep", "tp")``, where the dense parameters may be DTensors on ``mesh["tp"]`` (as
+``parallelize_module`` makes them) and the experts stay whole on every TP rank (on ``mesh["ep"]``,
+or ``(Shard(0), Replicate())`` on ``mesh["ep", "tp"]``). The layout serves any model holding a DTensor parameter
 on a mesh dimension named ``ep`` and no FSDP2 module: FSDP2 models with expert parallelism
 (torchtitan's ``fully_shard`` of every block with the experts on their own ``efsdp`` mesh) are
 :class:`~canzona.layouts.fsdp2.FSDP2Layout`'s.
@@ -22,10 +25,20 @@ What each rank does (two :class:`~canzona.runtime.dp.DPRuntime`, one step:
 - planning (:func:`canzona.plan.ep.plan_ep`): the expert plan first; each rank's expert load is
   the dense plan's preload, so the dense tasks are balanced around it.
 
+With a ``tp`` dimension: the dense parameters are the ZeRO-1 layout's ``("dp", "tp")`` case with
+``dp x ep`` DP ranks (the buffer over the ``dp x ep`` ranks of each TP coordinate, TP-split
+matrices through :class:`~canzona.runtime.tp.TPEngine` over ``tp``, averaged over ``dp x ep``); the
+expert stacks are partitioned over the ``dp x tp`` ranks of each EP coordinate. TP ranks see the
+same tokens, so their expert gradients are equal copies, not partial sums: TP ranks other than 0
+send theirs times zero (``DPRuntime(grad_contributes=False)``), so the group's sum is the sum over
+``dp`` of one copy, divided by ``dp x ep`` as without TP.
+
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
-``tp_dims`` (see :attr:`EPLayout.refused`), a ``tp`` mesh dimension, an expert
-DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do not divide by ``ep``,
-and a DTensor that is not an expert stack. ``clip_grad_norm_`` is one exchange over both parts.
+``tp_dims`` (see :attr:`EPLayout.refused`), a mesh other than the four above (other orders
+included), an expert DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do
+not divide by ``ep``, experts cut by TP (on ``("ep", "tp")`` not ``Replicate`` on ``tp``, or a stack
+sharded on ``mesh["tp"]``), and a DTensor that is neither an expert stack nor (with ``tp``) a dense
+parameter on ``mesh["tp"]``. ``clip_grad_norm_`` is one exchange over both parts.
 Checkpoints place every local expert at its global coordinates, so they load across layouts.
 An expert stack held as a plain tensor is a dense parameter (replicated, its experts planned over
 all ranks): the layout reads what is sharded from the DTensors, never from a second description.
@@ -55,12 +68,15 @@ from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.ep import EPRuntime
 from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
-from canzona.specs import ParamSpec, check_transposed_support, module_roles
+from canzona.specs import ParamSpec, check_transposed_support, module_roles, specs_from_module
 
 __all__ = ["EPLayout", "ep_params"]
 
 #: the one line for what is supported (completes every mesh refusal)
-SUPPORTED = "expert parallelism runs on canzona's ZeRO-1 path with a ('ep',) or ('dp', 'ep') mesh"
+SUPPORTED = ("expert parallelism runs on canzona's ZeRO-1 path with a ('ep',), ('dp', 'ep'), ('ep', 'tp') or "
+             "('dp', 'ep', 'tp') mesh")
+#: the mesh dimension names served, in this order (row-major, covering the world)
+MESHES = (("ep",), ("dp", "ep"), ("ep", "tp"), ("dp", "ep", "tp"))
 
 
 def ep_params(model: nn.Module) -> list[tuple[str, Any]]:
@@ -74,17 +90,17 @@ def ep_params(model: nn.Module) -> list[tuple[str, Any]]:
 class EPLayout(Layout):
     """Expert stacks sharded over ``ep``, dense parameters ZeRO-1 (see the module docstring).
 
-    Attributes the front end forwards: ``dp`` (expert-DP size), ``ep``, ``dp_rank``, ``ep_rank``,
-    ``dense_comm``, ``expert_comm``. ``plan`` is an :class:`~canzona.plan.ep.EPPlan`, ``runtime``
+    Attributes the front end forwards: ``dp`` (the mesh's ``dp`` size), ``ep``, ``tp``, ``dp_rank``,
+    ``ep_rank``, ``tp_rank``, ``dense_comm``, ``expert_comm``, ``tp_comm``. ``plan`` is an :class:`~canzona.plan.ep.EPPlan`, ``runtime``
     an :class:`~canzona.runtime.ep.EPRuntime`."""
 
     engine = "ep"
     refused = ("overlap_updates", "param_sync", "tp_dims")
     refused_reason = (
         "not supported with expert parallelism (one status agreement covers the dense and the expert step, "
-        "and parameters are whole or expert-sharded, never TP-split)"
+        "and TP splits are read from DTensor placements only)"
     )
-    exposed = ("dp", "ep", "dp_rank", "ep_rank", "dense_comm", "expert_comm")
+    exposed = ("dp", "ep", "tp", "dp_rank", "ep_rank", "tp_rank", "dense_comm", "expert_comm", "tp_comm")
 
     @classmethod
     def serves(cls, model: nn.Module) -> bool:
@@ -102,9 +118,12 @@ class EPLayout(Layout):
         names = mesh.mesh_dim_names
         self.ep = mesh.size(names.index("ep"))
         self.dp = mesh.size(names.index("dp")) if "dp" in names else 1
+        self.tp = mesh.size(names.index("tp")) if "tp" in names else 1
         self.ep_rank = mesh.get_local_rank("ep")
         self.dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
-        self._check_experts()
+        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
+        self.tp_comm: Comm | None = None
+        self._check_dtensors()
 
     def _check_mesh(self, mesh: Any, world: int) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
@@ -117,49 +136,80 @@ class EPLayout(Layout):
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
         names = mesh.mesh_dim_names
-        if names not in (("ep",), ("dp", "ep")):
+        if names not in MESHES:
             raise ValueError(f"mesh dimensions {names} are not supported with expert parallelism; {SUPPORTED}")
         if mesh.size() != world:
             raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world}; the mesh must cover the whole world")
         return mesh
 
-    def _check_experts(self) -> None:
-        """Every DTensor is an expert stack, ``Shard(0)`` over this mesh's ``ep`` dimension, whole experts per rank."""
-        from torch.distributed.tensor import DTensor, Shard
+    def _check_dtensors(self) -> None:
+        """Every DTensor is an expert stack ``Shard(0)`` over this mesh's ``ep`` dimension with whole
+        experts per rank (on the ``ep`` sub-mesh, or on ``("ep", "tp")`` replicated over ``tp``), or,
+        with a ``tp`` dimension, a dense parameter on the ``tp`` sub-mesh (``parallelize_module``'s)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        ep_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh["ep"]
+        ep_ranks = self.mesh["ep"].mesh.tolist() if self.mesh.ndim > 1 else self.mesh.mesh.tolist()
+        tp_ranks = self.mesh["tp"].mesh.tolist() if self.tp_named else None
+        ep_tp_ranks = self.mesh["ep", "tp"].mesh.tolist() if self.tp_named else None
         for name, p in self.model.named_parameters():
             if not isinstance(p, DTensor):
                 continue
-            where = f"{name}: a DTensor on mesh {p.device_mesh.mesh_dim_names} with {tuple(p.placements)}"
-            if p.device_mesh.mesh_dim_names != ("ep",) or p.device_mesh.mesh.tolist() != ep_mesh.mesh.tolist():
-                raise ValueError(f"{where}; under expert parallelism only expert stacks are DTensors, on the mesh's 'ep' dimension ({SUPPORTED})")
-            if tuple(p.placements) != (Shard(0),) or p.dim() != 3:
+            names, ranks, placements = p.device_mesh.mesh_dim_names, p.device_mesh.mesh.tolist(), tuple(p.placements)
+            where = f"{name}: a DTensor on mesh {names} with {placements}"
+            if names == ("tp",) and ranks == tp_ranks:
+                if p.dim() == 3 and any(isinstance(pl, Shard) for pl in placements):
+                    raise ValueError(f"{where}; an expert stack TP-cut on 'tp' is not supported with expert parallelism "
+                                     "(experts are Shard(0) on 'ep' and whole on every TP rank)")
+                continue  # a dense TP parameter
+            if names == ("ep", "tp") and ranks == ep_tp_ranks:
+                if placements[1:] != (Replicate(),):
+                    raise ValueError(f"{where}; TP-cut experts (expert tensor parallelism) are not supported: an expert stack "
+                                     "must be Replicate on 'tp' (or live on the 'ep' sub-mesh)")
+            elif names != ("ep",) or ranks != ep_ranks:
+                dense = " or dense TP parameters on its 'tp' dimension" if self.tp_named else ""
+                raise ValueError(f"{where}; under expert parallelism only expert stacks on the mesh's 'ep' dimension{dense} "
+                                 f"are DTensors ({SUPPORTED})")
+            if placements[0] != Shard(0) or p.dim() != 3:
                 raise ValueError(f"{where}; an expert stack must be (E, M, N) with Shard(0) on 'ep' (each rank holds whole experts)")
             if p.shape[0] % self.ep:
                 raise ValueError(f"{name}: {p.shape[0]} experts do not divide by ep={self.ep}; every EP rank must hold the same number")
+
+    @property
+    def tp_named(self) -> bool:
+        """Whether the mesh has a ``tp`` dimension (even of size 1)."""
+        return "tp" in self.mesh.mesh_dim_names
+
+    def _is_expert(self, p: Any) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
     def check_optimizers(self, matrix_cls: type[torch.optim.Optimizer], ew_cls: type[torch.optim.Optimizer]) -> None:
         Zero1Layout.check_optimizers(self, matrix_cls, ew_cls)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ plan
     def _specs(self) -> tuple[list[ParamSpec], list[ParamSpec]]:
-        """The dense specs (global shapes) and the local expert stacks ``(E/ep, M, N)``."""
-        from torch.distributed.tensor import DTensor
-
+        """The dense specs (global shapes, TP splits read from the placements) and the local expert
+        stacks ``(E/ep, M, N)``."""
         roles = module_roles(self.model, self.settings.roles)
+        named = dict(self.model.named_parameters())
         dense: list[ParamSpec] = []
         local: list[ParamSpec] = []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
+        for name, p in named.items():
+            if not p.requires_grad or not self._is_expert(p):
                 continue
-            kind, transposed = roles[name]
-            if isinstance(p, DTensor):
-                if kind != "experts":
-                    raise ValueError(f"{name}: sharded over 'ep' but its role is {kind!r}; only an expert stack may be (roles=)")
-                local.append(ParamSpec(name, tuple(p.to_local().shape), "experts"))
-            else:
-                dense.append(ParamSpec(name, tuple(p.shape), kind, transposed=transposed))
+            if roles[name][0] != "experts":
+                raise ValueError(f"{name}: sharded over 'ep' but its role is {roles[name][0]!r}; only an expert stack may be (roles=)")
+            local.append(ParamSpec(name, tuple(p.to_local().shape), "experts"))
+        if self.tp_named:  # the ZeRO-1 layout's reading of DTensor TP (specs_from_module), experts left out
+            experts = {n for n, p in named.items() if self._is_expert(p)}
+            dense = [sp for sp in specs_from_module(self.model, tp=self.tp, roles=self.settings.roles, exclude=experts)
+                     if named[sp.name].requires_grad]
+        else:
+            for name, p in named.items():
+                if p.requires_grad and not self._is_expert(p):
+                    kind, transposed = roles[name]
+                    dense.append(ParamSpec(name, tuple(p.shape), kind, transposed=transposed))
         return dense, local
 
     def make_plan(self, matrix_cls: type[torch.optim.Optimizer], plan: Any) -> EPPlan:
@@ -172,15 +222,15 @@ class EPLayout(Layout):
         s = self.settings
         world = self.dp * self.ep
         inputs = PlanInputs(
-            model=type(self.model).__name__, layout="module", dp=world, tp=1,
+            model=type(self.model).__name__, layout="module", dp=world, tp=self.tp,
             optimizer=ELEMENTWISE_DEFAULT if self.strategy_record.elementwise_only else cost_key_for_class(matrix_cls),
             strategy=s.strategy, tp_schedule=s.tp_schedule or default_tp_schedule(s.strategy),
             bucket_numel=s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(world),
             alpha=s.alpha, cost=s.cost,
-            cmax_bytes=cmax_to_bytes(s.cmax, 1, torch.empty((), dtype=s.master_dtype).element_size()),
+            cmax_bytes=cmax_to_bytes(s.cmax, self.tp, torch.empty((), dtype=s.master_dtype).element_size()),
             grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
         )
-        expert_numel = s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp)
+        expert_numel = s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp * self.tp)
         self.plan = plan_ep(dense, local, inputs, ep=self.ep, expert_bucket_numel=expert_numel)
         self._expert_names = frozenset(sp.name for sp in local)
         self._planned = frozenset(pp.name for pp in self.plan.params)
@@ -195,40 +245,69 @@ class EPLayout(Layout):
         return "elementwise" if elementwise_role(part, name) else "matrix"
 
     def check_replicas(self) -> None:
-        """Dense parameters must start equal on every rank, each local expert stack on the ranks
-        holding the same experts (one checksum all-reduce over the world, as the ZeRO-1 layout)."""
+        """Dense parameters must start equal on every rank (each TP rank's shard on the ranks of its
+        TP coordinate), each local expert stack on the ranks holding the same experts (one checksum
+        all-reduce over the world, as the ZeRO-1 layout)."""
         named = dict(self.model.named_parameters())
         dense = [pp.name for pp in self.plan.dense.params]
         experts = [pp.name for pp in self.plan.experts.params]
-        # dense parameters: one slot each (every rank); experts: one slot per EP coordinate
-        mine = [(k, named[n]) for k, n in enumerate(dense)]
-        mine += [(len(dense) + self.ep_rank * len(experts) + j, named[n]) for j, n in enumerate(experts)]
-        labels = dense + [f"{n} (EP rank {e})" for e in range(self.ep) for n in experts]
-        differ = differing_replicas(mine, labels, self.settings.status_timeout_s)
+        # dense parameters: one slot each per TP coordinate; experts: one slot per EP coordinate
+        nd = len(dense) * self.tp
+        mine = [(self.tp_rank * len(dense) + k, named[n]) for k, n in enumerate(dense)]
+        mine += [(nd + self.ep_rank * len(experts) + j, named[n]) for j, n in enumerate(experts)]
+        labels = dense * self.tp + [f"{n} (EP rank {e})" for e in range(self.ep) for n in experts]
+        differ = sorted(set(differing_replicas(mine, labels, self.settings.status_timeout_s)), key=labels.index)
         refuse_different_replicas(differ, "the ranks that hold them", "every rank")
 
     # ------------------------------------------------------------------ runtime
     def build(
         self, *, matrix_factory: OptimizerFactory, elementwise_factory: OptimizerFactory, comm_stats: CommStats, phase_times: PhaseTimer
     ) -> EPRuntime:
-        if "dp" in self.mesh.mesh_dim_names:
-            expert_group = self.mesh.get_group("dp")
-        else:  # ("ep",): every rank is its own expert-DP group
-            expert_group, _ = dist.new_subgroups(group_size=1)
+        dense_group, expert_group = self._groups()
         # every collective the step launches waits at most status_timeout_s, as on the other layouts
         bound = self.settings.status_timeout_s
-        self.dense_comm = Comm(None, comm_stats, wait_timeout_s=bound)
+        self.dense_comm = Comm(dense_group, comm_stats, wait_timeout_s=bound)
         self.expert_comm = Comm(expert_group, comm_stats, wait_timeout_s=bound)
+        self.tp_comm = Comm(self.mesh.get_group("tp"), comm_stats, wait_timeout_s=bound) if self.tp > 1 else None
         named = dict(self.model.named_parameters())
         common = dict(matrix_factory=matrix_factory, elementwise_factory=elementwise_factory, settings=self.settings)
-        dense = DPRuntime(self.plan.dense, {p.name: named[p.name] for p in self.plan.dense.params}, dp_comm=self.dense_comm, **common)
+        dense = DPRuntime(self.plan.dense, {p.name: named[p.name] for p in self.plan.dense.params}, dp_comm=self.dense_comm,
+                          tp_engine_factory=self._tp_engine_factory(matrix_factory), **common)
+        # expert gradients arrive summed over the EP ranks' tokens and are equal copies on the TP
+        # ranks (they saw the same tokens): summed over dp (TP rank 0's copy), divided by dp x ep
         experts = DPRuntime(self.plan.experts, {p.name: named[p.name] for p in self.plan.experts.params}, dp_comm=self.expert_comm,
-                            grad_divisor=self.dp * self.ep, **common)
-        self.runtime = EPRuntime(dense, experts, ep=self.ep, ep_rank=self.ep_rank, status_comm=dense.status_comm,
+                            grad_divisor=self.dp * self.ep, grad_contributes=self.tp_rank == 0, **common)
+        self.runtime = EPRuntime(dense, experts, ep=self.ep, ep_rank=self.ep_rank, tp_rank=self.tp_rank, status_comm=dense.status_comm,
                                  timeout_s=self.settings.status_timeout_s)
         self.runtime.timer = phase_times
         self.runtime.attach()
         return self.runtime
+
+    def _groups(self) -> tuple[Any, Any]:
+        """The dense group (the ``dp x ep`` ranks of this rank's TP coordinate; the world without
+        ``tp``) and the expert group (the ``dp x tp`` ranks of this rank's EP coordinate), each in
+        rank order. Every rank creates every group, in the same order."""
+        if not self.tp_named:
+            if "dp" in self.mesh.mesh_dim_names:
+                return None, self.mesh.get_group("dp")
+            return None, dist.new_subgroups(group_size=1)[0]  # ("ep",): every rank is its own expert-DP group
+        grid = self.mesh.mesh.reshape(self.dp, self.ep, self.tp)
+        me = dist.get_rank()
+        mine: list[Any] = []
+        for lists in ([grid[:, :, t].flatten().tolist() for t in range(self.tp)], [grid[:, e, :].flatten().tolist() for e in range(self.ep)]):
+            for ranks in lists:
+                g = dist.new_group(sorted(ranks))
+                if me in ranks:
+                    mine.append(g)
+        return mine[0], mine[1]
+
+    def _tp_engine_factory(self, factory: OptimizerFactory) -> Any:
+        if self.tp == 1:
+            return None
+        from canzona.runtime.tp import TPEngine
+
+        plan, dp_rank, comm, exchange = self.plan.dense, self.dense_comm.rank, self.tp_comm, self.settings.exchange
+        return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters, exchange=exchange)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
         names = [n for n, _ in self.model.named_parameters() if n in self._planned]
@@ -240,15 +319,17 @@ class EPLayout(Layout):
             yield
 
     def describe(self) -> str:
-        return f"dp={self.dp}, ep={self.ep}"
+        return f"dp={self.dp}, ep={self.ep}" + (f", tp={self.tp}" if self.tp_named else "")
 
     # ------------------------------------------------------------------ checkpoint pieces
     # Checkpoints are layout-independent: every region is in the full tensor's coordinates, so an
     # expert this rank holds as local expert k of its stack is written (and read) at global
     # expert ep_rank * E/ep + k, and a checkpoint of this layout loads under ZeRO-1 or FSDP2 and back.
     def _global_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A box of this rank's local tensor in the full tensor's coordinates: an expert stack's
+        offset by this EP rank's first expert, a dense TP shard's by this TP rank's slice."""
         if spec.name not in self._expert_names:
-            return box
+            return Zero1Layout._tp_box(self, spec, box)  # type: ignore[arg-type]
         off = list(box[0])
         off[0] += self.ep_rank * spec.shape[0]
         return tuple(off), box[1]
@@ -259,30 +340,35 @@ class EPLayout(Layout):
         for part in (self.plan.dense, self.plan.experts):
             for sp in part.specs:
                 shape = (sp.shape[0] * self.ep, *sp.shape[1:]) if sp.name in self._expert_names else tuple(sp.shape)
-                out.append(ParamRecord(sp.name, shape, sp.kind, None, elementwise_role(part, sp.name) or sp.kind == "experts"))
+                out.append(ParamRecord(sp.name, shape, sp.kind, sp.tp_dim, elementwise_role(part, sp.name) or sp.kind == "experts"))
         order = {n: k for k, (n, _) in enumerate(self.model.named_parameters())}
         assert rt is not None
         return sorted(out, key=lambda r: order[r.name])
 
     def checkpoint_describe(self) -> dict[str, Any]:
         inp = self.plan.dense.inputs
-        return {"engine": self.engine, "strategy": inp.strategy, "dp": self.dp, "ep": self.ep, "tp": 1, "fingerprint": self.plan.fingerprint}
+        return {"engine": self.engine, "strategy": inp.strategy, "dp": self.dp, "ep": self.ep, "tp": self.tp, "fingerprint": self.plan.fingerprint}
 
     def held(self) -> list[Held]:
-        return dp_held(self.runtime.dense, lambda spec, b: b) + dp_held(self.runtime.experts, self._global_box)
+        Zero1Layout._refuse_packed(self)  # type: ignore[arg-type]
+        # dense replicas over TP: TP rank 0's copy is canonical; every expert piece has one owner
+        return dp_held(self.runtime.dense, self._global_box, self.tp_rank) + dp_held(self.runtime.experts, self._global_box)
 
     def model_pieces(self) -> list[ModelPiece]:
+        Zero1Layout._refuse_packed(self)  # type: ignore[arg-type]
         out = []
         for rt in self.runtime.parts:
             for name, p in rt.params.items():
                 spec = rt.specs[name]
-                out.append(ModelPiece(name, local_tensor(p.detach()), self._global_box(spec, whole_box(spec.shape))))
+                out.append(ModelPiece(name, local_tensor(p.detach()), self._global_box(spec, whole_box(spec.local_shape))))
         return out
 
     def status_device(self) -> torch.device:
         return self.runtime.dense.buffer.data.device
 
     def finish_load(self, steps: int) -> None:
+        if self.runtime.dense.tp_engine is not None:
+            self.runtime.dense.tp_engine.refresh_masters()  # TP hosts re-assemble their full masters from the loaded shards
         for rt in self.runtime.parts:
             rt.steps = int(steps)
             rt.discard_grads()

@@ -16,6 +16,12 @@ and those are updated only by the ranks holding them. So the optimizer work spli
 Rank numbering (the runtime's and the CLI's): dense rank ``r`` is the world rank of a row-major
 ``("dp", "ep")`` mesh, so its EP coordinate is ``r % ep`` and its expert-DP rank ``r // ep``.
 
+With a ``tp`` dimension beside ``ep`` (mesh ``("dp", "ep", "tp")``, experts not TP-cut) the dense
+plan is a ZeRO-1 x TP plan over ``dp x ep`` DP ranks and ``tp``, and the experts of one EP
+coordinate are held whole by the ``dp x tp`` GPUs at that coordinate: the expert plan spans
+``dp x tp`` ranks (expert rank ``d * tp + t``, no TP split), and dense rank ``r``'s preload is the
+mean of its ``tp`` GPUs' expert loads (the dense plan's cost is per TP rank).
+
 Pure: shapes and ints in, frozen records out; no torch.
 """
 
@@ -39,20 +45,23 @@ __all__ = ["ClusterEP", "EPPlan", "expert_rank_of", "format_cluster_ep", "gpu_lo
 
 @dataclass(frozen=True, slots=True)
 class EPPlan:
-    """The two plans of an expert-parallel layout (see the module docstring). ``dp`` is the
-    expert-DP size (the mesh's ``dp`` dimension), ``ep`` the EP size; the dense plan spans
-    ``dp * ep`` ranks, the expert plan ``dp``."""
+    """The two plans of an expert-parallel layout (see the module docstring). ``dp`` is the size
+    of the mesh's ``dp`` dimension, ``ep`` the EP size, ``tp`` the TP size; the dense plan spans
+    ``dp * ep`` DP ranks (x ``tp``), the expert plan the ``dp * tp`` ranks holding the same experts."""
 
     dense: Plan
     experts: Plan
     dp: int
     ep: int
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.dense.inputs.dp != self.dp * self.ep or self.experts.inputs.dp != self.dp:
+        if (self.dense.inputs.dp != self.dp * self.ep or self.dense.inputs.tp != self.tp
+                or self.experts.inputs.dp != self.dp * self.tp or self.experts.inputs.tp != 1):
             raise PlanError(
-                f"an EP plan needs a dense plan over dp x ep = {self.dp * self.ep} ranks and an expert plan over "
-                f"dp = {self.dp}; got {self.dense.inputs.dp} and {self.experts.inputs.dp}"
+                f"an EP plan needs a dense plan over dp x ep = {self.dp * self.ep} ranks x tp = {self.tp} and an expert plan over "
+                f"dp x tp = {self.dp * self.tp} ranks without TP; got {self.dense.inputs.dp} x {self.dense.inputs.tp} "
+                f"and {self.experts.inputs.dp} x {self.experts.inputs.tp}"
             )
         common = {p.name for p in self.dense.params} & {p.name for p in self.experts.params}
         if common:
@@ -61,7 +70,8 @@ class EPPlan:
     @property
     def fingerprint(self) -> str:
         """sha256 over both plans' fingerprints and the mesh sizes."""
-        raw = f"ep/{self.dp}/{self.ep}/{self.dense.fingerprint}/{self.experts.fingerprint}".encode()
+        mesh = f"{self.dp}/{self.ep}" if self.tp == 1 else f"{self.dp}/{self.ep}/tp{self.tp}"
+        raw = f"ep/{mesh}/{self.dense.fingerprint}/{self.experts.fingerprint}".encode()
         return hashlib.sha256(raw).hexdigest()
 
     @property
@@ -77,8 +87,10 @@ class EPPlan:
         owners are expert-DP ranks, the same on every EP coordinate."""
         from canzona.plan.describe import describe_plan
 
-        return (f"dense parameters, over all dp x ep = {self.dp * self.ep} ranks:\n{describe_plan(self.dense)}\n"
-                f"expert stacks as each EP rank holds them (E/ep experts), over the dp = {self.dp} ranks holding the same "
+        holders = f"dp = {self.dp}" if self.tp == 1 else f"dp x tp = {self.dp * self.tp}"
+        tp = "" if self.tp == 1 else f" x tp = {self.tp}"
+        return (f"dense parameters, over all dp x ep = {self.dp * self.ep} ranks{tp}:\n{describe_plan(self.dense)}\n"
+                f"expert stacks as each EP rank holds them (E/ep experts), over the {holders} ranks holding the same "
                 f"experts:\n{describe_plan(self.experts)}\nEP plan {self.fingerprint}")
 
     def plan_of(self, name: str) -> Plan:
@@ -87,13 +99,20 @@ class EPPlan:
 
     def expert_preload(self) -> np.ndarray:
         """Each dense rank's expert load in the planning cost (what the dense plan was balanced around)."""
-        loads = np.asarray(self.experts.metrics.details["dp_cost_loads"], dtype=np.float64)
-        return loads[np.asarray(expert_rank_of(self.dp, self.ep), dtype=np.int64)]
+        return _preload(self.experts, self.dp, self.ep, self.tp)
 
 
 def expert_rank_of(dp: int, ep: int) -> tuple[int, ...]:
     """The expert-DP rank of every dense rank (row-major ``("dp", "ep")``: ``r // ep``)."""
     return tuple(r // ep for r in range(dp * ep))
+
+
+def _preload(experts: Plan, dp: int, ep: int, tp: int) -> np.ndarray:
+    """Each dense rank's expert load: dense rank ``r = d * ep + e`` is the ``tp`` GPUs of expert
+    ranks ``d * tp + t``; the mean over them (one value when ``tp = 1``)."""
+    loads = np.asarray(experts.metrics.details["dp_cost_loads"], dtype=np.float64)
+    index = np.array([[(r // ep) * tp + t for t in range(tp)] for r in range(dp * ep)], dtype=np.int64)
+    return loads[index].mean(axis=1)
 
 
 def local_expert_specs(specs: Sequence[ParamSpec], ep: int) -> tuple[list[ParamSpec], list[ParamSpec]]:
@@ -120,18 +139,20 @@ def local_expert_specs(specs: Sequence[ParamSpec], ep: int) -> tuple[list[ParamS
 
 def plan_ep(dense_specs: Sequence[ParamSpec], expert_specs: Sequence[ParamSpec], inputs: PlanInputs, *, ep: int,
             expert_bucket_numel: int | None = None) -> EPPlan:
-    """Plan both parts. ``inputs`` describe the dense plan (``inputs.dp`` = dp x ep ranks); the
-    expert plan takes the same inputs over ``inputs.dp // ep`` ranks (``expert_bucket_numel``:
-    its bucket size, default the dense one). ``expert_specs`` are the local stacks
-    (:func:`local_expert_specs`)."""
+    """Plan both parts. ``inputs`` describe the dense plan (``inputs.dp`` = dp x ep ranks, and
+    ``inputs.tp``); the expert plan takes the same inputs over the ``inputs.dp // ep x inputs.tp``
+    ranks holding the same experts, without TP (``expert_bucket_numel``: its bucket size, default
+    the dense one). ``expert_specs`` are the local stacks (:func:`local_expert_specs`)."""
     if inputs.dp % ep:
         raise PlanError(f"ep={ep} does not divide the {inputs.dp} data-parallel ranks")
-    dp = inputs.dp // ep
-    experts = make_plan(expert_specs, replace(inputs, dp=dp, bucket_numel=expert_bucket_numel or inputs.bucket_numel))
-    loads = np.asarray(experts.metrics.details["dp_cost_loads"], dtype=np.float64)
-    preload = loads[np.asarray(expert_rank_of(dp, ep), dtype=np.int64)]
+    dp, tp = inputs.dp // ep, inputs.tp
+    holders = replace(inputs, dp=dp, bucket_numel=expert_bucket_numel or inputs.bucket_numel)
+    if tp > 1:
+        holders = replace(holders, dp=dp * tp, tp=1)
+    experts = make_plan(expert_specs, holders)
+    preload = _preload(experts, dp, ep, tp)
     dense = make_plan(dense_specs, inputs, preload=preload.tolist()) if dense_specs else _no_dense(inputs)
-    return EPPlan(dense=dense, experts=experts, dp=dp, ep=ep)
+    return EPPlan(dense=dense, experts=experts, dp=dp, ep=ep, tp=tp)
 
 
 def _no_dense(inputs: PlanInputs) -> Plan:

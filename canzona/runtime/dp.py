@@ -296,6 +296,7 @@ class DPRuntime:
         tp_engine_factory: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         settings: OptimizerSettings | None = None,
         grad_divisor: int | None = None,
+        grad_contributes: bool = True,
     ) -> None:
         # the options were validated once, when the settings record was built
         settings = settings if settings is not None else OptimizerSettings()
@@ -316,6 +317,11 @@ class DPRuntime:
         #: when the gradients arriving here were already summed over other ranks (expert stacks
         #: under expert parallelism: the dispatch's all-to-all summed them over the EP ranks)
         self.grad_divisor = dp_comm.size if grad_divisor is None else int(grad_divisor)
+        #: False: this rank's gradients are an equal copy of another group member's (expert stacks
+        #: replicated over ``tp``, whose TP ranks saw the same tokens), so it sends them times zero
+        #: (a non-finite value still shows) and the sum counts each copy once, bitwise as without it
+        self.grad_contributes = bool(grad_contributes)
+        self._zeroed: dict[int, torch.Tensor] = {}
         self.master_dtype = master_dtype
         self.params = dict(params)
         self.specs = {pp.name: pp.spec for pp in plan.params}
@@ -653,6 +659,14 @@ class DPRuntime:
             self._start_collective(i, self.buffer.bucket(i))
 
     def _start_collective(self, i: int, flat: torch.Tensor) -> None:
+        if not self.grad_contributes:
+            if self.reduce_scatter:  # out of place: the rank's own p.grad views keep their values
+                out = self._zeroed.get(i)
+                if out is None:
+                    out = self._zeroed[i] = torch.empty_like(flat)
+                flat = torch.mul(flat, 0, out=out)
+            else:  # an all-reduce overwrites the bucket with the sum anyway
+                flat.mul_(0)
         name = f"canzona/dp/reduce_scatter/bucket{i}/launch" if self.reduce_scatter else f"canzona/dp/all_reduce/bucket{i}/launch"
         with phase(name, bytes=flat.numel() * flat.element_size(), bucket=i, peers=self.dp):
             if self.reduce_scatter:

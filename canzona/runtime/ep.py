@@ -11,6 +11,9 @@ work is two :class:`~canzona.runtime.dp.DPRuntime` instances on each rank:
   divides by ``dp x ep``: the gradient of the mean loss over the whole batch, as for the dense
   parameters (Megatron's and torchtitan's scaling of expert gradients). With ``dp = 1`` the group
   is this rank alone: every rank updates its whole experts with no optimizer communication.
+  Beside TP (mesh ``("dp", "ep", "tp")``) the group is the ``dp x tp`` ranks of this EP
+  coordinate, whose TP ranks hold equal copies of each gradient (they saw the same tokens): only
+  TP rank 0's copy enters the sum (:attr:`DPRuntime.grad_contributes`).
 
 :meth:`EPRuntime.step` runs the DP runtime's stages on both (:meth:`DPRuntime.prepare`, ...,
 :meth:`DPRuntime.finish`) with **one** status agreement before any update: errors, gradients
@@ -41,12 +44,15 @@ class EPRuntime:
     ``ep_rank`` is this rank's EP coordinate: its local expert ``k`` of a stack of ``E`` experts is
     global expert ``ep_rank * E/ep + k``, the number error messages name."""
 
-    def __init__(self, dense: DPRuntime, experts: DPRuntime, *, ep: int, ep_rank: int, status_comm: Comm, timeout_s: float) -> None:
+    def __init__(self, dense: DPRuntime, experts: DPRuntime, *, ep: int, ep_rank: int, status_comm: Comm, timeout_s: float,
+                 tp_rank: int = 0) -> None:
         self.dense = dense
         self.experts = experts
         self.parts = (dense, experts)
         self.ep = ep
         self.ep_rank = ep_rank
+        #: this rank's TP coordinate: the dense part's norm slots of a TP-split parameter are per TP rank
+        self.tp_rank = tp_rank
         self.status_comm = status_comm
         self.status_timeout_s = float(timeout_s)
         # every (stack, global expert) has a flag slot in an order every rank shares; this rank
@@ -127,8 +133,8 @@ class EPRuntime:
         for rt in self.parts:
             rt.finish_grad_syncs()
         parts = []
-        for rt, copies, at in ((self.dense, 1, 0), (self.experts, self.ep, self.ep_rank)):
-            sl = slots_zero1(rt, 0)
+        for rt, copies, at, tp_rank in ((self.dense, 1, 0, self.tp_rank), (self.experts, self.ep, self.ep_rank, 0)):
+            sl = slots_zero1(rt, tp_rank)
             parts.append((sl, {n: j for j, n in enumerate(sl.names)}, {(pc.name, pc.start): g for pc, g in rt.reduced_grads()}, copies, at))
         starts, mine, local = [0], [], []
         for name in names:
