@@ -38,7 +38,7 @@ Installing is local (no collective): every rank makes the same decisions from th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +108,21 @@ class _Bounded:
         """Whether this call is bounded: CPU tensors on a gloo group (anything else passes through)."""
         return tensor.device.type == "cpu" and gloo_for_cpu(str(dist.get_backend(group)))
 
+    def _run(self, launch: Callable[[bool], Any], tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
+        """Issue the collective through ``launch(async_op)``. A bounded call (:meth:`_bounded`) is
+        issued asynchronously: with ``async_op`` its work comes back with a bounded ``wait()``,
+        without it the wait happens here, bounded, and nothing comes back (FSDP2 then treats the
+        collective as done)."""
+        if not self._bounded(tensor, group):
+            return launch(async_op)
+        work = launch(True)
+        if work is None:
+            return None
+        if async_op:
+            return _BoundedWork(work, self.timeout_s, self._where())
+        wait_bounded(work.wait, self.timeout_s, self._where())
+        return None
+
 
 def _base(name: str) -> type:
     from torch.distributed.fsdp._fully_shard import _fsdp_api
@@ -121,15 +136,7 @@ class BoundedAllGather(_Bounded, _base("AllGather")):  # type: ignore[misc]
     collective = "all-gather"
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-        if not self._bounded(input_tensor, group):
-            return self.inner(output_tensor, input_tensor, group, async_op=async_op)
-        work = self.inner(output_tensor, input_tensor, group, async_op=True)
-        if work is None:
-            return None
-        if async_op:
-            return _BoundedWork(work, self.timeout_s, self._where())
-        wait_bounded(work.wait, self.timeout_s, self._where())
-        return None
+        return self._run(lambda a: self.inner(output_tensor, input_tensor, group, async_op=a), input_tensor, group, async_op)
 
 
 class BoundedReduceScatter(_Bounded, _base("ReduceScatter")):  # type: ignore[misc]
@@ -138,15 +145,7 @@ class BoundedReduceScatter(_Bounded, _base("ReduceScatter")):  # type: ignore[mi
     collective = "reduce-scatter"
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        if not self._bounded(input_tensor, group):
-            return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
-        work = self.inner(output_tensor, input_tensor, group, op, async_op=True)
-        if work is None:
-            return None
-        if async_op:
-            return _BoundedWork(work, self.timeout_s, self._where())
-        wait_bounded(work.wait, self.timeout_s, self._where())
-        return None
+        return self._run(lambda a: self.inner(output_tensor, input_tensor, group, op, async_op=a), input_tensor, group, async_op)
 
 
 def _module_words(name: str) -> str:
