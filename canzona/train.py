@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import canzona.runtime  # noqa: F401  before any process group forms (its docstring says why)
 from canzona import phase_names as P
 from canzona.optimizers import check_strategy_optimizer, get_optimizer, optimizer_names
 from canzona.plan.strategies import strategy_names
@@ -767,9 +768,10 @@ def train_from_env(config: TrainConfig) -> TrainResult:
     try:
         result = train_worker(rank, world, config)
         if owns_group and world > 1:
-            # Let every rank's gloo workers let go of the last collectives' tensors before the group
-            # goes: one still holding them when the interpreter shuts down aborts the process (a
-            # race in torch's gloo backend; examples/train_hf.py does the same).
+            # Every rank's last collectives done before the group goes (so no rank tears down a
+            # connection a peer still uses). The group itself is freed at destroy_process_group,
+            # its gloo threads joined: canzona.runtime keeps torch.distributed.nn.functional from
+            # pinning it to interpreter exit, where those threads abort a finished run.
             dist.barrier()
         return result
     finally:

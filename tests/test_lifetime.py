@@ -103,3 +103,49 @@ def test_the_status_group_record_does_not_keep_a_destroyed_group_alive(tmp_path:
         default = weakref.ref(dist.distributed_c10d._get_default_group())
     gc.collect()
     assert default() is None
+
+
+
+_PINNED_SCRIPT = r"""
+import gc, json, sys, weakref
+import torch, torch.distributed as dist
+
+if sys.argv[1] == "late":  # the group first (as accelerate does), canzona imported after it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from canzona.distributed import DistributedOptimizer
+from canzona.profiling.vs_torch import LinearStack
+
+if sys.argv[1] == "first":  # as a user's torchrun script: canzona imported, then the group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = LinearStack(2, 8)
+opt = DistributedOptimizer(model, "muon")
+model(torch.ones(2, 8)).sum().backward()
+opt.step()
+group = weakref.ref(dist.distributed_c10d._get_default_group())
+del opt, model
+dist.destroy_process_group()
+gc.collect()
+import torch.distributed.nn.functional as F  # imported by torch's FSDP package, which canzona loads
+print(json.dumps({"group_alive": group() is not None, "defaults": repr(F.broadcast.__defaults__)}))
+"""
+
+
+@pytest.mark.parametrize("order", ["first", "late"])
+def test_a_destroyed_group_is_not_pinned_to_interpreter_exit(order: str) -> None:
+    """torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when first
+    imported, and canzona loads torch's FSDP package (which imports it) after the group forms.
+    Left so, the destroyed group would live to interpreter shutdown and its gloo threads could
+    abort a finished run (the flaky SIGABRT of a torchrun job). canzona imports it before any group
+    (``first``), or unpins the group where it formed before canzona was imported (``late``). A
+    fresh interpreter each, since this one may have imported the module already."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", _PINNED_SCRIPT, order], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"group_alive": False, "defaults": "(None,)"}, out
