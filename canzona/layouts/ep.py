@@ -55,14 +55,14 @@ import torch.distributed as dist
 from torch import nn
 
 from canzona.layouts.base import Layout, OptimizerFactory
-from canzona.layouts.zero1 import Zero1Layout, differing_replicas, dp_held, refuse_different_replicas
+from canzona.layouts.zero1 import Zero1Layout, differing_replicas, dp_held, model_pieces_of, refuse_different_replicas, tp_boxes
 from canzona.optimizers import ELEMENTWISE_DEFAULT, cost_key_for_class
 from canzona.plan.build import cmax_to_bytes
 from canzona.plan.ep import EPPlan, plan_ep
 from canzona.plan.plan import PlanInputs
 from canzona.plan.strategies import get_strategy
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import Held, ModelPiece, ParamRecord, whole_box
+from canzona.runtime.checkpoint import Box, Held, ModelPiece, ParamRecord
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.ep import EPRuntime
@@ -325,14 +325,14 @@ class EPLayout(Layout):
     # Checkpoints are layout-independent: every region is in the full tensor's coordinates, so an
     # expert this rank holds as local expert k of its stack is written (and read) at global
     # expert ep_rank * E/ep + k, and a checkpoint of this layout loads under ZeRO-1 or FSDP2 and back.
-    def _global_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A box of this rank's local tensor in the full tensor's coordinates: an expert stack's
+    def _boxes(self, spec: ParamSpec, box: Box) -> list[tuple[Box, Box]]:
+        """A box of this rank's local tensor as (local, full tensor) box pairs: an expert stack's
         offset by this EP rank's first expert, a dense TP shard's by this TP rank's slice."""
         if spec.name not in self._expert_names:
-            return Zero1Layout._tp_box(self, spec, box)  # type: ignore[arg-type]
+            return tp_boxes(spec, self.tp_rank, box)
         off = list(box[0])
         off[0] += self.ep_rank * spec.shape[0]
-        return tuple(off), box[1]
+        return [(box, (tuple(off), box[1]))]
 
     def checkpoint_params(self) -> list[ParamRecord]:
         rt = self.runtime
@@ -350,18 +350,12 @@ class EPLayout(Layout):
         return {"engine": self.engine, "strategy": inp.strategy, "dp": self.dp, "ep": self.ep, "tp": self.tp, "fingerprint": self.plan.fingerprint}
 
     def held(self) -> list[Held]:
-        Zero1Layout._refuse_packed(self)  # type: ignore[arg-type]
         # dense replicas over TP: TP rank 0's copy is canonical; every expert piece has one owner
-        return dp_held(self.runtime.dense, self._global_box, self.tp_rank) + dp_held(self.runtime.experts, self._global_box)
+        return dp_held(self.runtime.dense, self._boxes, self.tp_rank) + dp_held(self.runtime.experts, self._boxes)
 
     def model_pieces(self) -> list[ModelPiece]:
-        Zero1Layout._refuse_packed(self)  # type: ignore[arg-type]
-        out = []
-        for rt in self.runtime.parts:
-            for name, p in rt.params.items():
-                spec = rt.specs[name]
-                out.append(ModelPiece(name, local_tensor(p.detach()), self._global_box(spec, whole_box(spec.local_shape))))
-        return out
+        return [piece for rt in self.runtime.parts for name, p in rt.params.items()
+                for piece in model_pieces_of(name, local_tensor(p.detach()), rt.specs[name], self._boxes)]
 
     def status_device(self) -> torch.device:
         return self.runtime.dense.buffer.data.device

@@ -18,6 +18,7 @@ rank whose optimizer state holds it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
@@ -33,7 +34,7 @@ from canzona.plan.plan import Plan, PlanInputs
 from canzona.plan.strategies import get_strategy, strategy_names
 from canzona.runtime.agree import agree
 from canzona.runtime.buffer import local_tensor
-from canzona.runtime.checkpoint import CheckpointError, Held, ModelPiece, ParamRecord, flat_range_boxes, whole_box
+from canzona.runtime.checkpoint import Box, Held, ModelPiece, ParamRecord, box_index, flat_range_boxes, whole_box
 from canzona.runtime.comm import Comm, CommStats
 from canzona.runtime.dp import DPRuntime, elementwise_role
 from canzona.runtime.integrity import tensor_checksum
@@ -41,7 +42,7 @@ from canzona.runtime.phases import PhaseTimer
 from canzona.settings import OptimizerSettings
 from canzona.specs import ParamSpec, check_transposed_support, specs_from_module, split_task_name
 
-__all__ = ["Zero1Layout", "check_zero1_mesh", "differing_replicas", "dp_held", "refuse_different_replicas"]
+__all__ = ["Zero1Layout", "check_zero1_mesh", "differing_replicas", "dp_held", "model_pieces_of", "refuse_different_replicas", "tp_boxes"]
 
 
 def check_zero1_mesh(mesh: Any, world: int, device: torch.device) -> Any:
@@ -239,34 +240,15 @@ class Zero1Layout(Layout):
             "plan_inputs": {f.name: getattr(inp, f.name) for f in fields(inp)},
         }
 
-    def _tp_box(self, spec: ParamSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A box of this rank's TP-local shard of ``spec`` in the full tensor's coordinates."""
-        if not spec.tp_split:
-            return box
-        off = list(box[0])
-        off[spec.tp_dim] += self.tp_rank * spec.local_shape[spec.tp_dim]  # type: ignore[index]
-        return tuple(off), box[1]
-
-    def _refuse_packed(self) -> None:
-        """A packed stack's TP shard is a slice of each of its blocks, not one box of the stack, so
-        the checkpoint regions below would misplace it: refused, on every rank alike."""
-        packed = [s.name for s in self.plan.specs if s.tp_blocks > 1]
-        if packed:
-            raise CheckpointError(
-                f"{packed[0]}: checkpoints of a packed expert stack split over TP (transformers' packed_colwise) are not supported yet"
-            )
+    def _boxes(self, spec: ParamSpec, box: Box) -> list[tuple[Box, Box]]:
+        return tp_boxes(spec, self.tp_rank, box)
 
     def held(self) -> list[Held]:
-        self._refuse_packed()
-        return dp_held(self.runtime, self._tp_box, self.tp_rank)
+        return dp_held(self.runtime, self._boxes, self.tp_rank)
 
     def model_pieces(self) -> list[ModelPiece]:
-        self._refuse_packed()
         rt = self.runtime
-        return [
-            ModelPiece(name, local_tensor(p.detach()), self._tp_box(rt.specs[name], whole_box(rt.specs[name].local_shape)))
-            for name, p in rt.params.items()
-        ]
+        return [piece for name, p in rt.params.items() for piece in model_pieces_of(name, local_tensor(p.detach()), rt.specs[name], self._boxes)]
 
     def status_device(self) -> torch.device:
         return self.runtime.buffer.data.device
@@ -306,10 +288,56 @@ def refuse_different_replicas(differ: list[str], across: str, every: str) -> Non
         )
 
 
-def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
+def tp_boxes(spec: ParamSpec, tp_rank: int, box: Box) -> list[tuple[Box, Box]]:
+    """Box ``box`` of TP rank ``tp_rank``'s local shard of ``spec`` as (local box, box of the full
+    tensor) pairs whose local boxes cover ``box`` in its flat (row-major) order.
+
+    One pair for a parameter that is not TP-split (the same box) or split in one block (offset by
+    the rank's slice). A packed stack (``tp_blocks`` = b > 1, transformers' ``packed_colwise``)
+    holds rows ``[r m, (r + 1) m)`` of each of its b blocks of the split dim (m = its local rows
+    per block): its local block j sits at full rows ``j b_full + r m``, so a box crossing local
+    blocks is cut at their bounds, and to keep the flat order, first into one box per index of the
+    dims before the split dim."""
+    if not spec.tp_split:
+        return [(box, box)]
+    d = spec.tp_dim
+    assert d is not None
+    local_rows = spec.local_shape[d]
+    off, size = box
+    if spec.tp_blocks == 1:
+        moved = list(off)
+        moved[d] += tp_rank * local_rows
+        return [(box, (tuple(moved), size))]
+    m = local_rows // spec.tp_blocks
+    full_block = spec.shape[d] // spec.tp_blocks
+    out: list[tuple[Box, Box]] = []
+    for lead in itertools.product(*(range(o, o + n) for o, n in zip(off[:d], size[:d]))):
+        start, stop = off[d], off[d] + size[d]
+        while start < stop:
+            j = start // m
+            end = min(stop, (j + 1) * m)
+            sizes = (*(1,) * d, end - start, *size[d + 1 :])
+            local = ((*lead, start, *off[d + 1 :]), sizes)
+            full = ((*lead, j * full_block + tp_rank * m + (start - j * m), *off[d + 1 :]), sizes)
+            out.append((local, full))
+            start = end
+    return out
+
+
+def model_pieces_of(name: str, local: torch.Tensor, spec: ParamSpec, boxes: Any) -> list[ModelPiece]:
+    """The model's local tensor of parameter ``name`` as :class:`ModelPiece` s: one for the whole
+    tensor, or (a packed stack) one view per box of ``boxes(spec, whole local box)``."""
+    pairs = boxes(spec, whole_box(spec.local_shape))
+    if len(pairs) == 1:
+        return [ModelPiece(name, local, pairs[0][1])]
+    return [ModelPiece(name, local[box_index(loc)], full) for loc, full in pairs]
+
+
+def dp_held(rt: DPRuntime, boxes: Any, tp_rank: int = 0) -> list[Held]:
     """What one :class:`DPRuntime` holds, as checkpoints see it: every owned piece's region (boxes
-    of the local tensor mapped to the full tensor by ``box_of(spec, box)``: a TP shard's offset, an
-    EP rank's first expert), its master and state, and the TP hosts' full-shape state."""
+    of the local tensor mapped to the full tensor by ``boxes(spec, box)``, (local, full) pairs as
+    :func:`tp_boxes` makes them: a TP shard's offset, a packed stack's blocks, an EP rank's first
+    expert), its master and state, and the TP hosts' full-shape state."""
     # every DP rank holds the same values under sc: DP rank 0's copy is canonical
     replica = rt.plan.every_rank_updates and rt.dp_rank != 0
     out: list[Held] = []
@@ -317,7 +345,7 @@ def dp_held(rt: DPRuntime, box_of: Any, tp_rank: int = 0) -> list[Held]:
     split_tp = rt.tp_engine is not None and rt.tp_engine.split
     for pc in rt.pieces:
         spec = rt.specs[pc.name]
-        region = tuple(box_of(spec, b) for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end))
+        region = tuple(full for b in flat_range_boxes(tuple(spec.local_shape), pc.start, pc.end) for _, full in boxes(spec, b))
         m = rt.masters[pc]
         opt = {"elementwise": rt.elementwise_opt, "matrix": rt.matrix_opt, "tp": rt.tp_engine.optimizer if split_tp else None}.get(pc.role)
         # replicated across TP: TP rank 0's copy is canonical

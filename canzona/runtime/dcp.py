@@ -230,27 +230,28 @@ def _stride_key(name: str, k: str) -> str:
     return f"optim.{name}.stride.{k}"
 
 
-def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], Box, torch.Tensor]]:
-    """Each model ``state_dict()`` entry's full shape, its box on this rank and the local tensor
-    holding it: the front end's own record for trainable parameters, a DTensor's placements
-    otherwise."""
+def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]]:
+    """Each model ``state_dict()`` entry's full shape and the (box, local tensor) pieces this rank
+    holds of it: the front end's own record for trainable parameters (several boxes for a packed
+    TP stack), a DTensor's placements otherwise."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    pieces = {mp.name: mp for mp in src.model_pieces()}
-    out: dict[str, tuple[tuple[int, ...], Box, torch.Tensor]] = {}
+    pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    for mp in src.model_pieces():
+        pieces.setdefault(mp.name, []).append(((tuple(mp.box[0]), tuple(mp.box[1])), mp.local))
+    out: dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]] = {}
     for k, v in src.model.state_dict().items():
         if not torch.is_tensor(v):
             raise CheckpointError(f"model entry {k!r} is a {type(v).__name__}, not a tensor; sharded checkpoints hold tensors only")
         v = v.detach()
         if k in pieces:
-            mp = pieces[k]
-            out[k] = (tuple(v.shape), (tuple(mp.box[0]), tuple(mp.box[1])), mp.local)
+            out[k] = (tuple(v.shape), pieces[k])
         elif isinstance(v, DTensor):
             shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-            out[k] = (tuple(v.shape), (tuple(offset), tuple(shape)), v.to_local())
+            out[k] = (tuple(v.shape), [((tuple(offset), tuple(shape)), v.to_local())])
         else:
-            out[k] = (tuple(v.shape), whole_box(v.shape), v)
+            out[k] = (tuple(v.shape), [(whole_box(v.shape), v)])
     return out
 
 
@@ -353,8 +354,9 @@ def save_sharded(src: Checkpointable, path: str | os.PathLike[str], *, chunk_byt
 def _save_items(src: Checkpointable, cap: int) -> dict[str, Any]:
     shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
     chunks = _Chunks(cap)
-    for k, (shape, box, local) in _model_boxes(src).items():
-        chunks.add_box(f"model.{k}", shape, box, local)
+    for k, (shape, held) in _model_boxes(src).items():
+        for box, local in held:
+            chunks.add_box(f"model.{k}", shape, box, local)
     for h in src.held():
         if h.master is not None:
             chunks.add_region(_master_key(h.name), shapes[h.name], h.region, h.master.detach().reshape(-1))
@@ -543,11 +545,12 @@ class _LoadPlan:
         self.states: list[tuple[Held, dict[str, Any]]] = []
         self.new_state_bytes = 0
         shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
-        for k, (want, box, local) in _model_boxes(src).items():
+        for k, (want, held) in _model_boxes(src).items():
             size, _ = _item(md, f"model.{k}")
             if size != want:
                 raise CheckpointError(f"model entry {k!r}: checkpoint holds shape {size}, the model {want}")
-            self._add(f"model.{k}", size, box, local)
+            for box, local in held:
+                self._add(f"model.{k}", size, box, local)
         for h in src.held():
             shape = shapes[h.name]
             if h.master is not None:

@@ -372,12 +372,20 @@ class _Load:
     def commit(self) -> None:
         with torch.no_grad():
             for dest, srct, _ in self.copies:
-                if dest.data_ptr() != srct.data_ptr() or dest.stride() != srct.stride():
+                if not _same_elements(dest, srct):
                     dest.copy_(srct)
             for h, st in self.states:
                 h.optimizer.state[h.param] = st  # type: ignore[union-attr,index]
         restore_hyperparams(self.src, self.hyper)
         self.src.finish_load(self.steps)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements of one storage (DCP wrote ``a`` in place):
+    the same start, shape and strides, a stride of a one-element dim aside (it never moves)."""
+    if a.data_ptr() != b.data_ptr() or a.shape != b.shape:
+        return False
+    return all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def load_sharded_state_dict(src: Checkpointable, sd: Mapping[str, Any]) -> None:
