@@ -393,11 +393,19 @@ def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
 
 def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
     """A consolidated checkpoint saved under EP loads under plain ZeRO-1, whose own checkpoint
-    loads back under EP (into other starting values); the next step is bitwise the same on all
-    three optimizers."""
+    loads back under EP (into other starting values); the sharded forms saved under EP
+    (``save_sharded`` and DCP's Stateful) load under EP and (``load_sharded``) under plain ZeRO-1;
+    the next step is bitwise the same on every optimizer."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     import canzona
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime.dcp import load_sharded, save_sharded
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ep = mesh.size(names.index("ep"))
@@ -439,15 +447,33 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
     back = ep_model(3)  # other values: the load must bring the saved ones
     bopt = ep_opt(back)
     bopt.load_state_dict(doc[0])
+    # the sharded forms: canzona's own (save_sharded) and DCP's Stateful, saved under EP, loaded
+    # under EP (other values) and under the plain layout
+    folder = [tempfile.mkdtemp(prefix="canzona-ep-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    where = Path(folder[0])
+    save_sharded(opt, where / "ep.dcp")
+    dcp.save({"optim": opt}, checkpoint_id=str(where / "ep.stateful"))
+    sharded, stateful = ep_model(4), ep_model(5)
+    sopt, topt = ep_opt(sharded), ep_opt(stateful)
+    load_sharded(sopt, where / "ep.dcp")
+    dcp.load({"optim": topt}, checkpoint_id=str(where / "ep.stateful"))
+    plain_sharded = _full_copy(ep_model(6), ep, tp)
+    psopt = canzona.DistributedOptimizer(plain_sharded, "muon", mesh=pmesh, **kw)
+    load_sharded(psopt, where / "ep.dcp")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
     per_rank = _all_grads(dp * ep, 12)
-    for m, o in ((model, opt), (back, bopt)):
+    for m, o in ((model, opt), (back, bopt), (sharded, sopt), (stateful, topt)):
         _inject(m, grads(m, per_rank))
         o.step()
-    _inject(plain, per_rank[data])
-    popt.step()
+    for m, o in ((plain, popt), (plain_sharded, psopt)):
+        _inject(m, per_rank[data])
+        o.step()
     want = dict(plain.named_parameters())
-    bad = []
-    for label, m in (("ep", model), ("loaded back", back)):
+    bad = [f"plain from sharded: {n}" for n, p in plain_sharded.named_parameters() if not torch.equal(p.detach(), want[n].detach())]
+    for label, m in (("ep", model), ("loaded back", back), ("sharded", sharded), ("stateful", stateful)):
         for n, p in m.named_parameters():
             mine = p.to_local() if hasattr(p, "to_local") else p
             full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else _tp_slice(p, want[n].detach())
@@ -590,6 +616,7 @@ def test_clip_grad_norm_beside_tp_within_the_split_bound_and_the_clipped_step_bi
 
 @pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp")])
 def test_checkpoints_cross_layouts_bitwise(runs, world: int, case: str) -> None:
-    """World 4 ``ckpt_tp``: saved under ep 2 x tp 2, loaded under plain ZeRO-1 x TP (dp 2 x tp 2) and back."""
+    """World 4 ``ckpt_tp``: saved under ep 2 x tp 2, loaded under plain ZeRO-1 x TP (dp 2 x tp 2)
+    and back; the sharded forms too (fails when a TP shard or an expert loses its global offset)."""
     for r, res in enumerate(runs(world)):
         assert res[case]["bad"] == [], f"rank {r}"
