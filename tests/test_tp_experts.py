@@ -194,8 +194,9 @@ def _hf_grads(shapes: dict[str, tuple[int, ...]], step: int, dp_rank: int) -> di
 def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
     """transformers' Qwen3MoeForCausalLM under its own TP plan (packed_colwise gate_up stack,
     rowwise down stack, colwise/rowwise attention): every parameter and expert state after a few
-    steps on injected gradients, and the one-line refusals that remain (the packed stack marked
-    element-wise, the sync schedule) and checkpoints of the packed stack across layouts."""
+    steps on injected gradients, under the grouped TP schedule, the sync one and the sc baseline;
+    the one-line refusal that remains (the packed stack marked element-wise) and checkpoints of
+    the packed stack across layouts."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -214,26 +215,36 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
         out["elementwise_refused"] = None
     except ValueError as exc:
         out["elementwise_refused"] = str(exc)
-    try:
-        canzona.DistributedOptimizer(model, "muon", mesh=mesh, tp_schedule="sync")
-        out["sync_refused"] = None
-    except ValueError as exc:
-        out["sync_refused"] = str(exc)
-    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW, bucket_numel=3000)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     stacks = [n for n in shapes if ".experts." in n]
-    states = []
-    for step in range(STEPS):
-        full = _hf_grads(shapes, step, dp_rank)
-        local = {n: (distribute_tensor(full[n], mesh["tp"], p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else full[n])
-                 for n, p in model.named_parameters()}
-        inject_grads(model, local)
-        opt.step()
-        opt.zero_grad()
-        states.append({(n, k): st for n in stacks for k in range(E) if (st := _expert_state(opt, n, k)) is not None})
-    out["params"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+    def train(model: nn.Module, **kw) -> tuple[object, list[dict]]:
+        opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
+                                           bucket_numel=3000, **kw)
+        states = []
+        for step in range(STEPS):
+            full = _hf_grads(shapes, step, dp_rank)
+            inject_grads(model, {n: (distribute_tensor(full[n], mesh["tp"], p.placements, src_data_rank=None).to_local()
+                                     if isinstance(p, DTensor) else full[n]) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            states.append({(n, k): st for n in stacks for k in range(E) if (st := _expert_state(opt, n, k)) is not None})
+        return opt, states
+
+    opt, states = train(model)
+    out["params"] = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     out["states"] = states
     out["stacks"] = {n: (opt.plan.param(n).spec.tp_dim, opt.plan.param(n).spec.tp_blocks) for n in stacks}
+    # the sync TP schedule (every TP rank computes every expert) and the sc baseline (every rank
+    # computes every matrix) on the packed stack: the same parameters, and the same document
+    doc = _doc(opt)
+    out["schedules"] = {}
+    for label, kw in (("sync", {"tp_schedule": "sync"}), ("sc", {"strategy": "sc"})):
+        torch.manual_seed(0)
+        other = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
+        o, _ = train(other, **kw)
+        out["schedules"][label] = {"params": {n: _full(p).detach().clone() for n, p in other.named_parameters()},
+                                   "doc": doc_differences(_doc(o), doc)}
     out["round_trips"] = _packed_round_trips(world, mesh, model, opt, folder)
     return out
 
@@ -512,6 +523,21 @@ def test_transformers_qwen3_moe_under_its_tp_plan_bitwise(results) -> None:
 
 
 @pytest.mark.slow
+def test_packed_stack_under_the_sync_schedule_and_sc_bitwise(results) -> None:
+    """The packed gate_up stack under the sync TP schedule (every TP rank assembles and updates
+    every expert) and the sc baseline: every parameter equal to one device's, and the
+    consolidated document equal to the grouped schedule's (masters and every expert's state)."""
+    world, res = results
+    want, _ = _hf_reference(world // 2)
+    for r, got in enumerate(res):
+        got = got["qwen3_moe"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        for label, run in got["schedules"].items():
+            bad = [n for n, w in want.items() if not torch.equal(run["params"][n], w)]
+            assert bad == [] and run["doc"] == [], f"rank {r} {label}: params {bad}, document {run['doc']}"
+
+
+@pytest.mark.slow
 def test_what_packed_colwise_still_refuses_in_one_line(results) -> None:
     _, res = results
     for r, got in enumerate(res):
@@ -519,8 +545,6 @@ def test_what_packed_colwise_still_refuses_in_one_line(results) -> None:
         assert not isinstance(got, str), f"rank {r}: {got}"
         msg = got["elementwise_refused"]  # element-wise pieces of a strided stack: its regions would be wrong
         assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "packed_colwise" in msg, msg
-        msg = got["sync_refused"]
-        assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "not sync" in msg, msg
 
 
 @pytest.mark.slow

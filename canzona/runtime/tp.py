@@ -197,15 +197,10 @@ def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
 
 
 def _tp_exchange(plan: Plan, schedule: str, exchange: str) -> str:
-    """The exchange the TP engine runs, refusing over the whole plan (so every rank refuses alike):
-    a packed expert stack (packed_colwise) under ``sync``, and the split step (``ns-input``) on
-    TP-split expert stacks, which is not verified there yet (``auto`` takes the gradients path)."""
-    packed = [p.name for p in plan.params if p.spec.tp_blocks > 1]
-    if packed and schedule == "sync":
-        raise ValueError(
-            f"{packed[0]}: a packed expert stack (packed_colwise) needs a grouped TP schedule "
-            "(lpt, lpt-carry, round-robin or no-fuse), not sync"
-        )
+    """The exchange the TP engine runs, refusing over the whole plan (so every rank refuses alike)
+    the split step (``ns-input``) on TP-split expert stacks, which is not verified there yet
+    (``auto`` takes the gradients path). A packed stack runs under every schedule: the sync one
+    assembles each expert through the same pieces (:meth:`TPEngine._pieces`) as the grouped ones."""
     experts = [p.name for p in plan.params if p.role == "experts" and p.spec.tp_split]
     if experts and exchange == "ns-input":
         raise ValueError(
