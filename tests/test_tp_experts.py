@@ -46,6 +46,12 @@ CASES = (
     ("muon-sc", "muon", "sc", None, 200),
     ("shampoo-lb-asc-cut", "shampoo", "lb-asc", None, 50),
 )
+#: Muon's split step (exchange="ns-input": momentum on the TP shards, only the Newton-Schulz input
+#: and output travel) on the same stacks, whole and cut between experts
+NS_CASES = (
+    ("muon-lb-asc-ns", "muon", "lb-asc", None, 200),
+    ("muon-asc-cut-ns", "muon", "asc", None, 50),
+)
 KW = {"muon": {"lr": 0.05, "adjust_lr_fn": "spectral"}, "shampoo": {"lr": 0.05}}
 EKW = {"lr": 0.01, "weight_decay": 0.1}
 #: the split dim of each TP-split parameter of :class:`TPExpertsModel`
@@ -104,13 +110,13 @@ def _expert_state(opt, name: str, k: int) -> dict[str, torch.Tensor] | None:
     """The optimizer state of expert ``k`` of stack ``name`` on this rank, when this rank hosts it."""
     eng = opt.runtime.tp_engine
     task = expert_task_name(name, k)
-    if eng is None or eng.optimizer is None or task not in eng.hosted:
+    if eng is None or eng.optimizer is None or task not in eng.hosted or eng.split:  # split step: the state is on the shards
         return None
     st = eng.optimizer.state.get(eng.masters[task], {})
     return {key: v.detach().clone() for key, v in st.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
 
 
-def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int) -> dict:
+def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int, exchange: str = "gradients") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import canzona
@@ -121,7 +127,7 @@ def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | 
     model = TPExpertsModel()
     _shard(model, mesh["tp"])
     opt = canzona.DistributedOptimizer(model, optimizer, strategy=strategy, mesh=mesh, tp_schedule=schedule,
-                                       optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel)
+                                       optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel, exchange=exchange)
     from validation.harness import inject_grads
 
     states = []
@@ -136,11 +142,12 @@ def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | 
     cut = sorted(p.name for p in opt.plan.params if p.role == "experts" and p.dp_ranges)
     out = {"params": params, "states": states, "groups": groups, "dp_rank": dp_rank, "tp_rank": tp_rank, "cut": cut}
     if bucket_numel == 50:  # the cut stacks, the sync schedule's replicated hosts, and Shampoo's per-expert state
-        out.update(_round_trip(rank, mesh, opt, model, optimizer, strategy, schedule, bucket_numel))
+        out.update(_round_trip(rank, mesh, opt, model, optimizer, strategy, schedule, bucket_numel, exchange))
     return out
 
 
-def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int) -> dict:
+def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int,
+                exchange: str = "gradients") -> dict:
     """A consolidated checkpoint (every expert's state from its host) loaded into a fresh
     optimizer on a fresh model takes the same next step as the running one."""
     import torch.distributed as dist
@@ -156,7 +163,8 @@ def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy
         fresh_model = TPExpertsModel()
         _shard(fresh_model, mesh["tp"])
         fresh = canzona.DistributedOptimizer(fresh_model, optimizer, strategy=strategy, mesh=mesh, tp_schedule=schedule,
-                                             optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel)
+                                             optimizer_kwargs=KW[optimizer], elementwise_kwargs=EKW, bucket_numel=bucket_numel,
+                                             exchange=exchange)
         fresh.load_state_dict(source)
         resumed.append((fresh_model, fresh))
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
@@ -235,11 +243,12 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
     out["params"] = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     out["states"] = states
     out["stacks"] = {n: (opt.plan.param(n).spec.tp_dim, opt.plan.param(n).spec.tp_blocks) for n in stacks}
-    # the sync TP schedule (every TP rank computes every expert) and the sc baseline (every rank
-    # computes every matrix) on the packed stack: the same parameters, and the same document
+    # the sync TP schedule (every TP rank computes every expert), the sc baseline (every rank
+    # computes every matrix) and Muon's split step (momentum on the TP shards) on the packed
+    # stack: the same parameters, and the same document
     doc = _doc(opt)
     out["schedules"] = {}
-    for label, kw in (("sync", {"tp_schedule": "sync"}), ("sc", {"strategy": "sc"})):
+    for label, kw in (("sync", {"tp_schedule": "sync"}), ("sc", {"strategy": "sc"}), ("ns-input", {"exchange": "ns-input"})):
         torch.manual_seed(0)
         other = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
         o, _ = train(other, **kw)
@@ -358,28 +367,12 @@ def tp_experts_worker(rank: int, world: int, folder: str) -> bytes:
             out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel)
         except Exception as exc:  # noqa: BLE001 - each case fails on its own, in the test that reads it
             out[name] = f"{type(exc).__name__}: {exc}"
-    try:
-        out["ns_input"] = _ns_input_refusal(world)
-    except Exception as exc:  # noqa: BLE001 - read by its own test
-        out["ns_input"] = f"unexpected {type(exc).__name__}: {exc}"
+    for name, optimizer, strategy, schedule, bucket_numel in NS_CASES:
+        try:
+            out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel, exchange="ns-input")
+        except Exception as exc:  # noqa: BLE001 - each case fails on its own, in the test that reads it
+            out[name] = f"{type(exc).__name__}: {exc}"
     return pack(out)
-
-
-def _ns_input_refusal(world: int) -> str | None:
-    """exchange='ns-input' on TP-split expert stacks: refused in one line at construction."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import canzona
-
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-    model = TPExpertsModel()
-    _shard(model, mesh["tp"])
-    try:
-        canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
-                                     bucket_numel=200, exchange="ns-input")
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["1x2", "2x2"])
@@ -523,10 +516,12 @@ def test_transformers_qwen3_moe_under_its_tp_plan_bitwise(results) -> None:
 
 
 @pytest.mark.slow
-def test_packed_stack_under_the_sync_schedule_and_sc_bitwise(results) -> None:
+def test_packed_stack_under_sync_sc_and_the_split_step_bitwise(results) -> None:
     """The packed gate_up stack under the sync TP schedule (every TP rank assembles and updates
-    every expert) and the sc baseline: every parameter equal to one device's, and the
-    consolidated document equal to the grouped schedule's (masters and every expert's state)."""
+    every expert), the sc baseline and Muon's split step (exchange="ns-input"): every parameter
+    equal to one device's, and the consolidated document equal to the grouped schedule's (masters
+    and every expert's state; fails when the split step scales a packed expert's update by its
+    exchange shape)."""
     world, res = results
     want, _ = _hf_reference(world // 2)
     for r, got in enumerate(res):
@@ -732,8 +727,16 @@ def test_packed_stack_spec_and_plan_document() -> None:
 
 
 @pytest.mark.slow
-def test_split_exchange_refuses_tp_split_expert_stacks(results) -> None:
-    _, res = results
+@pytest.mark.parametrize("case", [c[0] for c in NS_CASES])
+def test_split_exchange_on_tp_split_expert_stacks_bitwise(results, case: str) -> None:
+    """exchange='ns-input' on TP-split stacks (rows and columns): every parameter equal to one
+    device's after the steps (an idle expert among them); the cut stacks' consolidated checkpoint
+    loaded into a fresh optimizer takes the same next step."""
+    world, res = results
+    want, _ = reference("muon", world // 2)
     for r, got in enumerate(res):
-        msg = got["ns_input"]
-        assert msg is not None and "exchange='ns-input' does not run TP-split expert stacks" in msg and "\n" not in msg, f"rank {r}: {msg}"
+        got = got[case]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        bad = [n for n, w in want.items() if not torch.equal(got["params"][n], w)]
+        assert bad == [], f"rank {r} ({world // 2}x2, {case}): {bad} differ from one device"
+        assert got.get("resumed_equal", [True]) == [True], f"rank {r}: resumed from the consolidated document steps differently"

@@ -959,7 +959,7 @@ class MicroGroupEngine:
             if computed_ok and momentum is not None and name not in r.skip:
                 names.append(name)
                 moms.append(momentum)
-                outs.append(block)
+                outs.append(self._split_block(name, block))
         for t in g.tasks:  # tasks this rank has no block of, or skipped: nothing is kept
             r.momenta.pop(t.name, None)
         if not names:
@@ -970,6 +970,11 @@ class MicroGroupEngine:
         copy = [(r.dest[n], piece) for n, piece in zip(names, pieces) if r.dest[n] is not piece]
         if copy:
             torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
+
+    def _split_block(self, name: str, block: torch.Tensor) -> torch.Tensor:
+        """A received block of the split step as the piece it updates (the same shape here; an
+        engine whose exchange lays some pieces out otherwise views them back)."""
+        return block
 
     @staticmethod
     def _wait(work: Any) -> None:

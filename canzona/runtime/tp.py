@@ -196,19 +196,6 @@ def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
     return order[base], -1 if expert is None else expert
 
 
-def _tp_exchange(plan: Plan, schedule: str, exchange: str) -> str:
-    """The exchange the TP engine runs, refusing over the whole plan (so every rank refuses alike)
-    the split step (``ns-input``) on TP-split expert stacks, which is not verified there yet
-    (``auto`` takes the gradients path). A packed stack runs under every schedule: the sync one
-    assembles each expert through the same pieces (:meth:`TPEngine._pieces`) as the grouped ones."""
-    experts = [p.name for p in plan.params if p.role == "experts" and p.spec.tp_split]
-    if experts and exchange == "ns-input":
-        raise ValueError(
-            f"{experts[0]}: exchange='ns-input' does not run TP-split expert stacks yet; use exchange='gradients' (or 'auto')"
-        )
-    return "gradients" if experts else exchange
-
-
 def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
     """The experts of packed stacks (``tp_blocks`` > 1) among ``names``: each as its exchange piece
     shape ``(blocks, M / (blocks tp), N)`` (rank ``r`` holds rows ``r`` of every block) and its
@@ -278,7 +265,6 @@ class TPEngine(MicroGroupEngine):
 
         #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
         self._packed = _packed_tasks(by_name, local_masters, self.tp)
-        exchange = _tp_exchange(plan, self.schedule, exchange)
         groups = self._task_groups(by_name, names, es)
         super().__init__(
             [_exchange(g, self.tp) for g in groups],
@@ -291,6 +277,9 @@ class TPEngine(MicroGroupEngine):
             exchange=exchange,
         )
         self.sync = self.schedule == "sync"
+        # the split step scales each update by its matrix's shape: a packed expert's is (M, N),
+        # not the (blocks, M / blocks, N) its exchange assembles
+        self._full_shapes.update({n: full for n, (_, full) in self._packed.items()})
 
     # ------------------------------------------------------------------------- set-up helpers
     def _task(self, by_name: dict[str, Any], name: str, host: int) -> TPTask:
@@ -372,6 +361,18 @@ class TPEngine(MicroGroupEngine):
     def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor], computed: bool = True) -> Any:
         return super()._launch_scatter(g, self._blocks(updated), computed)
 
+    # the split step keeps Muon's momentum on the local masters as they are ((M / tp, N) for a
+    # packed expert); only what travels is laid out as stacked blocks: the Newton-Schulz input on
+    # its way to the host, the host's results, and the blocks that come back
+    def _launch_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> Any:
+        return super()._launch_gather(g, self._pieces(pieces))
+
+    def _split_compute(self, g: Any, full: Mapping[str, torch.Tensor], skip: Collection[str]) -> dict[str, torch.Tensor]:
+        return self._blocks(super()._split_compute(g, full, skip))
+
+    def _split_block(self, name: str, block: torch.Tensor) -> torch.Tensor:
+        return block.reshape(self.local_masters[name].shape) if name in self._packed else block
+
     # ------------------------------------------------------------------------- the step
     def step(self, local_grads: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()) -> None:
         """One optimizer step: gather -> compute -> scatter -> apply per micro-group, in plan order,
@@ -385,7 +386,10 @@ class TPEngine(MicroGroupEngine):
         self._check_grads(local_grads)
         if skip:  # a skipped expert stack skips each of its expert tasks
             skip = frozenset(n for n in self.local_masters if n in skip or split_task_name(n)[0] in skip)
-        self.run(self._pieces(local_grads), self._pieces(self.local_masters), skip=skip)
+        if self.split:  # the momentum and the update on the local masters themselves (see _launch_gather)
+            self.run(local_grads, self.local_masters, skip=skip)
+        else:
+            self.run(self._pieces(local_grads), self._pieces(self.local_masters), skip=skip)
 
     def _check_grads(self, local_grads: Mapping[str, torch.Tensor]) -> None:
         if set(local_grads) != set(self.local_masters):
