@@ -48,6 +48,15 @@ def held_snapshot(opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def consolidated_on_every_rank(opt: Any) -> dict[str, Any]:
+    """``opt.consolidated_state_dict()`` (collective; rank 0 gathers it) broadcast to every rank."""
+    import torch.distributed as dist
+
+    box = [opt.consolidated_state_dict() or None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def doc_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """What differs between two consolidated documents (``consolidated_state_dict()``): masters
     and state tensors compared with ``torch.equal`` (and dtype and strides: a layout changes how

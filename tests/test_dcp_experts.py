@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from canzona.runtime.launch import run_workers
-from harness import attempt, case_results, doc_differences
+from harness import attempt, case_results, consolidated_on_every_rank, doc_differences
 from validation.harness import inject_grads, integer_grads, pack, unpack
 
 pytestmark = pytest.mark.slow
@@ -64,21 +64,12 @@ def _ep_model(seed: int, mesh):
     return model
 
 
-def _doc(opt) -> dict:
-    """The consolidated document on every rank (rank 0 gathers it)."""
-    import torch.distributed as dist
-
-    box = [opt.consolidated_state_dict() or None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _loads(opt, folder: Path, name: str) -> list[str]:
     """Load the sharded checkpoint ``name`` into ``opt``: how it differs from the saved document."""
     from canzona.runtime.dcp import load_sharded
 
     load_sharded(opt, folder / f"{name}.dcp")
-    return doc_differences(_doc(opt), torch.load(folder / "ref.pt", weights_only=True))
+    return doc_differences(consolidated_on_every_rank(opt), torch.load(folder / "ref.pt", weights_only=True))
 
 
 def _stateful(opt, model, folder: Path, name: str) -> list[str]:
@@ -87,7 +78,7 @@ def _stateful(opt, model, folder: Path, name: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
 
     dcp.load({"model": model.state_dict(), "optim": opt}, checkpoint_id=str(folder / f"{name}.stateful"))
-    return doc_differences(_doc(opt), torch.load(folder / "ref.pt", weights_only=True))
+    return doc_differences(consolidated_on_every_rank(opt), torch.load(folder / "ref.pt", weights_only=True))
 
 
 def _save(opt, model, folder: Path, name: str) -> None:
@@ -111,7 +102,7 @@ def _train_and_resume(rank: int, folder: Path) -> dict:
         opt.step()
         opt.zero_grad()
     several = {n: sum(1 for pc in opt.runtime.pieces if pc.name == n and pc.expert is not None) for n in _stacks(model)}
-    doc = _doc(opt)
+    doc = consolidated_on_every_rank(opt)
     if rank == 0:
         torch.save(doc, folder / "ref.pt")
     dist.barrier()

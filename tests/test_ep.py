@@ -31,6 +31,7 @@ from torch import nn
 
 from canzona.runtime.launch import run_workers
 from canzona.specs import module_roles
+from harness import consolidated_on_every_rank
 from moe_models import Experts, TaskReference
 from validation.harness import integer_grads, mean_grads, pack, unpack
 
@@ -433,20 +434,16 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
         _inject(model, grads(model, _all_grads(dp * ep, 10 + s)))
         opt.step()
         opt.zero_grad()
-    saved = opt.consolidated_state_dict()  # collective: every rank calls it, rank 0 gets the document
-    doc = [saved if rank == 0 else None]
-    dist.broadcast_object_list(doc, src=0)
+    doc = consolidated_on_every_rank(opt)
     plain = _full_copy(model, ep, tp)
     # plain ZeRO-1 over the dp x ep data ranks (each TP group of ranks a replica with the same gradient)
     pmesh = None if tp == 1 else init_device_mesh("cpu", (dp * ep, tp), mesh_dim_names=("dp", "tp"))
     popt = canzona.DistributedOptimizer(plain, "muon", mesh=pmesh, **kw)
-    popt.load_state_dict(doc[0])
-    saved = popt.consolidated_state_dict()
-    doc = [saved if rank == 0 else None]
-    dist.broadcast_object_list(doc, src=0)
+    popt.load_state_dict(doc)
+    doc = consolidated_on_every_rank(popt)
     back = ep_model(3)  # other values: the load must bring the saved ones
     bopt = ep_opt(back)
-    bopt.load_state_dict(doc[0])
+    bopt.load_state_dict(doc)
     # the sharded forms: canzona's own (save_sharded) and DCP's Stateful, saved under EP, loaded
     # under EP (other values) and under the plain layout
     folder = [tempfile.mkdtemp(prefix="canzona-ep-") if rank == 0 else None]

@@ -29,7 +29,7 @@ from torch import nn
 
 from canzona.runtime.launch import run_workers
 from canzona.specs import ParamSpec, expert_task_name, split_task_name
-from harness import doc_differences
+from harness import consolidated_on_every_rank, doc_differences
 from validation.harness import integer_grads, mean_grads, pack, unpack
 
 E, H, F = 4, 8, 6
@@ -142,24 +142,20 @@ def _case(rank: int, world: int, optimizer: str, strategy: str, schedule: str | 
     cut = sorted(p.name for p in opt.plan.params if p.role == "experts" and p.dp_ranges)
     out = {"params": params, "states": states, "groups": groups, "dp_rank": dp_rank, "tp_rank": tp_rank, "cut": cut}
     if bucket_numel == 50:  # the cut stacks, the sync schedule's replicated hosts, and Shampoo's per-expert state
-        out.update(_round_trip(rank, mesh, opt, model, optimizer, strategy, schedule, bucket_numel, exchange))
+        out.update(_round_trip(mesh, opt, model, optimizer, strategy, schedule, bucket_numel, exchange))
     return out
 
 
-def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int,
+def _round_trip(mesh, opt, model: nn.Module, optimizer: str, strategy: str, schedule: str | None, bucket_numel: int,
                 exchange: str = "gradients") -> dict:
     """A consolidated checkpoint (every expert's state from its host) loaded into a fresh
     optimizer on a fresh model takes the same next step as the running one."""
-    import torch.distributed as dist
-
     import canzona
     from validation.harness import inject_grads
 
-    doc = opt.consolidated_state_dict()
-    objs = [doc if rank == 0 else None]
-    dist.broadcast_object_list(objs, src=0)
+    doc = consolidated_on_every_rank(opt)
     resumed = []
-    for source in (objs[0],):
+    for source in (doc,):
         fresh_model = TPExpertsModel()
         _shard(fresh_model, mesh["tp"])
         fresh = canzona.DistributedOptimizer(fresh_model, optimizer, strategy=strategy, mesh=mesh, tp_schedule=schedule,
@@ -172,11 +168,7 @@ def _round_trip(rank: int, mesh, opt, model: nn.Module, optimizer: str, strategy
         inject_grads(m, _local_grads(full_grads(TPExpertsModel(), STEPS, dp_rank), tp_rank, 2))
         o.step()
         o.zero_grad()
-
-    def full(p: torch.Tensor) -> torch.Tensor:
-        return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-    same = [all(torch.equal(full(a), full(b)) for a, b in zip(model.parameters(), m.parameters())) for m, _ in resumed]
+    same = [all(torch.equal(_full(a), _full(b)) for a, b in zip(model.parameters(), m.parameters())) for m, _ in resumed]
     momentum = {n: st["momentum_buffer"].clone() for n, st in doc.get("state", {}).items() if n.startswith("experts.") and "momentum_buffer" in st}
     return {"resumed_equal": same, "doc_momentum": momentum}
 
@@ -246,29 +238,20 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
     # the sync TP schedule (every TP rank computes every expert), the sc baseline (every rank
     # computes every matrix) and Muon's split step (momentum on the TP shards) on the packed
     # stack: the same parameters, and the same document
-    doc = _doc(opt)
+    doc = consolidated_on_every_rank(opt)
     out["schedules"] = {}
     for label, kw in (("sync", {"tp_schedule": "sync"}), ("sc", {"strategy": "sc"}), ("ns-input", {"exchange": "ns-input"})):
         torch.manual_seed(0)
         other = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
         o, _ = train(other, **kw)
         out["schedules"][label] = {"params": {n: _full(p).detach().clone() for n, p in other.named_parameters()},
-                                   "doc": doc_differences(_doc(o), doc)}
+                                   "doc": doc_differences(consolidated_on_every_rank(o), doc)}
     out["round_trips"] = _packed_round_trips(world, mesh, model, opt, folder)
     return out
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
-def _doc(opt) -> dict:
-    """The consolidated document on every rank (rank 0 gathers it)."""
-    import torch.distributed as dist
-
-    box = [opt.consolidated_state_dict() or None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path) -> dict:
@@ -287,7 +270,7 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path) -
     from canzona.runtime.dcp import load_sharded, save_sharded
     from validation.harness import inject_grads
 
-    doc = _doc(opt)
+    doc = consolidated_on_every_rank(opt)
     save_sharded(opt, folder / "tp.dcp")
     dcp.save({"optim": opt}, checkpoint_id=str(folder / "tp.stateful"))
     plain = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -309,7 +292,7 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path) -
         o = canzona.DistributedOptimizer(m, "muon", mesh=mesh if tp else plain, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
                                          bucket_numel=3000)
         load(o)
-        out["doc"][key] = doc_differences(_doc(o), doc)
+        out["doc"][key] = doc_differences(consolidated_on_every_rank(o), doc)
         runs.append((key, m, o))
     # the same integer gradients on every rank: every layout's DP mean of them is exactly them
     full = _hf_grads({n: tuple(p.shape) for n, p in model.named_parameters()}, STEPS, 0)
