@@ -282,6 +282,56 @@ def _torch_state_api(build) -> dict:
     return {**out, "steps": opt.steps, "untouched": tensors_equal(before, held_snapshot(opt)) == []}
 
 
+def _partly_loaded(build, folder: str, name: str) -> dict:
+    """``dcp.load`` of the Stateful form writes into the live tensors before ``load_state_dict``
+    checks anything: a checkpoint whose saved ``lr`` is negative is refused only after its masters
+    are in. Every later step and save must refuse (PartlyLoaded) until a good load, after which
+    the run goes on as if the bad load never happened."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.agree import PartlyLoaded
+    from canzona.runtime.checkpoint import CheckpointError
+
+    model, opt, run = build()
+    run(range(2))
+    good, bad = Path(folder) / f"{name}-good", Path(folder) / f"{name}-bad"
+    dcp.save({"optim": opt}, checkpoint_id=str(good))
+    sd = dict(opt.state_dict())
+    lr_keys = [k for k in sd if k.startswith("canzona.hyper.") and k.endswith(".lr")]
+    dcp.save({"optim": {**sd, **{k: torch.tensor(-1.0, dtype=sd[k].dtype) for k in lr_keys}}}, checkpoint_id=str(bad))
+    run(range(2, 3))
+    after_three = params_of(model) if not hasattr(next(model.parameters()), "device_mesh") else _outcome(model, opt)["params"]
+    out: dict = {"lr_keys": len(lr_keys)}
+    try:
+        dcp.load({"optim": opt}, checkpoint_id=str(bad))
+        out["load"] = "loaded"
+    except CheckpointError as exc:
+        out["load"] = str(exc)
+    for what, call in (("step", lambda: run(range(3, 4))), ("save", opt.consolidated_state_dict)):
+        try:
+            call()
+            out[what] = "ran"
+        except PartlyLoaded as exc:
+            out[what] = str(exc)
+    out["steps_refused_at"] = opt.steps
+    opt.zero_grad()  # the refused step's gradients (a refusal before the step keeps them, as torch.optim does)
+    # torch's dcp.save still takes the Stateful form (dcp.load needs its targets to get out of
+    # this), but what it writes is refused by every load
+    unloadable = Path(folder) / f"{name}-unloadable"
+    dcp.save({"optim": opt}, checkpoint_id=str(unloadable))
+    dcp.load({"optim": opt}, checkpoint_id=str(good))
+    try:
+        dcp.load({"optim": opt}, checkpoint_id=str(unloadable))
+        out["unloadable"] = "loaded"
+    except CheckpointError as exc:
+        out["unloadable"] = str(exc)
+    dcp.load({"optim": opt}, checkpoint_id=str(good))
+    run(range(2, 3))
+    again = params_of(model) if not hasattr(next(model.parameters()), "device_mesh") else _outcome(model, opt)["params"]
+    out["resumed_equal"] = tensors_equal(after_three, again) == []
+    return out
+
+
 def _fsdp_reference(dps: tuple[int, int]) -> object:
     """One process: SAVE_STEPS steps with the means of dps[0] data-parallel ranks, then MORE_STEPS
     with those of dps[1]."""
@@ -705,6 +755,8 @@ def world2_worker(rank: int, world: int, folder: str) -> bytes:
     cases["roundtrip_fsdp2"] = attempt(_roundtrip, lambda: _fsdp("dp_shard2"))
     cases["one_rank_zero1"] = attempt(_one_rank_calls, _zero1_toy)
     cases["one_rank_fsdp2"] = attempt(_one_rank_calls, lambda: _fsdp("dp_shard2"))
+    cases["partly_zero1"] = attempt(_partly_loaded, _zero1_toy, folder, "partly-zero1")
+    cases["partly_fsdp2"] = attempt(_partly_loaded, lambda: _fsdp("dp_shard2"), folder, "partly-fsdp2")
     cases["torch_api_zero1"] = attempt(_torch_state_api, _zero1_toy)
     cases["torch_api_fsdp2"] = attempt(_torch_state_api, lambda: _fsdp("dp_shard2"))
     saves = attempt(_failed_saves, folder)
@@ -984,6 +1036,18 @@ def test_a_collective_called_on_one_rank_raises_there_in_bounded_time_and_tells_
     assert "rank(s) [1] did not call it within 3 s" in first["error"] and first["elapsed"] < 3.0 + 2.0, first
     assert "rank 0 (in state_dict()) stopped waiting for this call" in second["error"] and second["elapsed"] < 1.0, second
     assert first["after"] == second["after"] == ["canzona.format"], "the process group works afterwards"
+
+
+@pytest.mark.parametrize("engine", ["zero1", "fsdp2"])
+def test_a_refused_stateful_load_refuses_every_later_step_until_a_good_load(folder: Path, engine: str) -> None:
+    for rank, r in enumerate(_case(2, folder, f"partly_{engine}")):
+        assert r["lr_keys"] >= 1, r
+        assert "lr" in r["load"] and "dcp.load had already written into this optimizer's tensors" in r["load"], f"rank {rank}: {r['load']}"
+        for what in ("step", "save"):
+            assert "left this optimizer partly loaded" in r[what] and "\n" not in r[what], f"rank {rank} {what}: {r[what]}"
+        assert r["steps_refused_at"] == 3, "the refused step must not count"
+        assert "saved (dcp.save) from an optimizer whose state a failed step or a refused load" in r["unloadable"], r["unloadable"]
+        assert r["resumed_equal"], f"rank {rank}: after a good load the run must go on bitwise"
 
 
 @pytest.mark.parametrize("engine", ["zero1", "fsdp2"])

@@ -149,6 +149,12 @@ class ReplicasDiverged(RuntimeError):
     on some of them); steps and saves are refused until a checkpoint is loaded."""
 
 
+class PartlyLoaded(RuntimeError):
+    """A refused ``load_state_dict`` of DCP's Stateful form found values that ``dcp.load`` had
+    already written into this optimizer's tensors; steps and saves are refused until a load
+    succeeds."""
+
+
 class ReplicaGuard:
     """Refuses to go on from replicas that a failed update left different.
 
@@ -171,14 +177,33 @@ class ReplicaGuard:
         self.layout = layout
         #: the failure that left the replicas different (None: they agree)
         self.cause: str | None = None
+        #: why a refused load left partly loaded values (None: none did); on every layout
+        self.partial: str | None = None
 
     def failed(self, exc: BaseException) -> None:
         """Record that the update phase failed (call where the update exchange raised)."""
         if self.replicated:
             self.cause = describe(exc)
 
+    def partly_loaded(self, cause: str) -> None:
+        """Record that a refused load left this rank's tensors partly loaded (``dcp.load`` writes
+        into the Stateful's tensors before ``load_state_dict`` can check them). Every rank refuses
+        such a load alike (its status exchange), so every rank records it."""
+        self.partial = cause
+
+    def tripped(self) -> bool:
+        """Whether :meth:`check` would raise."""
+        return self.partial is not None or self.cause is not None
+
     def check(self, what: str) -> None:
-        """Raise :class:`ReplicasDiverged` when a recorded failure left the replicas different."""
+        """Raise :class:`PartlyLoaded` when a refused load left partly loaded values, and
+        :class:`ReplicasDiverged` when a recorded failure left the replicas different."""
+        if self.partial is not None:
+            raise PartlyLoaded(
+                f"{what} refused: a refused load_state_dict left this optimizer partly loaded, since dcp.load had "
+                f"already written into its tensors ({self.partial}); load a good checkpoint "
+                "(dcp.load, load_checkpoint or canzona.runtime.dcp.load_sharded) to go on"
+            )
         if self.cause is not None:
             raise ReplicasDiverged(
                 f"{what} refused: under {self.layout} every rank keeps its own copy of the masters and "
@@ -190,6 +215,7 @@ class ReplicaGuard:
     def clear(self) -> None:
         """Every rank holds the same state again (a checkpoint was loaded)."""
         self.cause = None
+        self.partial = None
 
 
 def describe(exc: BaseException) -> str:

@@ -248,6 +248,13 @@ class _Replicas:
         for g in self._guards:
             g.clear()
 
+    def partly_loaded(self, cause: str) -> None:
+        for g in self._guards:
+            g.partly_loaded(cause)
+
+    def tripped(self) -> bool:
+        return any(g.tripped() for g in self._guards)
+
 
 class _Handles:
     """The handle of a hook registered on both parts."""

@@ -32,7 +32,8 @@ hyperparameter ranges) on every rank and joins a status exchange before it write
 its own; then it copies each region into the live tensor (a no-op where DCP already wrote it in
 place) and re-assembles what derives from the masters. Because DCP writes into the targets
 before ``load_state_dict`` runs, a refusal at that point leaves the optimizer holding partly
-loaded values, and the error says so.
+loaded values: the error says so, and every later step or save raises
+:class:`~canzona.runtime.agree.PartlyLoaded` on every rank until a load succeeds.
 
 Every collective entry point first joins :func:`join_collective`: a rendezvous in the process
 group's store, with no collective issued until every rank has arrived. A rank that calls
@@ -84,6 +85,9 @@ __all__ = [
 STATE_FORMAT = "canzona.stateful"
 STATE_VERSION = 1
 FORMAT_KEY = "canzona.format"
+#: the ``canzona.format`` code of a state_dict() taken while the optimizer's replica guard is
+#: tripped (never a format hash, which is 62-bit non-negative): a load refuses it
+UNLOADABLE = -1
 STEPS_KEY = "canzona.steps"
 HYPER_PREFIX = "canzona.hyper."
 
@@ -194,7 +198,10 @@ def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
     from canzona.runtime.dcp import CHUNK_BYTES, _Chunks
 
     join_collective(src, "state_dict()")
-    src.runtime.replicas.check("saving the optimizer state")  # the same flag on every rank: all raise
+    # A tripped guard (replicas a failed step left different, a state a refused load left partly
+    # loaded) still serves: dcp.load takes its targets from here, and loading a good checkpoint
+    # is the way out. What dcp.save would write from it carries a format code no load accepts.
+    unloadable = src.runtime.replicas.tripped()  # the same flag on every rank
     chunks, plain = _Chunks(CHUNK_BYTES), {}
     error: BaseException | None = None
     try:
@@ -210,7 +217,7 @@ def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
         error = exc
     agree_on_checkpoint(src, error, "state_dict()")
     out = ShardedOptimizerState({**chunks.state_dict(src.mesh), **plain})
-    out[FORMAT_KEY] = torch.tensor(_format_code(src), dtype=torch.int64)
+    out[FORMAT_KEY] = torch.tensor(UNLOADABLE if unloadable else _format_code(src), dtype=torch.int64)
     out[STEPS_KEY] = torch.tensor(int(src.steps), dtype=torch.int64)
     for group, values in src.hyperparams().items():
         for k, v in values.items():
@@ -273,6 +280,11 @@ class _Load:
             raise CheckpointError(
                 "load_state_dict takes what state_dict() returns on every rank (after dcp.load wrote into it) or a "
                 "consolidated document (opt.consolidated_state_dict(), canzona.runtime.checkpoint.save_checkpoint)"
+            )
+        if int(self._plain(FORMAT_KEY)) == UNLOADABLE:
+            raise CheckpointError(
+                "this checkpoint was saved (dcp.save) from an optimizer whose state a failed step or a refused load had "
+                "left inconsistent; load one saved before that"
             )
         if int(self._plain(FORMAT_KEY)) != _format_code(src):
             raise CheckpointError(
@@ -404,7 +416,11 @@ def load_sharded_state_dict(src: Checkpointable, sd: Mapping[str, Any]) -> None:
         agree_on_checkpoint(src, error, "load_state_dict()")
     except CheckpointError as exc:
         if plan is not None and plan.shares_memory() or _in_place(src, sd):
-            raise CheckpointError(f"{exc}; dcp.load had already written into this optimizer's tensors: load a good checkpoint before stepping") from None
+            # steps and saves now refuse on every rank (each took this branch: the same exchange,
+            # the same state_dict() targets) until a load succeeds
+            src.runtime.replicas.partly_loaded(str(exc))
+            raise CheckpointError(f"{exc}; dcp.load had already written into this optimizer's tensors: steps and saves "
+                                  "are refused until a good checkpoint is loaded") from None
         raise
     assert plan is not None
     plan.commit()
