@@ -36,6 +36,15 @@ def _model(arch: str):
     from canzona.config import load_model_config
     from canzona.hf import hf_config
 
+    if arch == "qwen3_moe":
+        # transformers' own MoE: 3-D expert stacks (E, 2F, H) and (E, H, F), each expert a task
+        # (sides multiple of 4: transformers' grouped_mm expert kernel needs 16-byte strides)
+        cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                          max_position_embeddings=64, attn_implementation="eager")
+        torch.manual_seed(0)
+        return transformers.Qwen3MoeForCausalLM(cfg).float()
     cfg = hf_config(load_model_config("qwen3-tiny"), arch, attn_implementation="eager")
     torch.manual_seed(0)
     cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.LlamaForCausalLM
@@ -120,7 +129,7 @@ def _norms(trainer) -> list:
     return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
-def _run(kind: str, arch: str, out: str, resume: str | None = None, **kw) -> tuple[dict, list]:
+def _run(kind: str, arch: str, out: str, resume: str | None = None, roles: dict | None = None, **kw) -> tuple[dict, list]:
     import transformers
 
     import canzona.hf
@@ -135,6 +144,10 @@ def _run(kind: str, arch: str, out: str, resume: str | None = None, **kw) -> tup
     else:
         trainer = transformers.Trainer(model=model, args=_args(out, **kw), train_dataset=data, optimizers=(_routed(model), None))
     trainer.train(resume_from_checkpoint=resume)
+    if roles is not None:  # the role of every parameter, as the optimizer's plan routed it
+        from canzona.plan.describe import role_rows
+
+        roles.update({row.name: row.role for row in role_rows(trainer.canzona_optimizer.plan)})
     return _params(model), _norms(trainer)
 
 
@@ -151,12 +164,14 @@ def _case_compare(arch: str, out: str, **kw) -> dict:
 
 
 def _case_resume(arch: str, out: str) -> dict:
-    full, full_norms = _run("canzona", arch, os.path.join(out, "full"), max_steps=4, max_grad_norm=0.5)
+    roles: dict = {}
+    full, full_norms = _run("canzona", arch, os.path.join(out, "full"), max_steps=4, max_grad_norm=0.5, roles=roles)
     ck = os.path.join(out, "ck")
     _run("canzona", arch, ck, max_steps=4, max_grad_norm=0.5, save_strategy="steps", save_steps=2)
     resumed, norms = _run("canzona", arch, ck, resume=os.path.join(ck, "checkpoint-2"), max_steps=4, max_grad_norm=0.5)
     return {"mismatch": _diff(resumed, full), "files": sorted(os.listdir(os.path.join(ck, "checkpoint-2"))), "norms": norms,
-            "full_norms": full_norms}
+            "full_norms": full_norms, "experts": sorted(n for n, r in roles.items() if r == "experts"),
+            "moved": _diff(full, _params(_model(arch)))}
 
 
 def _case_plain_trainer(arch: str, out: str) -> dict:
@@ -204,6 +219,7 @@ def main(out: str) -> None:
     import torch.distributed as dist
 
     cases = {}
+    only = os.environ.get("CANZONA_HF_TRAINER_CASES")  # a comma list, to run a few while debugging
     for arch in MODELS:
         plans = {
             "noclip": lambda a=arch: _case_compare(a, os.path.join(out, a, "noclip")),
@@ -214,7 +230,6 @@ def main(out: str) -> None:
         }
         if arch == "llama":
             plans["plain_trainer"] = lambda a=arch: _case_plain_trainer(a, os.path.join(out, a, "plain"))
-        only = os.environ.get("CANZONA_HF_TRAINER_CASES")  # a comma list, to run a few while debugging
         for name, fn in plans.items():
             if only and f"{arch}/{name}" not in only.split(","):
                 continue
@@ -223,6 +238,13 @@ def main(out: str) -> None:
             except Exception as exc:  # noqa: BLE001 - recorded; the test of this case fails on its own
                 cases[f"{arch}/{name}"] = {"crash": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
             dist.barrier()
+    # transformers' Qwen3-MoE (3-D expert stacks) through the Trainer's save_steps / resume loop
+    if not only or "qwen3_moe/resume" in only.split(","):
+        try:
+            cases["qwen3_moe/resume"] = {"result": _case_resume("qwen3_moe", os.path.join(out, "qwen3_moe", "resume"))}
+        except Exception as exc:  # noqa: BLE001 - recorded; the test of this case fails on its own
+            cases["qwen3_moe/resume"] = {"crash": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
+        dist.barrier()
     # one file per rank (the ranks' stdout lines interleave)
     with open(os.path.join(out, f"cases-rank{dist.get_rank()}.json"), "w", encoding="utf-8") as f:
         json.dump(cases, f)
@@ -291,13 +313,17 @@ def test_equal_to_ddp_with_torch_optimizers(run, arch: str, case: str) -> None:
             assert all(n > 0.5 for n in res["grad_norms"]), f"the clip was not active: {res['grad_norms']}"
 
 
-@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("arch", [*MODELS, "qwen3_moe"])
 def test_resume_is_bitwise_uninterrupted(run, arch: str) -> None:
     for rank, res in enumerate(_case(run, f"{arch}/resume")):
         assert not res["mismatch"], f"{arch} rank {rank}: resumed run differs on {res['mismatch']}"
         assert "canzona_optimizer.pt" in res["files"] and "scheduler.pt" in res["files"], res["files"]
         # the resumed history: steps 1-2 from the checkpoint's trainer state, 3-4 run again, as uninterrupted
         assert len(res["norms"]) == 4 and res["norms"] == res["full_norms"], res
+        if arch == "qwen3_moe":
+            # both layers' stacks went to the matrix optimizer as experts, and training moved them
+            assert len(res["experts"]) == 4 and all(".mlp.experts." in n for n in res["experts"]), res["experts"]
+            assert set(res["experts"]) <= set(res["moved"]), f"experts the run left unchanged: {set(res['experts']) - set(res['moved'])}"
 
 
 @pytest.mark.parametrize("arch", MODELS)
