@@ -457,6 +457,17 @@ def test_nonfinite_flags_small_cpu_tensors_summed_together_first(monkeypatch: py
     big = [torch.full((4, 4), torch.finfo(torch.float32).max) for _ in range(3)]  # finite; the sum is inf
     assert _common.nonfinite_flags(big).tolist() == [False] * 3
     assert calls == [50, 3]
+    # several trailing shapes (each concatenated along its first dim) and 0-dim tensors: one sum
+    # settles them all; a NaN or inf in any of them sends the lot to the exact test
+    mixed = [torch.randn(shape, generator=g) for shape in ((3,), (2, 5), (4, 5), (), (1, 2, 3), (), (7,), (2, 2, 3))]
+    calls.clear()
+    assert _common.nonfinite_flags(mixed).tolist() == [False] * len(mixed)
+    assert calls == []
+    for k in range(len(mixed)):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            hit = [t.clone() for t in mixed]
+            hit[k].view(-1)[-1] = bad
+            assert _common.nonfinite_flags(hit).tolist() == [j == k for j in range(len(mixed))], (k, bad)
 
 
 def test_finite_grads_verified_skips_only_the_finiteness_test() -> None:

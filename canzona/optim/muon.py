@@ -516,12 +516,14 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         kind instead of one call per piece: on CPU the same per-tensor kernels, hence the same bits."""
         moms: list[Tensor | None] = [None] * len(params)
         inputs: list[Tensor | None] = [None] * len(params)
+        state = self.state
         for group, idx in self._by_group(params):
             w = 1 - group["momentum"]
-            have = [i for i in idx if "momentum_buffer" in self.state[params[i]]]
-            fresh = [i for i in idx if "momentum_buffer" not in self.state[params[i]]]
+            bufs = [state[params[i]].get("momentum_buffer") for i in idx]  # one state lookup per piece
+            have = [i for i, b in zip(idx, bufs) if b is not None]
+            fresh = [i for i, b in zip(idx, bufs) if b is None]
             if have:
-                new = torch._foreach_lerp([self.state[params[i]]["momentum_buffer"] for i in have], [grads[i] for i in have], w)
+                new = torch._foreach_lerp([b for b in bufs if b is not None], [grads[i] for i in have], w)
                 for i, m in zip(have, new):
                     moms[i] = m
             if fresh:
