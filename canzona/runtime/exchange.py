@@ -551,7 +551,7 @@ class _GroupViews:
       the views of every received (``assemble``) and own (``local_in``) block inside them."""
 
     __slots__ = ("pack", "pack_names", "pack_shapes", "back_send", "back_send_copies", "back_recv", "back_recv_copies",
-                 "back_recv_hosts", "full", "assemble_dst", "assemble_src", "local_dst", "local_names", "local_shapes")
+                 "back_recv_hosts", "apply_names", "apply_unique", "full", "assemble_dst", "assemble_src", "local_dst", "local_names", "local_shapes")
 
     def __init__(self, g: ExchangeGroup, slots: ExchangeSlots, assembly: torch.Tensor | None) -> None:
         self.pack = [_slot_view(slots.gather_shard, c) for c in g.pack]
@@ -564,6 +564,9 @@ class _GroupViews:
         host = {t.name: t.host for t in g.tasks}
         #: the host of each received copy's task (whose ``computed`` flag the split step reads)
         self.back_recv_hosts = [host[c.name] for c in self.back_recv_copies]
+        #: the task of each block the split step applies, in block order (received, then this host's own)
+        self.apply_names = [c.name for c in self.back_recv_copies] + [c.name for c in g.local_back]
+        self.apply_unique = len(set(self.apply_names)) == len(self.apply_names)
         self.full: dict[str, torch.Tensor] = {}
         self.assemble_dst: list[torch.Tensor] = []
         self.assemble_src: list[torch.Tensor] = []
@@ -949,10 +952,21 @@ class MicroGroupEngine:
             recv = self.slots.scatter_shard
             computed = [bool(f) for f in recv[list(g.flag_recv)].tolist()] if g.flag_recv else []
             v = self._views[g.index]
-            blocks = [(c.name, view, computed[h]) for c, view, h in zip(v.back_recv_copies, v.back_recv, v.back_recv_hosts)]
             mine = r.own_results.pop(g.index, {})
             ok = r.valid.get(g.index, False)
-            blocks += [(c.name, mine[c.name][c.index], ok) for c in g.local_back]
+            outs = v.back_recv + [mine[c.name][c.index] for c in g.local_back]
+            momenta = r.momenta
+            if v.apply_unique and ok and all(computed) and not r.skip and all(n in momenta for n in v.apply_names):
+                # every block computed, none skipped: the lists made once with the views
+                names = v.apply_names
+                moms = [momenta.pop(n) for n in names]
+                if self._reshapes_blocks:
+                    outs = [self._split_block(n, b) for n, b in zip(names, outs)]
+                shapes = self._full_shapes
+                self._apply_blocks(r, g, names, moms, outs, [self.pieces[n] for n in names], [shapes[n] for n in names])
+                return
+            flags = [computed[h] for h in v.back_recv_hosts] + [ok] * len(g.local_back)
+            blocks = list(zip(v.apply_names, outs, flags))
         names, moms, outs = [], [], []
         for name, block, computed_ok in blocks:
             momentum = r.momenta.pop(name, None)
@@ -960,16 +974,35 @@ class MicroGroupEngine:
                 names.append(name)
                 moms.append(momentum)
                 outs.append(self._split_block(name, block))
-        for t in g.tasks:  # tasks this rank has no block of, or skipped: nothing is kept
-            r.momenta.pop(t.name, None)
-        if not names:
-            return
-        pieces = [self.pieces[n] for n in names]
-        shapes = self._full_shapes
-        self.optimizer.matrix_apply(pieces, moms, outs, [shapes[n] for n in names])  # type: ignore[union-attr]
-        copy = [(r.dest[n], piece) for n, piece in zip(names, pieces) if r.dest[n] is not piece]
+        if names:
+            shapes = self._full_shapes
+            self._apply_blocks(r, g, names, moms, outs, [self.pieces[n] for n in names], [shapes[n] for n in names])
+        else:
+            self._forget_momenta(r, g)
+
+    def _apply_blocks(self, r: _Run, g: ExchangeGroup, names: Sequence[str], moms: Sequence[torch.Tensor],
+                      outs: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> None:
+        """:meth:`_split_apply`'s update of ``pieces`` (the tasks ``names``) from their result blocks,
+        then into ``dest``; the group's momenta left over (blocks not applied) are dropped."""
+        self._forget_momenta(r, g)
+        self.optimizer.matrix_apply(pieces, moms, outs, shapes)  # type: ignore[union-attr]
+        dest = r.dest
+        copy = [(dest[n], piece) for n, piece in zip(names, pieces) if dest[n] is not piece]
         if copy:
             torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
+
+    @staticmethod
+    def _forget_momenta(r: _Run, g: ExchangeGroup) -> None:
+        """Drop what is left of the group's advanced momenta (tasks this rank has no block of,
+        skipped ones, blocks not computed): nothing of them is kept."""
+        if r.momenta:
+            for t in g.tasks:
+                r.momenta.pop(t.name, None)
+
+    @property
+    def _reshapes_blocks(self) -> bool:
+        """Whether this engine lays some received blocks out otherwise (:meth:`_split_block` overridden)."""
+        return type(self)._split_block is not MicroGroupEngine._split_block
 
     def _split_block(self, name: str, block: torch.Tensor) -> torch.Tensor:
         """A received block of the split step as the piece it updates (the same shape here; an
