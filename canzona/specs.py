@@ -146,10 +146,12 @@ class ParamSpec:
                     f"{self.name}: an expert stack split over TP on its expert dim (dim 0) holds whole experts per rank, which "
                     "is expert parallelism, not a TP split; shard the rows (dim 1) or columns (dim 2) over tp, or use an ep mesh dimension"
                 )
-            if self.tp_blocks != 1 and (self.kind != "experts" or self.tp_dim != 1 or self.shape[1] % (self.tp * self.tp_blocks)):
+            if self.tp_blocks != 1 and (self.shape[self.tp_dim] % (self.tp * self.tp_blocks)
+                                        or not (self.kind == "elementwise" or (self.kind == "experts" and self.tp_dim == 1))):
                 raise ValueError(
                     f"{self.name}: {self.tp_blocks} packed blocks split over tp={self.tp} are supported on the rows (dim 1) of an "
-                    f"expert stack whose rows divide by {self.tp * self.tp_blocks}, got a {self.kind} of shape {self.shape} split on dim {self.tp_dim}"
+                    f"expert stack, or on any dim of an element-wise parameter, whose split dim divides by {self.tp * self.tp_blocks}; "
+                    f"got a {self.kind} of shape {self.shape} split on dim {self.tp_dim}"
                 )
             if self.tp > 1 and (self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
                 raise ValueError(
@@ -541,8 +543,12 @@ def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> 
     expert stack, ``split_factor`` blocks (transformers' ``packed_colwise`` ``[gate; up]``); any
     other strided placement is refused (:func:`_packed_refusal`)."""
     factor = getattr(placement, "split_factor", None)
-    if kind == "experts" and p.dim() == 3 and getattr(placement, "dim", None) == 1 and isinstance(factor, int) and factor >= 1:
-        return factor
+    dim = getattr(placement, "dim", None)
+    if isinstance(factor, int) and factor >= 1 and isinstance(dim, int):
+        if kind == "experts" and p.dim() == 3 and dim == 1:
+            return factor
+        if kind == "elementwise":
+            return factor  # element-wise updates do not depend on where an entry sits; checkpoints place each block
     raise ValueError(_packed_refusal(name, p, placement))
 
 

@@ -146,7 +146,8 @@ def _tp_backward(rank: int, arch: str) -> dict:
 def _moe_under_tp_plan(rank: int, arch: str) -> dict:
     """A MoE model under transformers' TP plan: its packed_colwise expert stack (a _StridedShard
     placement) is an expert stack split over TP (un-packed on each expert's host, see
-    tests/test_tp_experts.py); marked element-wise it is refused in one line naming it."""
+    tests/test_tp_experts.py); marked element-wise it is served too (AdamW on the shards); marked
+    as one matrix it is refused in one line naming it."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -164,7 +165,7 @@ def _moe_under_tp_plan(rank: int, arch: str) -> dict:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = apply_tp_plan(cls(cfg).float(), mesh["tp"])
     out = {}
-    for key, roles in (("default", None), ("elementwise", {"*experts*": "elementwise"})):
+    for key, roles in (("default", None), ("elementwise", {"*experts*": "elementwise"}), ("matrix", {"*experts*": "matrix"})):
         try:
             canzona.DistributedOptimizer(model, "muon", mesh=mesh, roles=roles)
             out[key] = None
@@ -283,12 +284,13 @@ def test_tp2_tied_embeddings_keep_their_tie_under_the_tp_plan_bitwise() -> None:
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_moe_packed_colwise_under_tp_plan_refused_naming_the_placement(arch: str) -> None:
+def test_moe_packed_colwise_under_tp_plan_served_and_as_one_matrix_refused_naming_the_placement(arch: str) -> None:
     for got in case_results(_results(), "moe_tp", arch):
-        # under the default role rule the packed stack is accepted (each expert a TP task); marked
-        # element-wise, the packed stack's placement itself is named (it would be cut as a plain Shard)
-        assert got["default"] is None, got["default"]
-        msg = got["elementwise"]
+        # under the default role rule the packed stack is accepted (each expert a TP task), and
+        # marked element-wise too (AdamW on the shards); marked as one matrix, the packed stack's
+        # placement itself is named (its shards joined end to end would reorder the rows)
+        assert got["default"] is None and got["elementwise"] is None, got
+        msg = got["matrix"]
         assert msg is not None and "gate_up_proj" in msg and "_StridedShard" in msg and "packed_colwise" in msg and "\n" not in msg
 
 

@@ -210,22 +210,23 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
     torch.manual_seed(0)
     model = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
     out: dict = {"placements": {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}}
-    try:
-        canzona.DistributedOptimizer(model, "muon", mesh=mesh, roles={"*experts*": "elementwise"})
-        out["elementwise_refused"] = None
+    try:  # a packed stack as one (E * 2I, H) matrix: joining its shards would reorder its rows
+        canzona.DistributedOptimizer(model, "muon", mesh=mesh, roles={"*experts*": "matrix"})
+        out["matrix_refused"] = None
     except ValueError as exc:
-        out["elementwise_refused"] = str(exc)
+        out["matrix_refused"] = str(exc)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     stacks = [n for n in shapes if ".experts." in n]
 
-    def train(model: nn.Module, **kw) -> tuple[object, list[dict]]:
-        opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
+    def train(model: nn.Module, same_grads: bool = False, on=None, **kw) -> tuple[object, list[dict]]:
+        # same_grads: every rank injects DP rank 0's gradients (their mean at any DP size is them)
+        opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh if on is None else on, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
                                            bucket_numel=3000, **kw)
         states = []
         for step in range(STEPS):
-            full = _hf_grads(shapes, step, dp_rank)
+            full = _hf_grads(shapes, step, 0 if same_grads else dp_rank)
             inject_grads(model, {n: (distribute_tensor(full[n], mesh["tp"], p.placements, src_data_rank=None).to_local()
-                                     if isinstance(p, DTensor) else full[n]) for n, p in model.named_parameters()})
+                                     if isinstance(p, DTensor) else full[n].clone()) for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad()
             states.append({(n, k): st for n in stacks for k in range(E) if (st := _expert_state(opt, n, k)) is not None})
@@ -247,14 +248,44 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
         out["schedules"][label] = {"params": {n: _full(p).detach().clone() for n, p in other.named_parameters()},
                                    "doc": doc_differences(consolidated_on_every_rank(o), doc)}
     out["round_trips"] = _packed_round_trips(world, mesh, model, opt, folder)
+    out["elementwise"] = _packed_elementwise(world, mesh, train, folder)
     return out
+
+
+def _packed_elementwise(world: int, mesh, train, folder: Path) -> dict:
+    """The expert stacks marked element-wise (``roles``: AdamW on them) under transformers' TP plan:
+    the packed gate_up stack's shards are updated where they are, as plain ZeRO-1 updates the
+    unsharded stack (every parameter bitwise), and its checkpoints load across the two layouts
+    (the same round trips as the matrix case)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.hf import apply_tp_plan
+    from canzona.plan.describe import role_rows
+
+    roles = {"*experts*": "elementwise"}
+    plain = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    (folder / "elementwise").mkdir(exist_ok=True)
+    torch.manual_seed(0)
+    tp_model = apply_tp_plan(transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float(), mesh["tp"])
+    tp_opt, _ = train(tp_model, roles=roles, same_grads=True)
+    torch.manual_seed(0)
+    z_model = transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float()
+    train(z_model, roles=roles, same_grads=True, on=plain)
+    z = {n: p.detach() for n, p in z_model.named_parameters()}
+    return {
+        "roles": sorted({r.role for r in role_rows(tp_opt.plan) if ".experts." in r.name}),
+        "blocks": {n: tp_opt.plan.param(n).spec.tp_blocks for n in z if ".experts." in n},
+        "tp_vs_zero1": [n for n, p in tp_model.named_parameters() if not torch.equal(_full(p).detach(), z[n])],
+        "round_trips": _packed_round_trips(world, mesh, tp_model, tp_opt, folder / "elementwise", roles=roles),
+    }
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path) -> dict:
+def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, roles: dict | None = None) -> dict:
     """Checkpoints of the packed stack (each TP rank's shard is a slice of both blocks, gate and
     up): the consolidated document, canzona's sharded form and torch DCP's Stateful form, each
     loaded into a fresh model of other values under the same TP plan and under plain ZeRO-1 on
@@ -290,7 +321,7 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path) -
         if tp:
             m = apply_tp_plan(m, mesh["tp"])
         o = canzona.DistributedOptimizer(m, "muon", mesh=mesh if tp else plain, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
-                                         bucket_numel=3000)
+                                         bucket_numel=3000, roles=roles)
         load(o)
         out["doc"][key] = doc_differences(consolidated_on_every_rank(o), doc)
         runs.append((key, m, o))
@@ -521,8 +552,29 @@ def test_what_packed_colwise_still_refuses_in_one_line(results) -> None:
     for r, got in enumerate(res):
         got = got["qwen3_moe"]
         assert not isinstance(got, str), f"rank {r}: {got}"
-        msg = got["elementwise_refused"]  # element-wise pieces of a strided stack: its regions would be wrong
+        msg = got["matrix_refused"]  # the stack as one matrix: its shards joined end to end would reorder its rows
         assert msg is not None and "\n" not in msg and "gate_up_proj" in msg and "packed_colwise" in msg, msg
+
+
+@pytest.mark.slow
+def test_packed_stack_marked_elementwise_is_updated_in_place_and_checkpoints_across_layouts(results) -> None:
+    """roles={"*experts*": "elementwise"} under transformers' TP plan: the packed gate_up stack
+    (each TP rank holds its rows of gate and of up) gets AdamW on its shards, bitwise what plain
+    ZeRO-1 does to the unsharded stack, and its checkpoints (consolidated, sharded, Stateful) load
+    under the TP plan and under ZeRO-1 with the next step equal (fails when a shard's regions are
+    placed as one box)."""
+    _, res = results
+    for r, got in enumerate(res):
+        got = got["qwen3_moe"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        ew = got["elementwise"]
+        assert ew["roles"] == ["elementwise"], ew["roles"]
+        assert sorted(ew["blocks"].values()) == [1, 2], ew["blocks"]  # down_proj is a plain Shard(2), gate_up packed
+        assert ew["tp_vs_zero1"] == [], f"rank {r}: {ew['tp_vs_zero1']}"
+        trips = ew["round_trips"]
+        assert sorted(trips["doc"]) == ["tp/consolidated", "tp/sharded", "tp/stateful", "zero1/consolidated", "zero1/sharded"]
+        assert all(d == [] for d in trips["doc"].values()), f"rank {r}: {trips['doc']}"
+        assert all(d == [] for d in trips["next_step"].values()), f"rank {r}: {trips['next_step']}"
 
 
 @pytest.mark.slow
@@ -694,9 +746,13 @@ def test_packed_stack_spec_and_plan_document() -> None:
     from canzona.plan.plan import Plan, PlanInputs
 
     packed = ParamSpec("m.experts.gate_up_proj", (4, 16, 8), "experts", tp_dim=1, tp=2, tp_blocks=2)
-    for bad in (dict(tp_dim=2), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0)):
+    base = dict(name="m.experts.gate_up_proj", shape=(4, 16, 8), kind="experts", tp_dim=1, tp=2, tp_blocks=2)
+    for bad in (dict(tp_dim=2), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0),
+                dict(kind="elementwise", shape=(4, 6, 8))):
         with pytest.raises(ValueError, match="packed blocks"):
-            ParamSpec(**{**dict(name="m.experts.gate_up_proj", shape=(4, 16, 8), kind="experts", tp_dim=1, tp=2, tp_blocks=2), **bad})
+            ParamSpec(**{**base, **bad})
+    for good in (dict(kind="elementwise"), dict(kind="elementwise", tp_dim=2), dict(kind="elementwise", shape=(16, 8), tp_dim=0)):
+        assert ParamSpec(**{**base, **good}).tp_blocks == 2  # element-wise: any split dim that divides
     inp = PlanInputs(model="x", layout="hf", dp=2, tp=2, optimizer="muon", strategy="lb-asc", tp_schedule="lpt-carry", bucket_numel=100)
     rest = [ParamSpec("m.experts.down_proj", (4, 8, 8), "experts", tp_dim=2, tp=2), ParamSpec("m.norm.weight", (8,), "elementwise", tp=2)]
     plan = make_plan([packed, *rest], inp)
