@@ -147,10 +147,10 @@ class ParamSpec:
                     "is expert parallelism, not a TP split; shard the rows (dim 1) or columns (dim 2) over tp, or use an ep mesh dimension"
                 )
             if self.tp_blocks != 1 and (self.shape[self.tp_dim] % (self.tp * self.tp_blocks)
-                                        or not (self.kind == "elementwise" or (self.kind == "experts" and self.tp_dim == 1))):
+                                        or not (self.kind == "elementwise" or (self.kind == "experts" and self.tp_dim in (1, 2)))):
                 raise ValueError(
-                    f"{self.name}: {self.tp_blocks} packed blocks split over tp={self.tp} are supported on the rows (dim 1) of an "
-                    f"expert stack, or on any dim of an element-wise parameter, whose split dim divides by {self.tp * self.tp_blocks}; "
+                    f"{self.name}: {self.tp_blocks} packed blocks split over tp={self.tp} are supported on the rows (dim 1) or columns "
+                    f"(dim 2) of an expert stack, or on any dim of an element-wise parameter, whose split dim divides by {self.tp * self.tp_blocks}; "
                     f"got a {self.kind} of shape {self.shape} split on dim {self.tp_dim}"
                 )
             if self.tp > 1 and (self.transposed or (self.kind == "matrix" and len(self.shape) > 2)):
@@ -539,13 +539,15 @@ shape, overridden by ``roles``); ``kinds`` overrides them for exactly named para
 
 
 def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> int:
-    """The packed blocks of a strided TP placement canzona un-packs exactly: the rows (dim 1) of an
-    expert stack, ``split_factor`` blocks (transformers' ``packed_colwise`` ``[gate; up]``); any
-    other strided placement is refused (:func:`_packed_refusal`)."""
+    """The packed blocks of a strided TP placement canzona un-packs exactly: the rows (dim 1) or
+    columns (dim 2) of an expert stack, ``split_factor`` blocks (transformers' ``packed_colwise``
+    ``[gate; up]`` rows, ``packed_rowwise`` ``[gate | up]`` columns of Llama 4's ``(E, H, 2F)``
+    stacks), and any strided placement of an element-wise parameter; anything else is refused
+    (:func:`_packed_refusal`)."""
     factor = getattr(placement, "split_factor", None)
     dim = getattr(placement, "dim", None)
     if isinstance(factor, int) and factor >= 1 and isinstance(dim, int):
-        if kind == "experts" and p.dim() == 3 and dim == 1:
+        if kind == "experts" and p.dim() == 3 and dim in (1, 2):  # an expert's rows or columns
             return factor
         if kind == "elementwise":
             return factor  # element-wise updates do not depend on where an entry sits; checkpoints place each block
@@ -554,18 +556,19 @@ def _packed_blocks(name: str, p: torch.Tensor, placement: object, kind: str) -> 
 
 def _packed_refusal(name: str, p: torch.Tensor, placement: object) -> str:
     """The one line refusing a strided TP placement canzona does not un-pack (:func:`_packed_blocks`
-    takes the rows of an expert stack): joining such shards end to end would put the rows of the
-    packed matrix out of order, and neither Newton-Schulz nor Shampoo is bitwise invariant to row
-    order, so it is refused rather than updated wrong (or, element-wise, checkpointed wrong)."""
+    takes an expert stack's rows or columns and element-wise parameters): joining such shards end to
+    end would put the rows of the packed matrix out of order, and neither Newton-Schulz nor Shampoo
+    is bitwise invariant to row order, so it is refused rather than updated wrong."""
     head = (
-        f"{name}: TP placement {placement!r} (transformers' packed_colwise: each rank holds its slice of every packed "
-        "block, e.g. half of gate and half of up) is not a plain Shard(d), and joining its shards would reorder the "
-        "matrix's rows; "
+        f"{name}: TP placement {placement!r} (transformers' packed_colwise / packed_rowwise: each rank holds its slice of "
+        "every packed block, e.g. half of gate and half of up) is not a plain Shard(d), and joining its shards would "
+        "reorder the matrix's rows; "
     )
     if p.dim() == 3:
         module = name.rpartition(".")[0]
         return head + (
-            "canzona un-packs it only as an expert stack packed on its rows (role 'experts', the default); otherwise keep the "
+            "canzona un-packs it as an expert stack packed on its rows or columns (role 'experts', the default) or as an "
+            "element-wise parameter; otherwise keep the "
             f"experts replicated over TP by dropping the entries of {module} and its parameters from the TP plan "
             "(canzona.hf.apply_tp_plan(..., plan=...)), or shard the model with FSDP2"
         )

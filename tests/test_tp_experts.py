@@ -285,7 +285,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, roles: dict | None = None) -> dict:
+def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, roles: dict | None = None,
+                        build=None, muon_kw: dict | None = None) -> dict:
     """Checkpoints of the packed stack (each TP rank's shard is a slice of both blocks, gate and
     up): the consolidated document, canzona's sharded form and torch DCP's Stateful form, each
     loaded into a fresh model of other values under the same TP plan and under plain ZeRO-1 on
@@ -316,12 +317,12 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, r
     runs = [("running", model, opt)]
     for key, load in loads.items():
         torch.manual_seed(1)  # other initial values: the load must bring the saved ones
-        m = transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float()
+        m = build() if build is not None else transformers.Qwen3MoeForCausalLM(_qwen3_moe_config()).float()
         tp = key.startswith("tp/")
         if tp:
             m = apply_tp_plan(m, mesh["tp"])
-        o = canzona.DistributedOptimizer(m, "muon", mesh=mesh if tp else plain, optimizer_kwargs=KW["muon"], elementwise_kwargs=EKW,
-                                         bucket_numel=3000, roles=roles)
+        o = canzona.DistributedOptimizer(m, "muon", mesh=mesh if tp else plain, optimizer_kwargs=muon_kw or KW["muon"],
+                                         elementwise_kwargs=EKW, bucket_numel=3000, roles=roles)
         load(o)
         out["doc"][key] = doc_differences(consolidated_on_every_rank(o), doc)
         runs.append((key, m, o))
@@ -334,6 +335,67 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, r
         o.zero_grad()
     want = {n: _full(p).detach() for n, p in model.named_parameters()}
     out["next_step"] = {key: [n for n, p in m.named_parameters() if not torch.equal(_full(p).detach(), want[n])] for key, m, _ in runs[1:]}
+    return out
+
+
+def _llama4_config():
+    import transformers
+
+    # Llama 4's experts: gate_up (E, H, 2F) packed on its columns under the TP plan (packed_rowwise)
+    return transformers.Llama4TextConfig(vocab_size=64, hidden_size=16, intermediate_size=16, intermediate_size_mlp=32,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
+                                         interleave_moe_layer_step=1, moe_layers=[0, 1], no_rope_layers=[1, 1])
+
+
+def _llama4(rank: int, world: int, folder: Path) -> dict:
+    """transformers' Llama4ForCausalLM under its own TP plan: each rank holds its columns of gate
+    and of up of every expert of the (E, H, 2F) gate_up stack (``_StridedShard(dim=2, sf=2)``).
+    Every schedule (grouped, sync, sc, the split step and the gradients path) must step bitwise as
+    plain ZeRO-1 on the unsharded model, with fp32 Newton-Schulz (in bf16 the rounding hides a
+    column order that is wrong: joining the shards end to end passes there and fails here) and
+    random gradients; the checkpoints load across the two layouts."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import canzona
+    from canzona.hf import apply_tp_plan
+    from validation.harness import inject_grads
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    plain = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    muon_kw = {**KW["muon"], "ns_dtype": torch.float32}
+
+    def build() -> nn.Module:
+        return transformers.Llama4ForCausalLM(_llama4_config()).float()
+
+    def train(tp: bool, **kw) -> tuple[nn.Module, object]:
+        torch.manual_seed(0)
+        model = apply_tp_plan(build(), mesh["tp"]) if tp else build()
+        opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh if tp else plain, optimizer_kwargs=muon_kw, elementwise_kwargs=EKW,
+                                           bucket_numel=3000, **kw)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        for step in range(STEPS):  # the same random gradients on every rank: their DP mean is them
+            gen = torch.Generator().manual_seed(100 + step)
+            full = {n: torch.randn(shape, generator=gen) for n, shape in sorted(shapes.items())}
+            inject_grads(model, {n: (distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local()
+                                     if isinstance(p, DTensor) else full[n]) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    zero1, _ = train(False)
+    want = {n: p.detach() for n, p in zero1.named_parameters()}
+    out: dict = {"schedules": {}}
+    for label, kw in (("grouped", {}), ("sync", {"tp_schedule": "sync"}), ("sc", {"strategy": "sc"}),
+                      ("ns-input", {"exchange": "ns-input"}), ("gradients", {"exchange": "gradients"})):
+        model, opt = train(True, **kw)
+        out["schedules"][label] = [n for n, p in model.named_parameters() if not torch.equal(_full(p).detach(), want[n])]
+    out["placements"] = {n: str(p.placements) for n, p in model.named_parameters() if ".experts." in n and isinstance(p, DTensor)}
+    out["blocks"] = {n: (opt.plan.param(n).spec.tp_dim, opt.plan.param(n).spec.tp_blocks) for n in want if ".experts." in n}
+    (folder / "llama4").mkdir(exist_ok=True)
+    out["round_trips"] = _packed_round_trips(world, mesh, model, opt, folder / "llama4", build=build, muon_kw=muon_kw)
     return out
 
 
@@ -376,6 +438,10 @@ def tp_experts_worker(rank: int, world: int, folder: str) -> bytes:
         out["qwen3_moe"] = _qwen3_moe(rank, world, Path(folder))
     except Exception as exc:  # noqa: BLE001 - read by its own test
         out["qwen3_moe"] = f"{type(exc).__name__}: {exc}"
+    try:
+        out["llama4"] = _llama4(rank, world, Path(folder))
+    except Exception as exc:  # noqa: BLE001 - read by its own test
+        out["llama4"] = f"{type(exc).__name__}: {exc}"
     for name, optimizer, strategy, schedule, bucket_numel in CASES:
         try:
             out[name] = _case(rank, world, optimizer, strategy, schedule, bucket_numel)
@@ -594,6 +660,28 @@ def test_packed_stack_checkpoints_load_across_layouts_and_resume_bitwise(results
         assert all(d == [] for d in trips["next_step"].values()), f"rank {r}: {trips['next_step']}"
 
 
+@pytest.mark.slow
+def test_llama4_column_packed_stack_under_its_tp_plan_bitwise_and_checkpoints_across_layouts(results) -> None:
+    """Llama 4's (E, H, 2F) gate_up stack under transformers' packed_rowwise (each rank holds its
+    columns of gate and of up): every schedule steps bitwise as plain ZeRO-1 on the unsharded
+    model (fp32 Newton-Schulz, random gradients; fails when the shards are joined end to end), and
+    the consolidated, sharded and Stateful checkpoints load under the TP plan and under ZeRO-1
+    with the next step equal."""
+    _, res = results
+    for r, got in enumerate(res):
+        got = got["llama4"]
+        assert not isinstance(got, str), f"rank {r}: {got}"
+        gate_up = [n for n in got["blocks"] if n.endswith("gate_up_proj")]
+        assert gate_up and all(got["blocks"][n] == (2, 2) for n in gate_up), got["blocks"]
+        assert all("_StridedShard(dim=2" in got["placements"][n] for n in gate_up), got["placements"]
+        for label, bad in got["schedules"].items():
+            assert bad == [], f"rank {r} {label}: differs from plain ZeRO-1 on {bad}"
+        trips = got["round_trips"]
+        assert sorted(trips["doc"]) == ["tp/consolidated", "tp/sharded", "tp/stateful", "zero1/consolidated", "zero1/sharded"]
+        assert all(d == [] for d in trips["doc"].values()), f"rank {r}: {trips['doc']}"
+        assert all(d == [] for d in trips["next_step"].values()), f"rank {r}: {trips['next_step']}"
+
+
 # ------------------------------------------------------------------------------ unit tests
 def test_spec_split_dims_and_the_expert_dim_refused() -> None:
     up = ParamSpec("m.experts.up", (4, 12, 8), "experts", tp_dim=1, tp=2)
@@ -747,11 +835,12 @@ def test_packed_stack_spec_and_plan_document() -> None:
 
     packed = ParamSpec("m.experts.gate_up_proj", (4, 16, 8), "experts", tp_dim=1, tp=2, tp_blocks=2)
     base = dict(name="m.experts.gate_up_proj", shape=(4, 16, 8), kind="experts", tp_dim=1, tp=2, tp_blocks=2)
-    for bad in (dict(tp_dim=2), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0),
+    for bad in (dict(tp_dim=2, shape=(4, 16, 6)), dict(shape=(4, 6, 8)), dict(kind="matrix", shape=(16, 8), tp_dim=0),
                 dict(kind="elementwise", shape=(4, 6, 8))):
         with pytest.raises(ValueError, match="packed blocks"):
             ParamSpec(**{**base, **bad})
-    for good in (dict(kind="elementwise"), dict(kind="elementwise", tp_dim=2), dict(kind="elementwise", shape=(16, 8), tp_dim=0)):
+    for good in (dict(tp_dim=2), dict(kind="elementwise"), dict(kind="elementwise", tp_dim=2),
+                 dict(kind="elementwise", shape=(16, 8), tp_dim=0)):
         assert ParamSpec(**{**base, **good}).tp_blocks == 2  # element-wise: any split dim that divides
     inp = PlanInputs(model="x", layout="hf", dp=2, tp=2, optimizer="muon", strategy="lb-asc", tp_schedule="lpt-carry", bucket_numel=100)
     rest = [ParamSpec("m.experts.down_proj", (4, 8, 8), "experts", tp_dim=2, tp=2), ParamSpec("m.norm.weight", (8,), "elementwise", tp=2)]

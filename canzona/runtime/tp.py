@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -196,18 +196,34 @@ def _task_order(order: Mapping[str, int], name: str) -> tuple[int, int]:
     return order[base], -1 if expert is None else expert
 
 
-def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
-    """The experts of packed stacks (``tp_blocks`` > 1) among ``names``: each as its exchange piece
-    shape ``(blocks, M / (blocks tp), N)`` (rank ``r`` holds rows ``r`` of every block) and its
-    ``(M, N)`` matrix. The host assembles ``(blocks, M / blocks, N)``, which is the matrix with its
-    rows in order, so the update is the single-device one bit for bit."""
+class _Packed(NamedTuple):
+    """How a packed expert travels: ``piece`` (this rank's shard viewed with its blocks on their own
+    dim), ``matrix`` (the ``(M, N)`` expert), ``blocks`` (what the host assembles: the matrix with
+    its blocks on that dim) and ``dim`` (the dim of ``piece`` the TP ranks' pieces join on)."""
+
+    piece: tuple[int, ...]
+    matrix: tuple[int, int]
+    blocks: tuple[int, ...]
+    dim: int
+
+
+def _packed_tasks(by_name: Mapping[str, Any], names: Collection[str], tp: int) -> dict[str, _Packed]:
+    """The experts of packed stacks (``tp_blocks`` = b > 1) among ``names``. Packed on the rows
+    (transformers' ``packed_colwise``, stack dim 1), rank ``r`` holds rows ``r`` of every block:
+    its piece is ``(b, M / (b tp), N)`` and the host assembles ``(b, M / b, N)``. Packed on the
+    columns (``packed_rowwise``, stack dim 2, Llama 4's ``(E, H, 2F)`` gate_up): ``(M, b, N / (b
+    tp))`` and ``(M, b, N / b)``. Either assembly is the matrix with its rows or columns in order,
+    so the update is the single-device one bit for bit."""
     out = {}
     for n in names:
         base, expert = split_task_name(n)
         spec = by_name[base].spec
         if expert is not None and spec.tp_blocks > 1:
             b, (m, k) = spec.tp_blocks, spec.task_shape
-            out[n] = ((b, m // (b * tp), k), (m, k))
+            if spec.tp_dim == 1:
+                out[n] = _Packed((b, m // (b * tp), k), (m, k), (b, m // b, k), 1)
+            else:
+                out[n] = _Packed((m, b, k // (b * tp)), (m, k), (m, b, k // b), 2)
     return out
 
 
@@ -263,7 +279,7 @@ class TPEngine(MicroGroupEngine):
         names = sorted(local_masters, key=lambda n: _task_order(order, n))
         es = torch.empty(0, dtype=dtype).element_size()
 
-        #: packed expert tasks (transformers' packed_colwise): name -> (exchange piece shape, full matrix shape)
+        #: packed expert tasks (transformers' packed_colwise / packed_rowwise): name -> how it travels
         self._packed = _packed_tasks(by_name, local_masters, self.tp)
         groups = self._task_groups(by_name, names, es)
         super().__init__(
@@ -279,13 +295,13 @@ class TPEngine(MicroGroupEngine):
         self.sync = self.schedule == "sync"
         # the split step scales each update by its matrix's shape: a packed expert's is (M, N),
         # not the (blocks, M / blocks, N) its exchange assembles
-        self._full_shapes.update({n: full for n, (_, full) in self._packed.items()})
+        self._full_shapes.update({n: p.matrix for n, p in self._packed.items()})
 
     # ------------------------------------------------------------------------- set-up helpers
     def _task(self, by_name: dict[str, Any], name: str, host: int) -> TPTask:
         spec = by_name[split_task_name(name)[0]].spec  # an expert task (name[e]): one (M, N) expert
-        if name in self._packed:  # its blocks stacked on a leading dim: one rectangular piece per rank
-            return TPTask(name, host, self._packed[name][0], 1)
+        if name in self._packed:  # its blocks on a dim of their own: one rectangular piece per rank
+            return TPTask(name, host, self._packed[name].piece, self._packed[name].dim)
         return TPTask(name, host, spec.local_task_shape, int(spec.task_tp_dim))  # type: ignore[arg-type]
 
     def _task_groups(self, by_name: dict[str, Any], names: list[str], element_size: int) -> list[list[TPTask]]:
@@ -341,19 +357,19 @@ class TPEngine(MicroGroupEngine):
         (its slice of each block, one after another) viewed as ``(blocks, M / (blocks tp), N)``."""
         if not self._packed:
             return tensors
-        return {n: t.view(self._packed[n][0]) if n in self._packed else t for n, t in tensors.items()}
+        return {n: t.view(self._packed[n].piece) if n in self._packed else t for n, t in tensors.items()}
 
     def _unpack_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # the assembled (blocks, M / blocks, N) tensor of a packed expert holds its rows in the
         # stack's own order ([gate; up]): the optimizer sees it as the (M, N) matrix it is
         full = super()._unpack_gather(g, pieces)
         for n in self._packed.keys() & full.keys():
-            full[n] = full[n].view(self._packed[n][1])
+            full[n] = full[n].view(self._packed[n].matrix)
         return full
 
     def _blocks(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hosted values back in the exchange's layout (a packed expert as its stacked blocks)."""
-        return {n: (v.view(self._packed[n][0][0], -1, v.shape[-1]) if n in self._packed else v) for n, v in values.items()}
+        return {n: (v.view(self._packed[n].blocks) if n in self._packed else v) for n, v in values.items()}
 
     def _compute(self, g: Any, full_grads: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         return self._blocks(super()._compute(g, full_grads, skip))
