@@ -294,7 +294,7 @@ class TPEngine(MicroGroupEngine):
         )
         self.sync = self.schedule == "sync"
         # the split step scales each update by its matrix's shape: a packed expert's is (M, N),
-        # not the (blocks, M / blocks, N) its exchange assembles
+        # not the 3-D blocks its exchange assembles
         self._full_shapes.update({n: p.matrix for n, p in self._packed.items()})
 
     # ------------------------------------------------------------------------- set-up helpers
@@ -353,15 +353,18 @@ class TPEngine(MicroGroupEngine):
 
     # ------------------------------------------------------------------------- packed expert stacks
     def _pieces(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """This rank's pieces as the exchange lays them out: a packed expert's ``(M / tp, N)`` shard
-        (its slice of each block, one after another) viewed as ``(blocks, M / (blocks tp), N)``."""
+        """This rank's pieces as the exchange lays them out: a packed expert's shard (its slice of
+        each block, one after another) viewed with its blocks on a dim of their own
+        (:class:`_Packed`: ``(blocks, M / (blocks tp), N)`` packed on the rows, ``(M, blocks,
+        N / (blocks tp))`` on the columns)."""
         if not self._packed:
             return tensors
         return {n: t.view(self._packed[n].piece) if n in self._packed else t for n, t in tensors.items()}
 
     def _unpack_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # the assembled (blocks, M / blocks, N) tensor of a packed expert holds its rows in the
-        # stack's own order ([gate; up]): the optimizer sees it as the (M, N) matrix it is
+        # the assembled tensor of a packed expert ((blocks, M / blocks, N), or (M, blocks, N / blocks)
+        # packed on the columns) holds its rows or columns in the stack's own order ([gate; up]):
+        # the optimizer sees it as the (M, N) matrix it is
         full = super()._unpack_gather(g, pieces)
         for n in self._packed.keys() & full.keys():
             full[n] = full[n].view(self._packed[n].matrix)
@@ -377,7 +380,7 @@ class TPEngine(MicroGroupEngine):
     def _launch_scatter(self, g: Any, updated: Mapping[str, torch.Tensor], computed: bool = True) -> Any:
         return super()._launch_scatter(g, self._blocks(updated), computed)
 
-    # the split step keeps Muon's momentum on the local masters as they are ((M / tp, N) for a
+    # the split step keeps Muon's momentum on the local masters as they are (the TP shard of a
     # packed expert); only what travels is laid out as stacked blocks: the Newton-Schulz input on
     # its way to the host, the host's results, and the blocks that come back
     def _launch_gather(self, g: Any, pieces: Mapping[str, torch.Tensor]) -> Any:
