@@ -92,6 +92,53 @@ def test_split_step_equals_step(ns_dtype: torch.dtype | None, nesterov: bool, dt
             assert torch.equal(ref_opt.state[r]["momentum_buffer"][sl], opt.state[q]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_flat_momenta_equal_the_per_piece_path(monkeypatch: pytest.MonkeyPatch, nesterov: bool) -> None:
+    """Many small pieces keep their momenta as views of one flat buffer (two, used in turn): every
+    step bitwise what one kernel call per piece gives, through a fresh start, a step that applies
+    only some pieces, state entries replaced by other tensors (a load) and a list whose pieces
+    have a momentum only in part; the per-piece path is the same class with the flat path off."""
+    from canzona.optim import muon as M
+
+    torch.manual_seed(4)
+    shapes = [(8, 16), (3, 5), (4, 4), (1, 7), (8, 16), (2, 9)] * 4
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    init = [torch.randn(s) for s in shapes]
+    flat_ps = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_ps = [torch.nn.Parameter(t.clone()) for t in init]
+    flat, ref = Muon(flat_ps, **kw), Muon(ref_ps, **kw)
+    n = len(shapes)
+
+    def step(opt, ps, k, grads, apply_only, off: bool) -> None:
+        monkeypatch.setattr(M, "FLAT_MOMENTA_NUMEL", 0 if off else 1 << 20)
+        live = [ps[i] for i in range(n)]
+        moms, xs = opt.matrix_input(live, [g.clone() for g in grads])
+        outs = [torch.randn(s, generator=torch.Generator().manual_seed(100 * k + i)) for i, s in enumerate(shapes)]
+        keep = [i for i in range(n) if apply_only is None or i in apply_only]
+        opt.matrix_apply([live[i] for i in keep], [moms[i] for i in keep], [outs[i] for i in keep], [shapes[i] for i in keep])
+
+    for k in range(7):
+        grads = [torch.randn(s) for s in shapes]
+        if k == 4:  # a load: every state entry another tensor of the same values
+            for opt, ps in ((flat, flat_ps), (ref, ref_ps)):
+                for q in ps:
+                    opt.state[q]["momentum_buffer"] = opt.state[q]["momentum_buffer"].clone()
+        if k == 5:  # some pieces without a momentum at all: the per-piece path decides this step
+            for opt, ps in ((flat, flat_ps), (ref, ref_ps)):
+                for q in ps[:3]:
+                    del opt.state[q]["momentum_buffer"]
+        apply_only = set(range(0, n, 2)) if k == 2 else None  # a step that updates half the pieces
+        step(flat, flat_ps, k, grads, apply_only, off=False)
+        step(ref, ref_ps, k, grads, apply_only, off=True)
+        for i, (a, b) in enumerate(zip(flat_ps, ref_ps)):
+            assert torch.equal(a.detach(), b.detach()), (k, i)
+            assert torch.equal(flat.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"]), (k, i)
+        if k in (1, 3, 6):  # steady steps: the momenta are views of one buffer
+            bufs = [flat.state[q]["momentum_buffer"] for q in flat_ps]
+            assert len({b.untyped_storage().data_ptr() for b in bufs}) == 1, k
+            assert len({ref.state[q]["momentum_buffer"].untyped_storage().data_ptr() for q in ref_ps}) == n
+
+
 def test_split_step_follows_changed_groups_and_lists() -> None:
     """The split step keeps its grouping per list of pieces; it must still follow what changes:
     an ``lr`` set in place (a scheduler), param groups replaced (torch's ``load_state_dict``), and

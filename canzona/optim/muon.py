@@ -221,6 +221,82 @@ def batched_newton_schulz(
 
 #: how many lists of pieces the split step's grouping answers are kept for (:meth:`Muon._by_group`)
 SPLIT_CACHE_LISTS = 64
+#: the split step keeps the momenta of a param group's pieces (one list an engine passes every
+#: step) in one flat buffer when they hold at most this many elements in all (:class:`_FlatMomenta`)
+FLAT_MOMENTA_NUMEL = 1 << 20
+#: and while all such buffers of an optimizer hold at most this many elements (four buffers each:
+#: two of momenta, the gradient pieces and the Newton-Schulz input pieces)
+FLAT_MOMENTA_BUDGET = 1 << 23
+
+
+class _FlatMomenta:
+    """The momenta of one list of many small pieces as views of two flat buffers, used in turn.
+
+    Muon's split step advances each piece's momentum (``lerp`` towards the gradient) and its
+    Nesterov input (``lerp`` of the gradient towards the new momentum): element-wise, so the
+    pieces laid end to end in one flat tensor give the same values as one kernel call per piece
+    (CPU; the position-independence ``tests/test_ns_exchange.py`` measures), at one call for all of
+    them. The state entries are views of ``bufs[c]``; a step packs the gradient pieces into ``g``,
+    writes the new momenta into ``bufs[1 - c]`` (which no state entry references) and the inputs
+    into ``inp``, and :meth:`Muon.matrix_apply` stores the new views as the state, as it stores
+    fresh tensors otherwise. Whenever the state entries are not exactly one buffer's views (a
+    load, a piece left out of an apply), the next step copies them into new buffers first."""
+
+    __slots__ = ("idx", "dtype", "bufs", "views", "g", "gviews", "inp", "iviews", "numel")
+
+    def __init__(self, idx: list[int], grads: Sequence[Tensor]) -> None:
+        self.idx = idx  # the list :meth:`Muon._by_group` keeps (held, so its id stays this entry's)
+        like = grads[0]
+        self.dtype = like.dtype
+        self.numel = sum(g.numel() for g in grads)
+        shapes = [g.shape for g in grads]
+        self.bufs, self.views = [], []
+        for _ in range(2):
+            self._new_buffer(like, shapes)
+        self.g = torch.empty(self.numel, dtype=like.dtype, device=like.device)
+        self.gviews = _views(self.g, shapes)
+        self.inp = torch.empty(self.numel, dtype=like.dtype, device=like.device)
+        self.iviews = _views(self.inp, shapes)
+
+    def _new_buffer(self, like: Tensor, shapes: Sequence[torch.Size], at: int | None = None) -> None:
+        buf = torch.empty(self.numel, dtype=like.dtype, device=like.device)
+        if at is None:
+            self.bufs.append(buf)
+            self.views.append(_views(buf, shapes))
+        else:
+            self.bufs[at], self.views[at] = buf, _views(buf, shapes)
+
+    def advance(self, bufs: list[Tensor | None], grads: Sequence[Tensor], w: float, nesterov: float | None
+                ) -> tuple[list[Tensor], list[Tensor]] | None:
+        """``(new momenta, inputs)`` for the pieces whose state entries are ``bufs``, or None when
+        some pieces have a momentum and some do not (the per-piece path decides those)."""
+        c = next((k for k in (0, 1) if all(b is v for b, v in zip(bufs, self.views[k]))), None)
+        if c is None:
+            if all(b is None for b in bufs):
+                c = 0
+                self.bufs[0].zero_()  # no state entry references a buffer: a fresh start from zeros
+            elif all(b is not None and b.dtype == self.dtype for b in bufs):
+                # other tensors (a load, a partial apply): two new buffers, the momenta copied in
+                # (the old buffers live on only while some state entry still views them)
+                shapes = [g.shape for g in grads]
+                self._new_buffer(grads[0], shapes, 0)
+                self._new_buffer(grads[0], shapes, 1)
+                torch._foreach_copy_(self.views[0], bufs)  # type: ignore[arg-type]
+                c = 0
+            else:
+                return None
+        torch._foreach_copy_(self.gviews, list(grads))
+        new = self.bufs[1 - c]
+        torch.lerp(self.bufs[c], self.g, w, out=new)
+        if nesterov is None:
+            return self.views[1 - c], self.views[1 - c]
+        torch.lerp(self.g, new, nesterov, out=self.inp)
+        return self.views[1 - c], self.iviews
+
+
+def _views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """``flat`` cut into consecutive views of ``shapes``."""
+    return [t.view(shape) for t, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
 
 
 def scale_(tensors: Sequence[Tensor], factor: float) -> None:
@@ -450,6 +526,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             self._split_groups = {id(q): g for g in self.param_groups for q in g["params"]}
             self._split_lists: dict[tuple[int, ...], list[tuple[dict[str, Any], list[int]]]] = {}
             self._split_shapes: dict[tuple[int, bool], dict[tuple[int, ...], list[int]]] = {}
+            self._split_flat: dict[int, _FlatMomenta] = {}
             self._split_token = token
         return self._split_groups
 
@@ -490,6 +567,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             if len(self._split_lists) >= SPLIT_CACHE_LISTS:  # lists that changed (skipped pieces) are not kept forever
                 self._split_lists.clear()
                 self._split_shapes.clear()
+                self._split_flat.clear()
             found = self._split_lists[key] = list(out.values())
         return found
 
@@ -520,6 +598,12 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         for group, idx in self._by_group(params):
             w = 1 - group["momentum"]
             bufs = [state[params[i]].get("momentum_buffer") for i in idx]  # one state lookup per piece
+            flat = self._flat_momenta(idx, grads)
+            done = flat.advance(bufs, [grads[i] for i in idx], w, group["momentum"] if group["nesterov"] else None) if flat else None
+            if done is not None:
+                for i, m, x in zip(idx, *done):
+                    moms[i], inputs[i] = m, x
+                continue
             have = [i for i, b in zip(idx, bufs) if b is not None]
             fresh = [i for i, b in zip(idx, bufs) if b is None]
             if have:
@@ -538,6 +622,27 @@ class Muon(MatrixOptimizerMixin, Optimizer):
                 for i in idx:
                     inputs[i] = moms[i]
         return moms, inputs  # type: ignore[return-value]
+
+    def _flat_momenta(self, idx: list[int], grads: Sequence[Tensor]) -> _FlatMomenta | None:
+        """The flat momenta of the pieces ``idx`` (a list :meth:`_by_group` keeps), made on first
+        use; None where the per-piece path runs: more than :data:`FLAT_MOMENTA_NUMEL` elements, the
+        budget spent, a single piece, or gradient pieces that are not contiguous CPU tensors of one
+        dtype."""
+        found = self._split_flat.get(id(idx))
+        if found is not None and found.idx is idx:
+            return found if grads[idx[0]].dtype == found.dtype else None
+        if len(idx) < 2:
+            return None
+        gs = [grads[i] for i in idx]
+        first = gs[0]
+        if first.device.type != "cpu" or not all(g.dtype == first.dtype and g.device == first.device and g.is_contiguous() for g in gs):
+            return None
+        numel = sum(g.numel() for g in gs)
+        spent = sum(f.numel for f in self._split_flat.values())
+        if numel > FLAT_MOMENTA_NUMEL or spent + numel > FLAT_MOMENTA_BUDGET:
+            return None
+        made = self._split_flat[id(idx)] = _FlatMomenta(idx, gs)
+        return made
 
     @torch.no_grad()
     def matrix_output(self, params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
