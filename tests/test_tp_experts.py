@@ -199,11 +199,10 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
     the packed stack across layouts."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     import canzona
     from canzona.hf import apply_tp_plan
-    from validation.harness import inject_grads
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
@@ -225,8 +224,7 @@ def _qwen3_moe(rank: int, world: int, folder: Path) -> dict:
         states = []
         for step in range(STEPS):
             full = _hf_grads(shapes, step, 0 if same_grads else dp_rank)
-            inject_grads(model, {n: (distribute_tensor(full[n], mesh["tp"], p.placements, src_data_rank=None).to_local()
-                                     if isinstance(p, DTensor) else full[n].clone()) for n, p in model.named_parameters()})
+            _inject_full(model, full)
             opt.step()
             opt.zero_grad()
             states.append({(n, k): st for n in stacks for k in range(E) if (st := _expert_state(opt, n, k)) is not None})
@@ -285,6 +283,17 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def _inject_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Set every parameter's gradient from ``full`` (whole tensors, the same on every rank): a
+    DTensor parameter gets its own piece of it, cut as its placements cut the parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from validation.harness import inject_grads
+
+    inject_grads(model, {n: (distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local()
+                             if isinstance(p, DTensor) else full[n].clone()) for n, p in model.named_parameters()})
+
+
 def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, roles: dict | None = None,
                         build=None, muon_kw: dict | None = None) -> dict:
     """Checkpoints of the packed stack (each TP rank's shard is a slice of both blocks, gate and
@@ -295,12 +304,10 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, r
     import torch.distributed.checkpoint as dcp
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     import canzona
     from canzona.hf import apply_tp_plan
     from canzona.runtime.dcp import load_sharded, save_sharded
-    from validation.harness import inject_grads
 
     doc = consolidated_on_every_rank(opt)
     save_sharded(opt, folder / "tp.dcp")
@@ -329,8 +336,7 @@ def _packed_round_trips(world: int, mesh, model: nn.Module, opt, folder: Path, r
     # the same integer gradients on every rank: every layout's DP mean of them is exactly them
     full = _hf_grads({n: tuple(p.shape) for n, p in model.named_parameters()}, STEPS, 0)
     for _, m, o in runs:
-        inject_grads(m, {n: (distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local()
-                             if isinstance(p, DTensor) else full[n].clone()) for n, p in m.named_parameters()})
+        _inject_full(m, full)
         o.step()
         o.zero_grad()
     want = {n: _full(p).detach() for n, p in model.named_parameters()}
@@ -357,11 +363,10 @@ def _llama4(rank: int, world: int, folder: Path) -> dict:
     random gradients; the checkpoints load across the two layouts."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     import canzona
     from canzona.hf import apply_tp_plan
-    from validation.harness import inject_grads
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     plain = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -379,8 +384,7 @@ def _llama4(rank: int, world: int, folder: Path) -> dict:
         for step in range(STEPS):  # the same random gradients on every rank: their DP mean is them
             gen = torch.Generator().manual_seed(100 + step)
             full = {n: torch.randn(shape, generator=gen) for n, shape in sorted(shapes.items())}
-            inject_grads(model, {n: (distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local()
-                                     if isinstance(p, DTensor) else full[n]) for n, p in model.named_parameters()})
+            _inject_full(model, full)
             opt.step()
             opt.zero_grad()
         return model, opt

@@ -242,29 +242,18 @@ class _FlatMomenta:
     fresh tensors otherwise. Whenever the state entries are not exactly one buffer's views (a
     load, a piece left out of an apply), the next step copies them into new buffers first."""
 
-    __slots__ = ("idx", "dtype", "bufs", "views", "g", "gviews", "inp", "iviews", "numel")
+    __slots__ = ("idx", "bufs", "views", "g", "gviews", "inp", "iviews", "numel")
 
     def __init__(self, idx: list[int], grads: Sequence[Tensor]) -> None:
         self.idx = idx  # the list :meth:`Muon._by_group` keeps (held, so its id stays this entry's)
-        like = grads[0]
-        self.dtype = like.dtype
         self.numel = sum(g.numel() for g in grads)
-        shapes = [g.shape for g in grads]
-        self.bufs, self.views = [], []
-        for _ in range(2):
-            self._new_buffer(like, shapes)
-        self.g = torch.empty(self.numel, dtype=like.dtype, device=like.device)
-        self.gviews = _views(self.g, shapes)
-        self.inp = torch.empty(self.numel, dtype=like.dtype, device=like.device)
-        self.iviews = _views(self.inp, shapes)
+        made = [_flat_views(self.numel, grads) for _ in range(4)]
+        self.bufs, self.views = [made[0][0], made[1][0]], [made[0][1], made[1][1]]
+        (self.g, self.gviews), (self.inp, self.iviews) = made[2], made[3]
 
-    def _new_buffer(self, like: Tensor, shapes: Sequence[torch.Size], at: int | None = None) -> None:
-        buf = torch.empty(self.numel, dtype=like.dtype, device=like.device)
-        if at is None:
-            self.bufs.append(buf)
-            self.views.append(_views(buf, shapes))
-        else:
-            self.bufs[at], self.views[at] = buf, _views(buf, shapes)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.g.dtype
 
     def advance(self, bufs: list[Tensor | None], grads: Sequence[Tensor], w: float, nesterov: float | None
                 ) -> tuple[list[Tensor], list[Tensor]] | None:
@@ -278,9 +267,8 @@ class _FlatMomenta:
             elif all(b is not None and b.dtype == self.dtype for b in bufs):
                 # other tensors (a load, a partial apply): two new buffers, the momenta copied in
                 # (the old buffers live on only while some state entry still views them)
-                shapes = [g.shape for g in grads]
-                self._new_buffer(grads[0], shapes, 0)
-                self._new_buffer(grads[0], shapes, 1)
+                for k in (0, 1):
+                    self.bufs[k], self.views[k] = _flat_views(self.numel, grads)
                 torch._foreach_copy_(self.views[0], bufs)  # type: ignore[arg-type]
                 c = 0
             else:
@@ -294,9 +282,12 @@ class _FlatMomenta:
         return self.views[1 - c], self.iviews
 
 
-def _views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    """``flat`` cut into consecutive views of ``shapes``."""
-    return [t.view(shape) for t, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
+def _flat_views(numel: int, like: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """A new flat tensor of ``numel`` elements (dtype and device of ``like[0]``) and its consecutive
+    views of the shapes of ``like``."""
+    flat = torch.empty(numel, dtype=like[0].dtype, device=like[0].device)
+    shapes = [t.shape for t in like]
+    return flat, [t.view(shape) for t, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
 
 
 def scale_(tensors: Sequence[Tensor], factor: float) -> None:
@@ -526,7 +517,7 @@ class Muon(MatrixOptimizerMixin, Optimizer):
             self._split_groups = {id(q): g for g in self.param_groups for q in g["params"]}
             self._split_lists: dict[tuple[int, ...], list[tuple[dict[str, Any], list[int]]]] = {}
             self._split_shapes: dict[tuple[int, bool], dict[tuple[int, ...], list[int]]] = {}
-            self._split_flat: dict[int, _FlatMomenta] = {}
+            self._split_flat: dict[int, tuple[list[int], _FlatMomenta | None]] = {}
             self._split_token = token
         return self._split_groups
 
@@ -628,20 +619,18 @@ class Muon(MatrixOptimizerMixin, Optimizer):
         use; None where the per-piece path runs: more than :data:`FLAT_MOMENTA_NUMEL` elements, the
         budget spent, a single piece, or gradient pieces that are not contiguous CPU tensors of one
         dtype."""
-        found = self._split_flat.get(id(idx))
-        if found is not None and found.idx is idx:
-            return found if grads[idx[0]].dtype == found.dtype else None
-        if len(idx) < 2:
-            return None
+        known = self._split_flat.get(id(idx))
+        if known is not None and known[0] is idx:  # decided for this list before (the answer is kept with it)
+            found = known[1]
+            return found if found is not None and grads[idx[0]].dtype == found.dtype else None
         gs = [grads[i] for i in idx]
         first = gs[0]
-        if first.device.type != "cpu" or not all(g.dtype == first.dtype and g.device == first.device and g.is_contiguous() for g in gs):
-            return None
         numel = sum(g.numel() for g in gs)
-        spent = sum(f.numel for f in self._split_flat.values())
-        if numel > FLAT_MOMENTA_NUMEL or spent + numel > FLAT_MOMENTA_BUDGET:
-            return None
-        made = self._split_flat[id(idx)] = _FlatMomenta(idx, gs)
+        spent = sum(f.numel for _, f in self._split_flat.values() if f is not None)
+        eligible = (len(idx) > 1 and first.device.type == "cpu" and numel <= FLAT_MOMENTA_NUMEL and spent + numel <= FLAT_MOMENTA_BUDGET
+                    and all(g.dtype == first.dtype and g.device == first.device and g.is_contiguous() for g in gs))
+        made = _FlatMomenta(idx, gs) if eligible else None
+        self._split_flat[id(idx)] = (idx, made)
         return made
 
     @torch.no_grad()

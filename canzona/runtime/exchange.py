@@ -962,8 +962,7 @@ class MicroGroupEngine:
                 moms = [momenta.pop(n) for n in names]
                 if self._reshapes_blocks:
                     outs = [self._split_block(n, b) for n, b in zip(names, outs)]
-                shapes = self._full_shapes
-                self._apply_blocks(r, g, names, moms, outs, [self.pieces[n] for n in names], [shapes[n] for n in names])
+                self._apply_blocks(r, g, names, moms, outs)
                 return
             flags = [computed[h] for h in v.back_recv_hosts] + [ok] * len(g.local_back)
             blocks = list(zip(v.apply_names, outs, flags))
@@ -974,30 +973,24 @@ class MicroGroupEngine:
                 names.append(name)
                 moms.append(momentum)
                 outs.append(self._split_block(name, block))
-        if names:
-            shapes = self._full_shapes
-            self._apply_blocks(r, g, names, moms, outs, [self.pieces[n] for n in names], [shapes[n] for n in names])
-        else:
-            self._forget_momenta(r, g)
+        self._apply_blocks(r, g, names, moms, outs)
 
     def _apply_blocks(self, r: _Run, g: ExchangeGroup, names: Sequence[str], moms: Sequence[torch.Tensor],
-                      outs: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> None:
-        """:meth:`_split_apply`'s update of ``pieces`` (the tasks ``names``) from their result blocks,
+                      outs: Sequence[torch.Tensor]) -> None:
+        """:meth:`_split_apply`'s update of the pieces of tasks ``names`` from their result blocks,
         then into ``dest``; the group's momenta left over (blocks not applied) are dropped."""
-        self._forget_momenta(r, g)
-        self.optimizer.matrix_apply(pieces, moms, outs, shapes)  # type: ignore[union-attr]
+        if r.momenta:  # tasks this rank has no block of, skipped ones, blocks not computed
+            for t in g.tasks:
+                r.momenta.pop(t.name, None)
+        if not names:
+            return
+        pieces = [self.pieces[n] for n in names]
+        shapes = self._full_shapes
+        self.optimizer.matrix_apply(pieces, moms, outs, [shapes[n] for n in names])  # type: ignore[union-attr]
         dest = r.dest
         copy = [(dest[n], piece) for n, piece in zip(names, pieces) if dest[n] is not piece]
         if copy:
             torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
-
-    @staticmethod
-    def _forget_momenta(r: _Run, g: ExchangeGroup) -> None:
-        """Drop what is left of the group's advanced momenta (tasks this rank has no block of,
-        skipped ones, blocks not computed): nothing of them is kept."""
-        if r.momenta:
-            for t in g.tasks:
-                r.momenta.pop(t.name, None)
 
     @property
     def _reshapes_blocks(self) -> bool:
