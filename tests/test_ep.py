@@ -17,13 +17,17 @@ Beside tensor parallelism, in the world-4 spawn: ``("ep", "tp") = (2, 2)``, ``("
 = (1, 2, 2)`` (experts on ``("ep", "tp")``, Replicate on ``tp``) and ``(2, 2, 1)``, the dense layers
 TP'd with ``parallelize_module``; each data rank's gradient is seen by all its TP ranks (a TP
 shard of it, and equal copies of the expert sums), and the same checks hold, plus the checkpoint
-round trip to plain ZeRO-1 x TP, clipping, and what is not served (TP-cut experts, another order
-of the mesh dimensions) refused in one line. One spawn per world size.
+round trip to plain ZeRO-1 x TP, clipping, and what is not served (some stacks TP-cut and others
+not, another order of the mesh dimensions) refused in one line. Expert tensor parallelism (ETP,
+torchtitan's): ``("ep", "tp") = (2, 2)`` with every stack ``(Shard(0), Shard(d))``, ``gate_up_proj``
+cut on its rows and ``down_proj`` on its columns: each TP rank receives its shard of the EP
+group's sum, every expert is assembled whole on one TP host, and the same checks hold (every
+expert's momentum held once, on its host), with clipping and checkpoints to plain ZeRO-1 x TP and
+back. One spawn per world size.
 """
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -44,6 +48,8 @@ IDLE_EXPERT = 2  # global expert routed no token at step 1
 NAN_EXPERT = 3  # global expert of experts.down_proj with a NaN gradient
 STACKS = ("experts.gate_up_proj", "experts.down_proj")
 E = 4
+#: the dim each stack is cut on over tp under expert tensor parallelism (rows of gate_up, columns of down)
+ETP_DIM = {"experts.gate_up_proj": 1, "experts.down_proj": 2}
 
 
 class EPToy(nn.Module):
@@ -57,18 +63,27 @@ class EPToy(nn.Module):
         self.norm = nn.LayerNorm(10)
 
 
-def _shard_experts(model: nn.Module, mesh, ep_rank: int, ep: int, placement=None, on_ep_tp: bool = False) -> None:
+def _shard_experts(model: nn.Module, mesh, ep_rank: int, ep: int, placement=None, on_ep_tp: bool = False,
+                   etp: bool = False) -> None:
     """Each stack ``Shard(0)`` on the mesh's ``ep`` sub-mesh (``on_ep_tp``: on ``("ep", "tp")``,
-    Replicate on ``tp``; ``placement``: a mistake, on ``ep`` or, with ``on_ep_tp``, on ``tp``)."""
+    Replicate on ``tp``; ``etp``: on ``("ep", "tp")``, cut over ``tp`` on :data:`ETP_DIM`;
+    ``placement``: a mistake, on ``ep`` or, with ``on_ep_tp``, on ``tp``, for ``down_proj`` only
+    when ``etp``)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    on_ep_tp = on_ep_tp or etp
     ep_mesh = mesh if mesh.ndim == 1 else mesh["ep", "tp"] if on_ep_tp else mesh["ep"]
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(model.experts, name).detach()
         local = full.chunk(ep)[ep_rank].clone()
+        if etp and (placement is None or name == "gate_up_proj"):
+            d = ETP_DIM[f"experts.{name}"]
+            local = local.chunk(mesh["tp"].size(), dim=d)[mesh.get_local_rank("tp")].clone()
+            setattr(model.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0), Shard(d)], run_check=False)))
+            continue
         if on_ep_tp:
             tp_pl = Replicate() if placement is None else placement
-            if placement is not None:  # a layout mistake: each rank's experts TP-cut too
+            if isinstance(placement, Shard):  # a layout mistake: each rank's experts TP-cut too
                 local = local.chunk(mesh["tp"].size(), dim=placement.dim)[mesh.get_local_rank("tp")].clone()
             setattr(model.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0), tp_pl], run_check=False)))
             continue
@@ -124,13 +139,36 @@ def _local_grads(per_rank: list[dict], rank: int, dp: int, ep: int) -> dict[str,
 
 
 def _expert_state(opt, ep_rank: int) -> dict[str, torch.Tensor]:
+    """Every expert momentum this rank holds, by global expert: of its own whole experts, and under
+    ETP of the experts its TP engine hosts (each assembled whole there)."""
+    from canzona.specs import split_task_name
+
     rt = opt.runtime.experts
     out = {}
     for pc, m in rt.masters.items():
-        st = rt.matrix_opt.state.get(m, {})
+        st = rt.matrix_opt.state.get(m, {}) if rt.matrix_opt is not None and pc.role == "matrix" else {}
         if "momentum_buffer" in st:
             out[f"{pc.name}/{ep_rank * (E // opt.ep) + pc.expert}"] = st["momentum_buffer"].clone()
+    eng = rt.tp_engine
+    if eng is not None and eng.split:  # the split step: each TP shard's momentum lives with the shard
+        tp_rank = eng.tp_rank
+        for task, m in eng.local_masters.items():
+            name, k = split_task_name(task)
+            st = eng.optimizer.state.get(m, {})
+            if "momentum_buffer" in st:
+                out[f"{name}/{ep_rank * (E // opt.ep) + k}/tp{tp_rank}"] = st["momentum_buffer"].clone()
+        return out
+    for task in eng.hosted if eng is not None else ():
+        name, k = split_task_name(task)
+        st = eng.optimizer.state.get(eng.masters[task], {})
+        if "momentum_buffer" in st:
+            out[f"{name}/{ep_rank * (E // opt.ep) + k}"] = st["momentum_buffer"].clone()
     return out
+
+
+def _etp_slice(n: str, t: torch.Tensor, mesh) -> torch.Tensor:
+    """This TP rank's ETP shard of an EP-local stack ``t``."""
+    return t.chunk(mesh["tp"].size(), dim=ETP_DIM[n])[mesh.get_local_rank("tp")]
 
 
 def _inject(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
@@ -139,12 +177,15 @@ def _inject(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     inject_grads(model, grads)
 
 
-def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...], on_ep_tp: bool = False) -> dict:
+def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...], on_ep_tp: bool = False, etp: bool = False,
+           exchange: str = "gradients") -> dict:
     """Training against the single-device reference. With a ``tp`` dimension the dense layers are
     TP'd (:func:`_parallelize_dense`) and the experts are whole on every TP rank; the ``dp x ep``
     data ranks (world rank // tp) each draw a gradient, which every TP rank of theirs sees (TP ranks
     share the tokens): a TP shard of it for a TP'd parameter, and for the experts the same sum over
-    the EP group on every TP rank (equal copies). The reference takes the mean over the data ranks."""
+    the EP group on every TP rank (equal copies), or under ``etp`` this TP rank's shard of that
+    sum. The reference takes the mean over the data ranks. ``exchange``: the TP engines' exchange
+    (``"ns-input"``: the split step, each expert's momentum kept with its TP shards)."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -158,16 +199,19 @@ def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]
     ep_rank = mesh.get_local_rank("ep")
     model = EPToy()
     ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
-    _shard_experts(model, mesh, ep_rank, ep, on_ep_tp=on_ep_tp)
+    _shard_experts(model, mesh, ep_rank, ep, on_ep_tp=on_ep_tp, etp=etp)
     if "tp" in names:
         _parallelize_dense(model, mesh)
     named = dict(model.named_parameters())
+
+    def stack(n: str, t: torch.Tensor) -> torch.Tensor:  # an EP-local stack as this rank holds it
+        return _etp_slice(n, t, mesh) if etp else t
     opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, optimizer_kwargs=MKW,
-                                       elementwise_kwargs=EKW, bucket_numel=300)
+                                       elementwise_kwargs=EKW, bucket_numel=300, exchange=exchange)
     out: dict = {"bad": [], "state": {}}
 
     def local(n: str, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(ep)[ep_rank] if n in STACKS else _tp_slice(named[n], full)
+        return stack(n, full.chunk(ep)[ep_rank]) if n in STACKS else _tp_slice(named[n], full)
 
     def mine(n: str) -> torch.Tensor:
         p = named[n]
@@ -175,7 +219,7 @@ def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]
 
     def grads(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         g = _local_grads(per_rank, data, dp, ep)
-        return {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in g.items()}
+        return {n: stack(n, v) if n in STACKS else _tp_slice(named[n], v) for n, v in g.items()}
 
     def check(step: int) -> None:
         want = ref.params()
@@ -209,10 +253,15 @@ def _train(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]
     check(STEPS + 1)
     out["state"] = _expert_state(opt, ep_rank)
     out["ref_state"] = {f"{n}/{k}": m for n in STACKS for k, m in enumerate(ref.momentum(n))}
+    if etp and exchange == "ns-input":  # shards of each expert's momentum: this TP rank's slice of the reference's
+        tp = mesh["tp"].size()
+        out["ref_state"] = {f"{key}/tp{t}": m.chunk(tp, dim=ETP_DIM[key.split("/")[0]] - 1)[t]
+                            for key, m in out["ref_state"].items() for t in range(tp)}
     out["repr"] = repr(opt)
     out["expert_comm"] = opt.expert_comm.size
     out["dense_comm"] = opt.dense_comm.size
     out["tp_pieces"] = sum(pc.role == "tp" for pc in opt.runtime.dense.pieces)  # TP-split pieces this rank updates
+    out["expert_tp_pieces"] = sum(pc.role == "tp" for pc in opt.runtime.experts.pieces)
     return out
 
 
@@ -267,8 +316,9 @@ def _mistakes(rank: int, world: int) -> dict:
 
 def _tp_mistakes(rank: int, world: int) -> dict:
     """What expert parallelism beside ``tp`` does not serve, each refused on every rank in one line:
-    experts TP-cut on ``("ep", "tp")`` (expert tensor parallelism), an expert stack TP-cut on the
-    ``tp`` sub-mesh, and the mesh dimensions in another order."""
+    one stack TP-cut on ``("ep", "tp")`` and the other whole (``mixed``), a stack cut on its expert
+    dim over ``tp`` too (``cut_dim0``), an expert stack TP-cut on the ``tp`` sub-mesh, and the mesh
+    dimensions in another order."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -276,8 +326,13 @@ def _tp_mistakes(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
     ep_rank = mesh.get_local_rank("ep")
 
-    def etp(m: nn.Module) -> None:
-        _shard_experts(m, mesh, ep_rank, 2, placement=Shard(1), on_ep_tp=True)
+    def mixed(m: nn.Module) -> None:
+        from torch.distributed.tensor import Replicate
+
+        _shard_experts(m, mesh, ep_rank, 2, placement=Replicate(), etp=True)
+
+    def cut_dim0(m: nn.Module) -> None:
+        _shard_experts(m, mesh, ep_rank, 2, placement=Shard(0), on_ep_tp=True)
 
     def stack_on_tp(m: nn.Module) -> None:
         _shard_experts(m, mesh, ep_rank, 2)
@@ -286,7 +341,7 @@ def _tp_mistakes(rank: int, world: int) -> dict:
         m.experts.down_proj = nn.Parameter(DTensor.from_local(local, mesh["tp"], [Shard(1)], run_check=False))
 
     out = {}
-    for case, prep, m in (("etp", etp, mesh), ("stack_on_tp", stack_on_tp, mesh),
+    for case, prep, m in (("mixed", mixed, mesh), ("cut_dim0", cut_dim0, mesh), ("stack_on_tp", stack_on_tp, mesh),
                           ("order", None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "ep")))):
         model = EPToy()
         if prep is not None:
@@ -343,8 +398,9 @@ def _extras(rank: int, world: int) -> dict:
     return out
 
 
-def _tp_clip(rank: int, world: int) -> dict:
-    """clip_grad_norm_ under ep 2 x tp 2 (active), then the step on the clipped gradients."""
+def _tp_clip(rank: int, world: int, etp: bool = False) -> dict:
+    """clip_grad_norm_ under ep 2 x tp 2 (active), then the step on the clipped gradients (``etp``:
+    the experts TP-cut, each TP rank's shard counted once)."""
     import canzona
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -354,12 +410,16 @@ def _tp_clip(rank: int, world: int) -> dict:
     ep_rank, data = mesh.get_local_rank("ep"), rank // 2
     model = EPToy(seed=1)
     ref = TaskReference(model, module_roles(model), Muon, MKW, torch.optim.AdamW, EKW)
-    _shard_experts(model, mesh, ep_rank, 2)
+    _shard_experts(model, mesh, ep_rank, 2, etp=etp)
     _parallelize_dense(model, mesh)
     named = dict(model.named_parameters())
+
+    def stack(n: str, t: torch.Tensor) -> torch.Tensor:
+        return _etp_slice(n, t, mesh) if etp else t
+
     opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=MKW, elementwise_kwargs=EKW, bucket_numel=300)
     per_rank = _all_grads(2, 7)
-    _inject(model, {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, 1, 2).items()})
+    _inject(model, {n: stack(n, v) if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, 1, 2).items()})
     total = opt.clip_grad_norm_(0.05)
     opt.step()
     mean = mean_grads(per_rank)
@@ -369,13 +429,13 @@ def _tp_clip(rank: int, world: int) -> dict:
     want = ref.params()
     out["clip_bad"] = [n for n, p in named.items()
                        if not torch.equal(p.to_local().detach() if hasattr(p, "to_local") else p.detach(),
-                                          want[n].chunk(2)[ep_rank] if n in STACKS else _tp_slice(p, want[n]))]
+                                          stack(n, want[n].chunk(2)[ep_rank]) if n in STACKS else _tp_slice(p, want[n]))]
     return out
 
 
-def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
-    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``, TP'd
-    dense parameters over ``tp``)."""
+def _full_copy(model: nn.Module, ep: int, tp: int = 1, etp: bool = False) -> nn.Module:
+    """A plain model holding the EP model's values (the expert stacks gathered over ``ep``, and
+    under ``etp`` over ``tp``; TP'd dense parameters over ``tp``)."""
     import torch.distributed as dist
 
     full = EPToy()
@@ -386,13 +446,16 @@ def _full_copy(model: nn.Module, ep: int, tp: int = 1) -> nn.Module:
                 parts = [torch.empty_like(p.to_local()) for _ in range(dist.get_world_size())]
                 dist.all_gather(parts, p.to_local().contiguous())
                 # row-major (dp, ep, tp): ranks 0, tp, .. (ep-1) tp hold the EP coordinates of dp row 0, TP rank 0
-                named[n].copy_(torch.cat(parts[: ep * tp : tp]))
+                if etp:  # and ranks e tp .. e tp + tp - 1 the TP shards of EP coordinate e
+                    named[n].copy_(torch.cat([torch.cat(parts[e * tp:(e + 1) * tp], dim=ETP_DIM[n]) for e in range(ep)]))
+                else:
+                    named[n].copy_(torch.cat(parts[: ep * tp : tp]))
             else:
                 named[n].copy_(p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach())
     return full
 
 
-def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int, ...], etp: bool = False) -> dict:
     """A consolidated checkpoint saved under EP loads under plain ZeRO-1, whose own checkpoint
     loads back under EP (into other starting values); the sharded forms saved under EP
     (``save_sharded`` and DCP's Stateful) load under EP and (``load_sharded``) under plain ZeRO-1;
@@ -416,7 +479,7 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
 
     def ep_model(seed: int) -> nn.Module:
         m = EPToy(seed=seed)
-        _shard_experts(m, mesh, ep_rank, ep)
+        _shard_experts(m, mesh, ep_rank, ep, etp=etp)
         if tp > 1:
             _parallelize_dense(m, mesh)
         return m
@@ -424,9 +487,12 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
     def ep_opt(model: nn.Module):
         return canzona.DistributedOptimizer(model, "muon", mesh=mesh if len(names) > 1 else None, **kw)
 
+    def stack(n: str, t: torch.Tensor) -> torch.Tensor:
+        return _etp_slice(n, t, mesh) if etp else t
+
     def grads(m: nn.Module, per_rank: list[dict]) -> dict[str, torch.Tensor]:
         named = dict(m.named_parameters())
-        return {n: v if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, dp, ep).items()}
+        return {n: stack(n, v) if n in STACKS else _tp_slice(named[n], v) for n, v in _local_grads(per_rank, data, dp, ep).items()}
 
     model = ep_model(2)
     opt = ep_opt(model)
@@ -435,7 +501,7 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
         opt.step()
         opt.zero_grad()
     doc = consolidated_on_every_rank(opt)
-    plain = _full_copy(model, ep, tp)
+    plain = _full_copy(model, ep, tp, etp)
     # plain ZeRO-1 over the dp x ep data ranks (each TP group of ranks a replica with the same gradient)
     pmesh = None if tp == 1 else init_device_mesh("cpu", (dp * ep, tp), mesh_dim_names=("dp", "tp"))
     popt = canzona.DistributedOptimizer(plain, "muon", mesh=pmesh, **kw)
@@ -455,7 +521,7 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
     sopt, topt = ep_opt(sharded), ep_opt(stateful)
     load_sharded(sopt, where / "ep.dcp")
     dcp.load({"optim": topt}, checkpoint_id=str(where / "ep.stateful"))
-    plain_sharded = _full_copy(ep_model(6), ep, tp)
+    plain_sharded = _full_copy(ep_model(6), ep, tp, etp)
     psopt = canzona.DistributedOptimizer(plain_sharded, "muon", mesh=pmesh, **kw)
     load_sharded(psopt, where / "ep.dcp")
     dist.barrier()
@@ -473,7 +539,7 @@ def _checkpoints(rank: int, world: int, names: tuple[str, ...], shape: tuple[int
     for label, m in (("ep", model), ("loaded back", back), ("sharded", sharded), ("stateful", stateful)):
         for n, p in m.named_parameters():
             mine = p.to_local() if hasattr(p, "to_local") else p
-            full = want[n].detach().chunk(ep)[ep_rank] if n in STACKS else _tp_slice(p, want[n].detach())
+            full = stack(n, want[n].detach().chunk(ep)[ep_rank]) if n in STACKS else _tp_slice(p, want[n].detach())
             if not torch.equal(mine.detach(), full):
                 bad.append(f"{label}: {n}")
     return {"bad": bad}
@@ -488,7 +554,10 @@ def ep_worker(rank: int, world: int) -> bytes:
                "ep_tp": _train(rank, world, ("ep", "tp"), (2, 2)), "ckpt_tp": _checkpoints(rank, world, ("ep", "tp"), (2, 2)),
                "dp_ep_tp": _train(rank, world, ("dp", "ep", "tp"), (1, 2, 2), on_ep_tp=True),
                "dp_ep_tp1": _train(rank, world, ("dp", "ep", "tp"), (2, 2, 1)),
-               "tp_mistakes": _tp_mistakes(rank, world), "tp_clip": _tp_clip(rank, world)}
+               "tp_mistakes": _tp_mistakes(rank, world), "tp_clip": _tp_clip(rank, world),
+               "etp": _train(rank, world, ("ep", "tp"), (2, 2), etp=True),
+               "etp_ns": _train(rank, world, ("ep", "tp"), (2, 2), etp=True, exchange="ns-input"), "ckpt_etp": _checkpoints(rank, world, ("ep", "tp"), (2, 2), etp=True),
+               "etp_clip": _tp_clip(rank, world, etp=True)}
     return pack(out)
 
 
@@ -505,7 +574,7 @@ def runs():
     return get
 
 
-CASES = [(2, "ep"), (4, "dp_ep"), (4, "ep_tp"), (4, "dp_ep_tp"), (4, "dp_ep_tp1")]
+CASES = [(2, "ep"), (4, "dp_ep"), (4, "ep_tp"), (4, "dp_ep_tp"), (4, "dp_ep_tp1"), (4, "etp"), (4, "etp_ns")]
 
 
 @pytest.mark.parametrize("world,case", CASES)
@@ -521,8 +590,10 @@ def test_every_expert_state_held_once_and_bitwise(runs, world: int, case: str) -
         for key, m in res[case]["state"].items():
             held[key] = held.get(key, 0) + 1
             assert torch.equal(m, res[case]["ref_state"][key]), key
-    # world 2: each rank holds its experts alone; world 4: each expert on one rank of its pair
-    assert held == {f"{n}/{k}": 1 for n in STACKS for k in range(E)}
+    # world 2: each rank holds its experts alone; world 4: each expert on one rank of its pair;
+    # under the split step (etp_ns) each expert's momentum in two TP shards, each held once
+    shards = ("/tp0", "/tp1") if case == "etp_ns" else ("",)
+    assert held == {f"{n}/{k}{s}": 1 for n in STACKS for k in range(E) for s in shards}
 
 
 @pytest.mark.parametrize("world,case", CASES)
@@ -540,22 +611,27 @@ def test_expert_dp_group_sizes(runs) -> None:
     assert "layout=ep, dp=2, ep=2" in runs(4)[0]["dp_ep"]["repr"]
 
 
-@pytest.mark.parametrize("case", ["ep_tp", "dp_ep_tp", "dp_ep_tp1"])
+@pytest.mark.parametrize("case", ["ep_tp", "dp_ep_tp", "dp_ep_tp1", "etp"])
 def test_groups_beside_tp(runs, case: str) -> None:
     """Dense: ZeRO-1 over the dp x ep ranks of each TP coordinate, TP-split matrices through the TP
-    engine; experts: the dp x tp ranks of each EP coordinate."""
+    engine; experts: the dp x tp ranks of each EP coordinate, under ETP the dp ranks (here one) of
+    each (ep, tp) coordinate, every expert a TP task."""
     res = [r[case] for r in runs(4)]
     tp = 1 if case == "dp_ep_tp1" else 2
     assert [r["dense_comm"] for r in res] == [4 // tp] * 4
-    assert [r["expert_comm"] for r in res] == [2] * 4
+    assert [r["expert_comm"] for r in res] == [1 if case == "etp" else 2] * 4
     assert (sum(r["tp_pieces"] for r in res) > 0) == (tp > 1)
+    # ETP: each rank holds the TP shard of every local expert (2 stacks x 2 experts)
+    assert [r["expert_tp_pieces"] for r in res] == [4 if case == "etp" else 0] * 4
     assert f"ep=2, tp={tp}" in res[0]["repr"], res[0]["repr"]
+    assert ("etp" in res[0]["repr"]) == (case == "etp"), res[0]["repr"]
 
 
 def test_unserved_beside_tp_one_line(runs) -> None:
     for res in runs(4):
         m = res["tp_mistakes"]
-        assert "TP-cut experts" in m["etp"] and "Replicate on 'tp'" in m["etp"] and "\n" not in m["etp"], m["etp"]
+        assert m["mixed"].startswith("experts.down_proj: whole on every TP rank while experts.gate_up_proj is TP-cut"), m["mixed"]
+        assert "(Shard(0), Shard(1))" in m["cut_dim0"] and m["cut_dim0"].startswith("experts.gate_up_proj:"), m["cut_dim0"]
         assert m["stack_on_tp"].startswith("experts.down_proj:") and "TP-cut on 'tp'" in m["stack_on_tp"], m["stack_on_tp"]
         assert "('tp', 'ep') are not supported" in m["order"] and "('dp', 'ep', 'tp')" in m["order"], m["order"]
         assert all("\n" not in v for v in m.values()), m
@@ -596,24 +672,27 @@ def test_clip_grad_norm_within_the_split_bound_and_the_clipped_step_bitwise(runs
         assert res["extras"]["clip_bad"] == []
 
 
-def test_clip_grad_norm_beside_tp_within_the_split_bound_and_the_clipped_step_bitwise(runs) -> None:
-    """ep 2 x tp 2: the experts split over EP, the TP'd dense parameters over TP; each TP rank's
-    copy of a replicated parameter and of the experts counted once."""
+@pytest.mark.parametrize("case", ["tp_clip", "etp_clip"])
+def test_clip_grad_norm_beside_tp_within_the_split_bound_and_the_clipped_step_bitwise(runs, case: str) -> None:
+    """ep 2 x tp 2: the experts split over EP (and under ETP over TP), the TP'd dense parameters
+    over TP; each TP rank's copy of a replicated parameter and of whole experts counted once."""
     from canzona.runtime.clip import split_bound
 
-    res = [r["tp_clip"] for r in runs(4)]
+    res = [r[case] for r in runs(4)]
     assert all(torch.equal(r["total"], res[0]["total"]) for r in res)
     want = res[0]["torch_total"]
     assert float(want) > 0.05 * 10  # the clip is active
-    bound = split_bound(max(p.numel() for p in EPToy().parameters()), 2, len(list(EPToy().parameters())))
+    # an expert stack under ETP is in 4 pieces (2 EP x 2 TP)
+    bound = split_bound(max(p.numel() for p in EPToy().parameters()), 4 if case == "etp_clip" else 2, len(list(EPToy().parameters())))
     assert abs(float(res[0]["total"]) - float(want)) <= bound * float(want)
     for r in res:
         assert r["clip_bad"] == []
 
 
-@pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp")])
+@pytest.mark.parametrize("world,case", [(2, "ckpt"), (4, "ckpt"), (4, "ckpt_tp"), (4, "ckpt_etp")])
 def test_checkpoints_cross_layouts_bitwise(runs, world: int, case: str) -> None:
     """World 4 ``ckpt_tp``: saved under ep 2 x tp 2, loaded under plain ZeRO-1 x TP (dp 2 x tp 2)
-    and back; the sharded forms too (fails when a TP shard or an expert loses its global offset)."""
+    and back; the sharded forms too (fails when a TP shard or an expert loses its global offset);
+    ``ckpt_etp`` the same with the experts TP-cut (ETP), whose momenta live on their TP hosts."""
     for r, res in enumerate(runs(world)):
         assert res[case]["bad"] == [], f"rank {r}"

@@ -94,6 +94,34 @@ def test_ep_plan_beside_tp(dp: int, ep: int, tp: int) -> None:
         EPPlan(dense=plan.dense, experts=plan.experts, dp=dp, ep=ep)  # tp left out
 
 
+@pytest.mark.parametrize("dp,ep,tp", [(1, 2, 2), (2, 2, 2)])
+def test_ep_plan_with_expert_tensor_parallelism(dp: int, ep: int, tp: int) -> None:
+    """Every local stack TP-split (ETP): the expert plan is a ZeRO-1 x TP plan over the dp ranks of
+    an (ep, tp) coordinate, every expert a TP task; dense rank r's preload is expert rank r // ep's
+    load (both plans per TP rank). A mix of split and whole stacks is refused in one line."""
+    from dataclasses import replace
+
+    specs = [replace(s, tp_dim=1 if s.name.endswith(".up") else 2, tp=tp) if s.kind == "experts" else s for s in _specs()]
+    dense, local = local_expert_specs(specs, ep, etp=True)
+    plan = plan_ep(dense, local, replace(_inputs(dp * ep), tp=tp), ep=ep)
+    assert plan.etp and (plan.experts.inputs.dp, plan.experts.inputs.tp) == (dp, tp)
+    assert plan.experts.params and all(pp.role == "experts" and pp.spec.tp_split for pp in plan.experts.params)
+    loads = plan.experts.metrics.details["dp_cost_loads"]
+    assert plan.expert_preload().tolist() == [loads[r // ep] for r in range(dp * ep)]
+    whole = plan_ep(dense, [replace(s, tp_dim=None, tp=1) for s in local], replace(_inputs(dp * ep), tp=tp), ep=ep)
+    assert not whole.etp and plan.fingerprint != whole.fingerprint
+    assert "expert tensor parallelism" in plan.describe() and "expert tensor parallelism" not in whole.describe()
+    with pytest.raises(PlanError, match="l0.experts.down: not TP-split while other expert stacks are"):
+        plan_ep(dense, [replace(s, tp_dim=None, tp=1) if s.name.endswith(".down") else s for s in local],
+                replace(_inputs(dp * ep), tp=tp), ep=ep)
+    with pytest.raises(PlanError, match="an EP plan needs"):
+        EPPlan(dense=plan.dense, experts=plan.experts, dp=dp, ep=ep, tp=tp)  # etp left out
+    with pytest.raises(PlanError, match="every expert stack must be TP-split"):
+        local_expert_specs([replace(s, tp_dim=None, tp=1) if s.name.endswith(".down") else s for s in specs], ep, etp=True)
+    with pytest.raises(PlanError, match="without expert tensor parallelism"):
+        local_expert_specs(specs, ep)
+
+
 def test_ep_plan_refusals() -> None:
     with pytest.raises(PlanError, match="8 experts do not divide by ep=3"):
         local_expert_specs(_specs(), 3)
@@ -122,6 +150,35 @@ def test_gpu_loads_reproduce_the_plans_all_gpu_ratios(a3b) -> None:
         assert float(v.max() / v.mean()) == pytest.approx(d[f"tp_{key}_ratio_global"], rel=1e-12)
 
 
+@pytest.fixture(scope="module")
+def a3b_etp():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_model_ep("qwen3-30b-a3b", dp=32, tp=4, ep=8, experts="stacked-tp")
+
+
+def test_gpu_loads_host_every_expert_task_of_tp_split_stacks(a3b_etp) -> None:
+    """Each expert of a TP-split stack is a TP task hosted whole on one TP rank: the per-GPU loads
+    reproduce the plan's own all-GPU ratio (which counts those hosts) and conserve the total."""
+    plain = a3b_etp.plain
+    g, d = gpu_loads(plain), plain.metrics.details
+    assert any(pp.role == "experts" and pp.spec.tp_split for pp in plain.params)
+    for key in ("flops", "memory"):
+        assert float(g[key].max() / g[key].mean()) == pytest.approx(d[f"tp_{key}_ratio_global"], rel=1e-12)
+        assert float(g[key].sum()) == pytest.approx(4 * sum(d[f"dp_{key}_loads"]), rel=1e-12)
+
+
+def test_cluster_plan_with_expert_tensor_parallelism(a3b_etp) -> None:
+    """``--experts stacked-tp`` with ``--ep``: every EP coordinate's experts over its dp/ep DP ranks
+    x tp, each expert a TP task; every expert counted once per EP coordinate."""
+    c = a3b_etp
+    assert c.etp and (c.experts.inputs.dp, c.experts.inputs.tp) == (32 // 8, 4)
+    per_gpu = gpu_loads(c.experts)["flops"]
+    dense = gpu_loads(c.dense)["flops"]
+    assert float(c.flops.sum()) == pytest.approx(float(dense.sum()) + 8 * float(per_gpu.sum()), rel=1e-12)
+    assert c.flops.max() / c.flops.mean() >= c.bound - 1e-12
+
+
 def test_every_expert_counted_once_per_ep_coordinate(a3b) -> None:
     experts = a3b.experts
     assert experts.inputs.dp == 32 // 8 * 4  # the GPUs holding one EP coordinate's experts
@@ -148,6 +205,9 @@ def test_cli_plan_ep_report(capsys) -> None:
     assert "DP 32 x TP 4 with EP 8 (mesh ('dp', 'ep', 'tp') = (4, 8, 4), 128 GPUs)" in out
     for row in ("FLOPs max/mean, all GPUs", "atomic lower bound", "state max/mean, all GPUs", "planned in"):
         assert row in out
+    assert "expert tensor parallelism" not in out
+    code, out, _ = _cli(["plan", "--model", "qwen3-30b-a3b", "--dp", "32", "--tp", "4", "--ep", "8", "--experts", "stacked-tp"], capsys)
+    assert code == 0 and "each cut over TP 4 (expert tensor parallelism) and planned over the 4 DP ranks x TP 4" in out, out
 
 
 @pytest.mark.parametrize(
@@ -158,6 +218,7 @@ def test_cli_plan_ep_report(capsys) -> None:
         (["--model", "qwen3-32b", "--dp", "8", "--ep", "2"], "the model has none"),
         (["--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "2", "--compare"], "drop --compare"),
         (["--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "0"], "--ep must be >= 1"),
+        (["--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "2", "--experts", "separate"], "drop --experts separate"),
     ],
 )
 def test_cli_plan_ep_refusals_one_line_exit_2(argv: list[str], match: str, capsys) -> None:

@@ -6,8 +6,10 @@ How torchtitan lays out a mixture of experts: each ``(E, M, N)`` expert stack is
 parameter is a plain tensor replicated over all ranks. Meshes: ``("ep",)`` and ``("dp", "ep")``
 (row-major, the mesh covering the world); beside tensor parallelism ``("ep", "tp")`` and
 ``("dp", "ep", "tp")``, where the dense parameters may be DTensors on ``mesh["tp"]`` (as
-``parallelize_module`` makes them) and the experts stay whole on every TP rank (on ``mesh["ep"]``,
-or ``(Shard(0), Replicate())`` on ``mesh["ep", "tp"]``). The layout serves any model holding a DTensor parameter
+``parallelize_module`` makes them) and the experts either stay whole on every TP rank (on
+``mesh["ep"]``, or ``(Shard(0), Replicate())`` on ``mesh["ep", "tp"]``) or, with expert tensor
+parallelism (ETP, torchtitan's ``ExpertTensorParallel``), are ``(Shard(0), Shard(d))`` on
+``mesh["ep", "tp"]``: each expert's rows (``d = 1``) or columns (``d = 2``) cut over ``tp``. The layout serves any model holding a DTensor parameter
 on a mesh dimension named ``ep`` and no FSDP2 module: FSDP2 models with expert parallelism
 (torchtitan's ``fully_shard`` of every block with the experts on their own ``efsdp`` mesh) are
 :class:`~canzona.layouts.fsdp2.FSDP2Layout`'s.
@@ -33,12 +35,21 @@ same tokens, so their expert gradients are equal copies, not partial sums: TP ra
 send theirs times zero (``DPRuntime(grad_contributes=False)``), so the group's sum is the sum over
 ``dp`` of one copy, divided by ``dp x ep`` as without TP.
 
+With expert tensor parallelism every TP rank holds a different shard of each local expert, and
+its gradient is that shard's whole gradient (the TP ranks computed the experts' outputs together
+from the same tokens). The expert part is then a ZeRO-1 x TP runtime like the dense one: its
+buffer over the ``dp`` ranks of each ``(ep, tp)`` coordinate (summed over ``dp``, divided by
+``dp x ep``), each expert one TP task that a :class:`~canzona.runtime.tp.TPEngine` over ``tp``
+assembles on its host, updates whole (bitwise the single-device optimizer on that ``(M, N)``
+matrix) and returns in shards. Either every expert stack is TP-cut or none is.
+
 Refused, one line each: a given ``plan=``, ``overlap_updates``, ``param_sync="lazy"``,
 ``tp_dims`` (see :attr:`EPLayout.refused`), a mesh other than the four above (other orders
 included), an expert DTensor that is not ``Shard(0)`` on the ``ep`` dimension or whose experts do
-not divide by ``ep``, experts cut by TP (on ``("ep", "tp")`` not ``Replicate`` on ``tp``, or a stack
-sharded on ``mesh["tp"]``), and a DTensor that is neither an expert stack nor (with ``tp``) a dense
-parameter on ``mesh["tp"]``. ``clip_grad_norm_`` is one exchange over both parts.
+not divide by ``ep``, experts cut by TP other than ETP's ``Shard(1)`` or ``Shard(2)`` on ``tp`` (an
+uneven cut, a packed placement, a stack sharded on ``mesh["tp"]`` alone), some stacks TP-cut and
+others not, and a DTensor that is neither an expert stack nor (with ``tp``) a dense parameter on
+``mesh["tp"]``. ``clip_grad_norm_`` is one exchange over both parts.
 Checkpoints place every local expert at its global coordinates, so they load across layouts.
 An expert stack held as a plain tensor is a dense parameter (replicated, its experts planned over
 all ranks): the layout reads what is sharded from the DTensors, never from a second description.
@@ -75,6 +86,9 @@ __all__ = ["EPLayout", "ep_params"]
 #: the one line for what is supported (completes every mesh refusal)
 SUPPORTED = ("expert parallelism runs on canzona's ZeRO-1 path with a ('ep',), ('dp', 'ep'), ('ep', 'tp') or "
              "('dp', 'ep', 'tp') mesh")
+#: what an expert stack's placements on ('ep', 'tp') may be (completes the ETP refusals)
+ETP_PLACEMENTS = ("an expert stack on ('ep', 'tp') is (Shard(0), Replicate()) or, with expert tensor parallelism, "
+                  "(Shard(0), Shard(1)) / (Shard(0), Shard(2)) with its rows or columns dividing by tp")
 #: the mesh dimension names served, in this order (row-major, covering the world)
 MESHES = (("ep",), ("dp", "ep"), ("ep", "tp"), ("dp", "ep", "tp"))
 
@@ -100,7 +114,7 @@ class EPLayout(Layout):
         "not supported with expert parallelism (one status agreement covers the dense and the expert step, "
         "and TP splits are read from DTensor placements only)"
     )
-    exposed = ("dp", "ep", "tp", "dp_rank", "ep_rank", "tp_rank", "dense_comm", "expert_comm", "tp_comm")
+    exposed = ("dp", "ep", "tp", "etp", "dp_rank", "ep_rank", "tp_rank", "dense_comm", "expert_comm", "tp_comm")
 
     @classmethod
     def serves(cls, model: nn.Module) -> bool:
@@ -123,6 +137,8 @@ class EPLayout(Layout):
         self.dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
         self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
         self.tp_comm: Comm | None = None
+        #: expert tensor parallelism: every expert stack's rows or columns cut over ``tp``
+        self.etp = False
         self._check_dtensors()
 
     def _check_mesh(self, mesh: Any, world: int) -> Any:
@@ -144,13 +160,15 @@ class EPLayout(Layout):
 
     def _check_dtensors(self) -> None:
         """Every DTensor is an expert stack ``Shard(0)`` over this mesh's ``ep`` dimension with whole
-        experts per rank (on the ``ep`` sub-mesh, or on ``("ep", "tp")`` replicated over ``tp``), or,
-        with a ``tp`` dimension, a dense parameter on the ``tp`` sub-mesh (``parallelize_module``'s)."""
+        experts per rank (on the ``ep`` sub-mesh, or on ``("ep", "tp")`` replicated over ``tp`` or,
+        ETP, every stack cut over ``tp`` on its rows or columns), or, with a ``tp`` dimension, a dense
+        parameter on the ``tp`` sub-mesh (``parallelize_module``'s). Sets :attr:`etp`."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         ep_ranks = self.mesh["ep"].mesh.tolist() if self.mesh.ndim > 1 else self.mesh.mesh.tolist()
         tp_ranks = self.mesh["tp"].mesh.tolist() if self.tp_named else None
         ep_tp_ranks = self.mesh["ep", "tp"].mesh.tolist() if self.tp_named else None
+        cut: dict[str, bool] = {}  # expert stack -> TP-cut (ETP)
         for name, p in self.model.named_parameters():
             if not isinstance(p, DTensor):
                 continue
@@ -162,9 +180,11 @@ class EPLayout(Layout):
                                      "(experts are Shard(0) on 'ep' and whole on every TP rank)")
                 continue  # a dense TP parameter
             if names == ("ep", "tp") and ranks == ep_tp_ranks:
-                if placements[1:] != (Replicate(),):
-                    raise ValueError(f"{where}; TP-cut experts (expert tensor parallelism) are not supported: an expert stack "
-                                     "must be Replicate on 'tp' (or live on the 'ep' sub-mesh)")
+                tp_pl = placements[1]
+                etp = type(tp_pl) is Shard and tp_pl.dim in (1, 2) and p.dim() == 3 and p.shape[tp_pl.dim] % self.tp == 0
+                if tp_pl != Replicate() and not etp:
+                    raise ValueError(f"{where}; {ETP_PLACEMENTS}")
+                cut[name] = etp
             elif names != ("ep",) or ranks != ep_ranks:
                 dense = " or dense TP parameters on its 'tp' dimension" if self.tp_named else ""
                 raise ValueError(f"{where}; under expert parallelism only expert stacks on the mesh's 'ep' dimension{dense} "
@@ -173,6 +193,12 @@ class EPLayout(Layout):
                 raise ValueError(f"{where}; an expert stack must be (E, M, N) with Shard(0) on 'ep' (each rank holds whole experts)")
             if p.shape[0] % self.ep:
                 raise ValueError(f"{name}: {p.shape[0]} experts do not divide by ep={self.ep}; every EP rank must hold the same number")
+            cut.setdefault(name, False)
+        if len(set(cut.values())) > 1:
+            whole, split = (next(n for n, c in cut.items() if c is v) for v in (False, True))
+            raise ValueError(f"{whole}: whole on every TP rank while {split} is TP-cut; with expert tensor parallelism every "
+                             "expert stack must be cut over 'tp' (or none)")
+        self.etp = any(cut.values())
 
     @property
     def tp_named(self) -> bool:
@@ -200,7 +226,11 @@ class EPLayout(Layout):
                 continue
             if roles[name][0] != "experts":
                 raise ValueError(f"{name}: sharded over 'ep' but its role is {roles[name][0]!r}; only an expert stack may be (roles=)")
-            local.append(ParamSpec(name, tuple(p.to_local().shape), "experts"))
+            if self.etp:  # the local experts' full rows and columns, the TP cut read from the placement
+                d = p.placements[1].dim
+                local.append(ParamSpec(name, (p.shape[0] // self.ep, *p.shape[1:]), "experts", tp_dim=d, tp=self.tp))
+            else:
+                local.append(ParamSpec(name, tuple(p.to_local().shape), "experts"))
         if self.tp_named:  # the ZeRO-1 layout's reading of DTensor TP (specs_from_module), experts left out
             experts = {n for n, p in named.items() if self._is_expert(p)}
             dense = [sp for sp in specs_from_module(self.model, tp=self.tp, roles=self.settings.roles, exclude=experts)
@@ -230,7 +260,7 @@ class EPLayout(Layout):
             cmax_bytes=cmax_to_bytes(s.cmax, self.tp, torch.empty((), dtype=s.master_dtype).element_size()),
             grad_bytes=torch.empty((), dtype=s.master_dtype).element_size(),
         )
-        expert_numel = s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp * self.tp)
+        expert_numel = s.bucket_numel if s.bucket_numel is not None else default_bucket_numel(self.dp if self.etp else self.dp * self.tp)
         self.plan = plan_ep(dense, local, inputs, ep=self.ep, expert_bucket_numel=expert_numel)
         self._expert_names = frozenset(sp.name for sp in local)
         self._planned = frozenset(pp.name for pp in self.plan.params)
@@ -246,16 +276,20 @@ class EPLayout(Layout):
 
     def check_replicas(self) -> None:
         """Dense parameters must start equal on every rank (each TP rank's shard on the ranks of its
-        TP coordinate), each local expert stack on the ranks holding the same experts (one checksum
-        all-reduce over the world, as the ZeRO-1 layout)."""
+        TP coordinate), each local expert stack on the ranks holding the same experts (under ETP:
+        the same TP shard of them; one checksum all-reduce over the world, as the ZeRO-1 layout)."""
         named = dict(self.model.named_parameters())
         dense = [pp.name for pp in self.plan.dense.params]
         experts = [pp.name for pp in self.plan.experts.params]
         # dense parameters: one slot each per TP coordinate; experts: one slot per EP coordinate
+        # (per (EP, TP) coordinate under ETP)
         nd = len(dense) * self.tp
+        cuts = self.tp if self.etp else 1
+        coord = self.ep_rank * cuts + (self.tp_rank if self.etp else 0)
         mine = [(self.tp_rank * len(dense) + k, named[n]) for k, n in enumerate(dense)]
-        mine += [(nd + self.ep_rank * len(experts) + j, named[n]) for j, n in enumerate(experts)]
-        labels = dense * self.tp + [f"{n} (EP rank {e})" for e in range(self.ep) for n in experts]
+        mine += [(nd + coord * len(experts) + j, named[n]) for j, n in enumerate(experts)]
+        where = [f"EP rank {e}" + (f", TP rank {t}" if self.etp else "") for e in range(self.ep) for t in range(cuts)]
+        labels = dense * self.tp + [f"{n} ({w})" for w in where for n in experts]
         differ = sorted(set(differing_replicas(mine, labels, self.settings.status_timeout_s)), key=labels.index)
         refuse_different_replicas(differ, "the ranks that hold them", "every rank")
 
@@ -272,21 +306,25 @@ class EPLayout(Layout):
         named = dict(self.model.named_parameters())
         common = dict(matrix_factory=matrix_factory, elementwise_factory=elementwise_factory, settings=self.settings)
         dense = DPRuntime(self.plan.dense, {p.name: named[p.name] for p in self.plan.dense.params}, dp_comm=self.dense_comm,
-                          tp_engine_factory=self._tp_engine_factory(matrix_factory), **common)
+                          tp_engine_factory=self._tp_engine_factory(matrix_factory, self.plan.dense, self.dense_comm), **common)
         # expert gradients arrive summed over the EP ranks' tokens and are equal copies on the TP
-        # ranks (they saw the same tokens): summed over dp (TP rank 0's copy), divided by dp x ep
+        # ranks (they saw the same tokens): summed over dp (TP rank 0's copy), divided by dp x ep;
+        # under ETP each TP rank's is its own shard's: summed over dp, the TP engine over tp
         experts = DPRuntime(self.plan.experts, {p.name: named[p.name] for p in self.plan.experts.params}, dp_comm=self.expert_comm,
-                            grad_divisor=self.dp * self.ep, grad_contributes=self.tp_rank == 0, **common)
+                            grad_divisor=self.dp * self.ep, grad_contributes=self.etp or self.tp_rank == 0,
+                            tp_engine_factory=self._tp_engine_factory(matrix_factory, self.plan.experts, self.expert_comm) if self.etp else None,
+                            **common)
         self.runtime = EPRuntime(dense, experts, ep=self.ep, ep_rank=self.ep_rank, tp_rank=self.tp_rank, status_comm=dense.status_comm,
-                                 timeout_s=self.settings.status_timeout_s)
+                                 timeout_s=self.settings.status_timeout_s, etp=self.etp)
         self.runtime.timer = phase_times
         self.runtime.attach()
         return self.runtime
 
     def _groups(self) -> tuple[Any, Any]:
         """The dense group (the ``dp x ep`` ranks of this rank's TP coordinate; the world without
-        ``tp``) and the expert group (the ``dp x tp`` ranks of this rank's EP coordinate), each in
-        rank order. Every rank creates every group, in the same order."""
+        ``tp``) and the expert group (the ``dp x tp`` ranks of this rank's EP coordinate; under ETP
+        the ``dp`` ranks of its ``(ep, tp)`` coordinate), each in rank order. Every rank creates
+        every group, in the same order."""
         if not self.tp_named:
             if "dp" in self.mesh.mesh_dim_names:
                 return None, self.mesh.get_group("dp")
@@ -294,19 +332,22 @@ class EPLayout(Layout):
         grid = self.mesh.mesh.reshape(self.dp, self.ep, self.tp)
         me = dist.get_rank()
         mine: list[Any] = []
-        for lists in ([grid[:, :, t].flatten().tolist() for t in range(self.tp)], [grid[:, e, :].flatten().tolist() for e in range(self.ep)]):
+        holders = ([grid[:, e, t].tolist() for e in range(self.ep) for t in range(self.tp)] if self.etp
+                   else [grid[:, e, :].flatten().tolist() for e in range(self.ep)])
+        for lists in ([grid[:, :, t].flatten().tolist() for t in range(self.tp)], holders):
             for ranks in lists:
                 g = dist.new_group(sorted(ranks))
                 if me in ranks:
                     mine.append(g)
         return mine[0], mine[1]
 
-    def _tp_engine_factory(self, factory: OptimizerFactory) -> Any:
+    def _tp_engine_factory(self, factory: OptimizerFactory, plan: Any, dp_comm: Comm) -> Any:
+        """The TP micro-group engine of one part (the dense part, or the experts under ETP) over ``tp``."""
         if self.tp == 1:
             return None
         from canzona.runtime.tp import TPEngine
 
-        plan, dp_rank, comm, exchange = self.plan.dense, self.dense_comm.rank, self.tp_comm, self.settings.exchange
+        dp_rank, comm, exchange = dp_comm.rank, self.tp_comm, self.settings.exchange
         return lambda masters: TPEngine(plan, dp_rank=dp_rank, comm=comm, optimizer_factory=factory, local_masters=masters, exchange=exchange)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
@@ -319,7 +360,7 @@ class EPLayout(Layout):
             yield
 
     def describe(self) -> str:
-        return f"dp={self.dp}, ep={self.ep}" + (f", tp={self.tp}" if self.tp_named else "")
+        return f"dp={self.dp}, ep={self.ep}" + (f", tp={self.tp}" if self.tp_named else "") + (" (experts TP-cut: etp)" if self.etp else "")
 
     # ------------------------------------------------------------------ checkpoint pieces
     # Checkpoints are layout-independent: every region is in the full tensor's coordinates, so an
@@ -327,12 +368,13 @@ class EPLayout(Layout):
     # expert ep_rank * E/ep + k, and a checkpoint of this layout loads under ZeRO-1 or FSDP2 and back.
     def _boxes(self, spec: ParamSpec, box: Box) -> list[tuple[Box, Box]]:
         """A box of this rank's local tensor as (local, full tensor) box pairs: an expert stack's
-        offset by this EP rank's first expert, a dense TP shard's by this TP rank's slice."""
+        offset by this EP rank's first expert (and under ETP by this TP rank's slice), a dense TP
+        shard's by this TP rank's slice."""
+        pairs = tp_boxes(spec, self.tp_rank, box)
         if spec.name not in self._expert_names:
-            return tp_boxes(spec, self.tp_rank, box)
-        off = list(box[0])
-        off[0] += self.ep_rank * spec.shape[0]
-        return [(box, (tuple(off), box[1]))]
+            return pairs
+        first = self.ep_rank * spec.shape[0]
+        return [(local, ((full[0][0] + first, *full[0][1:]), full[1])) for local, full in pairs]
 
     def checkpoint_params(self) -> list[ParamRecord]:
         rt = self.runtime
@@ -351,7 +393,8 @@ class EPLayout(Layout):
 
     def held(self) -> list[Held]:
         # dense replicas over TP: TP rank 0's copy is canonical; every expert piece has one owner
-        return dp_held(self.runtime.dense, self._boxes, self.tp_rank) + dp_held(self.runtime.experts, self._boxes)
+        first = {sp.name: self.ep_rank * sp.shape[0] for sp in self.plan.experts.specs}  # a TP host's expert k is global first + k
+        return dp_held(self.runtime.dense, self._boxes, self.tp_rank) + dp_held(self.runtime.experts, self._boxes, expert_base=first)
 
     def model_pieces(self) -> list[ModelPiece]:
         return [piece for rt in self.runtime.parts for name, p in rt.params.items()
@@ -361,8 +404,9 @@ class EPLayout(Layout):
         return self.runtime.dense.buffer.data.device
 
     def finish_load(self, steps: int) -> None:
-        if self.runtime.dense.tp_engine is not None:
-            self.runtime.dense.tp_engine.refresh_masters()  # TP hosts re-assemble their full masters from the loaded shards
+        for rt in self.runtime.parts:
+            if rt.tp_engine is not None:
+                rt.tp_engine.refresh_masters()  # TP hosts re-assemble their full masters from the loaded shards
         for rt in self.runtime.parts:
             rt.steps = int(steps)
             rt.discard_grads()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -333,11 +333,12 @@ def model_pieces_of(name: str, local: torch.Tensor, spec: ParamSpec, boxes: Any)
     return [ModelPiece(name, local[box_index(loc)], full) for loc, full in pairs]
 
 
-def dp_held(rt: DPRuntime, boxes: Any, tp_rank: int = 0) -> list[Held]:
+def dp_held(rt: DPRuntime, boxes: Any, tp_rank: int = 0, expert_base: Mapping[str, int] | None = None) -> list[Held]:
     """What one :class:`DPRuntime` holds, as checkpoints see it: every owned piece's region (boxes
     of the local tensor mapped to the full tensor by ``boxes(spec, box)``, (local, full) pairs as
     :func:`tp_boxes` makes them: a TP shard's offset, a packed stack's blocks, an EP rank's first
-    expert), its master and state, and the TP hosts' full-shape state."""
+    expert), its master and state, and the TP hosts' full-shape state (``expert_base``: the global
+    index of a stack's local expert 0, for a TP host's expert tasks under expert parallelism)."""
     # every DP rank holds the same values under sc: DP rank 0's copy is canonical
     replica = rt.plan.every_rank_updates and rt.dp_rank != 0
     out: list[Held] = []
@@ -366,6 +367,8 @@ def dp_held(rt: DPRuntime, boxes: Any, tp_rank: int = 0) -> list[Held]:
             canonical = not replica and (not eng.sync or tp_rank == 0)
             base, k = split_task_name(name)  # one expert (name[k]) of a TP-split stack: its (M, N) box and state entry
             shape = rt.specs[base].shape
+            if k is not None:
+                k += (expert_base or {}).get(base, 0)
             box = whole_box(shape) if k is None else ((k,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
             out.append(Held(base, (box,), None, eng.optimizer, eng.masters[name], k is not None, canonical, k))
     return out

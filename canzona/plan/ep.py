@@ -22,6 +22,13 @@ coordinate are held whole by the ``dp x tp`` GPUs at that coordinate: the expert
 ``dp x tp`` ranks (expert rank ``d * tp + t``, no TP split), and dense rank ``r``'s preload is the
 mean of its ``tp`` GPUs' expert loads (the dense plan's cost is per TP rank).
 
+Expert tensor parallelism (ETP, torchtitan's ``(Shard(0), Shard(d))`` on ``("ep", "tp")``: every
+expert's rows or columns cut over ``tp``): every local stack is TP-split, so the expert plan is
+itself a ZeRO-1 x TP plan over the ``dp`` ranks of each ``(ep, tp)`` coordinate and ``tp`` (each
+expert one TP task, hosted whole on one TP rank), and dense rank ``r``'s preload is expert rank
+``r // ep``'s load (both plans' costs are per TP rank). A mix of TP-split and whole stacks is
+refused: the two need different expert groups.
+
 Pure: shapes and ints in, frozen records out; no torch.
 """
 
@@ -54,13 +61,19 @@ class EPPlan:
     dp: int
     ep: int
     tp: int = 1
+    #: expert tensor parallelism: the expert plan is over ``dp`` ranks x ``tp`` (every stack TP-split)
+    etp: bool = False
 
     def __post_init__(self) -> None:
+        want = (self.dp, self.tp) if self.etp else (self.dp * self.tp, 1)
+        if self.etp and self.tp == 1:
+            raise PlanError("an EP plan with expert tensor parallelism needs tp > 1")
         if (self.dense.inputs.dp != self.dp * self.ep or self.dense.inputs.tp != self.tp
-                or self.experts.inputs.dp != self.dp * self.tp or self.experts.inputs.tp != 1):
+                or (self.experts.inputs.dp, self.experts.inputs.tp) != want):
+            holders = f"dp = {self.dp} ranks x tp = {self.tp}" if self.etp else f"dp x tp = {self.dp * self.tp} ranks without TP"
             raise PlanError(
                 f"an EP plan needs a dense plan over dp x ep = {self.dp * self.ep} ranks x tp = {self.tp} and an expert plan over "
-                f"dp x tp = {self.dp * self.tp} ranks without TP; got {self.dense.inputs.dp} x {self.dense.inputs.tp} "
+                f"{holders}; got {self.dense.inputs.dp} x {self.dense.inputs.tp} "
                 f"and {self.experts.inputs.dp} x {self.experts.inputs.tp}"
             )
         common = {p.name for p in self.dense.params} & {p.name for p in self.experts.params}
@@ -70,7 +83,7 @@ class EPPlan:
     @property
     def fingerprint(self) -> str:
         """sha256 over both plans' fingerprints and the mesh sizes."""
-        mesh = f"{self.dp}/{self.ep}" if self.tp == 1 else f"{self.dp}/{self.ep}/tp{self.tp}"
+        mesh = f"{self.dp}/{self.ep}" if self.tp == 1 else f"{self.dp}/{self.ep}/{'etp' if self.etp else 'tp'}{self.tp}"
         raw = f"ep/{mesh}/{self.dense.fingerprint}/{self.experts.fingerprint}".encode()
         return hashlib.sha256(raw).hexdigest()
 
@@ -87,11 +100,12 @@ class EPPlan:
         owners are expert-DP ranks, the same on every EP coordinate."""
         from canzona.plan.describe import describe_plan
 
-        holders = f"dp = {self.dp}" if self.tp == 1 else f"dp x tp = {self.dp * self.tp}"
+        holders = f"dp = {self.dp}" if self.tp == 1 or self.etp else f"dp x tp = {self.dp * self.tp}"
         tp = "" if self.tp == 1 else f" x tp = {self.tp}"
+        cut = f" x tp = {self.tp} (each expert TP-split: expert tensor parallelism)" if self.etp else ""
         return (f"dense parameters, over all dp x ep = {self.dp * self.ep} ranks{tp}:\n{describe_plan(self.dense)}\n"
                 f"expert stacks as each EP rank holds them (E/ep experts), over the {holders} ranks holding the same "
-                f"experts:\n{describe_plan(self.experts)}\nEP plan {self.fingerprint}")
+                f"experts{cut}:\n{describe_plan(self.experts)}\nEP plan {self.fingerprint}")
 
     def plan_of(self, name: str) -> Plan:
         """The plan (dense or expert) that holds parameter ``name``."""
@@ -99,7 +113,7 @@ class EPPlan:
 
     def expert_preload(self) -> np.ndarray:
         """Each dense rank's expert load in the planning cost (what the dense plan was balanced around)."""
-        return _preload(self.experts, self.dp, self.ep, self.tp)
+        return _preload(self.experts, self.dp, self.ep, 1 if self.etp else self.tp)
 
 
 def expert_rank_of(dp: int, ep: int) -> tuple[int, ...]:
@@ -109,16 +123,18 @@ def expert_rank_of(dp: int, ep: int) -> tuple[int, ...]:
 
 def _preload(experts: Plan, dp: int, ep: int, tp: int) -> np.ndarray:
     """Each dense rank's expert load: dense rank ``r = d * ep + e`` is the ``tp`` GPUs of expert
-    ranks ``d * tp + t``; the mean over them (one value when ``tp = 1``)."""
+    ranks ``d * tp + t``; the mean over them (one value when ``tp = 1``, and under expert tensor
+    parallelism, whose expert plan is per TP rank already: pass ``tp = 1``)."""
     loads = np.asarray(experts.metrics.details["dp_cost_loads"], dtype=np.float64)
     index = np.array([[(r // ep) * tp + t for t in range(tp)] for r in range(dp * ep)], dtype=np.int64)
     return loads[index].mean(axis=1)
 
 
-def local_expert_specs(specs: Sequence[ParamSpec], ep: int) -> tuple[list[ParamSpec], list[ParamSpec]]:
+def local_expert_specs(specs: Sequence[ParamSpec], ep: int, *, etp: bool = False) -> tuple[list[ParamSpec], list[ParamSpec]]:
     """Split ``specs`` into the dense ones and the expert stacks as one EP rank holds them
     (``(E/ep, M, N)``); PlanError when ``ep`` does not divide a stack's expert count, or when
-    there is no stack to shard."""
+    there is no stack to shard. A TP-split stack is refused unless ``etp`` (expert tensor
+    parallelism, where every stack must be TP-split)."""
     if not isinstance(ep, int) or ep < 1:
         raise PlanError(f"ep must be an integer >= 1, got {ep!r}")
     dense: list[ParamSpec] = []
@@ -129,8 +145,9 @@ def local_expert_specs(specs: Sequence[ParamSpec], ep: int) -> tuple[list[ParamS
             continue
         if s.shape[0] % ep:
             raise PlanError(f"{s.name}: {s.shape[0]} experts do not divide by ep={ep}")
-        if s.tp_split:
-            raise PlanError(f"{s.name}: a TP-split expert stack cannot also be sharded over ep")
+        if s.tp_split != etp:
+            raise PlanError(f"{s.name}: a TP-split expert stack cannot also be sharded over ep without expert tensor parallelism"
+                            if s.tp_split else f"{s.name}: under expert tensor parallelism every expert stack must be TP-split")
         local.append(replace(s, shape=(s.shape[0] // ep, *s.shape[1:])))
     if not local:
         raise PlanError("expert parallelism needs expert stacks ((E, M, N) parameters of kind 'experts'); the model has none")
@@ -142,17 +159,26 @@ def plan_ep(dense_specs: Sequence[ParamSpec], expert_specs: Sequence[ParamSpec],
     """Plan both parts. ``inputs`` describe the dense plan (``inputs.dp`` = dp x ep ranks, and
     ``inputs.tp``); the expert plan takes the same inputs over the ``inputs.dp // ep x inputs.tp``
     ranks holding the same experts, without TP (``expert_bucket_numel``: its bucket size, default
-    the dense one). ``expert_specs`` are the local stacks (:func:`local_expert_specs`)."""
+    the dense one); when every local stack is TP-split (expert tensor parallelism) it is a ZeRO-1
+    x TP plan over the ``inputs.dp // ep`` ranks and ``inputs.tp``. ``expert_specs`` are the local
+    stacks (:func:`local_expert_specs`)."""
     if inputs.dp % ep:
         raise PlanError(f"ep={ep} does not divide the {inputs.dp} data-parallel ranks")
     dp, tp = inputs.dp // ep, inputs.tp
+    split = {s.tp_split for s in expert_specs}
+    if len(split) > 1:
+        mixed = next(s.name for s in expert_specs if not s.tp_split)
+        raise PlanError(f"{mixed}: not TP-split while other expert stacks are; under expert tensor parallelism every stack is cut over tp")
+    etp = split == {True}
+    if etp and any(s.tp != tp for s in expert_specs):
+        raise PlanError(f"expert tensor parallelism: every expert stack must be split over the layout's tp={tp}")
     holders = replace(inputs, dp=dp, bucket_numel=expert_bucket_numel or inputs.bucket_numel)
-    if tp > 1:
+    if tp > 1 and not etp:
         holders = replace(holders, dp=dp * tp, tp=1)
     experts = make_plan(expert_specs, holders)
-    preload = _preload(experts, dp, ep, tp)
+    preload = _preload(experts, dp, ep, 1 if etp else tp)
     dense = make_plan(dense_specs, inputs, preload=preload.tolist()) if dense_specs else _no_dense(inputs)
-    return EPPlan(dense=dense, experts=experts, dp=dp, ep=ep, tp=tp)
+    return EPPlan(dense=dense, experts=experts, dp=dp, ep=ep, tp=tp, etp=etp)
 
 
 def _no_dense(inputs: PlanInputs) -> Plan:
@@ -162,28 +188,53 @@ def _no_dense(inputs: PlanInputs) -> Plan:
 # ------------------------------------------------------------------------------ cluster scale
 def gpu_loads(plan: Plan) -> dict[str, np.ndarray]:
     """Optimizer FLOPs and state bytes of every GPU of ``plan``, shape ``(dp, tp)``: each DP
-    rank's load per TP rank, with every TP task moved from its per-rank average to its host at
-    full cost (the accounting of :func:`canzona.plan.metrics.tp_host_loads`; a task of the
-    ``sync`` schedule is recomputed by every TP rank)."""
+    rank's load per TP rank, with every TP task (a TP-split matrix, or one expert of a TP-split
+    stack) moved from its per-rank average to its host at full cost (the accounting of
+    :func:`canzona.plan.metrics.tp_host_loads`; under the ``sync`` schedule every TP rank
+    recomputes it)."""
     from canzona.cost import cost_arrays
 
     inp, d = plan.inputs, plan.metrics.details
+    tasks = _tp_task_hosts(plan) if inp.tp > 1 else []
     out: dict[str, np.ndarray] = {}
-    every = plan.every_rank_updates
     for j, key in enumerate(("flops", "memory")):
         host = np.repeat(np.asarray(d[f"dp_{key}_loads"], dtype=np.float64)[:, None], inp.tp, axis=1)
-        for pp in plan.params:
-            if pp.role != "tp-task" or inp.tp == 1:
-                continue
-            avg = float(cost_arrays([pp.spec], inp.optimizer, inp.flops_shape)[j][0])
-            full = _task_metric(pp.spec, inp.optimizer, inp.flops_shape)[j]
-            for r in range(inp.dp) if every else (pp.dp_owner,):
-                host[r, :] -= avg
-                if pp.tp_host is None:
-                    host[r, :] += full
-                else:
-                    host[r, pp.tp_host] += full
+        for r, spec, at in tasks:
+            avg = float(cost_arrays([spec], inp.optimizer, inp.flops_shape)[j][0]) / spec.n_tasks
+            full = _task_metric(spec, inp.optimizer, inp.flops_shape)[j]
+            host[r, :] -= avg
+            if at is None:
+                host[r, :] += full
+            else:
+                host[r, at] += full
         out[key] = host
+    return out
+
+
+def _tp_task_hosts(plan: Plan) -> list[tuple[int, ParamSpec, int | None]]:
+    """Every TP task of ``plan`` as (DP rank, its parameter's spec, TP host or None when every TP
+    rank recomputes it): from the micro-groups, or under ``sync`` (no groups) from what each DP
+    rank updates (an expert of a stack per the plan's ranges)."""
+    from canzona.specs import split_task_name
+
+    by = plan.by_name()
+    if any(plan.micro_groups):
+        return [(r, by[split_task_name(n)[0]].spec, h) for r, groups in enumerate(plan.micro_groups)
+                for g in groups for n, h in zip(g.params, g.hosts)]
+    out: list[tuple[int, ParamSpec, int | None]] = []
+    every = plan.every_rank_updates
+    for pp in plan.params:
+        if not pp.spec.tp_split or pp.role not in ("tp-task", "experts"):
+            continue
+        for r in range(plan.inputs.dp):
+            if every or pp.dp_owner == r:
+                count = pp.spec.n_tasks
+            elif pp.role == "experts":
+                unit = pp.numel // pp.spec.shape[0]
+                count = sum(len(range(s // unit, e // unit)) for rr, s, e in pp.dp_ranges if rr == r)
+            else:
+                count = 0
+            out += [(r, pp.spec, None)] * count
     return out
 
 
@@ -212,6 +263,8 @@ class ClusterEP:
     n_stacks: int
     n_experts: int
     seconds: float
+    #: expert tensor parallelism: every stack TP-split, its experts planned over dp/ep DP ranks x tp
+    etp: bool = False
 
 
 def _bound(specs: Sequence[ParamSpec], optimizer: str, total: float, gpus: int) -> float:
@@ -225,35 +278,44 @@ def plan_cluster_ep(specs: Sequence[ParamSpec], inputs: PlanInputs, *, ep: int, 
     """``canzona plan --ep``: ``inputs.dp`` data-parallel ranks x ``inputs.tp``, of which ``ep``
     shard the experts (EP borrows from data parallelism, as torchtitan does: mesh
     ``("dp", "ep", "tp") = (dp/ep, ep, tp)``). Each EP coordinate's local experts are planned over
-    the ``dp/ep x tp`` GPUs holding them (each expert whole on one GPU: experts are not TP-split);
-    each DP rank's expert load (per TP rank) is the dense plan's preload. Also plans the same
-    cluster without EP (every expert of every stack a task of the dense plan), unless ``plain``
-    (that plan, made already) is given."""
+    the ``dp/ep x tp`` GPUs holding them (each expert whole on one GPU); when the stacks are
+    TP-split (``--experts stacked-tp``: expert tensor parallelism) over the ``dp/ep`` DP ranks x
+    ``tp`` instead, each expert a TP task hosted whole on one TP rank. Each DP rank's expert load
+    (per TP rank) is the dense plan's preload. Also plans the same cluster without EP (every expert
+    of every stack a task of the dense plan), unless ``plain`` (that plan, made already) is given."""
     import time
 
     t0 = time.perf_counter()
     if inputs.dp % ep:
         raise PlanError(f"ep={ep} must divide dp={inputs.dp} (expert parallelism borrows its ranks from data parallelism)")
-    dense, local = local_expert_specs(specs, ep)
     dp, tp = inputs.dp, inputs.tp
-    holders = dp // ep * tp  # the GPUs holding one EP coordinate's experts
-    exp_inputs = replace(inputs, dp=holders, tp=1, tp_schedule="sync" if inputs.tp_schedule == "sync" else inputs.tp_schedule)
-    experts = make_plan(local, exp_inputs)
-    per_gpu = {k: np.asarray(experts.metrics.details[f"dp_{k}_loads"], dtype=np.float64) for k in ("cost", "flops", "memory")}
-    # GPU (d, t) holds the experts of EP coordinate d % ep; its place in their plan is (d // ep) * tp + t
-    index = np.array([[(d // ep) * tp + t for t in range(tp)] for d in range(dp)], dtype=np.int64)
-    preload = per_gpu["cost"][index].mean(axis=1)  # the dense plan's cost is per TP rank
+    etp = tp > 1 and any(s.kind == "experts" and s.tp_split for s in specs)
+    dense, local = local_expert_specs(specs, ep, etp=etp)
+    if etp:  # one EP coordinate's experts over its dp/ep DP ranks x tp, each expert a TP task
+        experts = make_plan(local, replace(inputs, dp=dp // ep))
+        expert_gpu = gpu_loads(experts)  # (dp/ep, tp): the TP hosts at full cost
+        preload = np.asarray(experts.metrics.details["dp_cost_loads"], dtype=np.float64)[[d // ep for d in range(dp)]]
+        rows = [d // ep for d in range(dp)]
+        per_gpu_flops, per_gpu_memory = expert_gpu["flops"][rows], expert_gpu["memory"][rows]
+    else:
+        holders = dp // ep * tp  # the GPUs holding one EP coordinate's experts
+        experts = make_plan(local, replace(inputs, dp=holders, tp=1))
+        per_gpu = {k: np.asarray(experts.metrics.details[f"dp_{k}_loads"], dtype=np.float64) for k in ("cost", "flops", "memory")}
+        # GPU (d, t) holds the experts of EP coordinate d % ep; its place in their plan is (d // ep) * tp + t
+        index = np.array([[(d // ep) * tp + t for t in range(tp)] for d in range(dp)], dtype=np.int64)
+        preload = per_gpu["cost"][index].mean(axis=1)  # the dense plan's cost is per TP rank
+        per_gpu_flops, per_gpu_memory = per_gpu["flops"][index], per_gpu["memory"][index]
     dense_plan = make_plan(dense, inputs, preload=preload.tolist())
     dense_gpu = gpu_loads(dense_plan)
-    flops = dense_gpu["flops"] + per_gpu["flops"][index]
-    memory = dense_gpu["memory"] + per_gpu["memory"][index]
+    flops = dense_gpu["flops"] + per_gpu_flops
+    memory = dense_gpu["memory"] + per_gpu_memory
     plain = plain if plain is not None else make_plan(specs, inputs)
     plain_gpu = gpu_loads(plain)
     return ClusterEP(
         dense=dense_plan, experts=experts, plain=plain, ep=ep, tp=tp, flops=flops, memory=memory, plain_flops=plain_gpu["flops"], plain_memory=plain_gpu["memory"],
         bound=_bound(specs, inputs.optimizer, float(flops.sum()), dp * tp),
         plain_bound=_bound(specs, inputs.optimizer, float(plain_gpu["flops"].sum()), dp * tp),
-        n_stacks=len(local), n_experts=sum(s.shape[0] for s in local) * ep, seconds=time.perf_counter() - t0,
+        n_stacks=len(local), n_experts=sum(s.shape[0] for s in local) * ep, seconds=time.perf_counter() - t0, etp=etp,
     )
 
 
@@ -279,7 +341,8 @@ def run_plan_ep(args: Any) -> int:
     if args.ep < 1:
         raise PlanError(f"--ep must be >= 1, got {args.ep}")
     clash = [flag for flag, on in (("--pp", args.pp > 1), ("--compare", args.compare), ("--json", args.json is not None),
-                                    ("--convention paper", args.convention == "paper")) if on]
+                                    ("--convention paper", args.convention == "paper"),
+                                    ("--experts separate", getattr(args, "experts", "stacked") == "separate")) if on]
     if clash:
         raise PlanError(f"--ep plans one layout and prints its report; drop {', '.join(clash)}")
     if args.dp % args.ep:
@@ -294,6 +357,7 @@ def run_plan_ep(args: Any) -> int:
             args.model, ep=args.ep, dp=args.dp, tp=args.tp, layout=args.layout, optimizer=args.optimizer, strategy=args.strategy,
             alpha=args.alpha, cost=args.cost, flops_shape=args.flops_shape, cmax_bytes=cmax_to_bytes(args.cmax or DEFAULT_CMAX, args.tp, args.grad_bytes),
             bucket_numel=args.bucket_numel, tp_schedule=args.tp_schedule, grad_bytes=args.grad_bytes, buffers=args.buffers,
+            experts=args.experts,
         )
     print(format_cluster_ep(c))
     return 0
@@ -308,8 +372,10 @@ def format_cluster_ep(c: ClusterEP) -> str:
         f"{i.model} ({i.layout}), DP {dp} x TP {tp} with EP {ep} (mesh ('dp', 'ep', 'tp') = ({dp // ep}, {ep}, {tp}), {dp * tp} GPUs), "
         f"{i.optimizer}, strategy {i.strategy}",
         f"  experts: {c.n_stacks} stacks, {c.n_experts} expert tasks; each EP rank holds {per_rank} "
-        f"({per_rank // max(c.n_stacks, 1)} per stack), planned over the {dp // ep * tp} GPUs that hold them; "
-        f"the dense plan is balanced around that preload",
+        f"({per_rank // max(c.n_stacks, 1)} per stack), "
+        + (f"each cut over TP {tp} (expert tensor parallelism) and planned over the {dp // ep} DP ranks x TP {tp} that hold them, "
+           f"every expert hosted whole on one TP rank; " if c.etp else f"planned over the {dp // ep * tp} GPUs that hold them; ")
+        + "the dense plan is balanced around that preload",
         f"  {'':<26}{'with EP':>10}{'without EP':>12}",
         f"  {'FLOPs max/mean, all GPUs':<26}{_ratio(c.flops):>10.3f}{_ratio(c.plain_flops):>12.3f}",
         f"  {'atomic lower bound':<26}{c.bound:>10.3f}{c.plain_bound:>12.3f}   (largest task / mean GPU load)",

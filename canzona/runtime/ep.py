@@ -13,7 +13,9 @@ work is two :class:`~canzona.runtime.dp.DPRuntime` instances on each rank:
   is this rank alone: every rank updates its whole experts with no optimizer communication.
   Beside TP (mesh ``("dp", "ep", "tp")``) the group is the ``dp x tp`` ranks of this EP
   coordinate, whose TP ranks hold equal copies of each gradient (they saw the same tokens): only
-  TP rank 0's copy enters the sum (:attr:`DPRuntime.grad_contributes`).
+  TP rank 0's copy enters the sum (:attr:`DPRuntime.grad_contributes`). Under expert tensor
+  parallelism (``etp``) the group is the ``dp`` ranks of this ``(ep, tp)`` coordinate, each TP
+  rank's gradient its own shard's, and the part's TP engine assembles every expert on its host.
 
 :meth:`EPRuntime.step` runs the DP runtime's stages on both (:meth:`DPRuntime.prepare`, ...,
 :meth:`DPRuntime.finish`) with **one** status agreement before any update: errors, gradients
@@ -45,7 +47,7 @@ class EPRuntime:
     global expert ``ep_rank * E/ep + k``, the number error messages name."""
 
     def __init__(self, dense: DPRuntime, experts: DPRuntime, *, ep: int, ep_rank: int, status_comm: Comm, timeout_s: float,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, etp: bool = False) -> None:
         self.dense = dense
         self.experts = experts
         self.parts = (dense, experts)
@@ -53,6 +55,8 @@ class EPRuntime:
         self.ep_rank = ep_rank
         #: this rank's TP coordinate: the dense part's norm slots of a TP-split parameter are per TP rank
         self.tp_rank = tp_rank
+        #: expert tensor parallelism: the expert part's norm slots are per TP rank too
+        self.etp = bool(etp)
         self.status_comm = status_comm
         self.status_timeout_s = float(timeout_s)
         # every (stack, global expert) has a flag slot in an order every rank shares; this rank
@@ -133,7 +137,7 @@ class EPRuntime:
         for rt in self.parts:
             rt.finish_grad_syncs()
         parts = []
-        for rt, copies, at, tp_rank in ((self.dense, 1, 0, self.tp_rank), (self.experts, self.ep, self.ep_rank, 0)):
+        for rt, copies, at, tp_rank in ((self.dense, 1, 0, self.tp_rank), (self.experts, self.ep, self.ep_rank, self.tp_rank if self.etp else 0)):
             sl = slots_zero1(rt, tp_rank)
             parts.append((sl, {n: j for j, n in enumerate(sl.names)}, {(pc.name, pc.start): g for pc, g in rt.reduced_grads()}, copies, at))
         starts, mine, local = [0], [], []
@@ -225,7 +229,8 @@ class EPRuntime:
             return out
         for pc, g in self.experts.reduced_grads():
             name = pc.name
-            unit = self.experts.specs[name].shape[1] * self.experts.specs[name].shape[2]
+            local = self.experts.specs[name].local_shape  # one expert's part of this rank's stack (its TP shard under ETP)
+            unit = local[1] * local[2]
             flat = g.reshape(-1)
             for k in range(pc.start // unit, (pc.end - 1) // unit + 1):
                 lo, hi = max(pc.start, k * unit) - pc.start, min(pc.end, (k + 1) * unit) - pc.start
