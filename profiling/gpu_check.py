@@ -13,7 +13,11 @@ In order, each check bounded in time, every result in one summary table at the e
 5. the overlap of a training step: share of NCCL kernel time with a compute kernel running;
 6. batched Newton-Schulz against one chain per matrix on CUDA at the expert shapes: whether they
    are bitwise equal (a finding: Muon batches only under ``batched=True``), failing only
-   past the documented bound of 64 roundoffs.
+   past the documented bound of 64 roundoffs;
+7. the piecewise probe of element-wise optimizers on CUDA (``canzona.distributed.check_piecewise``,
+   which refuses torch's fused CPU kernels): failing when plain or ``foreach`` AdamW is refused
+   there (canzona would refuse its own default), reporting whether ``fused=True`` Adam, AdamW and
+   SGD pass on CUDA (a finding: they are accepted where they pass).
 
 Without a CUDA device it prints one line and exits 0 having done nothing. Exit 1 when a check
 fails. Written without a GPU at hand: it has never run on one.
@@ -187,6 +191,28 @@ def _batched_ns() -> tuple[bool, str]:
     return worst <= 64, f"{found} (bound 64 u)"
 
 
+def _piecewise() -> tuple[bool, str]:
+    import torch
+
+    from canzona.distributed import check_piecewise
+
+    dev = torch.device("cuda", 0)
+
+    def passes(cls: type, kwargs: dict, dtype: torch.dtype) -> bool:
+        try:
+            check_piecewise(cls, kwargs, "probe", device=dev, dtype=dtype)
+        except TypeError:
+            return False
+        return True
+
+    base = {f"AdamW{kw} {str(dt)[6:]}": passes(torch.optim.AdamW, kw, dt) for kw in ({}, {"foreach": True})
+            for dt in (torch.float32, torch.bfloat16)}
+    fused = {f"{cls.__name__} fused": passes(cls, {"fused": True, **({"momentum": 0.9} if cls is torch.optim.SGD else {})}, torch.float32)
+             for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)}
+    detail = ", ".join(f"{k}: {'passes' if v else 'refused'}" for k, v in {**base, **fused}.items())
+    return all(base.values()), detail
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -215,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     s.run("Newton-Schulz throughput", lambda: _ns(out))
     s.run("overlap of a step", lambda: _overlap(out, min(n, 2)))
     s.run("batched Newton-Schulz", _batched_ns)
+    s.run("piecewise element-wise optimizers", _piecewise)
     print()
     print(s.table())
     return 1 if s.failed else 0

@@ -60,6 +60,11 @@ def errors_worker(rank: int, world: int) -> dict:
     out["zero1_matrix"] = _catch(lambda: D(ToyModel(), "muon", strategy="zero1"))
     out["strategy"] = _catch(lambda: D(ToyModel(), "muon", strategy="fsdp"))
     out["name"] = _catch(lambda: D(ToyModel(), "lion"))
+    # an element-wise optimizer whose update of a piece differs from the whole tensor's (fused CPU kernels)
+    out["fused"] = _catch(lambda: D(ToyModel(), "muon", elementwise_kwargs={"fused": True}))
+    out["fused_zero1"] = _catch(lambda: D(ToyModel(), "adamw", strategy="zero1", optimizer_kwargs={"fused": True}))
+    # ... refused on one rank only (another CPU): the other rank learns it at once
+    out["fused_one_rank"] = _catch(lambda: D(ToyModel(), "muon", elementwise_kwargs={"fused": True} if rank == 1 else None))
     # different plans on different ranks: caught by the fingerprint exchange on every rank
     out["fingerprint"] = _catch(lambda: D(ToyModel(), "muon", bucket_numel=40 + 10 * rank))
     # a planning failure on one rank only: that rank raises its ValueError, the other a RuntimeError
@@ -113,6 +118,8 @@ EXPECT: dict[str, tuple[str, str]] = {
     "zero1_matrix": ("ValueError", "zero1 cuts matrices"),
     "strategy": ("ValueError", "unknown strategy 'fsdp'"),
     "name": ("ValueError", "unknown optimizer 'lion'"),
+    "fused": ("TypeError", "elementwise_optimizer AdamW with {'fused': True} updates a piece of a tensor differently"),
+    "fused_zero1": ("TypeError", "optimizer AdamW with {'fused': True} updates a piece of a tensor differently"),
     "fingerprint": ("RuntimeError", "plan fingerprints differ across ranks"),
     "replaced": ("RuntimeError", "replaced or reshaped ['up.weight']"),
     "added": ("RuntimeError", "added ['extra']"),
@@ -138,6 +145,26 @@ def test_bad_input_raises_on_every_rank_without_hanging() -> None:
         "RankFailure", "building the plan (no rank proceeds) failed on 1 rank(s); rank 1: RuntimeError: planner exploded"
     )
     assert all("recovered" in r for r in res)
+    assert res[1]["fused_one_rank"][0] == "TypeError" and "drop fused=True" in res[1]["fused_one_rank"][1]
+    etype, text = res[0]["fused_one_rank"]
+    assert etype == "RankFailure" and "rank 1: TypeError: elementwise_optimizer AdamW" in text and "\n" not in text, text
+
+
+def test_piecewise_probe_refuses_what_updates_pieces_otherwise() -> None:
+    """canzona updates the pieces of a tensor each rank holds: an element-wise optimizer must give
+    every piece those elements of the whole tensor's update. torch's fused CPU Adam/AdamW (vector
+    body with fused multiply-adds, scalar tail without) does not, nor SGD with Nesterov momentum
+    in bfloat16; plain and foreach AdamW do, in float32 and bfloat16."""
+    from canzona.distributed import check_piecewise
+
+    cpu = torch.device("cpu")
+    for kwargs, dtype in (({}, torch.float32), ({}, torch.bfloat16), ({"foreach": True}, torch.float32), ({"weight_decay": 0.1}, torch.float32)):
+        check_piecewise(torch.optim.AdamW, kwargs, "elementwise_optimizer", device=cpu, dtype=dtype)
+    check_piecewise(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "x", device=cpu, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"AdamW with \{'fused': True\} updates a piece .* drop fused=True"):
+        check_piecewise(torch.optim.AdamW, {"fused": True}, "elementwise_optimizer", device=cpu, dtype=torch.float32)
+    with pytest.raises(TypeError, match="torch.bfloat16 on cpu.*use master_dtype=torch.float32"):
+        check_piecewise(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "x", device=cpu, dtype=torch.bfloat16)
 
 
 def test_requires_initialized_process_group() -> None:
