@@ -8,7 +8,18 @@ any per-parameter ``torch.optim.Optimizer`` class), ``strategy=``, ``optimizer_k
 - **optimizer**: :meth:`create_optimizer` builds :class:`canzona.DistributedOptimizer` over the
   model (the lr schedulers the Trainer creates drive its two parameter groups, ``matrix`` and
   ``elementwise``, as they drive any torch optimizer). Defaults: ``lr`` and ``weight_decay``
-  from ``TrainingArguments`` for both roles.
+  from ``TrainingArguments`` for both roles, and for torch's Adam or AdamW (the element-wise
+  default) ``betas=(adam_beta1, adam_beta2)`` and ``eps=adam_epsilon`` too, so an ``adam_beta2=0.95`` reaches AdamW as it
+  does under ``transformers.Trainer`` (:func:`hf_default_kwargs`). ``TrainingArguments.optim``
+  must name torch's AdamW (``adamw_torch`` or the default ``adamw_torch_fused``, which canzona
+  runs unfused: torch's fused CPU kernel is not exact on the pieces each rank holds,
+  docs/robustness.md) and ``optim_args`` must be unset: any other choice is refused at
+  construction in one line, since canzona's optimizers come from ``optimizer=`` and
+  ``elementwise_optimizer=``. ``transformers.Trainer`` exempts biases and norm weights from
+  weight decay (``get_decay_parameter_names``); canzona has one element-wise group, so with a
+  non-zero ``weight_decay`` and no ``elementwise_kwargs=`` the Trainer refuses at construction,
+  naming the exempt parameters, rather than decay them silently: pass ``elementwise_kwargs=``
+  (with the weight decay wanted for all element-wise parameters).
 - **no DDP**: canzona reduces the gradients itself (its buffer hooks take them and reduce-scatter
   per bucket); a ``DistributedDataParallel`` wrapper would all-reduce them again and write
   ``p.grad`` after canzona took it. The Trainer's accelerator prepares the model in its
@@ -45,12 +56,28 @@ import torch.distributed as dist
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from canzona.distributed import DistributedOptimizer
+from canzona.distributed import DistributedOptimizer, resolve_optimizer
 
-__all__ = ["OPTIMIZER_FILE", "Trainer"]
+__all__ = ["OPTIMIZER_FILE", "SERVED_OPTIM", "Trainer", "hf_default_kwargs"]
 
 #: the optimizer's file in a Trainer checkpoint folder (the consolidated canzona document)
 OPTIMIZER_FILE = "canzona_optimizer.pt"
+#: the ``TrainingArguments.optim`` values this Trainer serves: torch's AdamW, which is its
+#: element-wise default (run unfused; the default ``adamw_torch_fused`` included)
+SERVED_OPTIM = ("adamw_torch", "adamw_torch_fused")
+
+
+def hf_default_kwargs(cls: type[torch.optim.Optimizer], args: Any) -> dict[str, Any]:
+    """The arguments a role's optimizer ``cls`` gets from ``TrainingArguments`` ``args`` when none
+    are given: ``lr`` and ``weight_decay``, and for torch's Adam or AdamW (or a subclass)
+    ``betas=(adam_beta1, adam_beta2)`` and ``eps=adam_epsilon``, as ``transformers.Trainer``
+    builds its AdamW. Other optimizers keep their own betas and eps (SOAP's are not Adam's,
+    Muon's ``eps`` is its Newton-Schulz normalization)."""
+    out: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        out["betas"] = (args.adam_beta1, args.adam_beta2)
+        out["eps"] = args.adam_epsilon
+    return out
 
 
 class Trainer(transformers.Trainer):
@@ -81,7 +108,33 @@ class Trainer(transformers.Trainer):
             **dict(canzona_kwargs or {}),
         }
         super().__init__(*args, **kwargs)
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if optim not in SERVED_OPTIM or self.args.optim_args:
+            given = f"optim={optim!r}" + (f", optim_args={self.args.optim_args!r}" if self.args.optim_args else "")
+            raise TypeError(
+                f"TrainingArguments({given}) is not what canzona.hf.Trainer runs: its optimizers are optimizer= (default 'muon') "
+                "and elementwise_optimizer= (default torch.optim.AdamW, given learning_rate, weight_decay, adam_beta1, adam_beta2 "
+                f"and adam_epsilon); leave optim at {SERVED_OPTIM[1]!r} or {SERVED_OPTIM[0]!r} and pass the classes and their "
+                "optimizer_kwargs= / elementwise_kwargs= instead"
+            )
+        self._check_weight_decay()
         self._keep_out_of_ddp()
+
+    def _check_weight_decay(self) -> None:
+        """Refuse the default element-wise arguments when they would decay parameters that
+        ``transformers.Trainer`` exempts from weight decay (see the module docstring)."""
+        wd = self.args.weight_decay
+        if self._canzona_args["elementwise_kwargs"] is not None or not wd or self.model is None:
+            return
+        decay = set(self.get_decay_parameter_names(self.model))
+        exempt = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay]
+        if exempt:
+            raise TypeError(
+                f"TrainingArguments(weight_decay={wd}) with canzona.hf.Trainer's default element-wise arguments would decay the "
+                f"{len(exempt)} parameters transformers.Trainer exempts (biases and norm weights: {', '.join(exempt[:3])}"
+                f"{', ...' if len(exempt) > 3 else ''}); canzona has one element-wise group: pass elementwise_kwargs= yourself "
+                f"(weight_decay={wd} to decay them too, or 0.0 to decay no element-wise parameter)"
+            )
 
     # ------------------------------------------------------------------------- accelerate
     def _keep_out_of_ddp(self) -> None:
@@ -122,10 +175,9 @@ class Trainer(transformers.Trainer):
                 "TrainingArguments(ddp_backend='gloo') on CPU)"
             )
         args = dict(self._canzona_args)
-        defaults = {"lr": self.args.learning_rate, "weight_decay": self.args.weight_decay}
-        for key in ("optimizer_kwargs", "elementwise_kwargs"):
+        for key, role in (("optimizer_kwargs", "optimizer"), ("elementwise_kwargs", "elementwise_optimizer")):
             if args[key] is None:
-                args[key] = dict(defaults)
+                args[key] = hf_default_kwargs(resolve_optimizer(args[role], role), self.args)
         opt = DistributedOptimizer(model if model is not None else self.model, args.pop("optimizer"), **args)
         # the Trainer clears gradients with model.zero_grad(), which cannot reach canzona's buffer
         opt.register_step_post_hook(lambda o, _args, _kwargs: o.zero_grad())

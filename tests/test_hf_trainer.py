@@ -332,6 +332,66 @@ def test_ddp_wrapper_error_names_the_trainer(run, arch: str) -> None:
         assert res["error"] and "canzona.hf.Trainer" in res["error"], res
 
 
+def _defaults_worker(rank: int, world: int) -> dict:
+    """canzona.hf.Trainer at world 1: what reaches its optimizers from TrainingArguments, and the
+    ``optim`` choices it refuses at construction."""
+    import tempfile
+
+    import torch
+
+    import canzona.hf
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        model = _model("llama")
+        trainer = canzona.hf.Trainer(model=model, args=_args(d, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, learning_rate=2e-3,
+                                                              weight_decay=0.0), train_dataset=_Data(model.config.vocab_size))
+        opt = trainer.create_optimizer()
+        rt = opt.runtime
+        ew, mx = rt.elementwise_opt.param_groups[0], rt.matrix_opt.param_groups[0]
+        out["elementwise"] = {k: ew[k] for k in ("lr", "weight_decay", "betas", "eps")}
+        out["matrix"] = {k: mx[k] for k in ("lr", "weight_decay", "eps")}
+        out["muon_eps_default"] = type(rt.matrix_opt)([torch.zeros(2, 2)]).param_groups[0]["eps"]
+        # weight decay with element-wise arguments given: the matrices get the arguments' decay
+        given = canzona.hf.Trainer(model=_model("llama"), args=_args(d, weight_decay=0.05), train_dataset=_Data(model.config.vocab_size),
+                                   elementwise_kwargs={"lr": 1e-3})
+        out["given_matrix_wd"] = given.create_optimizer().runtime.matrix_opt.param_groups[0]["weight_decay"]
+        for case, kw in (("sgd", {"optim": "sgd"}), ("optim_args", {"optim": "adamw_torch", "optim_args": "foo=1"}),
+                         ("decay", {"weight_decay": 0.05})):
+            try:
+                canzona.hf.Trainer(model=_model("llama"), args=_args(d, **kw), train_dataset=_Data(model.config.vocab_size))
+                out[case] = "accepted"
+            except TypeError as exc:
+                out[case] = str(exc)
+        canzona.hf.Trainer(model=_model("llama"), args=_args(d, optim="adamw_torch"), train_dataset=_Data(model.config.vocab_size))
+    return out
+
+
+def test_training_arguments_reach_adamw_and_other_optims_are_refused() -> None:
+    """Without optimizer_kwargs / elementwise_kwargs, AdamW gets the arguments' learning_rate,
+    weight_decay, adam_beta1/2 and adam_epsilon (as transformers.Trainer's AdamW does; betas were
+    silently AdamW's defaults before), Muon only lr and weight_decay (its eps is its own);
+    TrainingArguments.optim other than torch's AdamW, optim_args, and a weight decay that the
+    default element-wise arguments would apply to the norms and biases transformers exempts are
+    refused in one line."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from canzona.runtime.launch import run_workers
+
+    (res,) = run_workers(_defaults_worker, 1, timeout_s=120)
+    assert res["elementwise"] == {"lr": 2e-3, "weight_decay": 0.0, "betas": (0.8, 0.95), "eps": 1e-6}, res
+    assert res["matrix"] == {"lr": 2e-3, "weight_decay": 0.0, "eps": res["muon_eps_default"]}, res
+    assert res["given_matrix_wd"] == 0.05
+    # transformers.Trainer exempts norms and biases from weight decay; canzona's one element-wise
+    # group cannot, so the default arguments with weight decay are refused, naming them
+    assert res["decay"].startswith("TrainingArguments(weight_decay=0.05) with canzona.hf.Trainer's default element-wise"), res["decay"]
+    assert "norm.weight" in res["decay"] and "\n" not in res["decay"], res["decay"]
+    for case in ("sgd", "optim_args"):
+        assert "is not what canzona.hf.Trainer runs" in res[case] and "\n" not in res[case], res[case]
+    assert res["sgd"].startswith("TrainingArguments(optim='sgd')"), res["sgd"]
+    assert "optim_args='foo=1'" in res["optim_args"], res["optim_args"]
+
+
 def test_plain_trainer_with_canzona_optimizer_fails_on_every_rank(run) -> None:
     """It must never train: accelerate's prepare-time state round trip works on every rank
     (``state_dict()`` is per rank), DDP wraps the model and the first step raises the

@@ -161,6 +161,10 @@ def test_piecewise_probe_refuses_what_updates_pieces_otherwise() -> None:
     for kwargs, dtype in (({}, torch.float32), ({}, torch.bfloat16), ({"foreach": True}, torch.float32), ({"weight_decay": 0.1}, torch.float32)):
         check_piecewise(torch.optim.AdamW, kwargs, "elementwise_optimizer", device=cpu, dtype=dtype)
     check_piecewise(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "x", device=cpu, dtype=torch.float32)
+    # a pass is remembered per (class, arguments, device, dtype): the probe runs once per process
+    from canzona.distributed import _PIECEWISE_OK
+
+    assert (torch.optim.AdamW, repr([("weight_decay", 0.1)]), "cpu", torch.float32) in _PIECEWISE_OK
     with pytest.raises(TypeError, match=r"AdamW with \{'fused': True\} updates a piece .* drop fused=True"):
         check_piecewise(torch.optim.AdamW, {"fused": True}, "elementwise_optimizer", device=cpu, dtype=torch.float32)
     with pytest.raises(TypeError, match="torch.bfloat16 on cpu.*use master_dtype=torch.float32"):
