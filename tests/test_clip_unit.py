@@ -66,14 +66,28 @@ def test_second_clip_sees_the_clipped_gradients(single_rank_group) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
 
 
-def test_torch_clip_sees_no_gradient_on_the_zero1_path(single_rank_group) -> None:
-    """What docs/interop.md states: after backward ``p.grad`` is None on every parameter, so torch's
-    function returns 0 and clips nothing; ``opt.clip_grad_norm_`` is the one to call."""
+def test_torch_clip_refuses_what_the_zero1_path_holds(single_rank_group) -> None:
+    """After backward ``p.grad`` is None on every parameter (the gradients are in canzona's buffer),
+    so torch's function would return 0 and clip nothing: it refuses in one line, however it was
+    imported, naming ``opt.clip_grad_norm_``; before any backward, and on tensors canzona does not
+    hold, it runs as torch's."""
+    from torch.nn.utils import clip_grad_norm_ as imported_early  # the name a user may hold
+
     model, _, opt = _setup()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item() == 0.0  # no gradient yet: torch's answer
     inject_grads(model, integer_grads(model, step=0, rank=0))
     assert all(p.grad is None for p in model.parameters())
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item() == 0.0
+    for clip in (torch.nn.utils.clip_grad_norm_, imported_early):
+        with pytest.raises(RuntimeError, match=r"sees no gradient for \d+ parameters whose gradients canzona's .* call opt.clip_grad_norm_"):
+            clip(model.parameters(), 0.5)
+    other = torch.nn.Parameter(torch.zeros(3))
+    other.grad = torch.ones(3)
+    assert torch.nn.utils.clip_grad_norm_([other], 0.5).item() == pytest.approx(3 ** 0.5)
+    assert torch.allclose(other.grad, torch.full((3,), 0.5 / (3 ** 0.5 + 1e-6)))
     assert opt.clip_grad_norm_(0.5).item() > 0.5
+    opt.step()
+    opt.zero_grad()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item() == 0.0  # nothing held after zero_grad
 
 
 def test_refusals(single_rank_group) -> None:

@@ -68,7 +68,56 @@ import torch
 
 from canzona.plan.plan import Plan
 
-__all__ = ["GradBuffer", "GradSyncError", "is_plain", "local_tensor", "same_view"]
+__all__ = ["GradBuffer", "GradSyncError", "guard_torch_clip", "held_gradients", "is_plain", "local_tensor", "same_view"]
+
+#: every live buffer (weakly: it goes with its optimizer), for :func:`guard_torch_clip`
+_LIVE: weakref.WeakSet[GradBuffer] = weakref.WeakSet()
+
+
+def held_gradients(parameters: object) -> list[str]:
+    """The names of those of ``parameters`` (a tensor or an iterable of them) whose gradient of
+    this iteration a live :class:`GradBuffer` holds while their ``p.grad`` is None: what
+    ``torch.nn.utils.clip_grad_norm_`` cannot see."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[call-overload]
+    out: list[str] = []
+    for buf in list(_LIVE):
+        if not buf.received:
+            continue
+        ids = buf.param_ids
+        out += [ids[id(p)] for p in params if p.grad is None and ids.get(id(p)) in buf.received]
+    return out
+
+
+def guard_torch_clip() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse, in one line, parameters whose gradients a
+    canzona buffer holds (idempotent). On the ZeRO-1 path the gradients live in the buffer and
+    ``p.grad`` is None after backward, so torch's function would return 0 and clip nothing,
+    silently. It wraps ``torch.nn.utils.clip_grad._clip_grads_with_norm_``, the module global
+    ``clip_grad_norm_`` calls with its parameter list, so the guard holds however the function
+    was imported; parameters no buffer holds a gradient for pass through unchanged. Without that
+    function (another torch) nothing is installed."""
+    import functools
+
+    import torch.nn.utils.clip_grad as clip_grad
+
+    inner = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    if inner is None or getattr(inner, "_canzona_guard", False):
+        return
+
+    @functools.wraps(inner)
+    def guarded(parameters: object, *args: object, **kwargs: object) -> object:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[call-overload]
+        held = held_gradients(params)
+        if held:
+            raise RuntimeError(
+                f"torch.nn.utils.clip_grad_norm_ sees no gradient for {len(held)} parameters whose gradients canzona's "
+                f"DistributedOptimizer holds in its buffer ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): it would "
+                "return 0 and clip nothing; call opt.clip_grad_norm_(max_norm) instead"
+            )
+        return inner(params, *args, **kwargs)
+
+    guarded._canzona_guard = True  # type: ignore[attr-defined]
+    clip_grad._clip_grads_with_norm_ = guarded
 
 
 class GradSyncError(RuntimeError):
@@ -119,6 +168,10 @@ class GradBuffer:
             raise ValueError(f"plan parameters missing from the model: {missing}")
         self.plan = plan
         self.params = dict(params)
+        #: parameter object id -> plan name (for :func:`held_gradients`)
+        self.param_ids = {id(p): n for n, p in self.params.items()}
+        _LIVE.add(self)
+        guard_torch_clip()
         self.dtype = dtype
         if device is None:
             first = next(iter(self.params.values()))
