@@ -19,7 +19,7 @@ TP'd with ``parallelize_module``; each data rank's gradient is seen by all its T
 shard of it, and equal copies of the expert sums), and the same checks hold, plus the checkpoint
 round trip to plain ZeRO-1 x TP, clipping, and what is not served (some stacks TP-cut and others
 not, another order of the mesh dimensions) refused in one line. Expert tensor parallelism (ETP,
-torchtitan's): ``("ep", "tp") = (2, 2)`` with every stack ``(Shard(0), Shard(d))``, ``gate_up_proj``
+torchtitan's): ``("ep", "tp") = (2, 2)`` (and ``("dp", "ep", "tp") = (1, 2, 2)``) with every stack ``(Shard(0), Shard(d))``, ``gate_up_proj``
 cut on its rows and ``down_proj`` on its columns: each TP rank receives its shard of the EP
 group's sum, every expert is assembled whole on one TP host, and the same checks hold (every
 expert's momentum held once, on its host), with clipping and checkpoints to plain ZeRO-1 x TP and
@@ -556,7 +556,8 @@ def ep_worker(rank: int, world: int) -> bytes:
                "dp_ep_tp1": _train(rank, world, ("dp", "ep", "tp"), (2, 2, 1)),
                "tp_mistakes": _tp_mistakes(rank, world), "tp_clip": _tp_clip(rank, world),
                "etp": _train(rank, world, ("ep", "tp"), (2, 2), etp=True),
-               "etp_ns": _train(rank, world, ("ep", "tp"), (2, 2), etp=True, exchange="ns-input"), "ckpt_etp": _checkpoints(rank, world, ("ep", "tp"), (2, 2), etp=True),
+               "etp_ns": _train(rank, world, ("ep", "tp"), (2, 2), etp=True, exchange="ns-input"),
+               "dp_etp": _train(rank, world, ("dp", "ep", "tp"), (1, 2, 2), etp=True), "ckpt_etp": _checkpoints(rank, world, ("ep", "tp"), (2, 2), etp=True),
                "etp_clip": _tp_clip(rank, world, etp=True)}
     return pack(out)
 
@@ -574,7 +575,7 @@ def runs():
     return get
 
 
-CASES = [(2, "ep"), (4, "dp_ep"), (4, "ep_tp"), (4, "dp_ep_tp"), (4, "dp_ep_tp1"), (4, "etp"), (4, "etp_ns")]
+CASES = [(2, "ep"), (4, "dp_ep"), (4, "ep_tp"), (4, "dp_ep_tp"), (4, "dp_ep_tp1"), (4, "etp"), (4, "etp_ns"), (4, "dp_etp")]
 
 
 @pytest.mark.parametrize("world,case", CASES)
@@ -611,7 +612,7 @@ def test_expert_dp_group_sizes(runs) -> None:
     assert "layout=ep, dp=2, ep=2" in runs(4)[0]["dp_ep"]["repr"]
 
 
-@pytest.mark.parametrize("case", ["ep_tp", "dp_ep_tp", "dp_ep_tp1", "etp"])
+@pytest.mark.parametrize("case", ["ep_tp", "dp_ep_tp", "dp_ep_tp1", "etp", "dp_etp"])
 def test_groups_beside_tp(runs, case: str) -> None:
     """Dense: ZeRO-1 over the dp x ep ranks of each TP coordinate, TP-split matrices through the TP
     engine; experts: the dp x tp ranks of each EP coordinate, under ETP the dp ranks (here one) of
@@ -619,12 +620,13 @@ def test_groups_beside_tp(runs, case: str) -> None:
     res = [r[case] for r in runs(4)]
     tp = 1 if case == "dp_ep_tp1" else 2
     assert [r["dense_comm"] for r in res] == [4 // tp] * 4
-    assert [r["expert_comm"] for r in res] == [1 if case == "etp" else 2] * 4
+    etp = case in ("etp", "dp_etp")
+    assert [r["expert_comm"] for r in res] == [1 if etp else 2] * 4
     assert (sum(r["tp_pieces"] for r in res) > 0) == (tp > 1)
     # ETP: each rank holds the TP shard of every local expert (2 stacks x 2 experts)
-    assert [r["expert_tp_pieces"] for r in res] == [4 if case == "etp" else 0] * 4
+    assert [r["expert_tp_pieces"] for r in res] == [4 if etp else 0] * 4
     assert f"ep=2, tp={tp}" in res[0]["repr"], res[0]["repr"]
-    assert ("etp" in res[0]["repr"]) == (case == "etp"), res[0]["repr"]
+    assert ("etp" in res[0]["repr"]) == etp, res[0]["repr"]
 
 
 def test_unserved_beside_tp_one_line(runs) -> None:
