@@ -448,6 +448,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     The FSDP2 layout refuses the ZeRO-1 options (``grad_reduce``,
     ``param_sync``, ``bucket_numel``, ``tp_dims``, ``param_views``, ``grad_views``,
     ``overlap_updates``, ``alpha``, ``tp_schedule``) when they differ from their defaults.
+
+    ``no_weight_decay``: names of element-wise parameters the element-wise optimizer steps with
+    ``weight_decay=0`` (its inner instances get a second param group; a scheduled weight decay
+    leaves them at 0), as ``transformers.Trainer`` exempts biases and norm weights. Every name
+    must be a planned parameter of the element-wise role.
     """
 
     def __init__(
@@ -477,6 +482,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_views: bool = True,
         roles: Any = None,
         exchange: str = "gradients",
+        no_weight_decay: Any = (),
         cmax_mb: Any = None,
     ) -> None:
         # ---- checks that every rank makes identically, before any collective
@@ -491,7 +497,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             strategy=strategy, tp_schedule=tp_schedule, tp_dims=tp_dims, bucket_numel=bucket_numel, alpha=alpha, cost=cost,
             cmax=cmax, master_dtype=master_dtype, grad_reduce=grad_reduce, param_sync=param_sync,
             status_timeout_s=status_timeout_s, bound_fsdp_collectives=bound_fsdp_collectives, overlap_updates=overlap_updates, param_views=param_views, grad_views=grad_views,
-            roles=roles, exchange=exchange,
+            roles=roles, exchange=exchange, no_weight_decay=no_weight_decay,
         )
         self._set_settings(settings)
         matrix_cls, ew_cls = self._resolve_optimizers(optimizer, optimizer_kwargs, elementwise_optimizer, elementwise_kwargs)
@@ -504,10 +510,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         # ---- plan, agreed on every rank; groups; replicas
         self.plan = self._agree_plan(layout, matrix_cls, plan, device)
+        self._check_no_weight_decay(layout)
         self._init_param_groups(model, layout)
         layout.check_replicas()
         # every rank's optimizer arguments, folded into the per-step hyperparameter digest
-        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs)))
+        self._kwargs_repr = repr((_plain(self.optimizer_kwargs), _plain(self.elementwise_kwargs), sorted(settings.no_weight_decay)))
 
         # ---- runtime
         self.comm_stats = CommStats()
@@ -547,6 +554,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_hyperparams(self.elementwise_kwargs, "elementwise_kwargs")
         self.matrix_cls, self.elementwise_cls = matrix_cls, ew_cls
         return matrix_cls, ew_cls
+
+    def _check_no_weight_decay(self, layout: Layout) -> None:
+        """Every ``no_weight_decay`` name is a planned parameter of the element-wise role (the same
+        answer on every rank: names and the agreed plan)."""
+        nd = self.settings.no_weight_decay
+        if not nd:
+            return
+        unknown = sorted(n for n in nd if n not in layout.planned)
+        if unknown:
+            raise ValueError(f"no_weight_decay names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, which are not trainable parameters "
+                             "of the model (names as model.named_parameters() gives them)")
+        matrices = sorted(n for n in nd if layout.role(n) != "elementwise")
+        if matrices:
+            raise ValueError(f"no_weight_decay names {matrices[:3]}{' ...' if len(matrices) > 3 else ''}, which the matrix optimizer "
+                             "updates; only element-wise parameters can be exempt from weight decay (set the matrix "
+                             "optimizer's weight_decay, or give those parameters the element-wise role with roles=)")
 
     @staticmethod
     def _check_model(model: nn.Module) -> torch.device:

@@ -15,11 +15,12 @@ any per-parameter ``torch.optim.Optimizer`` class), ``strategy=``, ``optimizer_k
   runs unfused: torch's fused CPU kernel is not exact on the pieces each rank holds,
   docs/robustness.md) and ``optim_args`` must be unset: any other choice is refused at
   construction in one line, since canzona's optimizers come from ``optimizer=`` and
-  ``elementwise_optimizer=``. ``transformers.Trainer`` exempts biases and norm weights from
-  weight decay (``get_decay_parameter_names``); canzona has one element-wise group, so with a
-  non-zero ``weight_decay`` and no ``elementwise_kwargs=`` the Trainer refuses at construction,
-  naming the exempt parameters, rather than decay them silently: pass ``elementwise_kwargs=``
-  (with the weight decay wanted for all element-wise parameters).
+  ``elementwise_optimizer=``.
+- **weight decay**: as ``transformers.Trainer`` does, biases and norm weights
+  (``get_decay_parameter_names``) are stepped without weight decay: they go to
+  :class:`~canzona.DistributedOptimizer`'s ``no_weight_decay`` (a second param group of the
+  element-wise optimizer). ``canzona_kwargs={"no_weight_decay": [...]}`` replaces that list (an
+  empty one decays every element-wise parameter).
 - **no DDP**: canzona reduces the gradients itself (its buffer hooks take them and reduce-scatter
   per bucket); a ``DistributedDataParallel`` wrapper would all-reduce them again and write
   ``p.grad`` after canzona took it. The Trainer's accelerator prepares the model in its
@@ -117,24 +118,7 @@ class Trainer(transformers.Trainer):
                 f"and adam_epsilon); leave optim at {SERVED_OPTIM[1]!r} or {SERVED_OPTIM[0]!r} and pass the classes and their "
                 "optimizer_kwargs= / elementwise_kwargs= instead"
             )
-        self._check_weight_decay()
         self._keep_out_of_ddp()
-
-    def _check_weight_decay(self) -> None:
-        """Refuse the default element-wise arguments when they would decay parameters that
-        ``transformers.Trainer`` exempts from weight decay (see the module docstring)."""
-        wd = self.args.weight_decay
-        if self._canzona_args["elementwise_kwargs"] is not None or not wd or self.model is None:
-            return
-        decay = set(self.get_decay_parameter_names(self.model))
-        exempt = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay]
-        if exempt:
-            raise TypeError(
-                f"TrainingArguments(weight_decay={wd}) with canzona.hf.Trainer's default element-wise arguments would decay the "
-                f"{len(exempt)} parameters transformers.Trainer exempts (biases and norm weights: {', '.join(exempt[:3])}"
-                f"{', ...' if len(exempt) > 3 else ''}); canzona has one element-wise group: pass elementwise_kwargs= yourself "
-                f"(weight_decay={wd} to decay them too, or 0.0 to decay no element-wise parameter)"
-            )
 
     # ------------------------------------------------------------------------- accelerate
     def _keep_out_of_ddp(self) -> None:
@@ -175,10 +159,14 @@ class Trainer(transformers.Trainer):
                 "TrainingArguments(ddp_backend='gloo') on CPU)"
             )
         args = dict(self._canzona_args)
+        model = model if model is not None else self.model
+        if "no_weight_decay" not in args:  # transformers.Trainer's exemption: biases and norm weights
+            decay = set(self.get_decay_parameter_names(model))
+            args["no_weight_decay"] = [n for n, p in model.named_parameters() if p.requires_grad and n not in decay]
         for key, role in (("optimizer_kwargs", "optimizer"), ("elementwise_kwargs", "elementwise_optimizer")):
             if args[key] is None:
                 args[key] = hf_default_kwargs(resolve_optimizer(args[role], role), self.args)
-        opt = DistributedOptimizer(model if model is not None else self.model, args.pop("optimizer"), **args)
+        opt = DistributedOptimizer(model, args.pop("optimizer"), **args)
         # the Trainer clears gradients with model.zero_grad(), which cannot reach canzona's buffer
         opt.register_step_post_hook(lambda o, _args, _kwargs: o.zero_grad())
         self.optimizer = opt

@@ -90,6 +90,10 @@ class OptimizerSettings:
     """Parameter roles the user decides (``matrix``, ``experts``, ``elementwise``): a callable
     ``(name, param) -> role | None`` or a mapping of glob patterns to roles (first match wins);
     None, or a None answer: the default rule (:func:`canzona.specs.default_role`)."""
+    no_weight_decay: frozenset[str] = frozenset()
+    """Element-wise parameters (by name) the element-wise optimizer steps with ``weight_decay=0``:
+    a second param group of its inner instances, as ``transformers.Trainer`` exempts biases and
+    norm weights; a scheduled ``weight_decay`` leaves them at 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str):
@@ -116,6 +120,10 @@ class OptimizerSettings:
             raise TypeError(f"roles must be a callable (name, param) -> role or a mapping of patterns to roles, got {type(self.roles).__name__}")
         if isinstance(self.roles, Mapping):
             object.__setattr__(self, "roles", dict(self.roles))
+        nd = self.no_weight_decay
+        if isinstance(nd, str) or not all(isinstance(n, str) for n in nd):
+            raise TypeError(f"no_weight_decay must be a collection of parameter names, got {nd!r}")
+        object.__setattr__(self, "no_weight_decay", frozenset(nd))
         if self.tp_dims is not None:
             if not isinstance(self.tp_dims, Mapping):
                 raise TypeError(f"tp_dims must map parameter names to split dims, got {type(self.tp_dims).__name__}")

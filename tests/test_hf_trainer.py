@@ -69,17 +69,21 @@ class _Data:
 
 def _routed(model):
     """The DDP baseline's optimizer: torch's Muon on the matrices, AdamW on the rest, routed by
-    canzona's default role rule; one torch Optimizer so the Trainer's scheduler drives both."""
+    canzona's default role rule, the biases and norm weights without weight decay as
+    transformers.Trainer groups them; one torch Optimizer so the Trainer's scheduler drives both."""
     import torch
+    import transformers
 
     from canzona.specs import is_matrix_param
 
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
     mat = [p for n, p in model.named_parameters() if is_matrix_param(n, p.shape)]
-    ew = [p for n, p in model.named_parameters() if not is_matrix_param(n, p.shape)]
+    ew = [(n, p) for n, p in model.named_parameters() if not is_matrix_param(n, p.shape)]
+    groups = [{"params": [p for n, p in ew if n in decay]}, {"params": [p for n, p in ew if n not in decay], "weight_decay": 0.0}]
 
     class Routed(torch.optim.Optimizer):
         def __init__(self) -> None:
-            self.parts = [torch.optim.Muon(mat, **MUON_KW), torch.optim.AdamW(ew, **ADAMW_KW)]
+            self.parts = [torch.optim.Muon(mat, **MUON_KW), torch.optim.AdamW([g for g in groups if g["params"]], **ADAMW_KW)]
             # torch's bookkeeping (hooks, state) only: the groups are the parts' own (see below)
             super().__init__([torch.zeros(1, requires_grad=True)], {})
 
@@ -355,9 +359,13 @@ def _defaults_worker(rank: int, world: int) -> dict:
         # weight decay with element-wise arguments given: the matrices get the arguments' decay
         given = canzona.hf.Trainer(model=_model("llama"), args=_args(d, weight_decay=0.05), train_dataset=_Data(model.config.vocab_size),
                                    elementwise_kwargs={"lr": 1e-3})
-        out["given_matrix_wd"] = given.create_optimizer().runtime.matrix_opt.param_groups[0]["weight_decay"]
-        for case, kw in (("sgd", {"optim": "sgd"}), ("optim_args", {"optim": "adamw_torch", "optim_args": "foo=1"}),
-                         ("decay", {"weight_decay": 0.05})):
+        given_opt = given.create_optimizer()
+        out["given_matrix_wd"] = given_opt.runtime.matrix_opt.param_groups[0]["weight_decay"]
+        # transformers' exemption: the biases and norm weights in a second element-wise group without decay
+        out["ew_groups"] = [(len(g["params"]), g["weight_decay"]) for g in given_opt.runtime.elementwise_opt.param_groups]
+        out["exempt"] = sorted(given_opt.settings.no_weight_decay)
+        out["decay_names"] = sorted(given.get_decay_parameter_names(given.model))
+        for case, kw in (("sgd", {"optim": "sgd"}), ("optim_args", {"optim": "adamw_torch", "optim_args": "foo=1"})):
             try:
                 canzona.hf.Trainer(model=_model("llama"), args=_args(d, **kw), train_dataset=_Data(model.config.vocab_size))
                 out[case] = "accepted"
@@ -371,9 +379,8 @@ def test_training_arguments_reach_adamw_and_other_optims_are_refused() -> None:
     """Without optimizer_kwargs / elementwise_kwargs, AdamW gets the arguments' learning_rate,
     weight_decay, adam_beta1/2 and adam_epsilon (as transformers.Trainer's AdamW does; betas were
     silently AdamW's defaults before), Muon only lr and weight_decay (its eps is its own);
-    TrainingArguments.optim other than torch's AdamW, optim_args, and a weight decay that the
-    default element-wise arguments would apply to the norms and biases transformers exempts are
-    refused in one line."""
+    biases and norm weights are exempt from weight decay as transformers.Trainer exempts them;
+    TrainingArguments.optim other than torch's AdamW and optim_args are refused in one line."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from canzona.runtime.launch import run_workers
@@ -382,10 +389,11 @@ def test_training_arguments_reach_adamw_and_other_optims_are_refused() -> None:
     assert res["elementwise"] == {"lr": 2e-3, "weight_decay": 0.0, "betas": (0.8, 0.95), "eps": 1e-6}, res
     assert res["matrix"] == {"lr": 2e-3, "weight_decay": 0.0, "eps": res["muon_eps_default"]}, res
     assert res["given_matrix_wd"] == 0.05
-    # transformers.Trainer exempts norms and biases from weight decay; canzona's one element-wise
-    # group cannot, so the default arguments with weight decay are refused, naming them
-    assert res["decay"].startswith("TrainingArguments(weight_decay=0.05) with canzona.hf.Trainer's default element-wise"), res["decay"]
-    assert "norm.weight" in res["decay"] and "\n" not in res["decay"], res["decay"]
+    # transformers.Trainer exempts norms and biases from weight decay: so does canzona.hf.Trainer
+    assert res["exempt"] and all("norm" in n or "bias" in n for n in res["exempt"]), res["exempt"]
+    assert not set(res["exempt"]) & set(res["decay_names"])
+    # (elementwise_kwargs={"lr": 1e-3} given: AdamW's own default weight decay, 0.01, for the rest)
+    assert len(res["ew_groups"]) == 2 and res["ew_groups"][1] == (len(res["exempt"]), 0.0) and res["ew_groups"][0][1] == 0.01, res["ew_groups"]
     for case in ("sgd", "optim_args"):
         assert "is not what canzona.hf.Trainer runs" in res[case] and "\n" not in res[case], res[case]
     assert res["sgd"].startswith("TrainingArguments(optim='sgd')"), res["sgd"]

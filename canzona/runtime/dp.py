@@ -157,6 +157,27 @@ __all__ = [
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
+#: the param-group key marking the element-wise group stepped without weight decay
+NO_DECAY = "canzona_no_weight_decay"
+
+
+def elementwise_groups(masters: list[torch.Tensor], names: list[str], no_decay: frozenset[str]) -> list[Any]:
+    """``masters`` (of parameters ``names``) as the element-wise optimizer's param groups: one
+    plain list, or, when some belong to ``no_decay``, a group of the rest and a group of those
+    with ``weight_decay=0`` (marked :data:`NO_DECAY`)."""
+    off = [m for m, n in zip(masters, names) if n in no_decay]
+    if not off:
+        return masters
+    on = [m for m, n in zip(masters, names) if n not in no_decay]
+    return ([{"params": on}] if on else []) + [{"params": off, "weight_decay": 0.0, NO_DECAY: True}]
+
+
+def update_groups(opt: torch.optim.Optimizer, values: Mapping[str, Any]) -> None:
+    """Write ``values`` into every param group of ``opt``; a :data:`NO_DECAY` group keeps its 0
+    weight decay."""
+    for group in opt.param_groups:
+        group.update({k: v for k, v in values.items() if k != "weight_decay"} if group.get(NO_DECAY) else values)
+
 #: a plan role (canzona.plan.strategies.ROLES) -> the role of a runtime piece (and of checkpoint entries)
 _PIECE_ROLE = {"matrix": "matrix", "tp-task": "tp", "elementwise": "elementwise", "experts": "matrix"}
 
@@ -323,6 +344,8 @@ class DPRuntime:
         self.grad_contributes = bool(grad_contributes)
         self._zeroed: dict[int, torch.Tensor] = {}
         self.master_dtype = master_dtype
+        #: element-wise parameters stepped without weight decay (:func:`elementwise_groups`)
+        self.no_weight_decay = settings.no_weight_decay
         self.params = dict(params)
         self.specs = {pp.name: pp.spec for pp in plan.params}
         #: per-update hooks (shared with the TP engine); empty: the step only tests it
@@ -418,6 +441,8 @@ class DPRuntime:
             ts = [self.masters[pc] for pc in self.pieces if pc.role == role]
             if not ts:
                 return None
+            if role == "elementwise":
+                return factory(elementwise_groups(ts, [pc.name for pc in self.pieces if pc.role == role], self.no_weight_decay))
             flipped = [self.masters[pc] for pc in self.pieces if pc.role == role == "matrix" and self.specs[pc.name].transposed]
             if not flipped:
                 return factory(ts)
@@ -1167,8 +1192,7 @@ class DPRuntime:
             raise ValueError(f"role must be 'matrix' or 'elementwise', got {role!r}")
         for opt in opts:
             if opt is not None:
-                for group in opt.param_groups:
-                    group.update(values)
+                update_groups(opt, values)
         if role == "matrix" and self.tp_engine is not None:
             self.tp_engine.set_hyperparams(values)
 

@@ -59,6 +59,7 @@ from canzona.runtime.agree import (
     step_flags,
 )
 from canzona.runtime.comm import Comm
+from canzona.runtime.dp import elementwise_groups, update_groups
 from canzona.runtime.exchange import ExchangeTask, MicroGroupEngine, PieceLayout
 from canzona.runtime.phases import phase
 from canzona.settings import OptimizerSettings
@@ -199,7 +200,8 @@ class FSDPRuntime:
             loc = local_block(self.params[n].detach())
             if loc.numel():
                 self.ew_masters[n] = nn.Parameter(loc.to(master_dtype, copy=True))
-        self.ew_optimizer = elementwise_factory(list(self.ew_masters.values())) if self.ew_masters else None
+        self.ew_optimizer = (elementwise_factory(elementwise_groups(list(self.ew_masters.values()), list(self.ew_masters), settings.no_weight_decay))
+                             if self.ew_masters else None)
         self._init_experts(matrix_factory)
         tasks = [[ExchangeTask(self.task_layouts[n], h) for n, h in g] for g in groups]
         initial = self._pieces({n: local_block(p.detach()) for n, p in self.params.items()})
@@ -446,8 +448,7 @@ class FSDPRuntime:
                 for group in self.expert_optimizer.param_groups:
                     group.update(values)
         elif self.ew_optimizer is not None:
-            for group in self.ew_optimizer.param_groups:
-                group.update(values)
+            update_groups(self.ew_optimizer, values)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank: hosted full-shape matrix state plus element-wise pieces."""
