@@ -455,6 +455,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     must be a planned parameter of the element-wise role.
     """
 
+    #: ``torch.amp.GradScaler`` hands an optimizer with this flag its scale and ``found_inf`` and
+    #: calls :meth:`step` itself, which refuses the scaler in one line (see :meth:`step`)
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -704,6 +708,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         errors, missing and non-finite gradients and the hyperparameter digest on every rank."""
         if closure is not None:
             raise TypeError("DistributedOptimizer.step does not take a closure (per-parameter optimizers only)")
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            # set by torch.amp.GradScaler.step just before it calls this (the same on every rank);
+            # dropped here, since the scaler deletes them only after a step that returned
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise TypeError(
+                "torch.amp.GradScaler is not supported: canzona reduces the gradients in its own buffer (p.grad is None on "
+                "the ZeRO-1 path) and settles their finiteness across ranks itself, so the scaler could neither unscale nor "
+                "skip them correctly; train with bf16 autocast and no scaler (nothing was changed)"
+            )
         self._watch.check()
         self._check_hyperparams()
         self._push_hyperparams()

@@ -90,6 +90,23 @@ def test_torch_clip_refuses_what_the_zero1_path_holds(single_rank_group) -> None
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item() == 0.0  # nothing held after zero_grad
 
 
+def test_grad_scaler_is_refused_in_one_line(single_rank_group) -> None:
+    """torch.amp.GradScaler would find no p.grad on the ZeRO-1 path (torch's own error: "No inf
+    checks were recorded"); canzona refuses it in one line at scaler.step, nothing changed."""
+    model, _, opt = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    inject_grads(model, integer_grads(model, step=0, rank=0))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # what scaler.scale(loss).backward() does first: the scale exists
+    with pytest.raises(TypeError, match=r"^torch.amp.GradScaler is not supported: .* train with bf16 autocast and no scaler") as err:
+        scaler.step(opt)
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # the scaler's attributes are gone
+    opt.step()  # the plain step still works afterwards
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
 def test_refusals(single_rank_group) -> None:
     model, _, opt = _setup()
     grads = integer_grads(model, step=0, rank=0)
