@@ -17,7 +17,7 @@ any per-parameter ``torch.optim.Optimizer`` class), ``strategy=``, ``optimizer_k
   construction in one line, since canzona's optimizers come from ``optimizer=`` and
   ``elementwise_optimizer=``.
 - **weight decay**: as ``transformers.Trainer`` does, biases and norm weights
-  (``get_decay_parameter_names``) are stepped without weight decay: they go to
+  (``get_decay_parameter_names``) of the element-wise role are stepped without weight decay: they go to
   :class:`~canzona.DistributedOptimizer`'s ``no_weight_decay`` (a second param group of the
   element-wise optimizer). ``canzona_kwargs={"no_weight_decay": [...]}`` replaces that list (an
   empty one decays every element-wise parameter).
@@ -161,8 +161,13 @@ class Trainer(transformers.Trainer):
         args = dict(self._canzona_args)
         model = model if model is not None else self.model
         if "no_weight_decay" not in args:  # transformers.Trainer's exemption: biases and norm weights
+            from canzona.specs import module_roles
+
             decay = set(self.get_decay_parameter_names(model))
-            args["no_weight_decay"] = [n for n, p in model.named_parameters() if p.requires_grad and n not in decay]
+            # of the element-wise role only (a 2-D expert bias the matrix optimizer updates keeps its decay)
+            roles = module_roles(model, args.get("roles"))
+            args["no_weight_decay"] = [n for n, p in model.named_parameters()
+                                       if p.requires_grad and n not in decay and roles[n][0] == "elementwise"]
         for key, role in (("optimizer_kwargs", "optimizer"), ("elementwise_kwargs", "elementwise_optimizer")):
             if args[key] is None:
                 args[key] = hf_default_kwargs(resolve_optimizer(args[role], role), self.args)

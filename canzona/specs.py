@@ -74,8 +74,9 @@ MATRIX_EXCLUDE_PATTERNS: tuple[str, ...] = ("embed", "lm_head", "output_layer", 
 
 def is_matrix_param(name: str, shape: Iterable[int]) -> bool:
     """True when the matrix optimizer owns this parameter: 2-D weights except token embeddings,
-    output heads, MoE routers and 1 x N / N x 1 matrices (gates such as Qwen2-MoE's
-    ``shared_expert_gate``). Everything else (norms, biases, those) is element-wise. The name part
+    output heads, MoE routers, 1 x N / N x 1 matrices (gates such as Qwen2-MoE's
+    ``shared_expert_gate``) and 2-D biases (``bias`` or ``*_bias``: gpt-oss keeps its experts'
+    biases as ``(E, N)`` stacks of vectors). Everything else (norms, biases, those) is element-wise. The name part
     of the rule; :func:`default_role` adds what only the module knows (embeddings by type, tied
     weights, expert stacks, GPT-2's ``Conv1D``).
     Pure function of name and shape, shared by the planner and :mod:`canzona.optim`."""
@@ -88,6 +89,8 @@ def is_matrix_param(name: str, shape: Iterable[int]) -> bool:
     if any(pattern in lowered for pattern in MATRIX_EXCLUDE_PATTERNS):
         return False
     parts = lowered.split(".")
+    if parts[-1] == "bias" or parts[-1].endswith("_bias"):  # a stack of bias vectors (gpt-oss's experts' (E, N) biases)
+        return False
     return not (len(parts) >= 2 and parts[-2] == "gate" and parts[-1] == "weight")
 
 

@@ -365,6 +365,15 @@ def _defaults_worker(rank: int, world: int) -> dict:
         out["ew_groups"] = [(len(g["params"]), g["weight_decay"]) for g in given_opt.runtime.elementwise_opt.param_groups]
         out["exempt"] = sorted(given_opt.settings.no_weight_decay)
         out["decay_names"] = sorted(given.get_decay_parameter_names(given.model))
+        # a 2-D bias (gpt-oss's expert biases are (E, N)): element-wise by default and exempt as transformers exempts it;
+        # given the matrix role, the matrix optimizer updates it with its decay (the list leaves it out rather than refuse)
+        for case, roles in (("bias_default", None), ("bias_matrix", {"*.stacked_bias": "matrix"})):
+            m = _model("llama")
+            m.model.layers[0].mlp.register_parameter("stacked_bias", torch.nn.Parameter(torch.zeros(4, 8)))
+            t = canzona.hf.Trainer(model=m, args=_args(d, weight_decay=0.05), train_dataset=_Data(model.config.vocab_size),
+                                  canzona_kwargs={"roles": roles})
+            o = t.create_optimizer()
+            out[case] = ("model.layers.0.mlp.stacked_bias" in o.settings.no_weight_decay, o.layout.role("model.layers.0.mlp.stacked_bias"))
         for case, kw in (("sgd", {"optim": "sgd"}), ("optim_args", {"optim": "adamw_torch", "optim_args": "foo=1"})):
             try:
                 canzona.hf.Trainer(model=_model("llama"), args=_args(d, **kw), train_dataset=_Data(model.config.vocab_size))
@@ -394,6 +403,7 @@ def test_training_arguments_reach_adamw_and_other_optims_are_refused() -> None:
     assert not set(res["exempt"]) & set(res["decay_names"])
     # (elementwise_kwargs={"lr": 1e-3} given: AdamW's own default weight decay, 0.01, for the rest)
     assert len(res["ew_groups"]) == 2 and res["ew_groups"][1] == (len(res["exempt"]), 0.0) and res["ew_groups"][0][1] == 0.01, res["ew_groups"]
+    assert res["bias_default"] == (True, "elementwise") and res["bias_matrix"] == (False, "matrix"), (res["bias_default"], res["bias_matrix"])
     for case in ("sgd", "optim_args"):
         assert "is not what canzona.hf.Trainer runs" in res[case] and "\n" not in res[case], res[case]
     assert res["sgd"].startswith("TrainingArguments(optim='sgd')"), res["sgd"]

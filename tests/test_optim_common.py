@@ -290,6 +290,10 @@ def test_grad_shape_mismatch_and_sparse_grad() -> None:
         ("output_layer.weight", (1000, 32), False),
         ("model.layers.0.input_layernorm.weight", (32,), False),
         ("model.layers.0.self_attn.q_proj.bias", (64,), False),
+        ("model.layers.0.mlp.experts.gate_up_proj_bias", (4, 64), False),  # gpt-oss: (E, N) stacks of bias vectors
+        ("model.layers.0.mlp.experts.down_proj_bias", (4, 32), False),
+        ("h.0.attn.bias", (8, 16), False),
+        ("model.layers.0.mlp.bias_proj.weight", (8, 16), True),  # 'bias' elsewhere in the name is no bias
         ("conv.weight", (8, 3, 3, 3), False),
         ("Model.Embedding.Weight", (10, 4), False),  # case-insensitive
     ],
