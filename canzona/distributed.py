@@ -775,7 +775,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def refresh_masters(self) -> None:
         """Re-read the masters from the model (collective; layouts that keep separate masters of
-        the model's pieces): call after overwriting parameters outside the optimizer."""
+        the model's pieces): call after overwriting parameters outside the optimizer. (Under
+        FSDP2's split step with fp32 parameters the matrix masters are the model's own shards and
+        see such edits at once; the element-wise masters still need this call.)"""
         refresh = getattr(self.layout, "refresh_masters", None)
         if refresh is None:
             raise TypeError(f"the {self.layout.engine} layout has no refresh_masters (its masters are the parameter buffer's)")

@@ -278,6 +278,68 @@ def _resume_case(rank: int, mesh) -> dict:
     return out
 
 
+def _alias_case(mesh) -> dict:
+    """fp32 parameters: the split step's piece masters are the model's own shards (no copy back,
+    no second fp32 copy); a shard FSDP2 re-allocates (here re-allocated after the
+    first step, as ``model.to`` does) is written by copy from then on, and the three steps still equal the
+    single-device optimizer bitwise; bf16 parameters keep separate fp32 masters. A DCP-form load
+    whose ``.model`` entry disagrees with ``.master`` leaves the master's value in an aliased
+    piece, whatever order DCP fills the two targets in."""
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.distributed import resolve_optimizer
+    from canzona.runtime.shard import local_block
+    from canzona.runtime.stateful import _pieces
+    from validation.fsdp_harness import _dp, _full_params, build_fsdp_toy, compare_with_reference, fsdp_local_grads, fsdp_reference
+
+    def aliased(model, opt) -> tuple[int, int]:
+        rt = opt.runtime
+        named = dict(model.named_parameters())
+        pairs = [(m, local_block(named[rt._task_of[t]].detach())) for t, m in rt.engine.pieces.items() if m.numel()]
+        return sum(m.untyped_storage().data_ptr() == loc.untyped_storage().data_ptr() for m, loc in pairs), len(pairs)
+
+    kw = {"lr": 0.02}
+    out: dict[str, object] = {}
+    model = build_fsdp_toy(mesh, torch.float32)
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW, exchange="ns-input")
+    out["fp32"] = aliased(model, opt)
+    for s in range(NS_STEPS):
+        model(fsdp_local_grads(mesh, s)).backward()
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            # what model.to(...) does under FSDP2: every shard in new storage (FSDPModule._apply
+            # re-points the sharded parameters); the aliases are stale from here on
+            model._apply(lambda t: t.clone())
+            out["after_swap"] = aliased(model, opt)
+    params, doc = _full_params(model), opt.consolidated_state_dict()
+    out["mismatches"] = None
+    if dist.get_rank() == 0:
+        ref = fsdp_reference(resolve_optimizer("muon"), kw, EW, dtype=torch.float32, dp=_dp(mesh)[1], steps=NS_STEPS)
+        out["mismatches"] = compare_with_reference(params, doc, ref)
+    bf16 = build_fsdp_toy(mesh, torch.bfloat16)
+    out["bf16"] = aliased(bf16, canzona.DistributedOptimizer(bf16, "muon", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW,
+                                                              exchange="ns-input"))
+    # a DCP-form load: fill the targets as dcp.load would (masters, then the model entries)
+    model = build_fsdp_toy(mesh, torch.float32)
+    opt = canzona.DistributedOptimizer(model, "muon", mesh=mesh, optimizer_kwargs=kw, elementwise_kwargs=EW, exchange="ns-input")
+    model(fsdp_local_grads(mesh, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    sd = opt.state_dict()
+    matrices = [n for n in opt.runtime.engine.pieces]
+    with torch.no_grad():
+        for suffix, value in ((".master", 1.0), (".model", 2.0)):
+            for n in matrices:
+                for _, t in _pieces(sd[n + suffix]):
+                    t.fill_(value)
+    opt.load_state_dict(sd)
+    named = dict(model.named_parameters())
+    out["loaded"] = sorted({float(v) for n in matrices if (loc := local_block(named[n].detach())).numel() for v in loc.unique()})
+    return out
+
+
 def _refusals(mesh) -> dict:
     import canzona
     from validation.fsdp_harness import build_fsdp_toy
@@ -454,6 +516,13 @@ def _ns_worker(rank: int, world: int, keys: tuple[str, ...]) -> bytes:
             except Exception as exc:  # noqa: BLE001
                 out[f"{key}/resume"] = {"error": f"{type(exc).__name__}: {exc}"}
             out[f"{key}/refusals"] = _refusals(mesh)
+        if key == "dp_shard2":
+            try:
+                out["alias"] = _alias_case(mesh)
+            except Exception as exc:  # noqa: BLE001 - one case fails on its own
+                traceback.print_exc(file=sys.stderr)
+                out["alias"] = {"error": f"{type(exc).__name__}: {exc}"}
+            dist.barrier()
     return pack(out)
 
 
@@ -507,6 +576,20 @@ def test_fsdp2_split_step_checkpoint_resumes_bitwise_under_either_exchange(world
     for exchange in ("ns-input", "gradients"):
         bad = [n for n in got["straight"] if not torch.equal(got["straight"][n], got[exchange][n])]
         assert bad == [], (exchange, bad)
+
+
+@pytest.mark.slow
+def test_fsdp2_split_step_masters_alias_fp32_shards_and_survive_a_storage_swap() -> None:
+    res = _fsdp_results(2)
+    for r in res:
+        got = r["alias"]
+        assert "error" not in got, got.get("error")
+        aliased, pieces = got["fp32"]
+        assert pieces > 0 and aliased == pieces  # every non-empty piece master is the model's shard
+        assert got["after_swap"] == (0, pieces)  # the swap left them stale: the step copies
+        assert got["bf16"][0] == 0  # another dtype: separate fp32 masters
+        assert got["loaded"] == [1.0]  # the master entry's value, never the model entry's
+    assert res[0]["alias"]["mismatches"] == []
 
 
 @pytest.mark.slow

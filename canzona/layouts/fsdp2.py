@@ -654,7 +654,8 @@ class FSDP2Layout(Layout):
         out = []
         for name, p in rt.params.items():
             b = rt.layouts[name].blocks[self.group_rank]
-            out.append(ModelPiece(name, local_block(p.detach()), (b.offset, b.shape)))
+            local = local_block(p.detach())
+            out.append(ModelPiece(name, local, (b.offset, b.shape), rt.aliases_model(name, local)))
         return out
 
     def status_device(self) -> torch.device:

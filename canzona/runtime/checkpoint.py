@@ -192,11 +192,15 @@ class Held:
 
 @dataclass(frozen=True)
 class ModelPiece:
-    """The model's own storage of one parameter on this rank: ``local`` holds box ``box`` of it."""
+    """The model's own storage of one parameter on this rank: ``local`` holds box ``box`` of it.
+    ``aliased``: that storage is also the optimizer's master of it (the FSDP2 split step with
+    parameters in the master dtype), so a load writes it through the master (the optimizer's
+    value) and never from the model entry, and a load target for the model entry is a copy."""
 
     name: str
     local: torch.Tensor
     box: Box
+    aliased: bool = False
 
 
 class Checkpointable(Protocol):
@@ -794,7 +798,8 @@ def load_consolidated_state_dict(src: Checkpointable, doc: Mapping[str, Any]) ->
                     new[k] = v
             h.optimizer.state[h.param] = new
         for mp in src.model_pieces():
-            mp.local.copy_(params[mp.name][box_index(mp.box)].reshape(mp.local.shape))
+            if not mp.aliased:  # an aliased piece got the master's value above
+                mp.local.copy_(params[mp.name][box_index(mp.box)].reshape(mp.local.shape))
     restore_hyperparams(src, doc["hyper"])
     src.finish_load(int(doc["meta"].get("steps", 0)))
 

@@ -230,16 +230,20 @@ def _stride_key(name: str, k: str) -> str:
     return f"optim.{name}.stride.{k}"
 
 
-def _model_boxes(src: Checkpointable) -> dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]]:
+def _model_boxes(src: Checkpointable, load: bool = False) -> dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]]:
     """Each model ``state_dict()`` entry's full shape and the (box, local tensor) pieces this rank
     holds of it: the front end's own record for trainable parameters (several boxes for a packed
-    TP stack), a DTensor's placements otherwise."""
+    TP stack), a DTensor's placements otherwise. ``load``: without the pieces whose storage is
+    also their master's (:class:`~canzona.runtime.checkpoint.ModelPiece` ``aliased``), which the
+    load writes through the master entry only."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     for mp in src.model_pieces():
-        pieces.setdefault(mp.name, []).append(((tuple(mp.box[0]), tuple(mp.box[1])), mp.local))
+        held = pieces.setdefault(mp.name, [])
+        if not (load and mp.aliased):
+            held.append(((tuple(mp.box[0]), tuple(mp.box[1])), mp.local))
     out: dict[str, tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]] = {}
     for k, v in src.model.state_dict().items():
         if not torch.is_tensor(v):
@@ -545,7 +549,7 @@ class _LoadPlan:
         self.states: list[tuple[Held, dict[str, Any]]] = []
         self.new_state_bytes = 0
         shapes = {r.name: tuple(r.shape) for r in src.checkpoint_params()}
-        for k, (want, held) in _model_boxes(src).items():
+        for k, (want, held) in _model_boxes(src, load=True).items():
             size, _ = _item(md, f"model.{k}")
             if size != want:
                 raise CheckpointError(f"model entry {k!r}: checkpoint holds shape {size}, the model {want}")

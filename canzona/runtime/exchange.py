@@ -604,6 +604,15 @@ def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         torch._foreach_copy_(list(dst), list(src))
 
 
+def same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements of one storage (a copy between them changes
+    nothing): the same dtype, start, shape and strides, a stride of a one-element dim aside (it
+    never moves)."""
+    if a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
 class _Run:
     """What one :meth:`MicroGroupEngine.run` carries from event to event."""
 
@@ -790,7 +799,7 @@ class MicroGroupEngine:
         into the piece masters (no exchange)."""
         if self.split:
             for name, piece in self.pieces.items():
-                if values[name] is not piece:
+                if not same_elements(values[name], piece):  # an aliased piece master is the value
                     piece.copy_(values[name])
             return
         for g in self.groups:
@@ -988,7 +997,10 @@ class MicroGroupEngine:
         shapes = self._full_shapes
         self.optimizer.matrix_apply(pieces, moms, outs, [shapes[n] for n in names])  # type: ignore[union-attr]
         dest = r.dest
-        copy = [(dest[n], piece) for n, piece in zip(names, pieces) if dest[n] is not piece]
+        # a piece master that is the model's own storage (FSDPRuntime aliases them where it can)
+        # is updated in place already; one whose destination moved (FSDP2 re-allocated the
+        # shard, a dtype change) or differs in dtype is copied, as a separate master always is
+        copy = [(dest[n], piece) for n, piece in zip(names, pieces) if not same_elements(dest[n], piece)]
         if copy:
             torch._foreach_copy_([d for d, _ in copy], [piece for _, piece in copy])
 

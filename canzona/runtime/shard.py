@@ -133,6 +133,25 @@ def local_block(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor if isinstance(p, _dtensor()) else p
 
 
+def _piece_master(piece: torch.Tensor, master_dtype: torch.dtype) -> nn.Parameter:
+    """The split step's master of one piece (this rank's block of a matrix, or of one expert of a
+    stack): the model's own storage where it already is a contiguous block in the master dtype
+    (fp32 parameters under FSDP2), else a copy in the master dtype.
+
+    Aliased, the update lands in the model's shard in place: no copy back after every step and no
+    second fp32 copy of every matrix parameter (4 bytes per element). What stays the same: the
+    masters hold exactly the values a separate master would (the step writes its value into the
+    model either way), and the checks before the step still run before anything changes. What
+    changes: an in-place edit of a matrix parameter (``load_state_dict`` into the model,
+    ``p.data.mul_``) reaches its master at once instead of waiting for ``refresh_masters`` (which
+    stays needed for the element-wise masters and after a storage swap). When FSDP2 re-allocates
+    a shard (``model.to``, ``reset_sharded_param``) the alias no longer is the model's storage:
+    it then acts as a separate master and the step copies its value over, as before."""
+    if piece.numel() and piece.dtype == master_dtype and piece.is_contiguous():
+        return nn.Parameter(piece.detach())  # shares the model's storage
+    return nn.Parameter(piece.to(master_dtype, copy=True))
+
+
 def _dtensor() -> type:
     """torch's DTensor class (imported on first use: this module is imported without a process group too)."""
     global _DTENSOR
@@ -208,7 +227,7 @@ class FSDPRuntime:
         if settings.exchange != "gradients":
             # the split step's piece masters (every matrix, empty pieces too: a piece stands for
             # its matrix's param group on the host); unused and dropped on the other path
-            initial = {n: nn.Parameter(t.to(master_dtype, copy=True)) for n, t in initial.items()}
+            initial = {n: _piece_master(t, master_dtype) for n, t in initial.items()}
         self.engine = FSDPEngine(tasks, comm=comm, optimizer_factory=matrix_factory, initial=initial, master_dtype=master_dtype,
                                  exchange=settings.exchange)
         self.update_hooks = self.engine.update_hooks  # one registry for the whole step
@@ -457,6 +476,16 @@ class FSDPRuntime:
             if opt is not None:
                 ew += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         return ew + self.engine.state_bytes()
+
+    def aliases_model(self, name: str, local: torch.Tensor) -> bool:
+        """Whether the split step's piece masters of parameter ``name`` are the model's storage
+        ``local`` (this rank's block of it, as :func:`local_block` reads it now): the masters
+        :func:`_piece_master` aliased, and FSDP2 has not re-allocated the shard since. A load then
+        writes those values once, through the master, never from a separate model entry."""
+        pieces = self.engine.pieces if self.engine.split else {}
+        tasks = [pieces[t] for t in self._tasks_of.get(name, ()) if t in pieces and pieces[t].numel()]
+        return bool(tasks) and local.numel() > 0 and all(
+            m.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() for m in tasks)
 
     def refresh_masters(self) -> None:
         """Re-read every master from the model's current values (collective: the hosts re-assemble)."""

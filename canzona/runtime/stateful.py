@@ -66,6 +66,7 @@ from canzona.runtime.checkpoint import (
     scalar_tensor,
     whole_box,
 )
+from canzona.runtime.exchange import same_elements
 from canzona.runtime.integrity import hash_text
 
 __all__ = [
@@ -189,7 +190,10 @@ def _entries(src: Checkpointable, probe: bool) -> Iterator[tuple[str, tuple[int,
                     raise CheckpointError(f"{h.name}: element-wise optimizer state {k!r} has {v.numel()} elements, its piece is not that size")
                 yield f"{h.name}.state.{k}", shape, h.region, v.detach().reshape(-1), True
     for mp in src.model_pieces():
-        yield f"{mp.name}.model", shapes[mp.name], (mp.box,), mp.local.detach(), False
+        # an aliased piece's values are its master's, loaded through the master entry: a copy
+        # here, so that DCP never writes the model entry's values into the master's storage
+        local = mp.local.detach().clone() if mp.aliased else mp.local.detach()
+        yield f"{mp.name}.model", shapes[mp.name], (mp.box,), local, False
 
 
 def sharded_state_dict(src: Checkpointable) -> dict[str, Any]:
@@ -307,7 +311,8 @@ class _Load:
             if h.optimizer is not None and h.param is not None:
                 self.states.append((h, self._state(h, shapes[h.name])))
         for mp in src.model_pieces():
-            self._box(f"{mp.name}.model", mp.box, mp.local.detach())
+            # checked like every entry; an aliased piece is written through its master only
+            self._box(f"{mp.name}.model", mp.box, mp.local.detach(), write=not mp.aliased)
 
     def _plain(self, key: str) -> torch.Tensor:
         v = self.sd.get(key)
@@ -315,7 +320,7 @@ class _Load:
             raise CheckpointError(f"state dict lacks {key!r}")
         return v
 
-    def _box(self, key: str, box: Box, dest: torch.Tensor) -> None:
+    def _box(self, key: str, box: Box, dest: torch.Tensor, write: bool = True) -> None:
         if dest.dim() and dest.numel() == 0:
             return  # an empty piece: nothing saved, nothing to load
         if key not in self.sd:
@@ -330,7 +335,8 @@ class _Load:
                 )
             if got.is_floating_point() and not bool(torch.isfinite(got).all()):
                 raise CheckpointError(f"{key}: holds NaN or inf")
-            self.copies.append((view, got, key))
+            if write:
+                self.copies.append((view, got, key))
 
     def _region(self, key: str, shape: tuple[int, ...], region: tuple[Box, ...], flat: torch.Tensor) -> None:
         pos = 0
@@ -384,20 +390,12 @@ class _Load:
     def commit(self) -> None:
         with torch.no_grad():
             for dest, srct, _ in self.copies:
-                if not _same_elements(dest, srct):
+                if not same_elements(dest, srct):
                     dest.copy_(srct)
             for h, st in self.states:
                 h.optimizer.state[h.param] = st  # type: ignore[union-attr,index]
         restore_hyperparams(self.src, self.hyper)
         self.src.finish_load(self.steps)
-
-
-def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same elements of one storage (DCP wrote ``a`` in place):
-    the same start, shape and strides, a stride of a one-element dim aside (it never moves)."""
-    if a.data_ptr() != b.data_ptr() or a.shape != b.shape:
-        return False
-    return all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def load_sharded_state_dict(src: Checkpointable, sd: Mapping[str, Any]) -> None:
